@@ -1,0 +1,223 @@
+"""Corpus loading: local text files -> one 1-D token stream.
+
+Nothing is cached on disk; the stream is rebuilt from the source files on each
+call (the whole Python standard library takes well under a second or two).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+from typing import Iterator
+
+import numpy as np
+
+from .tokenizer import get_tokenizer
+
+__all__ = [
+    "DOC_SEPARATOR",
+    "MIN_STREAM_TOKENS",
+    "stdlib_files",
+    "resolve_files",
+    "iter_documents",
+    "load_corpus",
+    "split_corpus",
+    "load_splits",
+]
+
+#: Text placed between two documents in the token stream.
+DOC_SEPARATOR = "\n\n"
+#: The shortest usable stream: one window of ``seq_len = 1`` needs 2 tokens.
+MIN_STREAM_TOKENS = 2
+
+_SKIP_DIRS = ("site-packages", "__pycache__")
+_JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def stdlib_files() -> list[str]:
+    """The ``.py`` files of the running Python's standard library.
+
+    Walks ``sysconfig.get_paths()["stdlib"]`` recursively, skipping any
+    ``site-packages`` and ``__pycache__`` directory, and returns the paths
+    sorted (plain string order) so that the stream is deterministic.
+
+    Raises:
+      FileNotFoundError: if the directory holds no ``.py`` file.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not files:
+        raise FileNotFoundError(f"corpus 'stdlib': no .py files found under {root!r}")
+    return sorted(files)
+
+
+def resolve_files(corpus: str) -> list[str]:
+    """Resolve a corpus spec to a sorted list of file paths.
+
+    Args:
+      corpus: ``"stdlib"``, or one glob pattern, or several comma-separated
+        glob patterns (each expanded with ``recursive=True`` after ``~``
+        expansion, so ``**`` matches nested directories).
+
+    Returns:
+      Sorted, de-duplicated regular-file paths (directories matched by a
+      pattern are ignored).
+
+    Raises:
+      FileNotFoundError: if no file matches; the message names the pattern.
+      ValueError: if ``corpus`` is empty.
+    """
+    if corpus == "stdlib":
+        return stdlib_files()
+    patterns = [p.strip() for p in str(corpus).split(",") if p.strip()]
+    if not patterns:
+        raise ValueError(f"data corpus must be 'stdlib' or a glob pattern, got {corpus!r}")
+    files = set()
+    for pattern in patterns:
+        for path in glob.glob(os.path.expanduser(pattern), recursive=True):
+            if os.path.isfile(path):
+                files.add(path)
+    if not files:
+        raise FileNotFoundError(
+            f"corpus pattern {corpus!r} matched no files "
+            f"(globs tried, recursive=True: {patterns}; cwd={os.getcwd()!r})"
+        )
+    return sorted(files)
+
+
+def _read_text(path: str) -> str:
+    with open(path, "rb") as fh:
+        return fh.read().decode("utf-8", errors="replace")
+
+
+def iter_documents(files: list[str], text_key: str = "text") -> Iterator[str]:
+    """Yield the documents of ``files`` in order.
+
+    A plain text file is one document (read as UTF-8, invalid bytes replaced
+    by U+FFFD). A ``.jsonl``/``.json`` file is JSON-lines: every non-blank
+    line is a JSON object whose ``text_key`` field is one document.
+
+    Raises:
+      ValueError: for a JSON line that does not parse, is not an object, or
+        lacks a string ``text_key`` field (file and line number are named).
+    """
+    for path in files:
+        if not path.lower().endswith(_JSON_SUFFIXES):
+            yield _read_text(path)
+            continue
+        for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON line ({e.msg})") from None
+            if not isinstance(record, dict) or text_key not in record:
+                raise ValueError(f"{path}:{lineno}: JSON line has no field {text_key!r} (text_key)")
+            text = record[text_key]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{path}:{lineno}: field {text_key!r} is {type(text).__name__}, expected str"
+                )
+            yield text
+
+
+def load_corpus(data_cfg) -> np.ndarray:
+    """Build the full token stream described by ``data_cfg``.
+
+    Reads ``data_cfg.corpus`` (see :func:`resolve_files`), tokenizes every
+    document with ``get_tokenizer(data_cfg.tokenizer)`` and joins the documents
+    with :data:`DOC_SEPARATOR` (``"\\n\\n"``) in file order. When
+    ``data_cfg.max_corpus_bytes > 0`` the stream is cut to that many tokens
+    (reading stops as soon as enough is read). Missing attributes fall back to
+    the dataclass defaults (``corpus="stdlib"``, ``text_key="text"``,
+    ``tokenizer="byte"``, ``max_corpus_bytes=0``).
+
+    Returns:
+      1-D ``np.ndarray`` of dtype ``uint8`` (byte tokenizer), shape ``[N]``.
+
+    Raises:
+      FileNotFoundError: no file matches the pattern (the pattern is named).
+      ValueError: unknown tokenizer, negative ``max_corpus_bytes``, a bad JSON
+        line, or a stream shorter than :data:`MIN_STREAM_TOKENS` tokens.
+    """
+    corpus = getattr(data_cfg, "corpus", "stdlib")
+    text_key = getattr(data_cfg, "text_key", "text")
+    tokenizer = get_tokenizer(getattr(data_cfg, "tokenizer", "byte"))
+    limit = int(getattr(data_cfg, "max_corpus_bytes", 0) or 0)
+    if limit < 0:
+        raise ValueError(f"max_corpus_bytes must be >= 0 (0 = no limit), got {limit}")
+
+    files = resolve_files(corpus)
+    sep = tokenizer.encode(DOC_SEPARATOR)
+    parts: list[np.ndarray] = []
+    total = 0
+    for i, doc in enumerate(iter_documents(files, text_key)):
+        if i:
+            parts.append(sep)
+            total += len(sep)
+        ids = tokenizer.encode(doc)
+        parts.append(ids)
+        total += len(ids)
+        if limit and total >= limit:
+            break
+    stream = np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
+    if limit:
+        stream = stream[:limit]
+    if len(stream) < MIN_STREAM_TOKENS:
+        raise ValueError(
+            f"corpus {corpus!r} gives only {len(stream)} tokens; "
+            f"at least {MIN_STREAM_TOKENS} are needed"
+        )
+    return stream
+
+
+def split_corpus(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Split the stream into train and validation parts.
+
+    The validation split is the LAST ``int(len(tokens) * val_fraction)``
+    tokens; training gets everything before it. Both are views of ``tokens``
+    (no copy). ``val_fraction == 0`` gives an empty validation split.
+
+    Args:
+      tokens: 1-D token array of length ``N``.
+      val_fraction: fraction in ``[0, 1)``.
+
+    Returns:
+      ``(train, val)`` with ``len(train) + len(val) == N``, same dtype as
+      ``tokens``.
+
+    Raises:
+      ValueError: ``tokens`` not 1-D, ``val_fraction`` outside ``[0, 1)``, or
+        a split shorter than :data:`MIN_STREAM_TOKENS` (the validation split
+        is only checked when ``val_fraction > 0``).
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    val_fraction = float(val_fraction)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n = len(tokens)
+    n_val = int(n * val_fraction)
+    train, val = tokens[: n - n_val], tokens[n - n_val:]
+    if len(train) < MIN_STREAM_TOKENS or (val_fraction > 0 and len(val) < MIN_STREAM_TOKENS):
+        raise ValueError(
+            f"stream of {n} tokens is too short for val_fraction={val_fraction}: "
+            f"train has {len(train)} and val {len(val)} tokens, each needs >= "
+            f"{MIN_STREAM_TOKENS} (raise max_corpus_bytes or use more files)"
+        )
+    return train, val
+
+
+def load_splits(data_cfg) -> tuple[np.ndarray, np.ndarray]:
+    """``split_corpus(load_corpus(data_cfg), data_cfg.val_fraction)``.
+
+    ``val_fraction`` defaults to 0.05 when the attribute is missing. Raises
+    what :func:`load_corpus` and :func:`split_corpus` raise.
+    """
+    return split_corpus(load_corpus(data_cfg), getattr(data_cfg, "val_fraction", 0.05))
