@@ -1,0 +1,481 @@
+"""Process launch in the style of Colossal-AI, ending in ``jax.distributed.initialize``.
+
+Colossal-AI (``colossalai/initialize.py``) starts a job with ``launch`` or one of
+``launch_from_torch`` / ``launch_from_slurm`` / ``launch_from_openmpi``, each of
+which reads the launcher's environment variables, creates the torch process group
+and seeds every RNG.  Here the process group is JAX's distributed runtime: every
+launcher resolves ``(rank, world_size, host, port, local_rank)`` and hands them to
+:func:`launch`, which calls :func:`jax.distributed.initialize`.
+
+Two JAX rules shape the API:
+
+* ``jax.distributed.initialize`` must run before JAX's backend starts, i.e. before
+  the first array is created or ``jax.devices()`` is called.  Call a launcher
+  first thing in the program.
+* ``XLA_FLAGS`` is read when the backend starts, so :func:`simulate_devices` must
+  also run before that.
+
+As Colossal-AI does at import time, importing this module sets
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless it is already set.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax._src import xla_bridge as _xla_bridge
+
+from jaxcolossal.dist_logger import get_dist_logger
+
+# Colossal-AI sets this at import so that communication kernels are issued in order
+# with compute on a single hardware queue; keep a user's own value.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+__all__ = [
+    "simulate_devices",
+    "set_seed",
+    "launch",
+    "launch_from_env",
+    "launch_from_torch",
+    "launch_from_slurm",
+    "launch_from_openmpi",
+]
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+# Names read by each launcher.  A tuple entry lists alternatives, first preferred.
+_TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SLURM_VARS = ("SLURM_PROCID", ("SLURM_NPROCS", "SLURM_NTASKS"), "SLURM_LOCALID")
+_OPENMPI_VARS = (
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+)
+
+
+# --------------------------------------------------------------------------- helpers
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """Return ``value`` as int; TypeError if not an int, ValueError if outside [low, high]."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        upper = "" if high is None else f" and <= {high}"
+        raise ValueError(f"{name} must be >= {low}{upper}, got {value}")
+    return value
+
+
+def _backend_started() -> bool:
+    """Whether JAX's backend has started (XLA_FLAGS and distributed init are then too late)."""
+    return _xla_bridge.backends_are_initialized()
+
+
+def _cpu_may_be_used(platforms: str | None | object = ...) -> bool:
+    """Whether the CPU platform may be among JAX's platforms, decided without starting a backend.
+
+    ``platforms`` defaults to ``jax.config.jax_platforms`` (initialised from
+    ``JAX_PLATFORMS``). True when it is unset/empty or lists ``cpu``; False when it
+    names only accelerators (e.g. ``cuda`` or ``tpu``).
+    """
+    if platforms is ...:
+        platforms = jax.config.jax_platforms
+    if not platforms:
+        return True
+    return "cpu" in [p.strip().lower() for p in platforms.split(",")]
+
+
+def _with_device_count_flag(xla_flags: str, n: int) -> str:
+    """Return ``xla_flags`` with any host-device-count flag replaced by ``=n`` (pure)."""
+    kept = [
+        tok for tok in xla_flags.split()
+        if not re.fullmatch(re.escape(_DEVICE_COUNT_FLAG) + r"(=.*)?", tok)
+    ]
+    return " ".join(kept + [f"{_DEVICE_COUNT_FLAG}={n}"])
+
+
+def _format_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal in brackets (``[::1]:29500``)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _read_env(
+    names: Sequence[str | tuple[str, ...]],
+    env: Mapping[str, str],
+    *,
+    optional: Sequence[str] = (),
+    strings: Sequence[str] = (),
+    source: str = "the launcher",
+) -> dict[str, int | str | None]:
+    """Read launcher variables from ``env`` (pure: it only looks at ``env``).
+
+    Args:
+      names: variable names; a tuple lists alternatives, the first present one wins and
+        the result is keyed by the first name of the tuple.
+      env: the environment mapping, e.g. ``os.environ``. An empty value counts as unset.
+      optional: names that may be missing; they map to ``None``.
+      strings: names kept as strings; all others are parsed as integers.
+      source: launcher name used in error messages.
+
+    Returns:
+      ``{name: value}`` for every entry of ``names``.
+
+    Raises:
+      RuntimeError: one or more required variables are unset; the message names all of them.
+      ValueError: a variable that must be an integer is not; the message names it.
+    """
+    out: dict[str, int | str | None] = {}
+    missing: list[str] = []
+    for entry in names:
+        alternatives = (entry,) if isinstance(entry, str) else tuple(entry)
+        key = alternatives[0]
+        found = next((a for a in alternatives if env.get(a, "").strip() != ""), None)
+        if found is None:
+            if key in optional:
+                out[key] = None
+            else:
+                missing.append(" or ".join(alternatives))
+            continue
+        raw = env[found].strip()
+        if key in strings:
+            out[key] = raw
+        else:
+            try:
+                out[key] = int(raw)
+            except ValueError:
+                raise ValueError(
+                    f"environment variable {found} must be an integer, got {raw!r}"
+                ) from None
+    if missing:
+        raise RuntimeError(
+            f"Could not find environment variable(s) {', '.join(missing)} set by {source}; "
+            "they are needed to launch."
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- public
+def simulate_devices(n: int) -> None:
+    """Make the host (CPU) platform expose ``n`` devices, for CPU runs and notebooks.
+
+    Sets ``--xla_force_host_platform_device_count=n`` in ``XLA_FLAGS``, replacing an
+    existing value of that flag and keeping the other flags. XLA reads the flag when
+    JAX's backend starts, so call this before any JAX computation.
+
+    Accelerator rule (decided without starting the backend): the call is a no-op when
+    ``jax_platforms`` / ``JAX_PLATFORMS`` is set and does not list ``cpu`` (e.g.
+    ``JAX_PLATFORMS=cuda``). When it is unset the flag is set; it changes only the CPU
+    platform, so on a GPU/TPU host the accelerator devices JAX uses are unaffected.
+    If the backend already started and its default platform is not CPU, it is a no-op.
+
+    There is no Colossal-AI counterpart (torch needs no device simulation); it plays
+    the role of starting ``n`` processes with ``torchrun --nproc_per_node=n`` on CPU.
+
+    Args:
+      n: number of host devices, >= 1.
+
+    Raises:
+      TypeError: ``n`` is not an int.
+      ValueError: ``n`` < 1.
+      RuntimeError: JAX's backend is already started with a different number of CPU
+        devices (the flag can no longer take effect: restart the process or the
+        notebook kernel), or ``jax_num_cpu_devices`` is set to a different count
+        (that option overrides the flag).
+    """
+    n = _check_int("n", n, 1)
+    if not _cpu_may_be_used():
+        return
+    if _backend_started():
+        if jax.default_backend() != "cpu":
+            return
+        have = len(jax.local_devices(backend="cpu"))
+        if have != n:
+            raise RuntimeError(
+                f"simulate_devices({n}): JAX's backend is already initialised with {have} "
+                f"CPU device(s); XLA_FLAGS is only read when the backend starts. Call "
+                f"simulate_devices before any JAX computation (restart the process or "
+                f"notebook kernel)."
+            )
+        return
+    num_cpu = jax.config.jax_num_cpu_devices
+    if num_cpu is not None and num_cpu >= 0 and num_cpu != n:
+        raise RuntimeError(
+            f"simulate_devices({n}): jax_num_cpu_devices is set to {num_cpu}, which "
+            f"overrides {_DEVICE_COUNT_FLAG}; unset it or set it to {n}."
+        )
+    os.environ["XLA_FLAGS"] = _with_device_count_flag(os.environ.get("XLA_FLAGS", ""), n)
+
+
+def set_seed(seed: int) -> jax.Array:
+    """Seed Python's ``random`` and NumPy's global RNG, and return ``jax.random.key(seed)``.
+
+    Mirrors ``colossalai.utils.set_seed`` (which seeds ``random``, NumPy and torch).
+    JAX has no global RNG state, so the JAX key is returned for the caller to thread
+    through. Creating the key starts JAX's backend: in a multi-process run call it
+    after :func:`launch` (the launchers do so).
+
+    Args:
+      seed: integer seed in ``[0, 2**32 - 1]`` (NumPy's range).
+
+    Returns:
+      A new-style typed PRNG key (``jax.random.key``); equal on every process.
+
+    Raises:
+      TypeError: ``seed`` is not an int.
+      ValueError: ``seed`` is outside ``[0, 2**32 - 1]``.
+    """
+    seed = _check_int("seed", seed, 0, 2**32 - 1)
+    random.seed(seed)
+    np.random.seed(seed)
+    return jax.random.key(seed)
+
+
+def launch(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    local_rank: int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    *,
+    local_device_ids: int | Sequence[int] | str | None = None,
+    initialization_timeout: int = 300,
+    cpu_collectives: str | None = "gloo",
+) -> jax.Array:
+    """Join the distributed JAX job and seed the RNGs; mirrors ``colossalai.launch``.
+
+    Order of operations: validate the arguments; if the CPU platform may be used (see
+    :func:`simulate_devices` for the rule) set ``jax_cpu_collectives_implementation``
+    to ``cpu_collectives``; call ``jax.distributed.initialize(coordinator_address=
+    "host:port", num_processes=world_size, process_id=rank, local_device_ids=...,
+    initialization_timeout=...)``; seed with :func:`set_seed`; log on process 0.
+
+    ``world_size == 1`` skips ``jax.distributed.initialize``: a single process needs
+    no coordinator, and not starting one keeps single-process runs (tests, notebooks)
+    free of ports and timeouts.
+
+    Args:
+      rank: global process index, ``0 <= rank < world_size`` (Colossal-AI's rank is
+        per GPU; here it is per JAX process, which may own several devices).
+      world_size: number of processes, >= 1.
+      host: address of process 0 (hostname, IPv4 or IPv6 literal; IPv6 is put in
+        brackets, e.g. ``[::1]:29500``).
+      port: TCP port of the coordinator on ``host``, 1..65535.
+      local_rank: index of this process on its node, or None.
+      seed: RNG seed, see :func:`set_seed`.
+      verbose: log the initialised world on process 0.
+      local_device_ids: devices this process owns. None: ``[local_rank]`` when
+        ``local_rank`` is given (one device per process, as with torchrun, Slurm and
+        Open MPI and as JAX's own Slurm/Open MPI detection does), else all local
+        devices. ``"all"``: every local device even though ``local_rank`` is given
+        (one process per host). An int or a sequence of ints is passed as is. Only
+        GPU platforms honour it; on CPU every process sees all its host devices.
+      initialization_timeout: seconds to wait for all processes to connect.
+      cpu_collectives: ``"gloo"``, ``"mpi"`` or ``"megascale"`` for cross-process
+        collectives on CPU; None leaves JAX's setting unchanged.
+
+    Returns:
+      ``jax.random.key(seed)``.
+
+    Raises:
+      TypeError: an integer argument is not an int, or ``host`` is not a string.
+      ValueError: ``world_size`` < 1, ``rank`` outside ``[0, world_size)``, ``port``
+        outside 1..65535, ``local_rank`` < 0, empty ``host``, negative
+        ``initialization_timeout``, an unknown ``cpu_collectives`` or a bad
+        ``local_device_ids`` string.
+      RuntimeError: JAX's backend already started (``jax.distributed.initialize``
+        must come first) or the distributed runtime is already initialised; errors
+        from ``jax.distributed.initialize`` itself (e.g. timeout) propagate.
+    """
+    world_size = _check_int("world_size", world_size, 1)
+    rank = _check_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+    if not isinstance(host, str):
+        raise TypeError(f"host must be a str, got {type(host).__name__}")
+    host = host.strip()
+    if not host:
+        raise ValueError("host must be a non-empty address")
+    port = _check_int("port", port, 1, 65535)
+    if local_rank is not None:
+        local_rank = _check_int("local_rank", local_rank, 0)
+    initialization_timeout = _check_int("initialization_timeout", initialization_timeout, 0)
+    if cpu_collectives is not None and not isinstance(cpu_collectives, str):
+        raise TypeError(f"cpu_collectives must be a str or None, got {cpu_collectives!r}")
+
+    if isinstance(local_device_ids, str):
+        if local_device_ids != "all":
+            raise ValueError(f"local_device_ids string must be 'all', got {local_device_ids!r}")
+        device_ids = None
+    elif local_device_ids is None:
+        device_ids = None if local_rank is None else [local_rank]
+    elif _is_int(local_device_ids):
+        device_ids = [_check_int("local_device_ids", local_device_ids, 0)]
+    else:
+        device_ids = [_check_int("local_device_ids[i]", d, 0) for d in local_device_ids]
+
+    coordinator = _format_address(host, port)
+
+    if world_size > 1:
+        if _backend_started():
+            raise RuntimeError(
+                "launch() must run before any JAX computation: the backend has already "
+                "started, so jax.distributed.initialize can no longer take effect."
+            )
+        if _cpu_may_be_used() and cpu_collectives is not None:
+            jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=world_size,
+            process_id=rank,
+            local_device_ids=device_ids,
+            initialization_timeout=initialization_timeout,
+        )
+
+    key = set_seed(seed)
+
+    if verbose:
+        get_dist_logger().info(
+            f"Distributed environment is initialized, world size: {jax.process_count()} "
+            f"process(es), {jax.device_count()} device(s); coordinator {coordinator}; "
+            f"seed {seed}",
+            ranks=[0],
+        )
+    return key
+
+
+def _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives):
+    return dict(
+        verbose=verbose,
+        local_device_ids=local_device_ids,
+        initialization_timeout=initialization_timeout,
+        cpu_collectives=cpu_collectives,
+    )
+
+
+def launch_from_env(
+    seed: int = 1024,
+    verbose: bool = True,
+    *,
+    local_device_ids: int | Sequence[int] | str | None = None,
+    initialization_timeout: int = 300,
+    cpu_collectives: str | None = "gloo",
+) -> jax.Array:
+    """Launch from the torchrun-style environment; mirrors ``colossalai.launch_from_torch``.
+
+    Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    (set by ``torchrun`` or by hand) and calls :func:`launch`. If NONE of them is set
+    it is a single-process run: nothing is initialised, the RNGs are just seeded. An
+    empty value counts as unset.
+
+    Args:
+      seed, verbose, local_device_ids, initialization_timeout, cpu_collectives: as in
+        :func:`launch` (``LOCAL_RANK`` becomes ``local_rank``).
+
+    Returns:
+      ``jax.random.key(seed)``.
+
+    Raises:
+      RuntimeError: some but not all five variables are set; the message names every
+        missing one.
+      ValueError: a variable that must be an integer is not (the message names it), or
+        any ValueError of :func:`launch` (e.g. bad port).
+    """
+    kwargs = _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives)
+    if all(os.environ.get(n, "").strip() == "" for n in _TORCH_VARS):
+        return set_seed(seed)
+    v = _read_env(_TORCH_VARS, os.environ, strings=("MASTER_ADDR",), source="torchrun")
+    return launch(
+        rank=v["RANK"], world_size=v["WORLD_SIZE"], host=v["MASTER_ADDR"],
+        port=v["MASTER_PORT"], local_rank=v["LOCAL_RANK"], seed=seed, **kwargs,
+    )
+
+
+launch_from_torch = launch_from_env
+
+
+def launch_from_slurm(
+    host: str,
+    port: int,
+    seed: int = 1024,
+    verbose: bool = True,
+    *,
+    local_device_ids: int | Sequence[int] | str | None = None,
+    initialization_timeout: int = 300,
+    cpu_collectives: str | None = "gloo",
+) -> jax.Array:
+    """Launch inside ``srun``; mirrors ``colossalai.launch_from_slurm``.
+
+    Reads ``SLURM_PROCID`` (rank), ``SLURM_NPROCS`` or, failing that,
+    ``SLURM_NTASKS`` (world size) and the optional ``SLURM_LOCALID`` (local rank),
+    then calls :func:`launch` with ``host``/``port`` as the coordinator.
+
+    Args:
+      host: address of the node running rank 0 (e.g. the first of
+        ``scontrol show hostnames $SLURM_JOB_NODELIST``).
+      port: free TCP port on that node, 1..65535.
+      seed, verbose, local_device_ids, initialization_timeout, cpu_collectives: as in
+        :func:`launch`.
+
+    Returns:
+      ``jax.random.key(seed)``.
+
+    Raises:
+      RuntimeError: a required variable is unset; the message names every missing one.
+      ValueError: a variable is not an integer (named), or any ValueError of
+        :func:`launch`.
+    """
+    v = _read_env(_SLURM_VARS, os.environ, optional=("SLURM_LOCALID",), source="Slurm")
+    return launch(
+        rank=v["SLURM_PROCID"], world_size=v["SLURM_NPROCS"], host=host, port=port,
+        local_rank=v["SLURM_LOCALID"], seed=seed,
+        **_launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives),
+    )
+
+
+def launch_from_openmpi(
+    host: str,
+    port: int,
+    seed: int = 1024,
+    verbose: bool = True,
+    *,
+    local_device_ids: int | Sequence[int] | str | None = None,
+    initialization_timeout: int = 300,
+    cpu_collectives: str | None = "gloo",
+) -> jax.Array:
+    """Launch inside ``mpirun`` (Open MPI); mirrors ``colossalai.launch_from_openmpi``.
+
+    Reads ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_LOCAL_RANK`` and
+    ``OMPI_COMM_WORLD_SIZE``, then calls :func:`launch` with ``host``/``port`` as
+    the coordinator.
+
+    Args:
+      host: address of the node running rank 0.
+      port: free TCP port on that node, 1..65535.
+      seed, verbose, local_device_ids, initialization_timeout, cpu_collectives: as in
+        :func:`launch`.
+
+    Returns:
+      ``jax.random.key(seed)``.
+
+    Raises:
+      RuntimeError: a variable is unset; the message names every missing one.
+      ValueError: a variable is not an integer (named), or any ValueError of
+        :func:`launch`.
+    """
+    v = _read_env(_OPENMPI_VARS, os.environ, source="Open MPI")
+    return launch(
+        rank=v["OMPI_COMM_WORLD_RANK"], world_size=v["OMPI_COMM_WORLD_SIZE"], host=host,
+        port=port, local_rank=v["OMPI_COMM_WORLD_LOCAL_RANK"], seed=seed,
+        **_launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives),
+    )
