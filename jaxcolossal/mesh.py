@@ -1,0 +1,55 @@
+"""Build the device mesh from the parallel config.
+
+One ``jax.sharding.Mesh`` with named axes ``(pp, dp, fsdp, tp)`` (torchtitan's ParallelDims,
+MaxText's mesh axes). ``tp`` is innermost so that tensor-parallel peers are neighbouring devices
+(the fastest links); ``pp`` is outermost. All axes are ``AxisType.Auto``: the train step uses
+sharding constraints and lets XLA's SPMD partitioner place the collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxcolossal.config import ConfigError, ParallelConfig
+from jaxcolossal.sharding import MESH_AXES
+
+
+def mesh_shape(parallel: ParallelConfig) -> dict[str, int]:
+    """``{pp, dp, fsdp, tp: size}`` for a *resolved* parallel config (no ``-1``).
+
+    The data-parallel group ``data_parallel_size`` becomes ``fsdp`` when ``zero_stage > 0``
+    (ZeRO shards over it) and ``dp`` otherwise (plain replication, DDP).
+    """
+    d = parallel.data_parallel_size
+    if d < 1:
+        raise ConfigError("mesh_shape needs a resolved ParallelConfig; call parallel.resolve(num_devices) first")
+    zero = parallel.zero_stage > 0
+    return {
+        "pp": parallel.pipeline_parallel_size,
+        "dp": 1 if zero else d,
+        "fsdp": d if zero else 1,
+        "tp": parallel.tensor_parallel_size,
+    }
+
+
+def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Create the ``Mesh`` for ``parallel`` over ``devices`` (default: all devices).
+
+    ``-1`` sizes are resolved against the number of devices first.
+
+    Raises:
+        ConfigError: the sizes do not multiply to the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    resolved = parallel.resolve(len(devices))
+    shape = mesh_shape(resolved)
+    sizes = tuple(shape[a] for a in MESH_AXES)
+    # Process-major order keeps each host's devices contiguous, so the inner axes (tp, then the
+    # data group) stay within a host and only the outer ones cross hosts.
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -1,0 +1,255 @@
+"""LLaMA (Touvron et al., 2023): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Two layers of API:
+
+* pure functions over a params dict — :func:`forward`, :func:`loss_sum` — used by the train
+  step, and
+* :class:`LlamaForCausalLM`, a Flax NNX module that owns those params as ``nnx.Param`` with
+  logical-axis metadata (``axes=``) and calls the same functions. ``nnx.state(model,
+  nnx.Param)`` gives the params; :func:`param_axes` their logical axes.
+
+The decoder layers are stacked on a leading ``layers`` dimension and run by ``lax.scan`` so that
+compile time does not grow with depth. Shapes (b batch, t sequence, d hidden, h heads, k kv
+heads, q head dim, f intermediate, v padded vocab, L layers)::
+
+    embed_tokens  [v, d]        (vocab, embed)
+    layers.attn_norm [L, d]     (layers, embed)
+    layers.wq     [L, d, h, q]  (layers, embed, heads, head_dim)     column-parallel
+    layers.wk/wv  [L, d, k, q]  (layers, embed, kv_heads, head_dim)  column-parallel
+    layers.wo     [L, h, q, d]  (layers, heads, head_dim, embed)     row-parallel
+    layers.mlp_norm [L, d]      (layers, embed)
+    layers.w_gate/w_up [L, d, f] (layers, embed, mlp)                column-parallel
+    layers.w_down [L, f, d]     (layers, mlp, embed)                 row-parallel
+    final_norm    [d]           (embed,)
+    lm_head       [d, v]        (embed, vocab)  absent when tie_word_embeddings
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxcolossal.config import ModelConfig
+
+Sharder = Callable[[jax.Array, tuple], jax.Array]
+
+
+def _no_shard(x, axes):
+    return x
+
+
+def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
+    """Vocabulary padded up to a multiple of ``vocab_pad_multiple * tp`` (Colossal-AI pads to
+    64·tp). Padded rows are never predicted: their logits are masked to -inf."""
+    mult = cfg.vocab_pad_multiple * tp
+    return int(math.ceil(cfg.vocab_size / mult) * mult)
+
+
+def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
+    """``{name: (shape, logical_axes)}`` for every parameter (the table in the module doc)."""
+    L, d, h, k, q, f = (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads,
+                        cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+    layers = {
+        "attn_norm": ((L, d), ("layers", "embed")),
+        "wq": ((L, d, h, q), ("layers", "embed", "heads", "head_dim")),
+        "wk": ((L, d, k, q), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ((L, d, k, q), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ((L, h, q, d), ("layers", "heads", "head_dim", "embed")),
+        "mlp_norm": ((L, d), ("layers", "embed")),
+        "w_gate": ((L, d, f), ("layers", "embed", "mlp")),
+        "w_up": ((L, d, f), ("layers", "embed", "mlp")),
+        "w_down": ((L, f, d), ("layers", "mlp", "embed")),
+    }
+    out = {"embed_tokens": ((vocab, d), ("vocab", "embed")), "layers": layers,
+           "final_norm": ((d,), ("embed",))}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ((d, vocab), ("embed", "vocab"))
+    return out
+
+
+def _init_leaf(key, name: str, shape, cfg: ModelConfig) -> jax.Array:
+    if name.endswith("norm"):
+        return jnp.ones(shape, jnp.float32)
+    std = cfg.initializer_range
+    if name in ("wo", "w_down"):  # GPT-2 / Megatron scaled init of the residual projections
+        std = std / math.sqrt(2 * cfg.num_layers)
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """LLaMA decoder with a causal-LM head, as a Flax NNX module.
+
+    Args:
+        cfg: the model section of the config.
+        rngs: ``nnx.Rngs`` for initialisation (normal(0, initializer_range); residual output
+            projections scaled by 1/sqrt(2L); norms at one).
+        tp: tensor-parallel size, only to pad the vocabulary (:func:`padded_vocab_size`).
+
+    Params are fp32 ``nnx.Param`` with logical ``axes`` metadata. ``__call__(tokens)`` maps
+    int32 ``[b, t]`` tokens to fp32 logits ``[b, t, vocab_size]`` (padding removed).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, tp: int = 1):
+        self.cfg = cfg
+        self.vocab = padded_vocab_size(cfg, tp)
+        table = param_shapes_and_axes(cfg, self.vocab)
+        key = rngs.params()
+        keys = iter(jax.random.split(key, 16))
+
+        def make(name, shape, axes):
+            return nnx.Param(_init_leaf(next(keys), name, shape, cfg), axes=axes)
+
+        self.embed_tokens = make("embed_tokens", *table["embed_tokens"])
+        self.layers = nnx.Dict({n: make(n, *sa) for n, sa in table["layers"].items()})
+        self.final_norm = make("final_norm", *table["final_norm"])
+        if "lm_head" in table:
+            self.lm_head = make("lm_head", *table["lm_head"])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        params = nnx.state(self, nnx.Param).to_pure_dict()
+        return forward(params, tokens, self.cfg)[..., : self.cfg.vocab_size]
+
+
+def param_axes(model: nnx.Module) -> dict:
+    """Pure dict of logical-axis tuples, one per parameter of ``model``."""
+    state = nnx.state(model, nnx.Param)
+    return jax.tree.map(lambda v: tuple(v.get_metadata()["axes"]), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+
+
+def count_params(params: Any) -> int:
+    """Number of parameter elements (padded vocabulary rows included)."""
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------- the computation
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich, 2019), computed in fp32, returned in ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[t, q]`` in Hugging Face's rotate-half layout (RoFormer, Su et al., 2021)."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [b, t, heads, q]`` by position."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    xf = x.astype(jnp.float32)
+    return (xf * cos[None, :, None, :] + rot.astype(jnp.float32) * sin[None, :, None, :]).astype(x.dtype)
+
+
+def attention(q, k, v, impl: str = "xla") -> jax.Array:
+    """Causal grouped-query attention. q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` -> ``[b, t, h, q]``.
+
+    ``impl="cudnn"`` uses ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16);
+    ``"xla"`` is an explicit einsum with an fp32 softmax that works everywhere.
+    """
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard) -> jax.Array:
+    """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype."""
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, lp["attn_norm"], eps)
+    q = shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]), ("batch", "seq", "heads", "head_dim"))
+    k = shard(jnp.einsum("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim"))
+    v = shard(jnp.einsum("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim"))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    a = shard(attention(q, k, v, cfg.attention_impl), ("batch", "seq", "heads", "head_dim"))
+    x = shard(x + jnp.einsum("bthq,hqd->btd", a, lp["wo"]), ("batch", "seq", "embed"))
+    h = rms_norm(x, lp["mlp_norm"], eps)
+    g = shard(jnp.einsum("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp"))
+    u = shard(jnp.einsum("btd,df->btf", h, lp["w_up"]), ("batch", "seq", "mlp"))
+    y = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"])
+    return shard(x + y, ("batch", "seq", "embed"))
+
+
+def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+                  vocab_parallel: bool = False) -> jax.Array:
+    """Final-norm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``."""
+    table = params["embed_tokens"]
+    if vocab_parallel:
+        # Megatron's VocabParallelEmbedding: each tp rank looks up its vocabulary slice and the
+        # partial sums are all-reduced; written as a one-hot contraction over the sharded dim.
+        onehot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
+        x = jnp.einsum("btv,vd->btd", shard(onehot, ("batch", "seq", "vocab")), table)
+    else:
+        x = jnp.take(table, tokens, axis=0)
+    x = shard(x, ("batch", "seq", "embed"))
+    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+
+    def body(carry, lp):
+        return decoder_layer(carry, lp, cfg, cos, sin, shard), None
+
+    if cfg.remat in _REMAT:
+        body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
+    """fp32 logits ``[b, t, v]`` (padded vocab, sharded on ``vocab``); padded columns are -inf."""
+    w = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+    logits = shard(logits, ("batch", "seq", "vocab"))
+    vocab = logits.shape[-1]
+    if vocab != cfg.vocab_size:
+        col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        logits = jnp.where(col < cfg.vocab_size, logits, -1e30)
+    return logits
+
+
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+            vocab_parallel: bool = False) -> jax.Array:
+    """Logits ``[b, t, v_padded]`` (fp32) for int ``tokens [b, t]``."""
+    return logits_from_hidden(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), cfg, shard)
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, shard: Sharder = _no_shard) -> jax.Array:
+    """Sum over tokens of -log softmax(logits)[target], in fp32, never gathering the vocab.
+
+    With logits sharded on ``vocab`` over tp this is Megatron's vocab-parallel cross-entropy:
+    the max and sum-exp are local reductions followed by all-reduces over tp, and the target
+    logit is a masked local sum followed by an all-reduce — the full ``[b, t, v]`` logits are
+    never gathered on one device.
+    """
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    picked = jnp.sum(jnp.where(col == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.sum(lse - picked)
+
+
+def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
+             shard: Sharder = _no_shard, vocab_parallel: bool = False) -> jax.Array:
+    """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``."""
+    return cross_entropy_sum(forward(params, tokens, cfg, shard, vocab_parallel), targets, shard)

@@ -1,0 +1,224 @@
+"""The one place that decides sharding.
+
+Model code names *logical* axes (``batch``, ``seq``, ``embed``, ``mlp``, ``heads``,
+``kv_heads``, ``head_dim``, ``vocab``, ``layers``, ``stage``); :data:`RULES` maps them to mesh
+axes (MaxText's ``logical_axis_rules``). ZeRO is a second, tiny rule on top: the ZeRO stage
+decides which parts of the train state get the ``embed`` dimension sharded over ``fsdp``
+(Rajbhandari et al., 2020; DESIGN.md §3):
+
+=====  =========================  ======================  ====================
+stage  parameters (compute copy)  gradients               optimizer state (+ fp32 master)
+=====  =========================  ======================  ====================
+0      tp only                    tp only (all-reduce)    tp only
+1      tp only                    tp only (all-reduce)    + fsdp
+2      tp only                    + fsdp (reduce-scatter) + fsdp
+3      + fsdp (all-gathered)      + fsdp                  + fsdp
+=====  =========================  ======================  ====================
+
+Switching ZeRO stage or turning on tensor parallelism changes these tables, never model code.
+Tensor parallelism follows Megatron-LM (Shoeybi et al., 2019): q/k/v and gate/up are
+column-parallel (output dim on ``tp``), o and down are row-parallel (input dim on ``tp``), and the
+embedding and LM head are vocab-parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxcolossal.config import ConfigError
+
+MESH_AXES = ("pp", "dp", "fsdp", "tp")
+"""Mesh axis names, outermost first (``tp`` innermost so it maps to the fastest links)."""
+
+DATA_AXES = ("dp", "fsdp")
+"""The data-parallel group: the batch is split over both; ZeRO shards over ``fsdp``."""
+
+ZERO_AXIS = "fsdp"
+ZERO_LOGICAL_AXIS = "embed"
+
+RULES: dict[str, Any] = {
+    "batch": DATA_AXES,
+    "seq": None,
+    "embed": None,
+    "head_dim": None,
+    "heads": "tp",
+    "kv_heads": "tp",
+    "mlp": "tp",
+    "vocab": "tp",
+    "layers": None,
+    "stage": "pp",
+}
+"""Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)."""
+
+LogicalAxes = tuple  # tuple[str | None, ...], one name per array dimension
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] = RULES) -> P:
+    """Map logical axis names to a ``PartitionSpec``.
+
+    Raises:
+        KeyError: an axis name that the rules table does not know.
+    """
+    out = []
+    for a in axes:
+        if a is None:
+            out.append(None)
+        elif a not in rules:
+            raise KeyError(f"logical axis {a!r} is not in the rules table {sorted(rules)}")
+        else:
+            out.append(rules[a])
+    return P(*out)
+
+
+def _axis_size(mesh_shape: Mapping[str, int], entry) -> int:
+    if entry is None:
+        return 1
+    if isinstance(entry, str):
+        return mesh_shape.get(entry, 1)
+    return math.prod(mesh_shape.get(e, 1) for e in entry)
+
+
+def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int]) -> None:
+    """Raise ``ConfigError`` if a mesh axis does not divide the dimension it shards.
+
+    We never replicate silently: a dimension that its axis does not divide is an error.
+    """
+    for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        n = _axis_size(mesh_shape, entry)
+        if size % n:
+            raise ConfigError(
+                f"parameter {name!r} dim {dim} of size {size} cannot be split over mesh axes {entry} "
+                f"of size {n}; choose sizes that divide (see the sharding rules table)")
+
+
+def zero_spec(name: str, axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int],
+              rules: Mapping[str, Any] = RULES) -> P:
+    """The spec of a parameter-shaped leaf with its ZeRO dimension sharded over ``fsdp``.
+
+    The ZeRO dimension is the ``embed`` dimension (every LLaMA/GPT-2 weight has one); a leaf
+    without one falls back to the first unsharded dimension that ``fsdp`` divides.
+
+    Raises:
+        ConfigError: if no dimension can be split evenly over ``fsdp``.
+    """
+    base = list(logical_to_spec(axes, rules))
+    n = mesh_shape.get(ZERO_AXIS, 1)
+    if n == 1:
+        return P(*base)
+    candidates = [i for i, a in enumerate(axes) if a == ZERO_LOGICAL_AXIS]
+    candidates += [i for i, e in enumerate(base) if e is None and i not in candidates]
+    for i in candidates:
+        if base[i] is None and shape[i] % n == 0:
+            base[i] = ZERO_AXIS
+            return P(*base)
+    raise ConfigError(
+        f"ZeRO cannot shard parameter {name!r} of shape {tuple(shape)} over fsdp={n}: "
+        "no dimension is divisible; change the data-parallel size or the model sizes")
+
+
+@dataclass(frozen=True)
+class StateSpecs:
+    """PartitionSpecs of one train state, per role, for a given ZeRO stage.
+
+    Attributes:
+        params: the compute-dtype parameters used in the forward/backward.
+        grads: the fp32 gradient (accumulation) buffer.
+        opt: optimizer moments and the fp32 master weights.
+        base: tensor parallelism only (no ZeRO axis): per-data-shard buffers use this.
+    """
+
+    params: Any
+    grads: Any
+    opt: Any
+    base: Any
+
+
+def state_specs(param_axes: Any, param_shapes: Any, zero_stage: int, mesh_shape: Mapping[str, int],
+                rules: Mapping[str, Any] = RULES) -> StateSpecs:
+    """Specs for params / grads / optimizer state as the ZeRO stage prescribes (table above).
+
+    Args:
+        param_axes: pytree of logical-axis tuples, one per parameter.
+        param_shapes: same pytree of shapes (tuples of ints).
+        zero_stage: 0, 1, 2 or 3.
+        mesh_shape: ``{axis name: size}``.
+
+    Raises:
+        ConfigError: a dimension that its mesh axes do not divide.
+    """
+    is_leaf = lambda x: isinstance(x, tuple)
+    paths = jax.tree_util.tree_flatten_with_path(param_axes, is_leaf=is_leaf)[0]
+    names = jax.tree.unflatten(jax.tree.structure(param_axes, is_leaf=is_leaf),
+                               [jax.tree_util.keystr(p) for p, _ in paths])
+
+    def base(name, axes, shape):
+        spec = logical_to_spec(axes, rules)
+        check_divisible(name, shape, spec, mesh_shape)
+        return spec
+
+    def zero(name, axes, shape):
+        return zero_spec(name, axes, shape, mesh_shape, rules)
+
+    def pick(sharded):
+        fn = zero if sharded else base
+        return jax.tree.map(fn, names, param_axes, param_shapes, is_leaf=is_leaf)
+
+    return StateSpecs(params=pick(zero_stage >= 3), grads=pick(zero_stage >= 2), opt=pick(zero_stage >= 1),
+                      base=pick(False))
+
+
+class Sharder:
+    """Applies activation sharding constraints from logical names; a no-op without a mesh.
+
+    ``shard(x, ("batch", "seq", "embed"))`` is what model code calls. ``inner()`` returns the
+    sharder used inside the per-data-shard ``vmap`` of the train step, where the batch dimension
+    is already split by ``vmap(spmd_axis_name=DATA_AXES)`` and so maps to nothing.
+    """
+
+    def __init__(self, mesh: Mesh | None, rules: Mapping[str, Any] = RULES):
+        self.mesh = mesh
+        self.rules = dict(rules)
+
+    def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, logical_to_spec(axes, self.rules)))
+
+    def is_sharded(self, logical: str) -> bool:
+        if self.mesh is None:
+            return False
+        return _axis_size(dict(self.mesh.shape), self.rules.get(logical)) > 1
+
+    def inner(self) -> "Sharder":
+        return Sharder(self.mesh, {**self.rules, "batch": None})
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    """Turn a pytree of PartitionSpecs into NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def constrain(tree: Any, mesh: Mesh, specs: Any) -> Any:
+    """``with_sharding_constraint`` over a pytree with a matching pytree of specs."""
+    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), tree, specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_bytes(shape: Sequence[int], dtype: Any, spec: P, mesh_shape: Mapping[str, int]) -> int:
+    """Bytes that one device holds of an array of ``shape``/``dtype`` sharded as ``spec``."""
+    local = [s // _axis_size(mesh_shape, e) for s, e in zip(shape, tuple(spec) + (None,) * len(shape))]
+    return int(math.prod(local)) * jnp.dtype(dtype).itemsize
+
+
+def describe(spec: P) -> str:
+    """``P(None, 'fsdp', 'tp')`` -> ``"(-, fsdp, tp)"`` for tables."""
+    parts = []
+    for e in spec:
+        parts.append("-" if e is None else e if isinstance(e, str) else "+".join(e))
+    return "(" + ", ".join(parts) + ")"

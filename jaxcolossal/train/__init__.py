@@ -1,0 +1,1 @@
+"""Train state, the one jitted train step, and the training loop."""

@@ -1,0 +1,48 @@
+"""The optimizer from the training config: global-norm clipping then AdamW with warmup and
+cosine decay (optax). Weight decay skips norm scales (their names end in ``norm``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from jaxcolossal.config import TrainingConfig
+
+
+def lr_schedule(t: TrainingConfig) -> optax.Schedule:
+    """Linear warmup over ``warmup_steps`` to ``learning_rate``, then cosine decay to
+    ``learning_rate * min_learning_rate_ratio`` at ``max_steps``."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
+        decay_steps=max(t.max_steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_learning_rate_ratio)
+
+
+def decay_mask(params: Any) -> Any:
+    """True for leaves that get weight decay: everything but the norm scales."""
+    def keep(path, _):
+        last = path[-1]
+        name = getattr(last, "key", getattr(last, "name", str(last)))
+        return not str(name).endswith("norm")
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def build_optimizer(t: TrainingConfig) -> optax.GradientTransformation:
+    """``clip_by_global_norm(max_grad_norm)`` (skipped when 0) followed by AdamW.
+
+    ``training.optimizer = "fused_adamw"`` selects :func:`jaxcolossal.optim.fused_adamw`
+    (Colossal-AI's HybridAdam); ``"adamw"`` is ``optax.adamw``. The global norm is over the
+    global (sharded) gradient arrays, so each parameter counts exactly once.
+    """
+    sched = lr_schedule(t)
+    mask = decay_mask  # a callable: optax applies it to the params tree
+    if t.optimizer == "fused_adamw":
+        from jaxcolossal.optim import fused_adamw
+        adam = fused_adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
+                           weight_decay=t.weight_decay, mask=mask)
+    else:
+        adam = optax.adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
+                           weight_decay=t.weight_decay, mask=mask)
+    parts = [optax.clip_by_global_norm(t.max_grad_norm)] if t.max_grad_norm > 0 else []
+    return optax.chain(*parts, adam)

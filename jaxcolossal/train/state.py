@@ -1,0 +1,173 @@
+"""The train state and the static plan that shards it.
+
+:class:`TrainPlan` gathers everything static about a run — mesh, logical axes, ZeRO specs,
+dtypes — and :func:`init_state` builds a :class:`TrainState` directly in its target sharding
+(initialisation runs under ``jit`` with ``out_shardings``, so no device ever holds more than its
+shard).
+
+Precision modes, with DESIGN.md §3's bytes per parameter (p compute params, g gradients,
+K optimizer state including any fp32 master copy):
+
+======  ===========================================  =====  =====  ======
+mode    state                                        p      g      K
+======  ===========================================  =====  =====  ======
+fp32    params fp32; Adam m, v fp32                  4      4      8
+bf16    params bf16; master fp32; Adam m, v fp32     2      4      12
+fp16    params fp16; master fp32; Adam m, v fp32     2      4      12
+======  ===========================================  =====  =====  ======
+
+Gradients are always accumulated and reduced in fp32 (g = 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxcolossal.config import Config, validate
+from jaxcolossal.mesh import mesh_shape
+from jaxcolossal.models import llama
+from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
+from jaxcolossal.sharding import DATA_AXES, RULES, Sharder, StateSpecs, named, state_specs
+
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+BYTES_PER_PARAM = {"fp32": dict(p=4, g=4, K=8), "bf16": dict(p=2, g=4, K=12), "fp16": dict(p=2, g=4, K=12)}
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes.
+
+    Attributes:
+        step: int32 scalar, optimizer steps taken (skipped fp16 steps included).
+        params: compute-dtype params, sharded by ``specs.params``.
+        master: fp32 master params sharded by ``specs.opt``, or ``None`` in fp32 mode
+            (then ``params`` are the master copy).
+        opt_state: optax state; moments sharded by ``specs.opt``.
+        scaler: :class:`LossScaleState` in fp16 mode, else ``None``.
+    """
+
+    step: jax.Array
+    params: Any
+    master: Any
+    opt_state: Any
+    scaler: Any
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """Static description of a run: config, mesh, shapes, logical axes and ZeRO specs."""
+
+    cfg: Config
+    mesh: Mesh
+    mesh_shape: dict
+    vocab: int
+    param_axes: Any
+    param_shapes: Any
+    specs: StateSpecs
+    precision: str
+
+    @property
+    def compute_dtype(self):
+        return COMPUTE_DTYPES[self.precision]
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh_shape["dp"] * self.mesh_shape["fsdp"]
+
+    @property
+    def sharder(self) -> Sharder:
+        return Sharder(self.mesh, RULES)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(DATA_AXES, None))
+
+    def init_model(self, key: jax.Array) -> dict:
+        """fp32 params (pure dict) from the NNX module's initialiser."""
+        model = llama.LlamaForCausalLM(self.cfg.model, rngs=nnx.Rngs(params=key),
+                                       tp=self.mesh_shape["tp"])
+        return nnx.state(model, nnx.Param).to_pure_dict()
+
+
+def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
+    """Validate ``cfg`` against ``mesh`` and derive the ZeRO/TP specs.
+
+    Raises:
+        ConfigError: impossible sizes (heads not divisible by tp, batch not divisible by the
+            data-parallel group, a dimension that its mesh axis does not divide, ...).
+    """
+    validate(cfg, num_devices=mesh.size)
+    shape = {k: int(v) for k, v in mesh.shape.items()}
+    if shape["pp"] > 1:
+        raise NotImplementedError(
+            "parallel.pipeline_parallel_size > 1: pipeline schedules are not implemented yet; "
+            "use --dry-run to plan a pipelined config")
+    vocab = llama.padded_vocab_size(cfg.model, shape["tp"])
+    table = llama.param_shapes_and_axes(cfg.model, vocab)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+    shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
+    axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)
+    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape)
+    return TrainPlan(cfg=cfg, mesh=mesh, mesh_shape=shape, vocab=vocab, param_axes=axes,
+                     param_shapes=shapes, specs=specs, precision=cfg.precision.mode)
+
+
+def opt_state_specs(tx: optax.GradientTransformation, params_abstract: Any, param_like_specs: Any) -> Any:
+    """Specs of the optax state: parameter-shaped leaves follow ``param_like_specs``; counters
+    and other scalars are replicated."""
+    abstract = jax.eval_shape(tx.init, params_abstract)
+    return optax.tree_map_params(tx, lambda _, s: s, abstract, param_like_specs,
+                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+
+def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:
+    """A :class:`TrainState` whose leaves are the target ``NamedSharding`` of each array."""
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), plan.param_shapes,
+                            is_leaf=lambda x: isinstance(x, tuple))
+    specs = TrainState(
+        step=P(),
+        params=plan.specs.params,
+        master=plan.specs.opt if plan.mixed else None,
+        opt_state=opt_state_specs(tx, abstract, plan.specs.opt),
+        scaler=LossScaleState(P(), P(), P(), P()) if plan.precision == "fp16" else None,
+    )
+    return named(plan.mesh, specs)
+
+
+def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array | None = None,
+               params: Any = None) -> TrainState:
+    """Build the sharded train state, from ``params`` (fp32 pure dict) or fresh from ``key``.
+
+    Runs under ``jit`` with the target ``out_shardings``: each device materialises only its
+    shard.
+    """
+    shardings = state_shardings(plan, tx)
+    pc = plan.cfg.precision
+
+    def build(key, params):
+        if params is None:
+            params = plan.init_model(key)
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        master = params if plan.mixed else None
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=jax.tree.map(lambda x: x.astype(plan.compute_dtype), params),
+            master=master,
+            opt_state=tx.init(params),
+            scaler=scaler_init(pc.initial_scale) if plan.precision == "fp16" else None,
+        )
+
+    if key is None and params is None:
+        raise ValueError("init_state needs a PRNG key or an initial params dict")
+    return jax.jit(build, out_shardings=shardings)(key, params)

@@ -1,0 +1,193 @@
+"""The one jitted train step (and the eval step).
+
+``train_step(state, batch) -> (state, metrics)`` does, in one XLA program:
+
+1. **Gradient accumulation** over ``k = gradient_accumulation_steps`` microbatches with
+   ``lax.scan``. The global batch ``[B, t]`` (sharded over the data group, ``N = dp·fsdp``) is
+   viewed as ``[N, k, B/(N·k), t]`` — a free reshape, each device keeps its rows — and each
+   microbatch is differentiated per data shard with ``vmap(..., spmd_axis_name=("dp", "fsdp"))``,
+   which keeps each shard's gradient *unreduced* on its device.
+
+   * ZeRO 0/1: the fp32 per-shard gradients are summed locally across microbatches and reduced
+     across the data group **once per step** (one all-reduce per leaf, outside the loop).
+   * ZeRO 2/3: each microbatch's gradient is reduced straight into the persistent fp32
+     accumulation buffer, which is sharded over ``fsdp`` (1/N per device): a reduce-scatter per
+     microbatch, as in DeepSpeed ZeRO-2. XLA's GPU backend emits ``reduce-scatter``; its CPU
+     backend emits the equivalent ``all-reduce`` + ``dynamic-slice``.
+
+2. **Mixed precision**: the forward/backward uses the compute-dtype params; gradients are cast
+   to fp32 per shard *before* any reduction (fp32 reduction), and the update is applied to the
+   fp32 master copy. fp16 adds dynamic loss scaling; an overflow anywhere skips the step
+   everywhere, leaving params, master and optimizer state unchanged.
+3. **Clipping and AdamW** (optax): the global norm is taken over the global gradient arrays,
+   so each parameter counts once whatever its sharding.
+4. **ZeRO update**: the update runs on the optimizer-state sharding (each rank its shard),
+   the new master shard is cast to the compute dtype, and only then re-sharded to the params'
+   spec — for ZeRO 1/2 the all-gather moves compute-dtype (2-byte) values, not fp32.
+
+The state buffers are donated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxcolossal.models import llama
+from jaxcolossal.optim.loss_scale import all_finite, scaler_update
+from jaxcolossal.sharding import DATA_AXES, constrain
+from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
+
+Metrics = dict
+
+
+def _with_leading(spec: P, lead) -> P:
+    return P(lead, *spec)
+
+
+def make_grad_fn(plan: TrainPlan) -> Callable:
+    """``grad_fn(params, inputs, targets, scale) -> (loss_sum, fp32 grads)`` over one step.
+
+    ``inputs``/``targets``: int32 ``[B, t]`` global arrays sharded over the data group.
+    ``scale``: the fp16 loss scale (1.0 otherwise); returned gradients are unscaled and
+    normalised by the number of tokens in the step, so they are the gradient of the mean loss.
+    The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``).
+    """
+    cfg, mesh = plan.cfg, plan.mesh
+    k = cfg.training.gradient_accumulation_steps
+    n = plan.data_size
+    zero = cfg.parallel.zero_stage
+    inner = plan.sharder.inner()
+    vocab_parallel = inner.is_sharded("vocab")
+    grad_specs = plan.specs.grads
+    per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,
+                                   is_leaf=lambda x: isinstance(x, P))
+
+    def shard_loss(params, x, y, coef):
+        s = llama.loss_sum(params, x, y, cfg.model, inner, vocab_parallel)
+        return s * coef, s
+
+    per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True), in_axes=(None, 0, 0, None),
+                         spmd_axis_name=DATA_AXES)
+
+    def grad_fn(params, inputs, targets, scale):
+        B, t = inputs.shape
+        coef = scale / (B * t)  # gradient of the mean over the whole step, times the loss scale
+        xs = inputs.reshape(n, k, B // (n * k), t)
+        ys = targets.reshape(n, k, B // (n * k), t)
+        xs = jax.lax.with_sharding_constraint(xs, NamedSharding(mesh, P(DATA_AXES)))
+        ys = jax.lax.with_sharding_constraint(ys, NamedSharding(mesh, P(DATA_AXES)))
+
+        def micro(j):
+            (_, loss), g = per_shard(params, xs[:, j], ys[:, j], coef)
+            g = jax.tree.map(lambda a: a.astype(jnp.float32), g)  # fp32 before any reduction
+            return jnp.sum(loss), constrain(g, mesh, per_shard_specs)
+
+        def reduce(g):  # [N, ...] per-shard fp32 -> summed over the data group
+            return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), mesh, grad_specs)
+
+        if zero >= 2:  # sharded persistent buffer: reduce(-scatter) each microbatch into it
+            def body(carry, j):
+                loss_acc, acc = carry
+                loss, g = micro(j)
+                return (loss_acc + loss, jax.tree.map(jnp.add, acc, reduce(g))), None
+            zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), mesh, grad_specs)
+        else:  # unreduced per-shard buffer: one reduction per step
+            def body(carry, j):
+                loss_acc, acc = carry
+                loss, g = micro(j)
+                return (loss_acc + loss, jax.tree.map(jnp.add, acc, g)), None
+            zeros = constrain(jax.tree.map(lambda p: jnp.zeros((n,) + p.shape, jnp.float32), params),
+                              mesh, per_shard_specs)
+
+        if k == 1:
+            (loss_sum, acc), _ = body((jnp.zeros((), jnp.float32), zeros), 0)
+        else:
+            (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jnp.arange(k))
+        grads = acc if zero >= 2 else reduce(acc)
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        return loss_sum, grads
+
+    return grad_fn
+
+
+def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule | None = None) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+    """Build the jitted ``train_step(state, batch) -> (state, metrics)``.
+
+    Args:
+        plan: from :func:`jaxcolossal.train.state.make_plan`.
+        tx: the optax optimizer (``build_optimizer``).
+        schedule: the learning-rate schedule, only to report ``lr`` in the metrics.
+
+    ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``.
+    ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
+    ``lr``; in fp16 also ``loss_scale``, ``skipped`` and ``consecutive_skips``.
+    """
+    grad_fn = make_grad_fn(plan)
+    mesh, specs, pc = plan.mesh, plan.specs, plan.cfg.precision
+    fp16 = plan.precision == "fp16"
+    shardings = state_shardings(plan, tx)
+
+    def step(state: TrainState, batch: dict):
+        scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
+        loss_sum, grads = grad_fn(state.params, batch["inputs"], batch["targets"], scale)
+        n_tok = batch["inputs"].shape[0] * batch["inputs"].shape[1]
+        grad_norm = optax.global_norm(grads)
+
+        master = state.master if plan.mixed else state.params
+        master = constrain(master, mesh, specs.opt)
+        grads = constrain(grads, mesh, specs.opt)  # ZeRO-1: each rank keeps its slice
+        updates, opt_state = tx.update(grads, state.opt_state, master)
+        new_master = constrain(optax.apply_updates(master, updates), mesh, specs.opt)
+        new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master),
+                               mesh, specs.params)
+        new = TrainState(step=state.step + 1, params=new_params,
+                         master=new_master if plan.mixed else None, opt_state=opt_state, scaler=state.scaler)
+        metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm}
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
+        if fp16:
+            finite = all_finite(grads)
+            keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
+            scaler = scaler_update(state.scaler, finite, growth_factor=pc.growth_factor,
+                                   backoff_factor=pc.backoff_factor, growth_interval=pc.growth_interval,
+                                   hysteresis=pc.hysteresis, min_scale=pc.min_scale, max_scale=pc.max_scale)
+            new = TrainState(step=state.step + 1, params=keep(new.params, state.params),
+                             master=keep(new.master, state.master),
+                             opt_state=keep(new.opt_state, state.opt_state), scaler=scaler)
+            metrics.update(loss_scale=state.scaler.scale, skipped=(~finite).astype(jnp.int32),
+                           consecutive_skips=scaler.consecutive_skips)
+        return new, metrics
+
+    batch_sharding = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
+    return jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
+                   donate_argnums=(0,))
+
+
+def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """Jitted ``eval_step(params, inputs, targets) -> mean loss`` (fp32 nats/token)."""
+    sharder = plan.sharder
+    vp = sharder.is_sharded("vocab")
+    cfg = plan.cfg.model
+
+    def ev(params, x, y):
+        x = sharder(x, ("batch", "seq"))
+        return llama.loss_sum(params, x, y, cfg, sharder, vp) / (x.shape[0] * x.shape[1])
+
+    return jax.jit(ev)
+
+
+def make_logits_fn(plan: TrainPlan) -> Callable[[Any, jax.Array], jax.Array]:
+    """Jitted ``logits(params, tokens [b, t]) -> fp32 [b, t, vocab_size]`` (padding removed)."""
+    cfg = plan.cfg.model
+    sharder = plan.sharder
+
+    def fn(params, tokens):
+        return llama.forward(params, tokens, cfg, sharder, sharder.is_sharded("vocab"))[..., : cfg.vocab_size]
+
+    return jax.jit(fn)
