@@ -1,3 +1,27 @@
-"""jaxcolossal: Colossal-AI's large-model training system rebuilt in JAX/XLA on SPMD meshes."""
+"""jaxcolossal: Colossal-AI's large-model training system rebuilt in JAX/XLA on SPMD meshes.
+
+Importing this package does not start JAX's backend, so ``simulate_devices`` still works after
+``import jaxcolossal``.
+"""
+
+from jaxcolossal import models
+from jaxcolossal.config import Config, ConfigError, load_config
+from jaxcolossal.dist_logger import get_dist_logger
+from jaxcolossal.launch import (
+    launch,
+    launch_from_env,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+    set_seed,
+    simulate_devices,
+)
+from jaxcolossal.mesh import make_mesh
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Config", "ConfigError", "load_config", "get_dist_logger", "launch", "launch_from_env",
+    "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "set_seed", "simulate_devices",
+    "make_mesh", "models",
+]

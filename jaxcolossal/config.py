@@ -60,9 +60,15 @@ class ModelConfig:
 
 @dataclass
 class TrainingConfig:
-    """Optimisation schedule. ``batch_size`` is global (sequences per optimizer step)."""
+    """Optimisation schedule. ``batch_size`` is global (sequences per optimizer step).
+
+    ``micro_batch_size`` (Colossal-AI's per-rank micro batch), when > 0, defines the global
+    batch instead: ``batch_size = micro_batch_size × gradient_accumulation_steps × dp``, set
+    when the config is validated against a device count.
+    """
 
     batch_size: int = 16
+    micro_batch_size: int = 0
     seq_len: int = 128
     gradient_accumulation_steps: int = 1
     learning_rate: float = 3e-3
@@ -359,12 +365,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    if t.batch_size % t.gradient_accumulation_steps:
+    if t.micro_batch_size < 0:
+        raise ConfigError(f"training.micro_batch_size={t.micro_batch_size}: must be >= 0 (0: use batch_size)")
+    if t.micro_batch_size == 0 and t.batch_size % t.gradient_accumulation_steps:
         raise ConfigError(
             f"training.batch_size={t.batch_size} (global) is not divisible by "
             f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}")
-    if not 0.0 <= t.warmup_steps <= t.max_steps:
-        raise ConfigError(f"training.warmup_steps={t.warmup_steps}: must be in [0, max_steps={t.max_steps}]")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"training.warmup_steps={t.warmup_steps}: must be >= 0")
     if pr.bf16 and pr.fp16:
         raise ConfigError("precision: bf16 and fp16 are both true; choose one (neither means fp32)")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
@@ -382,6 +390,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         rp = p.resolve(num_devices)
         _check_tp(m, rp.tensor_parallel_size)
         dp = rp.data_parallel_size
+        if t.micro_batch_size:
+            t.batch_size = t.micro_batch_size * t.gradient_accumulation_steps * dp
         micro = t.batch_size // t.gradient_accumulation_steps
         if micro % dp:
             raise ConfigError(

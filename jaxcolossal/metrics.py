@@ -1,0 +1,120 @@
+"""FLOPs, MFU, throughput and per-device model-state memory.
+
+Two labelled FLOP conventions are reported side by side:
+
+* ``6N+attn`` — model FLOPs per trained token = ``6·N_matmul + 6·L·t·d``: 6 FLOPs per matmul
+  parameter per token (forward 2, backward 4; Kaplan et al., 2020) plus PaLM's attention term
+  ``12·L·H·Q·t`` halved for the causal mask (Chowdhery et al., 2022, App. B). ``N_matmul``
+  excludes the input-embedding lookup but includes the LM head. Recompute is not counted
+  (these are *model* FLOPs, the basis of MFU).
+* ``colossal`` — Colossal-AI's ``examples/language/performance_evaluator.py``:
+  ``2·N·(3 + recompute)`` per token with N all parameters, i.e. 8N with activation
+  checkpointing (hardware FLOPs).
+
+TFLOPS per device = FLOPs per step / step seconds / 1e12 / number of devices. MFU = model TFLOPS
+per device / the device's dense bf16 peak (A100 312, H100 and H200 989 TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxcolossal.config import ModelConfig
+from jaxcolossal.sharding import shard_bytes
+
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+"""Dense bf16 peak FLOP/s by device family (NVIDIA datasheets; REFERENCES.md)."""
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a ``jax.Device.device_kind``, or None when unknown (CPU)."""
+    kind = device_kind.upper()
+    for name, value in PEAK_BF16_FLOPS.items():
+        if name in kind:
+            return value
+    return None
+
+
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts (unpadded vocabulary): ``total``, ``embedding``, ``matmul``."""
+    d, L, f, v = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, cfg.vocab_size
+    h, k, q = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_layer = 2 * d + d * h * q + 2 * d * k * q + h * q * d + 3 * d * f
+    emb = v * d
+    head = 0 if cfg.tie_word_embeddings else v * d
+    total = emb + L * per_layer + d + head
+    return {"total": total, "embedding": emb, "matmul": L * per_layer + v * d}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:
+    """Training FLOPs per token in both conventions (module docstring)."""
+    n = param_count(cfg)
+    model = 6 * n["matmul"] + 6 * cfg.num_layers * seq_len * cfg.hidden_size
+    colossal = 2 * n["total"] * (3 + int(recompute))
+    return {"6N+attn": float(model), "colossal": float(colossal)}
+
+
+def throughput(cfg: ModelConfig, *, batch_size: int, seq_len: int, step_seconds: float, num_devices: int,
+               data_parallel_size: int, device_kind: str, recompute: bool = False) -> dict[str, float | None]:
+    """Per-step throughput figures.
+
+    Args:
+        batch_size: global sequences per step; seq_len: tokens per sequence.
+        step_seconds: wall time of one optimizer step (s).
+
+    Returns ``tokens_per_s``, ``samples_per_s``, ``tflops_6n`` and ``tflops_colossal`` (per device),
+    and ``mfu`` (fraction, None when the device's peak is unknown).
+    """
+    tokens = batch_size * seq_len
+    fpt = flops_per_token(cfg, seq_len, recompute)
+    per_dev = lambda f: f * tokens / step_seconds / num_devices / 1e12
+    peak = peak_flops(device_kind)
+    t6 = per_dev(fpt["6N+attn"])
+    return {
+        "tokens_per_s": tokens / step_seconds,
+        "samples_per_s": batch_size / step_seconds,
+        "tflops_6n": t6,
+        "tflops_colossal": per_dev(fpt["colossal"]),
+        "mfu": (t6 * 1e12 / peak) if peak else None,
+    }
+
+
+def _local_bytes(tree: Any) -> int:
+    """Bytes of ``tree``'s arrays that live on the first addressable device."""
+    dev = jax.local_devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            if s.device == dev:
+                total += s.data.nbytes
+    return total
+
+
+def model_state_bytes(state: Any, grad_specs: Any, param_shapes: Any, mesh_shape: Mapping[str, int]) -> dict[str, int]:
+    """Per-device bytes of params, gradients and optimizer state (DESIGN.md §3's p, g, K).
+
+    Params and optimizer state (which includes the fp32 master copy in mixed precision) are
+    read from the arrays' shards on the first device; the fp32 gradient buffer, which exists
+    only inside the step, from its ZeRO spec.
+    """
+    params = _local_bytes(state.params)
+    opt = _local_bytes(state.opt_state) + (_local_bytes(state.master) if state.master is not None else 0)
+    grads = sum(jax.tree.leaves(jax.tree.map(
+        lambda shp, spec: shard_bytes(shp, jnp.float32, spec, mesh_shape), param_shapes, grad_specs,
+        is_leaf=lambda x: isinstance(x, tuple) and not isinstance(x, P))))
+    return {"params": params, "grads": int(grads), "optimizer": opt, "total": params + int(grads) + opt}
+
+
+def zero_formula_bytes(num_params: int, n: int, zero_stage: int, p: int, g: int, K: int) -> dict[str, float]:
+    """DESIGN.md §3: expected per-device bytes for Ψ = ``num_params`` over N = ``n`` ZeRO ranks."""
+    psi = num_params
+    return {
+        "params": p * psi / (n if zero_stage >= 3 else 1),
+        "grads": g * psi / (n if zero_stage >= 2 else 1),
+        "optimizer": K * psi / (n if zero_stage >= 1 else 1),
+    }

@@ -1,0 +1,78 @@
+"""Dry-run planning: parameter count, mesh and per-device model-state memory, with no devices.
+
+``python scripts/train.py --config configs/llama_80l_example.yaml --dry-run`` prints this for a
+config far too large to train here. Everything is arithmetic over the same sharding rules the
+train step uses (:func:`jaxcolossal.sharding.state_specs`); with pipeline parallelism the
+stacked ``layers`` dimension is split over ``pp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxcolossal.config import Config, ConfigError, validate
+from jaxcolossal.mesh import mesh_shape
+from jaxcolossal.metrics import flops_per_token, param_count
+from jaxcolossal.models import llama
+from jaxcolossal.sharding import RULES, shard_bytes, state_specs
+from jaxcolossal.train.state import BYTES_PER_PARAM
+
+
+def dry_run(cfg: Config, num_devices: int | None = None) -> str:
+    """A printable plan for ``cfg`` on ``num_devices`` (default: the product of the explicit
+    parallel sizes).
+
+    Raises:
+        ConfigError: a ``-1`` size without ``num_devices``, or any impossible setting.
+    """
+    p = cfg.parallel
+    if num_devices is None:
+        sizes = (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
+        if -1 in sizes:
+            raise ConfigError("--dry-run needs explicit parallel sizes (no -1) to know the device count")
+        num_devices = math.prod(sizes)
+    validate(cfg, num_devices=num_devices)
+    rp = p.resolve(num_devices)
+    shape = mesh_shape(rp)
+    vocab = llama.padded_vocab_size(cfg.model, shape["tp"])
+    table = llama.param_shapes_and_axes(cfg.model, vocab)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+    shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
+    axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)
+    rules = {**RULES, "layers": "pp"}
+    specs = state_specs(axes, shapes, p.zero_stage, shape, rules)
+    b = BYTES_PER_PARAM[cfg.precision.mode]
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+    def per_device(spec_tree, nbytes):
+        vals = jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, shape) * nbytes, shapes, spec_tree,
+                            is_leaf=is_shape)
+        return sum(jax.tree.leaves(vals))
+
+    params = per_device(specs.params, b["p"])
+    grads = per_device(specs.grads, b["g"])
+    opt = per_device(specs.opt, b["K"])
+    n = param_count(cfg.model)
+    t = cfg.training
+    fpt = flops_per_token(cfg.model, t.seq_len, cfg.model.remat != "none")
+    gib = lambda x: f"{x / 2**30:,.2f} GiB"
+    lines = [
+        f"model      llama, {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+        f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "
+        f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
+        f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)",
+        f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × tp)",
+        f"precision  {cfg.precision.mode}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
+        f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
+        f"total {gib(params + grads + opt)}",
+        f"batch      {t.batch_size} sequences × {t.seq_len} tokens per step, "
+        f"{t.gradient_accumulation_steps} accumulation microbatches",
+        f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
+    ]
+    if rp.pipeline_parallel_size > 1:
+        lines.append(f"pipeline   {rp.pipeline_parallel_size} stages, schedule {p.pipeline_schedule} "
+                     "(pipeline execution is not implemented yet: plan only)")
+    return "\n".join(lines)

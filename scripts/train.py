@@ -1,0 +1,51 @@
+"""The main job: train a LLaMA over a device mesh.
+
+    python scripts/train.py                                   # configs/llama_tiny.yaml
+    python scripts/train.py --config X parallel.zero_stage=3 training.max_steps=50
+    python scripts/train.py --config configs/llama_80l_example.yaml --dry-run
+
+On a machine with no accelerator it simulates 8 CPU devices (``--devices`` to change);
+on GPUs it uses the real ones. Under torchrun/SLURM/Open MPI it calls the matching launcher.
+"""
+
+import argparse
+import os
+import sys
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "llama_tiny.yaml")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/llama_tiny.yaml)")
+    ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator (default 8)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (params, memory, mesh) and exit")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = ap.parse_args(argv)
+
+    import jaxcolossal as jc
+    from jaxcolossal.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)  # validated before JAX starts
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from jaxcolossal.plan import dry_run
+        print(dry_run(cfg))
+        return 0
+    jc.simulate_devices(args.devices)
+    jc.launch_from_env(seed=cfg.training.seed, verbose=False)
+    from jaxcolossal.train.loop import train
+
+    try:
+        train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
