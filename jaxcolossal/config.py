@@ -31,12 +31,15 @@ class ConfigError(ValueError):
 class ModelConfig:
     """LLaMA/GPT-2 shape. Names follow Hugging Face ``LlamaConfig``.
 
+    ``init_from``: a local Hugging Face model directory (``config.json`` + safetensors) whose
+    weights initialise the run.
+
     ``vocab_size`` is the tokenizer's size; the embedding may be padded internally to a
     multiple of ``vocab_pad_multiple * tensor_parallel_size`` (Colossal-AI pads to 64·tp);
     the padding never reaches the user: padded logits are masked and exports strip it.
     """
 
-    type: Literal["llama"] = "llama"
+    type: Literal["llama", "gpt2"] = "llama"
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -46,6 +49,7 @@ class ModelConfig:
     vocab_size: int = 256
     tie_word_embeddings: bool = False
     rms_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     vocab_pad_multiple: int = 1

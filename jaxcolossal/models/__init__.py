@@ -1,5 +1,29 @@
-"""Model families. Each exposes pure functions over a params dict plus an NNX module."""
+"""Model families.
 
-from jaxcolossal.models.llama import LlamaForCausalLM, count_params, param_axes, padded_vocab_size
+Each family is a module exposing the same pure functions over a params dict —
+``padded_vocab_size(cfg, tp)``, ``param_shapes_and_axes(cfg, vocab)``, ``init_params(cfg, key, tp)``,
+``forward(params, tokens, cfg, shard, vocab_parallel)`` and ``loss_sum(...)`` — plus an NNX module
+class. The train step only talks to that interface (:func:`get_family`).
+"""
 
-__all__ = ["LlamaForCausalLM", "count_params", "param_axes", "padded_vocab_size"]
+from types import ModuleType
+
+from jaxcolossal.config import ConfigError, ModelConfig
+from jaxcolossal.models import llama
+from jaxcolossal.models.llama import LlamaForCausalLM, count_params, padded_vocab_size, param_axes
+
+FAMILIES = {"llama": llama}
+
+
+def get_family(cfg: ModelConfig) -> ModuleType:
+    """The module implementing ``cfg.type``.
+
+    Raises:
+        ConfigError: an unknown model type.
+    """
+    if cfg.type not in FAMILIES:
+        raise ConfigError(f"model.type={cfg.type!r}: allowed values are {sorted(FAMILIES)}")
+    return FAMILIES[cfg.type]
+
+
+__all__ = ["LlamaForCausalLM", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]

@@ -114,6 +114,11 @@ class LlamaForCausalLM(nnx.Module):
         return forward(params, tokens, self.cfg)[..., : self.cfg.vocab_size]
 
 
+def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
+    """fp32 params (pure dict) of a fresh :class:`LlamaForCausalLM`; jit-able."""
+    return nnx.state(LlamaForCausalLM(cfg, rngs=nnx.Rngs(params=key), tp=tp), nnx.Param).to_pure_dict()
+
+
 def param_axes(model: nnx.Module) -> dict:
     """Pure dict of logical-axis tuples, one per parameter of ``model``."""
     state = nnx.state(model, nnx.Param)

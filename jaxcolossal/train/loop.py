@@ -27,7 +27,6 @@ from jaxcolossal.data import DataLoader, eval_batches, get_tokenizer, load_split
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.generate import sample_tokens
 from jaxcolossal.mesh import make_mesh
-from jaxcolossal.models import llama
 from jaxcolossal.sharding import DATA_AXES, describe
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
@@ -179,7 +178,7 @@ def train(cfg: Config) -> dict:
     sample = ""
     if t.sample_tokens > 0:
         from jaxcolossal.sharding import Sharder  # the unconstrained forward for a batch of one
-        fn = jax.jit(lambda p, x: llama.forward(p, x, cfg.model, Sharder(None)))
+        fn = jax.jit(lambda p, x: plan.family.forward(p, x, cfg.model, Sharder(None)))
         out = sample_tokens(fn, state.params, tok.encode(t.sample_prompt), t.sample_tokens, t.seq_len,
                             jax.random.key(t.seed + 1))
         sample = t.sample_prompt + tok.decode(out)

@@ -27,12 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcolossal.config import Config, validate
 from jaxcolossal.mesh import mesh_shape
-from jaxcolossal.models import llama
+from jaxcolossal.models import get_family
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.sharding import DATA_AXES, RULES, Sharder, StateSpecs, named, state_specs
 
@@ -93,11 +93,14 @@ class TrainPlan:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(DATA_AXES, None))
 
+    @property
+    def family(self):
+        """The model family module (``jaxcolossal.models.llama``, ...)."""
+        return get_family(self.cfg.model)
+
     def init_model(self, key: jax.Array) -> dict:
-        """fp32 params (pure dict) from the NNX module's initialiser."""
-        model = llama.LlamaForCausalLM(self.cfg.model, rngs=nnx.Rngs(params=key),
-                                       tp=self.mesh_shape["tp"])
-        return nnx.state(model, nnx.Param).to_pure_dict()
+        """fp32 params (pure dict) from the model family's initialiser."""
+        return self.family.init_params(self.cfg.model, key, self.mesh_shape["tp"])
 
 
 def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
@@ -113,8 +116,9 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
         raise NotImplementedError(
             "parallel.pipeline_parallel_size > 1: pipeline schedules are not implemented yet; "
             "use --dry-run to plan a pipelined config")
-    vocab = llama.padded_vocab_size(cfg.model, shape["tp"])
-    table = llama.param_shapes_and_axes(cfg.model, vocab)
+    family = get_family(cfg.model)
+    vocab = family.padded_vocab_size(cfg.model, shape["tp"])
+    table = family.param_shapes_and_axes(cfg.model, vocab)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
     shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
     axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxcolossal.models import llama
 from jaxcolossal.optim.loss_scale import all_finite, scaler_update
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
@@ -57,7 +56,7 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     normalised by the number of tokens in the step, so they are the gradient of the mean loss.
     The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``).
     """
-    cfg, mesh = plan.cfg, plan.mesh
+    cfg, mesh, family = plan.cfg, plan.mesh, plan.family
     k = cfg.training.gradient_accumulation_steps
     n = plan.data_size
     zero = cfg.parallel.zero_stage
@@ -68,7 +67,7 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
                                    is_leaf=lambda x: isinstance(x, P))
 
     def shard_loss(params, x, y, coef):
-        s = llama.loss_sum(params, x, y, cfg.model, inner, vocab_parallel)
+        s = family.loss_sum(params, x, y, cfg.model, inner, vocab_parallel)
         return s * coef, s
 
     per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True), in_axes=(None, 0, 0, None),
@@ -173,21 +172,21 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
     """Jitted ``eval_step(params, inputs, targets) -> mean loss`` (fp32 nats/token)."""
     sharder = plan.sharder
     vp = sharder.is_sharded("vocab")
-    cfg = plan.cfg.model
+    cfg, family = plan.cfg.model, plan.family
 
     def ev(params, x, y):
         x = sharder(x, ("batch", "seq"))
-        return llama.loss_sum(params, x, y, cfg, sharder, vp) / (x.shape[0] * x.shape[1])
+        return family.loss_sum(params, x, y, cfg, sharder, vp) / (x.shape[0] * x.shape[1])
 
     return jax.jit(ev)
 
 
 def make_logits_fn(plan: TrainPlan) -> Callable[[Any, jax.Array], jax.Array]:
     """Jitted ``logits(params, tokens [b, t]) -> fp32 [b, t, vocab_size]`` (padding removed)."""
-    cfg = plan.cfg.model
+    cfg, family = plan.cfg.model, plan.family
     sharder = plan.sharder
 
     def fn(params, tokens):
-        return llama.forward(params, tokens, cfg, sharder, sharder.is_sharded("vocab"))[..., : cfg.vocab_size]
+        return family.forward(params, tokens, cfg, sharder, sharder.is_sharded("vocab"))[..., : cfg.vocab_size]
 
     return jax.jit(fn)
