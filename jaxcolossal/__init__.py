@@ -5,6 +5,15 @@ Importing this package does not start JAX's backend, so ``simulate_devices`` sti
 """
 
 from jaxcolossal import models
+from jaxcolossal.booster import (
+    Booster,
+    DDPPlugin,
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
 from jaxcolossal.config import Config, ConfigError, load_config
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.launch import (
@@ -21,6 +30,8 @@ from jaxcolossal.mesh import make_mesh
 __version__ = "0.1.0"
 
 __all__ = [
+    "Booster", "DDPPlugin", "GeminiPlugin", "HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin",
+    "TorchFSDPPlugin",
     "Config", "ConfigError", "load_config", "get_dist_logger", "launch", "launch_from_env",
     "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "set_seed", "simulate_devices",
     "make_mesh", "models",

@@ -55,7 +55,11 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     ``scale``: the fp16 loss scale (1.0 otherwise); returned gradients are unscaled and
     normalised by the number of tokens in the step, so they are the gradient of the mean loss.
     The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``).
+    With ``pp > 1`` this is :func:`jaxcolossal.pipeline.make_pipeline_grad_fn` (same contract).
     """
+    if plan.mesh_shape["pp"] > 1:
+        from jaxcolossal.pipeline import make_pipeline_grad_fn
+        return make_pipeline_grad_fn(plan)
     cfg, mesh, family = plan.cfg, plan.mesh, plan.family
     k = cfg.training.gradient_accumulation_steps
     n = plan.data_size
@@ -136,15 +140,16 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
         loss_sum, grads = grad_fn(state.params, batch["inputs"], batch["targets"], scale)
         n_tok = batch["inputs"].shape[0] * batch["inputs"].shape[1]
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
 
         master = state.master if plan.mixed else state.params
         master = constrain(master, mesh, specs.opt)
         grads = constrain(grads, mesh, specs.opt)  # ZeRO-1: each rank keeps its slice
         updates, opt_state = tx.update(grads, state.opt_state, master)
         new_master = constrain(optax.apply_updates(master, updates), mesh, specs.opt)
-        new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master),
-                               mesh, specs.params)
+        # cast each rank's shard first, so the ZeRO all-gather moves compute-dtype values
+        new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master), mesh, specs.opt)
+        new_params = constrain(new_params, mesh, specs.params)
         new = TrainState(step=state.step + 1, params=new_params,
                          master=new_master if plan.mixed else None, opt_state=opt_state, scaler=state.scaler)
         metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm}

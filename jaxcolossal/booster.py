@@ -1,0 +1,146 @@
+"""Colossal-AI's ``Booster`` and plugins, as small presets of the parallel/precision config.
+
+A plugin is not a wrapper class around the model: it only chooses mesh sizes, the ZeRO stage
+and the precision. ``Booster.boost(model, optimizer)`` turns an NNX model and an optax optimizer
+into a sharded :class:`~jaxcolossal.train.state.TrainState` and the one jitted train step::
+
+    booster = jc.Booster(plugin=jc.HybridParallelPlugin(tp_size=2, zero_stage=1, precision="bf16"))
+    model = jc.models.LlamaForCausalLM(cfg.model, rngs=nnx.Rngs(0))
+    state, train_step = booster.boost(model, optax.adamw(3e-4))
+    state, metrics = train_step(state, booster.shard_batch(batch))
+
+Plugin names and arguments follow Colossal-AI 0.5 (``colossalai.booster.plugin``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxcolossal.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, TrainingConfig)
+from jaxcolossal.mesh import make_mesh
+from jaxcolossal.train.state import TrainPlan, TrainState, init_state, make_plan
+from jaxcolossal.train.step import make_train_step
+
+_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _precision(precision: str, initial_scale: float = 2.0**16) -> PrecisionConfig:
+    if precision not in _PRECISIONS:
+        raise ConfigError(f"precision={precision!r}: allowed values are {list(_PRECISIONS)}")
+    return PrecisionConfig(bf16=precision == "bf16", fp16=precision == "fp16", initial_scale=initial_scale)
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """Base preset: ``parallel`` and ``precision`` config sections plus ``max_norm`` clipping."""
+
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    max_norm: float = 0.0
+
+
+def DDPPlugin(precision: str = "fp32", max_norm: float = 0.0) -> Plugin:
+    """Data parallelism over every device, replicated state (ZeRO-0). Colossal-AI: ``TorchDDPPlugin``."""
+    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=0), _precision(precision), max_norm)
+
+
+TorchDDPPlugin = DDPPlugin
+
+
+def LowLevelZeroPlugin(stage: int = 1, precision: str = "fp16", initial_scale: float = 2.0**32,
+                       max_norm: float = 0.0) -> Plugin:
+    """ZeRO-1 (optimizer state sharded) or ZeRO-2 (and gradients) over every device.
+
+    Raises:
+        ConfigError: ``stage`` not in {1, 2}.
+    """
+    if stage not in (1, 2):
+        raise ConfigError(f"LowLevelZeroPlugin(stage={stage}): allowed values are [1, 2]; use GeminiPlugin for ZeRO-3")
+    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=stage), _precision(precision, initial_scale), max_norm)
+
+
+def GeminiPlugin(precision: str = "fp16", initial_scale: float = 2.0**16, max_norm: float = 0.0) -> Plugin:
+    """ZeRO-3: parameters, gradients and optimizer state sharded over every device (Colossal-AI's
+    Gemini, without its chunk manager or CPU placement — XLA gathers per layer)."""
+    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=3), _precision(precision, initial_scale), max_norm)
+
+
+TorchFSDPPlugin = GeminiPlugin
+
+
+def HybridParallelPlugin(tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp16",
+                         num_microbatches: int = 0, pp_style: str = "1f1b", num_model_chunks: int = 1,
+                         initial_scale: float = 2.0**16, max_norm: float = 0.0) -> Plugin:
+    """Tensor × pipeline × data parallelism with ZeRO over the data group; dp = world / (tp·pp).
+
+    Raises:
+        ConfigError: an unknown ``pp_style`` or ``zero_stage``.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"HybridParallelPlugin(zero_stage={zero_stage}): allowed values are [0, 1, 2, 3]")
+    if pp_style not in ("gpipe", "1f1b", "interleaved"):
+        raise ConfigError(f"HybridParallelPlugin(pp_style={pp_style!r}): allowed values are ['gpipe', '1f1b', 'interleaved']")
+    par = ParallelConfig(data_parallel_size=-1, tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
+                         zero_stage=zero_stage, num_microbatches=num_microbatches, pipeline_schedule=pp_style,
+                         num_model_chunks=num_model_chunks)
+    return Plugin(par, _precision(precision, initial_scale), max_norm)
+
+
+class Booster:
+    """Turns a model and an optimizer into a sharded train state and a jitted train step.
+
+    Args:
+        plugin: a preset from this module (default: :func:`DDPPlugin`).
+        devices: the devices to build the mesh on (default: all).
+    """
+
+    def __init__(self, plugin: Plugin | None = None, devices: list | None = None, mixed_precision: str | None = None):
+        plugin = plugin or DDPPlugin()
+        if mixed_precision is not None:
+            plugin = dataclasses.replace(plugin, precision=_precision(mixed_precision))
+        self.plugin = plugin
+        self.mesh = make_mesh(plugin.parallel, devices)
+        self.plan: TrainPlan | None = None
+
+    def boost(self, model: nnx.Module, optimizer: optax.GradientTransformation, *, batch_size: int | None = None,
+              gradient_accumulation_steps: int = 1, seed: int = 0) -> tuple[TrainState, Callable]:
+        """Shard ``model``'s params and ``optimizer``'s state; return ``(state, train_step)``.
+
+        ``train_step(state, batch) -> (state, metrics)`` with ``batch = {"inputs", "targets"}``
+        int32 ``[B, t]`` (use :meth:`shard_batch`). ``B`` must split over the data-parallel group
+        and ``gradient_accumulation_steps``.
+
+        Raises:
+            ConfigError: the plugin does not fit the model (e.g. tp not dividing the heads).
+        """
+        data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        bs = batch_size or data * gradient_accumulation_steps
+        training = TrainingConfig(batch_size=bs, gradient_accumulation_steps=gradient_accumulation_steps,
+                                  seq_len=min(128, model.cfg.max_position_embeddings), seed=seed,
+                                  max_grad_norm=self.plugin.max_norm)
+        cfg = Config(model=model.cfg, training=training, parallel=self.plugin.parallel, precision=self.plugin.precision)
+        self.plan = make_plan(cfg, self.mesh)
+        tx = optimizer
+        if self.plugin.max_norm > 0:
+            tx = optax.chain(optax.clip_by_global_norm(self.plugin.max_norm), optimizer)
+        params = nnx.state(model, nnx.Param).to_pure_dict()
+        if self.plan.vocab != params["embed_tokens"].shape[0]:
+            raise ConfigError(
+                f"the model was built with a vocabulary of {params['embed_tokens'].shape[0]} rows but this plugin "
+                f"needs {self.plan.vocab} (padded for tp); build it with tp={self.mesh.shape['tp']}")
+        state = init_state(self.plan, tx, params=params)
+        return state, make_train_step(self.plan, tx)
+
+    def shard_batch(self, batch: dict) -> dict:
+        """Place a host batch ``{"inputs", "targets"}`` (global ``[B, t]`` numpy arrays, the
+        same on every process) with the data-parallel sharding."""
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(("dp", "fsdp"), None))
+        return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda idx, v=v: np.asarray(v)[idx])
+                for k, v in batch.items()}

@@ -1,0 +1,101 @@
+"""Reading compiled HLO: collectives, where they sit (inside which loop) and their bytes.
+
+Used by tests and ``scripts/zero_report.py`` to check what XLA emitted against DESIGN.md §3 —
+e.g. that ZeRO-0/1 reduce gradients once per step (outside the microbatch loop) and ZeRO-2/3
+keep a 1/N gradient buffer across microbatches.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]*)\]")
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation|branch_computations)=\{?%?([\w.\-]+)")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction: its kind, result shapes ``[(dtype, dims)]``, and computation."""
+
+    kind: str
+    shapes: tuple
+    computation: str
+    line: str
+
+    @property
+    def bytes(self) -> int:
+        return sum(_DTYPE_BYTES[d] * math.prod(s) for d, s in self.shapes)
+
+    @property
+    def max_elements(self) -> int:
+        return max((math.prod(s) for _, s in self.shapes), default=0)
+
+
+def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """Split HLO text into ``{computation name: lines}`` and return the ENTRY name too."""
+    comps, entry, cur = {}, None, None
+    for line in hlo.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+        elif cur is not None:
+            comps[cur].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _result_shapes(line: str) -> tuple:
+    lhs = line.split("=", 1)[1]
+    kind_at = min((lhs.find(f" {k}(") for k in COLLECTIVES if f" {k}(" in lhs), default=len(lhs))
+    return tuple((d, tuple(int(x) for x in s.split(",") if x)) for d, s in _SHAPE.findall(lhs[:kind_at]))
+
+
+def collectives_in(comps: dict, name: str, seen: set | None = None) -> list[Collective]:
+    """Collectives in computation ``name`` and everything it calls (loops, fusions, branches)."""
+    seen = set() if seen is None else seen
+    if name in seen or name not in comps:
+        return []
+    seen.add(name)
+    out = []
+    for line in comps[name]:
+        for kind in COLLECTIVES:
+            if f" {kind}(" in line or f" {kind}-start(" in line:
+                out.append(Collective(kind, _result_shapes(line), name, line.strip()))
+        for callee in _CALLS.findall(line):
+            out.extend(collectives_in(comps, callee, seen))
+    return out
+
+
+def while_loops(comps: dict, name: str) -> list[tuple[str, str]]:
+    """``(body name, carry-shape text)`` of each while loop directly in computation ``name``."""
+    loops = []
+    for line in comps[name]:
+        if " while(" in line:
+            body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+            carry = line.split("=", 1)[1].split(" while(")[0]
+            loops.append((body, carry))
+    return loops
+
+
+def top_level_collectives(comps: dict, entry: str) -> list[Collective]:
+    """Collectives in the ENTRY computation outside every loop body."""
+    bodies = {b for b, _ in while_loops(comps, entry)}
+    out = []
+    for line in comps[entry]:
+        for kind in COLLECTIVES:
+            if f" {kind}(" in line or f" {kind}-start(" in line:
+                out.append(Collective(kind, _result_shapes(line), entry, line.strip()))
+        if " while(" not in line:
+            for callee in _CALLS.findall(line):
+                if callee not in bodies:
+                    out.extend(collectives_in(comps, callee, set(bodies)))
+    return out

@@ -1,0 +1,91 @@
+"""Config loading and validation: every bad input gets a clear error before compilation."""
+
+import jax
+import pytest
+
+from jaxcolossal.config import ConfigError, ParallelConfig, config_from_dict, load_config, validate
+from jaxcolossal.mesh import make_mesh
+from jaxcolossal.plan import dry_run
+
+
+def test_default_config_loads_and_overrides_apply():
+    cfg = load_config("configs/llama_tiny.yaml", ["parallel.zero_stage=3", "training.learning_rate=1e-4",
+                                                 "training.max_steps=50", "precision.bf16=true"])
+    assert cfg.parallel.zero_stage == 3
+    assert cfg.training.learning_rate == pytest.approx(1e-4)
+    assert isinstance(cfg.training.learning_rate, float)
+    assert cfg.training.max_steps == 50
+    assert cfg.precision.mode == "bf16"
+    assert cfg.model.num_layers == 4
+
+
+def test_unknown_key_names_the_key_and_allowed_keys():
+    with pytest.raises(ConfigError, match=r"unknown key 'training.batchsize'.*allowed keys: \[.*'batch_size'"):
+        config_from_dict({"training": {"batchsize": 4}})
+    with pytest.raises(ConfigError, match=r"unknown key 'optimizer' in the top level"):
+        config_from_dict({"optimizer": {}})
+    with pytest.raises(ConfigError, match="unknown key 'parallel.tp'"):
+        config_from_dict({}, ["parallel.tp=2"])
+
+
+def test_wrong_types_and_literals():
+    with pytest.raises(ConfigError, match=r"training.batch_size='many': expected an integer"):
+        config_from_dict({"training": {"batch_size": "many"}})
+    with pytest.raises(ConfigError, match=r"parallel.zero_stage=4: allowed values are \[0, 1, 2, 3\]"):
+        config_from_dict({}, ["parallel.zero_stage=4"])
+    with pytest.raises(ConfigError, match="precision.bf16=1: expected true or false"):
+        config_from_dict({"precision": {"bf16": 1}})
+    with pytest.raises(ConfigError, match="choose one"):
+        config_from_dict({"precision": {"bf16": True, "fp16": True}})
+
+
+def test_heads_not_divisible_by_tp():
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide model.num_attention_heads=4"):
+        config_from_dict({"parallel": {"tensor_parallel_size": 3}})
+    # kv heads: 4 heads / 2 kv heads, tp=4 divides the heads but not the kv heads
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide model.num_key_value_heads=2"):
+        config_from_dict({"parallel": {"tensor_parallel_size": 4}})
+
+
+def test_mesh_product_must_match_device_count():
+    par = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"2×2×1 = 4, but there are 8 devices"):
+        make_mesh(par)
+    with pytest.raises(ConfigError, match="does not divide the 8 devices"):
+        ParallelConfig(data_parallel_size=-1, tensor_parallel_size=3).resolve(8)
+    with pytest.raises(ConfigError, match="at most one"):
+        ParallelConfig(data_parallel_size=-1, tensor_parallel_size=-1).resolve(8)
+    assert ParallelConfig(data_parallel_size=-1, tensor_parallel_size=2).resolve(8).data_parallel_size == 4
+
+
+def test_batch_must_split_over_data_group_and_microbatches():
+    cfg = config_from_dict({"training": {"batch_size": 12, "gradient_accumulation_steps": 3}})
+    with pytest.raises(ConfigError, match="microbatch of training.batch_size / gradient_accumulation_steps = 4 "
+                                          "sequences is not divisible by the data-parallel size 8"):
+        validate(cfg, num_devices=8)
+    with pytest.raises(ConfigError, match="not divisible by training.gradient_accumulation_steps=5"):
+        config_from_dict({"training": {"batch_size": 16, "gradient_accumulation_steps": 5}})
+
+
+def test_zero_needs_hidden_divisible():
+    cfg = config_from_dict({"model": {"hidden_size": 132, "num_attention_heads": 6, "num_key_value_heads": 6},
+                            "parallel": {"zero_stage": 3}})
+    with pytest.raises(ConfigError, match="hidden_size=132 is not divisible by data_parallel_size=8"):
+        validate(cfg, num_devices=8)
+
+
+def test_missing_config_file():
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config("nope.yaml")
+
+
+def test_80_layer_example_validates_and_plans():
+    cfg = load_config("configs/llama_80l_example.yaml")
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (80, 12288, 96)
+    assert (cfg.parallel.zero_stage, cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size) == (3, 8, 4)
+    assert cfg.precision.fp16 and cfg.precision.fp16_opt_level == "O2"
+    text = dry_run(cfg)
+    assert "parameters 111,518,035,968" in text  # 80 layers of d=12288, f=28672, GQA 96/8, vocab 32000
+    assert "mesh {'pp': 4, 'dp': 1, 'fsdp': 1, 'tp': 8}" in text
+    assert cfg.training.batch_size == 16  # micro_batch_size 1 × 16 accumulation steps × dp 1
+    assert "per-device model state" in text
