@@ -9,10 +9,11 @@ class. The train step only talks to that interface (:func:`get_family`).
 from types import ModuleType
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models import llama
+from jaxcolossal.models import gpt2, llama
+from jaxcolossal.models.gpt2 import GPT2LMHeadModel
 from jaxcolossal.models.llama import LlamaForCausalLM, count_params, padded_vocab_size, param_axes
 
-FAMILIES = {"llama": llama}
+FAMILIES = {"llama": llama, "gpt2": gpt2}
 
 
 def get_family(cfg: ModelConfig) -> ModuleType:
@@ -26,4 +27,4 @@ def get_family(cfg: ModelConfig) -> ModuleType:
     return FAMILIES[cfg.type]
 
 
-__all__ = ["LlamaForCausalLM", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]
+__all__ = ["LlamaForCausalLM", "GPT2LMHeadModel", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]

@@ -27,6 +27,7 @@ from jaxcolossal.data import DataLoader, eval_batches, get_tokenizer, load_split
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.generate import sample_tokens
 from jaxcolossal.mesh import make_mesh
+from jaxcolossal.models.hf import init_params_from
 from jaxcolossal.sharding import DATA_AXES, describe
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
@@ -90,7 +91,9 @@ def train(cfg: Config) -> dict:
 
     tx = build_optimizer(t)
     schedule = lr_schedule(t)
-    state = init_state(plan, tx, key=jax.random.key(t.seed))
+    # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
+    state = init_state(plan, tx, key=jax.random.key(t.seed),
+                       params=init_params_from(cfg.model, plan.mesh_shape["tp"]))
     if is_main:
         print(param_table(plan))
         report, _ = memory_report(plan, state)

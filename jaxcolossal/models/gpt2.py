@@ -1,0 +1,219 @@
+"""GPT-2 (Radford et al., 2019): learned positions, pre-LayerNorm with bias, GELU (tanh), biases.
+
+The same interface as :mod:`jaxcolossal.models.llama` — :func:`padded_vocab_size`,
+:func:`param_shapes_and_axes`, :func:`init_params`, :func:`forward`, :func:`loss_sum` over a params
+dict, plus the NNX module :class:`GPT2LMHeadModel` — so the train step, ZeRO and tensor
+parallelism apply unchanged. Attention, remat policies and the vocab-parallel cross-entropy are
+llama.py's. The numerics follow Hugging Face's ``GPT2LMHeadModel`` (``gelu_new``, LayerNorm over
+the last dim with ``layer_norm_eps``, scores scaled by 1/sqrt(head_dim)); HF's fused Conv1D
+``c_attn`` is stored here as separate q/k/v projections (see :mod:`jaxcolossal.models.hf`).
+
+Shapes (b batch, t sequence, d hidden, h heads = kv heads, q head dim, f intermediate, v padded
+vocab, P max positions, L layers)::
+
+    wte              [v, d]        (vocab, embed)                    vocab-parallel, tied LM head
+    wpe              [P, d]        (seq, embed)
+    layers.attn_norm / attn_norm_bias [L, d]  (layers, embed)         ln_1
+    layers.wq/wk/wv  [L, d, h, q]  (layers, embed, heads, head_dim)  column-parallel
+    layers.bq/bk/bv  [L, h, q]     (layers, heads, head_dim)
+    layers.wo        [L, h, q, d]  (layers, heads, head_dim, embed)  row-parallel
+    layers.bo        [L, d]        (layers, embed)
+    layers.mlp_norm / mlp_norm_bias [L, d]    (layers, embed)         ln_2
+    layers.w_fc      [L, d, f]     (layers, embed, mlp)              column-parallel
+    layers.b_fc      [L, f]        (layers, mlp)
+    layers.w_proj    [L, f, d]     (layers, mlp, embed)              row-parallel
+    layers.b_proj    [L, d]        (layers, embed)
+    final_norm / final_norm_bias [d]  (embed,)                       ln_f
+    lm_head          [d, v]        (embed, vocab)  only when tie_word_embeddings is false
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxcolossal.config import ConfigError, ModelConfig
+from jaxcolossal.models.llama import (_REMAT, Sharder, _no_shard, attention, cross_entropy_sum,
+                                      logits_from_hidden, padded_vocab_size)
+
+__all__ = ["padded_vocab_size", "param_shapes_and_axes", "init_params", "forward", "loss_sum",
+           "hidden_states", "layer_norm", "GPT2LMHeadModel"]
+
+
+def _check(cfg: ModelConfig) -> None:
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        raise ConfigError(
+            f"model.type=gpt2 has no grouped-query attention: model.num_key_value_heads="
+            f"{cfg.num_key_value_heads} must equal model.num_attention_heads={cfg.num_attention_heads}")
+
+
+def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
+    """``{name: (shape, logical_axes)}`` for every parameter (the table in the module doc).
+
+    Args:
+        cfg: the model section (``type: gpt2``).
+        vocab: the padded vocabulary size (:func:`padded_vocab_size`).
+
+    Raises:
+        ConfigError: ``num_key_value_heads != num_attention_heads`` (GPT-2 has no GQA).
+    """
+    _check(cfg)
+    L, d, h, q, f, P = (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim,
+                        cfg.intermediate_size, cfg.max_position_embeddings)
+    vec = ((L, d), ("layers", "embed"))
+    layers = {
+        "attn_norm": vec, "attn_norm_bias": vec,
+        "wq": ((L, d, h, q), ("layers", "embed", "heads", "head_dim")),
+        "wk": ((L, d, h, q), ("layers", "embed", "heads", "head_dim")),
+        "wv": ((L, d, h, q), ("layers", "embed", "heads", "head_dim")),
+        "bq": ((L, h, q), ("layers", "heads", "head_dim")),
+        "bk": ((L, h, q), ("layers", "heads", "head_dim")),
+        "bv": ((L, h, q), ("layers", "heads", "head_dim")),
+        "wo": ((L, h, q, d), ("layers", "heads", "head_dim", "embed")),
+        "bo": vec,
+        "mlp_norm": vec, "mlp_norm_bias": vec,
+        "w_fc": ((L, d, f), ("layers", "embed", "mlp")),
+        "b_fc": ((L, f), ("layers", "mlp")),
+        "w_proj": ((L, f, d), ("layers", "mlp", "embed")),
+        "b_proj": vec,
+    }
+    out = {"wte": ((vocab, d), ("vocab", "embed")), "wpe": ((P, d), ("seq", "embed")), "layers": layers,
+           "final_norm": ((d,), ("embed",)), "final_norm_bias": ((d,), ("embed",))}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ((d, vocab), ("embed", "vocab"))
+    return out
+
+
+def _init_leaf(key, name: str, shape, cfg: ModelConfig) -> jax.Array:
+    if name.endswith("norm"):
+        return jnp.ones(shape, jnp.float32)
+    if name.endswith("bias") or name.startswith("b"):
+        return jnp.zeros(shape, jnp.float32)
+    std = cfg.initializer_range
+    if name in ("wo", "w_proj"):  # GPT-2's scaled init of the residual projections (c_proj)
+        std = std / math.sqrt(2 * cfg.num_layers)
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+class GPT2LMHeadModel(nnx.Module):
+    """GPT-2 with its (tied) causal-LM head, as a Flax NNX module.
+
+    Args:
+        cfg: the model section of the config (``num_key_value_heads == num_attention_heads``).
+        rngs: ``nnx.Rngs`` for initialisation: weights normal(0, initializer_range), residual
+            projections (``wo``, ``w_proj``) scaled by 1/sqrt(2L), biases zero, LayerNorm scales one.
+        tp: tensor-parallel size, only to pad the vocabulary (:func:`padded_vocab_size`).
+
+    Params are fp32 ``nnx.Param`` with logical ``axes`` metadata. ``__call__(tokens)`` maps
+    int32 ``[b, t]`` tokens (t <= max_position_embeddings) to fp32 logits ``[b, t, vocab_size]``
+    (padding removed).
+
+    Raises:
+        ConfigError: ``num_key_value_heads != num_attention_heads``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, tp: int = 1):
+        self.cfg = cfg
+        self.vocab = padded_vocab_size(cfg, tp)
+        table = param_shapes_and_axes(cfg, self.vocab)
+        keys = iter(jax.random.split(rngs.params(), 32))
+
+        def make(name, shape, axes):
+            return nnx.Param(_init_leaf(next(keys), name, shape, cfg), axes=axes)
+
+        self.wte = make("wte", *table["wte"])
+        self.wpe = make("wpe", *table["wpe"])
+        self.layers = nnx.Dict({n: make(n, *sa) for n, sa in table["layers"].items()})
+        self.final_norm = make("final_norm", *table["final_norm"])
+        self.final_norm_bias = make("final_norm_bias", *table["final_norm_bias"])
+        if "lm_head" in table:
+            self.lm_head = make("lm_head", *table["lm_head"])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        params = nnx.state(self, nnx.Param).to_pure_dict()
+        return forward(params, tokens, self.cfg)[..., : self.cfg.vocab_size]
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
+    """fp32 params (pure dict) of a fresh :class:`GPT2LMHeadModel`; jit-able.
+
+    Raises:
+        ConfigError: ``num_key_value_heads != num_attention_heads``.
+    """
+    return nnx.state(GPT2LMHeadModel(cfg, rngs=nnx.Rngs(params=key), tp=tp), nnx.Param).to_pure_dict()
+
+
+# ----------------------------------------------------------------------------- the computation
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last dim (biased variance, as torch), in fp32, returned in ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
+    """One pre-LN GPT-2 block. x ``[b, t, d]`` in the compute dtype."""
+    eps = cfg.layer_norm_eps
+    h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], eps)
+    qkv_axes = ("batch", "seq", "heads", "head_dim")
+    q = shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]) + lp["bq"], qkv_axes)
+    k = shard(jnp.einsum("btd,dhq->bthq", h, lp["wk"]) + lp["bk"], qkv_axes)
+    v = shard(jnp.einsum("btd,dhq->bthq", h, lp["wv"]) + lp["bv"], qkv_axes)
+    a = shard(attention(q, k, v, cfg.attention_impl), qkv_axes)
+    x = shard(x + jnp.einsum("bthq,hqd->btd", a, lp["wo"]) + lp["bo"], ("batch", "seq", "embed"))
+    h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], eps)
+    u = shard(jnp.einsum("btd,df->btf", h, lp["w_fc"]) + lp["b_fc"], ("batch", "seq", "mlp"))
+    y = jnp.einsum("btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"]) + lp["b_proj"]
+    return shard(x + y, ("batch", "seq", "embed"))
+
+
+def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+                  vocab_parallel: bool = False) -> jax.Array:
+    """Final-LayerNorm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``.
+
+    ``t`` must not exceed ``max_position_embeddings`` (the rows of ``wpe``).
+    """
+    table = params["wte"]
+    if vocab_parallel:  # Megatron's VocabParallelEmbedding, as in llama.hidden_states
+        onehot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
+        x = jnp.einsum("btv,vd->btd", shard(onehot, ("batch", "seq", "vocab")), table)
+    else:
+        x = jnp.take(table, tokens, axis=0)
+    t = tokens.shape[1]
+    if t > params["wpe"].shape[0]:
+        raise ValueError(f"sequence length {t} exceeds max_position_embeddings={params['wpe'].shape[0]}")
+    x = shard(x + params["wpe"][:t][None].astype(x.dtype), ("batch", "seq", "embed"))
+
+    def body(carry, lp):
+        return decoder_layer(carry, lp, cfg, shard), None
+
+    if cfg.remat in _REMAT:
+        body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    return layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
+
+
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+            vocab_parallel: bool = False) -> jax.Array:
+    """Logits ``[b, t, v_padded]`` (fp32) for int ``tokens [b, t]``; padded columns are -1e30.
+
+    The LM head is ``wte.T`` (tied) or ``lm_head`` when ``tie_word_embeddings`` is false.
+    """
+    h = hidden_states(params, tokens, cfg, shard, vocab_parallel)
+    head = {"embed_tokens": params["wte"]}
+    if "lm_head" in params:
+        head["lm_head"] = params["lm_head"]
+    return logits_from_hidden(head, h, cfg, shard)
+
+
+def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
+             shard: Sharder = _no_shard, vocab_parallel: bool = False) -> jax.Array:
+    """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``."""
+    return cross_entropy_sum(forward(params, tokens, cfg, shard, vocab_parallel), targets, shard)
