@@ -40,15 +40,33 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
+INPUT_EMBEDDINGS = ("embed_tokens", "wte", "wpe")
+
+
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts (unpadded vocabulary): ``total``, ``embedding``, ``matmul``."""
-    d, L, f, v = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, cfg.vocab_size
-    h, k, q = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    per_layer = 2 * d + d * h * q + 2 * d * k * q + h * q * d + 3 * d * f
-    emb = v * d
-    head = 0 if cfg.tie_word_embeddings else v * d
-    total = emb + L * per_layer + d + head
-    return {"total": total, "embedding": emb, "matmul": L * per_layer + v * d}
+    """Parameter counts with the unpadded vocabulary, for any model family.
+
+    ``total``: every parameter. ``embedding``: the input lookup tables (token and, for GPT-2,
+    position). ``matmul``: the parameters used in matrix multiplies — every leaf with two or more
+    dimensions besides ``layers`` except the lookup tables, plus the tied LM head.
+    """
+    from jaxcolossal.models import get_family
+
+    table = get_family(cfg).param_shapes_and_axes(cfg, cfg.vocab_size)
+    flat = jax.tree_util.tree_flatten_with_path(
+        table, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))[0]
+    total = emb = matmul = 0
+    for path, (shape, axes) in flat:
+        size = math.prod(shape)
+        name = str(getattr(path[-1], "key", path[-1]))
+        total += size
+        if name in INPUT_EMBEDDINGS:
+            emb += size
+        elif len([a for a in axes if a != "layers"]) >= 2:
+            matmul += size
+    if cfg.tie_word_embeddings:
+        matmul += cfg.vocab_size * cfg.hidden_size
+    return {"total": total, "embedding": emb, "matmul": matmul}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:

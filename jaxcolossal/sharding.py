@@ -101,8 +101,9 @@ def zero_spec(name: str, axes: Sequence[str | None], shape: Sequence[int], mesh_
               rules: Mapping[str, Any] = RULES) -> P:
     """The spec of a parameter-shaped leaf with its ZeRO dimension sharded over ``fsdp``.
 
-    The ZeRO dimension is the ``embed`` dimension (every LLaMA/GPT-2 weight has one); a leaf
-    without one falls back to the first unsharded dimension that ``fsdp`` divides.
+    The ZeRO dimension is the ``embed`` dimension (every LLaMA/GPT-2 weight matrix has one); a
+    leaf without one (a bias) falls back to the first unsharded dimension that ``fsdp`` divides,
+    then to a ``tp``-sharded dimension split further over ``("tp", "fsdp")``.
 
     Raises:
         ConfigError: if no dimension can be split evenly over ``fsdp``.
@@ -117,6 +118,13 @@ def zero_spec(name: str, axes: Sequence[str | None], shape: Sequence[int], mesh_
         if base[i] is None and shape[i] % n == 0:
             base[i] = ZERO_AXIS
             return P(*base)
+    # last resort: split a dimension that tensor parallelism already splits further over fsdp
+    for i, e in enumerate(base):
+        if e is not None:
+            names = (e,) if isinstance(e, str) else tuple(e)
+            if shape[i] % (_axis_size(mesh_shape, names) * n) == 0:
+                base[i] = names + (ZERO_AXIS,)
+                return P(*base)
     raise ConfigError(
         f"ZeRO cannot shard parameter {name!r} of shape {tuple(shape)} over fsdp={n}: "
         "no dimension is divisible; change the data-parallel size or the model sizes")

@@ -1,5 +1,5 @@
 """The optimizer from the training config: global-norm clipping then AdamW with warmup and
-cosine decay (optax). Weight decay skips norm scales (their names end in ``norm``)."""
+cosine decay (optax). Weight decay skips norm scales and biases (:func:`decay_mask`)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,17 @@ def lr_schedule(t: TrainingConfig) -> optax.Schedule:
         decay_steps=max(t.max_steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_learning_rate_ratio)
 
 
+NO_DECAY_SUFFIXES = ("norm", "norm_bias")
+NO_DECAY_NAMES = {"bq", "bk", "bv", "bo", "b_fc", "b_proj"}
+
+
 def decay_mask(params: Any) -> Any:
-    """True for leaves that get weight decay: everything but the norm scales."""
+    """True for leaves that get weight decay: weight matrices and embeddings, not norm scales,
+    LayerNorm biases or linear biases (the Hugging Face / Megatron convention)."""
     def keep(path, _):
         last = path[-1]
-        name = getattr(last, "key", getattr(last, "name", str(last)))
-        return not str(name).endswith("norm")
+        name = str(getattr(last, "key", getattr(last, "name", last)))
+        return not (name.endswith(NO_DECAY_SUFFIXES) or name in NO_DECAY_NAMES)
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
