@@ -99,3 +99,37 @@ def top_level_collectives(comps: dict, entry: str) -> list[Collective]:
                 if callee not in bodies:
                     out.extend(collectives_in(comps, callee, set(bodies)))
     return out
+
+
+_TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[str, int]]:
+    """Per-step totals by collective kind, loops multiplied out by their known trip counts.
+
+    Returns ``{kind: {"count": executions per step, "elements": result elements moved per step,
+    "bytes": result bytes per step}}``, ignoring collectives smaller than ``min_elements``
+    (scalars such as the loss). A loop without a known trip count counts once.
+    """
+    comps, entry = computations(hlo_text)
+    totals: dict[str, dict[str, int]] = {}
+
+    def walk(name: str, times: int, stack: tuple) -> None:
+        if name in stack or name not in comps:
+            return
+        for line in comps[name]:
+            for kind in COLLECTIVES:
+                if f" {kind}(" in line or f" {kind}-start(" in line:
+                    c = Collective(kind, _result_shapes(line), name, line.strip())
+                    if c.max_elements >= min_elements:
+                        t = totals.setdefault(kind, {"count": 0, "elements": 0, "bytes": 0})
+                        t["count"] += times
+                        t["elements"] += times * sum(math.prod(s) for _, s in c.shapes)
+                        t["bytes"] += times * c.bytes
+            trip = _TRIP.search(line)
+            mult = int(trip.group(1)) if (" while(" in line and trip) else 1
+            for callee in _CALLS.findall(line):
+                walk(callee, times * mult, stack + (name,))
+
+    walk(entry, 1, ())
+    return totals

@@ -54,7 +54,8 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     ``inputs``/``targets``: int32 ``[B, t]`` global arrays sharded over the data group.
     ``scale``: the fp16 loss scale (1.0 otherwise); returned gradients are unscaled and
     normalised by the number of tokens in the step, so they are the gradient of the mean loss.
-    The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``).
+    The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``; for ZeRO-1 the
+    optimizer-state sharding, since the one reduction per step goes straight to each rank's slice).
     With ``pp > 1`` this is :func:`jaxcolossal.pipeline.make_pipeline_grad_fn` (same contract).
     """
     if plan.mesh_shape["pp"] > 1:
@@ -90,8 +91,8 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
             g = jax.tree.map(lambda a: a.astype(jnp.float32), g)  # fp32 before any reduction
             return jnp.sum(loss), constrain(g, mesh, per_shard_specs)
 
-        def reduce(g):  # [N, ...] per-shard fp32 -> summed over the data group
-            return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), mesh, grad_specs)
+        def reduce(g, specs=grad_specs):  # [N, ...] per-shard fp32 -> summed over the data group
+            return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), mesh, specs)
 
         if zero >= 2:  # sharded persistent buffer: reduce(-scatter) each microbatch into it
             def body(carry, j):
@@ -111,7 +112,9 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
             (loss_sum, acc), _ = body((jnp.zeros((), jnp.float32), zeros), 0)
         else:
             (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jnp.arange(k))
-        grads = acc if zero >= 2 else reduce(acc)
+        # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
+        # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
+        grads = acc if zero >= 2 else reduce(acc, plan.specs.opt if zero == 1 else grad_specs)
         grads = jax.tree.map(lambda g: g / scale, grads)
         return loss_sum, grads
 
