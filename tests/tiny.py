@@ -36,7 +36,7 @@ def setup(cfg: Config, devices=None):
     """(plan, tx, state, jitted step) for ``cfg`` on ``devices`` (default: all)."""
     mesh = make_mesh(cfg.parallel, devices)
     plan = make_plan(cfg, mesh)
-    tx = build_optimizer(cfg.training)
+    tx = build_optimizer(cfg.training, plan)
     state = init_state(plan, tx, key=jax.random.key(0))
     return plan, tx, state, make_train_step(plan, tx, lr_schedule(cfg.training))
 

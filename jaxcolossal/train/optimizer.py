@@ -33,19 +33,24 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def build_optimizer(t: TrainingConfig) -> optax.GradientTransformation:
+def build_optimizer(t: TrainingConfig, plan: Any = None) -> optax.GradientTransformation:
     """``clip_by_global_norm(max_grad_norm)`` (skipped when 0) followed by AdamW.
 
     ``training.optimizer = "fused_adamw"`` selects :func:`jaxcolossal.optim.fused_adamw`
     (Colossal-AI's HybridAdam); ``"adamw"`` is ``optax.adamw``. The global norm is over the
     global (sharded) gradient arrays, so each parameter counts exactly once.
+
+    With a :class:`~jaxcolossal.train.state.TrainPlan`, the fused optimizer runs its per-leaf
+    update inside ``shard_map`` on each device's local shard of the ZeRO optimizer-state
+    sharding (``plan.specs.opt``), so the update never gathers.
     """
     sched = lr_schedule(t)
     mask = decay_mask  # a callable: optax applies it to the params tree
     if t.optimizer == "fused_adamw":
         from jaxcolossal.optim import fused_adamw
+        local = {} if plan is None else {"mesh": plan.mesh, "param_specs": plan.specs.opt}
         adam = fused_adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
-                           weight_decay=t.weight_decay, mask=mask)
+                           weight_decay=t.weight_decay, mask=mask, **local)
     else:
         adam = optax.adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
                            weight_decay=t.weight_decay, mask=mask)
