@@ -1,0 +1,106 @@
+"""Checkpoints users can trust: retention, corrupt-step recovery, resharding restore, SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcolossal.checkpoint import CheckpointManager
+from jaxcolossal.mesh import make_mesh
+from jaxcolossal.train.optimizer import build_optimizer
+from jaxcolossal.train.state import init_state, make_plan
+from tiny import run_steps, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_keeps_last_n_and_the_best(tmp_path):
+    _, _, plan = run_steps(tiny_config(), jax.devices()[:1], steps=0)
+    state = init_state(plan, build_optimizer(plan.cfg.training, plan), key=jax.random.key(0))
+    cm = CheckpointManager(str(tmp_path), max_to_keep=2)
+    for step, val in [(1, 3.0), (2, None), (3, 1.0), (4, 2.0), (5, None), (6, 4.0), (7, None)]:
+        cm.save(step, state, val_loss=val)
+    cm.wait()
+    assert cm.all_steps() == [3, 6, 7]  # the two newest, plus the best val_loss (step 3)
+    assert cm.best_step() == 3 and cm.latest_step() == 7
+    cm.close()
+
+
+def test_corrupt_latest_step_is_skipped_with_a_warning(tmp_path):
+    state, _, plan = run_steps(tiny_config(), jax.devices()[:1], steps=1)
+    cm = CheckpointManager(str(tmp_path), max_to_keep=5)
+    cm.save(1, state)
+    cm.wait()
+    state2 = state.replace(step=state.step + 1)
+    cm.save(2, state2)
+    cm.wait()
+    # truncate every data file of step 2, as a crash mid-copy or a bad disk would
+    for dirpath, _, files in os.walk(tmp_path / "2"):
+        for f in files:
+            if not f.startswith("_"):
+                with open(os.path.join(dirpath, f), "r+b") as fh:
+                    fh.truncate(3)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint step 2 .* could not be restored and is skipped"):
+        restored = cm.restore(state)
+    assert int(restored.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
+    cm.save(3, state2.replace(step=state.step + 2))  # later saves still happen
+    cm.wait()
+    assert 3 in cm.all_steps()
+    cm.close()
+
+
+@pytest.mark.parametrize("target", ["tp2_zero1_on_4", "one_device"])
+def test_restore_onto_another_layout(tmp_path, target):
+    src_cfg = tiny_config({"data_parallel_size": 8, "zero_stage": 3})
+    state, _, _ = run_steps(src_cfg, jax.devices(), steps=2)
+    cm = CheckpointManager(str(tmp_path))
+    cm.save(2, state)
+    cm.wait()
+    if target == "tp2_zero1_on_4":
+        cfg, devices = tiny_config({"tensor_parallel_size": 2, "zero_stage": 1}), jax.devices()[:4]
+    else:
+        cfg, devices = tiny_config({"data_parallel_size": 1}), jax.devices()[:1]
+    plan = make_plan(cfg, make_mesh(cfg.parallel, devices))
+    fresh = init_state(plan, build_optimizer(cfg.training, plan), key=jax.random.key(1))
+    restored = cm.restore(fresh)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.opt_state), jax.device_get(state.opt_state))
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(fresh)):
+        assert got.sharding == want.sharding  # every array carries the target sharding
+    cm.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_saves_and_exits(tmp_path):
+    args = [sys.executable, "scripts/train.py", "model.num_layers=2", "model.hidden_size=64",
+            "model.intermediate_size=128", "training.seq_len=32", "training.max_steps=100000",
+            "training.eval_every=0", "data.max_corpus_bytes=300000", "logging.log_every=1",
+            "logging.progress_bar=false", f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= 3:
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"training exited early: {proc.stderr.read()[-2000:]}")
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert "SIGTERM received" in err
+    steps = [json.loads(line)["step"] for line in open(metrics) if '"loss"' in line]
+    cm = CheckpointManager(str(tmp_path / "ckpt"))
+    assert cm.latest_step() is not None and cm.latest_step() >= steps[-1] >= 3
+    cm.close()
