@@ -17,13 +17,26 @@ Two JAX rules shape the API:
 
 As Colossal-AI does at import time, importing this module sets
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless it is already set.
+
+No silent hangs: one timeout, ``JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` seconds (default 300, read by
+:func:`collective_timeout`), bounds every way a multi-process job can wait for a peer that is
+gone. :func:`launch` passes it to ``jax.distributed.initialize`` as the shutdown-barrier timeout
+(and as the heartbeat timeout, capped at JAX's 100 s), so a dead process takes the others down;
+on CPU it also sets ``--xla_cpu_collective_timeout_seconds`` so a gloo collective whose peer
+never arrives fails instead of waiting for ever. NCCL has no such timeout, so the training loop
+runs a :class:`StepWatchdog` that aborts a process making no progress for that long.
+``python -m jaxcolossal.run --timeout S`` sets the variable for every process it starts.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import re
-from collections.abc import Mapping, Sequence
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -43,9 +56,19 @@ __all__ = [
     "launch_from_torch",
     "launch_from_slurm",
     "launch_from_openmpi",
+    "collective_timeout",
+    "StepWatchdog",
+    "COLLECTIVE_TIMEOUT_ENV",
+    "WATCHDOG_EXIT_CODE",
 ]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+COLLECTIVE_TIMEOUT_ENV = "JAXCOLOSSAL_COLLECTIVE_TIMEOUT"
+DEFAULT_COLLECTIVE_TIMEOUT = 300  # seconds; PyTorch's NCCL watchdog uses 600, JAX's shutdown barrier 300
+_MAX_HEARTBEAT_TIMEOUT = 100  # jax.distributed.initialize's own default
+WATCHDOG_EXIT_CODE = 124  # as timeout(1)
 
 # Names read by each launcher.  A tuple entry lists alternatives, first preferred.
 _TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -163,6 +186,154 @@ def _read_env(
     return out
 
 
+def collective_timeout(env: Mapping[str, str] | None = None) -> int:
+    """Seconds a process may wait for its peers: ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, default 300.
+
+    Used for the distributed shutdown barrier, the heartbeat (capped at 100 s), the CPU (gloo)
+    collective timeout and the training loop's :class:`StepWatchdog`.
+
+    Raises:
+      ValueError: the variable is set but is not a positive integer.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_COLLECTIVE_TIMEOUT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV} must be a positive integer (seconds), got {raw!r}")
+    return value
+
+
+class StepWatchdog:
+    """Abort the process when it makes no progress for ``timeout`` seconds.
+
+    A process blocked in a collective whose peer left the loop early, hung or died cannot be
+    interrupted from Python (the wait is inside XLA/NCCL/gloo), and NCCL has no timeout of its
+    own. The loop calls :meth:`kick` after each unit of progress; a daemon thread checks the time
+    since the last kick and, past ``timeout``, prints a clear message and the Python stacks of
+    every thread to stderr and ends the process with ``os._exit(WATCHDOG_EXIT_CODE)`` (124).
+
+    Use it as a context manager or call :meth:`start`/:meth:`stop`. With ``timeout=None`` it is
+    disabled and every method is a no-op.
+
+    Args:
+      timeout: seconds without a kick before aborting, or None (disabled).
+      process_index: shown in the message (default: 0 before the backend starts, else
+        ``jax.process_index()``, read once here and never from the watchdog thread).
+      on_timeout: called with the message instead of aborting (for tests).
+    """
+
+    def __init__(self, timeout: float | None, *, process_index: int | None = None,
+                 on_timeout: Callable[[str], None] | None = None) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+        self.timeout = timeout
+        if process_index is None:
+            process_index = jax.process_index() if _backend_started() else 0
+        self.process_index = process_index
+        self._on_timeout = on_timeout
+        self._last = time.monotonic()
+        self._what = "start"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout is not None
+
+    def start(self, what: str = "start") -> "StepWatchdog":
+        if self.enabled and self._thread is None:
+            self.kick(what)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="jaxcolossal-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def kick(self, what: str = "") -> None:
+        """Record progress (``what`` names it in the message, e.g. ``"step 12"``)."""
+        self._last = time.monotonic()
+        if what:
+            self._what = what
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> "StepWatchdog":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        poll = min(1.0, self.timeout / 10)
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout:
+                self.fired = True
+                msg = (f"jaxcolossal watchdog: process {self.process_index} made no progress for "
+                       f"{idle:.0f} s (timeout {self.timeout:g} s; last progress: {self._what}). A "
+                       f"collective is probably waiting for a process that left the training loop "
+                       f"early, hung or died. Aborting with exit code {WATCHDOG_EXIT_CODE}; set "
+                       f"{COLLECTIVE_TIMEOUT_ENV} (or python -m jaxcolossal.run --timeout) to change "
+                       f"the timeout.")
+                if self._on_timeout is not None:
+                    self._on_timeout(msg)
+                    return
+                sys.stderr.write("\n" + msg + "\nPython stacks of this process:\n")
+                sys.stderr.flush()
+                try:
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+                sys.stderr.flush()
+                os._exit(WATCHDOG_EXIT_CODE)
+
+
+def _install_fail_fast_excepthook() -> None:
+    """Make an uncaught exception end a multi-process job's process at once.
+
+    Python would otherwise run ``jax.distributed.shutdown`` at exit, which waits at the shutdown
+    barrier (up to the collective timeout) while the other processes sit in a collective that
+    this one will never join. Exiting without it lets them fail fast ("connection closed" from
+    gloo, a failed heartbeat from the coordination service) and a launcher see the failure now.
+    The traceback is printed first by the previous hook. Installed once by :func:`launch`.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_jaxcolossal_fail_fast", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        try:
+            previous(exc_type, exc, tb)
+            if not issubclass(exc_type, KeyboardInterrupt):
+                sys.stderr.write(
+                    f"jaxcolossal: uncaught {exc_type.__name__} in process {jax.process_index()} of "
+                    f"{jax.process_count()}; exiting now (status 1) without waiting for the other "
+                    f"processes at the distributed shutdown barrier.\n")
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+    hook._jaxcolossal_fail_fast = True
+    sys.excepthook = hook
+
+
+def _set_flag_default(xla_flags: str, flag: str, value: object) -> str:
+    """Append ``flag=value`` to ``xla_flags`` unless the flag is already there (the user's wins)."""
+    if any(re.fullmatch(re.escape(flag) + r"(=.*)?", tok) for tok in xla_flags.split()):
+        return xla_flags
+    return " ".join(xla_flags.split() + [f"{flag}={value}"])
+
+
 # --------------------------------------------------------------------------- public
 def simulate_devices(n: int) -> None:
     """Make the host (CPU) platform expose ``n`` devices, for CPU runs and notebooks.
@@ -251,6 +422,7 @@ def launch(
     local_device_ids: int | Sequence[int] | str | None = None,
     initialization_timeout: int = 300,
     cpu_collectives: str | None = "gloo",
+    collective_timeout_s: int | None = None,
 ) -> jax.Array:
     """Join the distributed JAX job and seed the RNGs; mirrors ``colossalai.launch``.
 
@@ -274,7 +446,8 @@ def launch(
       local_rank: index of this process on its node, or None.
       seed: RNG seed, see :func:`set_seed`.
       verbose: log the initialised world on process 0.
-      local_device_ids: devices this process owns. None: ``[local_rank]`` when
+      local_device_ids: devices this process owns (JAX's own cluster detection is switched
+        off, so this choice is final). None: ``[local_rank]`` when
         ``local_rank`` is given (one device per process, as with torchrun, Slurm and
         Open MPI and as JAX's own Slurm/Open MPI detection does), else all local
         devices. ``"all"``: every local device even though ``local_rank`` is given
@@ -283,6 +456,16 @@ def launch(
       initialization_timeout: seconds to wait for all processes to connect.
       cpu_collectives: ``"gloo"``, ``"mpi"`` or ``"megascale"`` for cross-process
         collectives on CPU; None leaves JAX's setting unchanged.
+      collective_timeout_s: seconds a process waits for a peer that is gone (default
+        :func:`collective_timeout`, i.e. ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` or 300). It becomes
+        ``shutdown_timeout_seconds`` and, capped at 100, ``heartbeat_timeout_seconds`` of
+        ``jax.distributed.initialize``; when the CPU may be used,
+        ``--xla_cpu_collective_timeout_seconds`` is added to ``XLA_FLAGS`` unless already there.
+
+    With ``world_size > 1`` it also installs a ``sys.excepthook`` that, after printing the
+    traceback, ends the process with status 1 at once (``os._exit``) instead of waiting for the
+    other processes at the distributed shutdown barrier: an uncaught exception then stops the
+    job in seconds, not after the collective timeout.
 
     Returns:
       ``jax.random.key(seed)``.
@@ -310,6 +493,9 @@ def launch(
     if local_rank is not None:
         local_rank = _check_int("local_rank", local_rank, 0)
     initialization_timeout = _check_int("initialization_timeout", initialization_timeout, 0)
+    if collective_timeout_s is None:
+        collective_timeout_s = collective_timeout()
+    collective_timeout_s = _check_int("collective_timeout_s", collective_timeout_s, 1)
     if cpu_collectives is not None and not isinstance(cpu_collectives, str):
         raise TypeError(f"cpu_collectives must be a str or None, got {cpu_collectives!r}")
 
@@ -332,15 +518,24 @@ def launch(
                 "launch() must run before any JAX computation: the backend has already "
                 "started, so jax.distributed.initialize can no longer take effect."
             )
-        if _cpu_may_be_used() and cpu_collectives is not None:
-            jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+        if _cpu_may_be_used():
+            if cpu_collectives is not None:
+                jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+            os.environ["XLA_FLAGS"] = _set_flag_default(
+                os.environ.get("XLA_FLAGS", ""), _CPU_COLLECTIVE_TIMEOUT_FLAG, collective_timeout_s)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=world_size,
             process_id=rank,
             local_device_ids=device_ids,
+            # every value is given: keep JAX's Slurm/Open MPI detection from replacing
+            # local_device_ids=None ("all") with [SLURM_LOCALID] and hiding the other GPUs
+            cluster_detection_method="deactivate",
             initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT),
+            shutdown_timeout_seconds=collective_timeout_s,
         )
+        _install_fail_fast_excepthook()
 
     key = set_seed(seed)
 

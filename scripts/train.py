@@ -6,6 +6,13 @@
 
 On a machine with no accelerator it simulates 8 CPU devices (``--devices`` to change);
 on GPUs it uses the real ones. Under torchrun/SLURM/Open MPI it calls the matching launcher.
+
+Several processes on one machine (2 x 4 simulated CPU devices here):
+
+    python -m jaxcolossal.run --nproc 2 scripts/train.py parallel.zero_stage=3
+
+The launcher sets each process's device count in ``XLA_FLAGS``; without ``--devices`` that
+count is kept.
 """
 
 import argparse
@@ -15,10 +22,21 @@ import sys
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "llama_tiny.yaml")
 
 
+def _devices_in_xla_flags() -> int | None:
+    """The value of --xla_force_host_platform_device_count in XLA_FLAGS, if any."""
+    for tok in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = tok.partition("=")
+        if name == "--xla_force_host_platform_device_count" and value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/llama_tiny.yaml)")
-    ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator (default 8)")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="simulated CPU devices (per process) when no accelerator (default: the count "
+                         "already in XLA_FLAGS, as set by python -m jaxcolossal.run, else 8)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (params, memory, mesh) and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = ap.parse_args(argv)
@@ -35,7 +53,7 @@ def main(argv=None) -> int:
         from jaxcolossal.plan import dry_run
         print(dry_run(cfg))
         return 0
-    jc.simulate_devices(args.devices)
+    jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)
     from jaxcolossal.train.loop import train
 

@@ -26,6 +26,7 @@ from jaxcolossal.config import Config
 from jaxcolossal.data import DataLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.generate import sample_tokens
+from jaxcolossal.launch import StepWatchdog, collective_timeout
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.models.hf import init_params_from
 from jaxcolossal.sharding import DATA_AXES, describe
@@ -73,9 +74,22 @@ def _evaluate(eval_step, params, batches) -> float:
 def train(cfg: Config) -> dict:
     """Run the main job described by ``cfg``; returns a summary dict (losses, throughput, sample).
 
+    In a multi-process job a :class:`~jaxcolossal.launch.StepWatchdog` guards the steps and
+    evaluations: a process that makes no progress for ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` seconds
+    (default 300; e.g. stuck in a collective because another process left the loop or died)
+    aborts with a clear message and exit status 124.
+
     Raises:
         ConfigError: before anything is compiled, for any impossible setting.
     """
+    watchdog = StepWatchdog(collective_timeout() if jax.process_count() > 1 else None)
+    try:
+        return _train(cfg, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
     log = get_dist_logger()
     run_dir = cfg.logging.run_dir
     is_main = jax.process_index() == 0
@@ -126,6 +140,7 @@ def train(cfg: Config) -> dict:
     log.info(f"train step compiled in {compile_s:.1f}s; per-device temporary memory "
              f"{(temp or 0) / 2**20:.1f} MiB", ranks=[0])
 
+    watchdog.start("compiled the train step")
     val_start = _evaluate(eval_step, state.params, evals)
     log.info(f"validation loss at step {int(state.step)}: {val_start:.4f} nats/token", ranks=[0])
     mfile = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
@@ -145,6 +160,7 @@ def train(cfg: Config) -> dict:
     for step in bar:
         state, m = compiled(state, loader.batch(step))
         done = step + 1
+        watchdog.kick(f"step {done}")
         if done % cfg.logging.log_every == 0 or done == t.max_steps:
             m = {k: float(v) for k, v in m.items()}
             now = time.time()
@@ -153,7 +169,7 @@ def train(cfg: Config) -> dict:
             perf = mx.throughput(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len, step_seconds=step_s,
                                  num_devices=jax.device_count(), data_parallel_size=plan.data_size,
                                  device_kind=kind, recompute=recompute)
-            peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+            peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
             rec = {"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak}
             write(rec)
             bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}",
@@ -166,11 +182,13 @@ def train(cfg: Config) -> dict:
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             v = _evaluate(eval_step, state.params, evals)
             write({"step": done, "val_loss": v})
-            bar.write(f"step {done}: validation loss {v:.4f}")
+            if is_main:
+                bar.write(f"step {done}: validation loss {v:.4f}")
         if ckpt and cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0:
             ckpt.save(done, state)
     bar.close()
     val_end = _evaluate(eval_step, state.params, evals)
+    watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
     write({"step": int(state.step), "val_loss": val_end})
     log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} (nats/token)",
              ranks=[0])
