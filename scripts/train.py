@@ -5,7 +5,9 @@
     python scripts/train.py --config configs/llama_80l_example.yaml --dry-run
 
 On a machine with no accelerator it simulates 8 CPU devices (``--devices`` to change);
-on GPUs it uses the real ones. Under torchrun/SLURM/Open MPI it calls the matching launcher.
+on GPUs it uses the real ones. With torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT — set by torchrun, by ``python -m jaxcolossal.run``, or mapped from SLURM as in
+docs/multihost.md) it calls ``launch_from_env`` and joins a ``jax.distributed`` job.
 
 Several processes on one machine (2 x 4 simulated CPU devices here):
 
@@ -58,11 +60,11 @@ def main(argv=None) -> int:
     from jaxcolossal.train.loop import train
 
     try:
-        train(cfg)
+        out = train(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 143 if out.get("preempted") else 0  # 128 + SIGTERM, as a scheduler expects
 
 
 if __name__ == "__main__":

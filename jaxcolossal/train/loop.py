@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -67,12 +69,61 @@ def memory_report(plan: TrainPlan, state: Any) -> tuple[str, dict]:
     return "\n".join(lines), {"measured": got, "formula": want}
 
 
+class _PreemptionFlag:
+    """Set by SIGTERM (a scheduler's preemption notice) while the loop runs; the loop then
+    saves a checkpoint and stops. Only the main thread can install signal handlers; elsewhere
+    this is a flag that never sets."""
+
+    def __init__(self):
+        self.hit = False
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.hit = True
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+    def __bool__(self) -> bool:
+        return self.hit
+
+
+def _final_save(ckpt: CheckpointManager, state: Any, val_loss: float | None = None) -> None:
+    """Save the last step unless the periodic save already wrote it."""
+    ckpt.wait()
+    if int(state.step) not in ckpt.all_steps():
+        ckpt.save(int(state.step), state, val_loss=val_loss, force=True)
+
+
+def _check_overflow_streak(m: dict, pc) -> None:
+    """Stop fp16 training that can only skip: ``max_consecutive_skips`` overflowed steps in a row
+    while the loss scale is already at ``min_scale`` (one host sync per step, fp16 only).
+
+    Raises:
+        FloatingPointError: naming the streak and the scale.
+    """
+    skips = int(m["consecutive_skips"])
+    if skips >= pc.max_consecutive_skips and float(m["loss_scale"]) <= pc.min_scale:
+        raise FloatingPointError(
+            f"fp16: {skips} consecutive steps overflowed with the loss scale at its minimum "
+            f"{pc.min_scale}; training stopped instead of skipping forever (try bf16, a lower learning "
+            "rate, or precision.min_scale)")
+
+
 def _evaluate(eval_step, params, batches) -> float:
     return float(np.mean([float(eval_step(params, x, y)) for x, y in batches]))
 
 
 def train(cfg: Config) -> dict:
     """Run the main job described by ``cfg``; returns a summary dict (losses, throughput, sample).
+
+    With ``checkpoint.dir`` set it saves every ``checkpoint.save_every`` steps, at each
+    evaluation (a candidate for the best checkpoint) and at the end; on SIGTERM it saves the
+    current step and returns early with ``preempted=True``.
 
     In a multi-process job a :class:`~jaxcolossal.launch.StepWatchdog` guards the steps and
     evaluations: a process that makes no progress for ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` seconds
@@ -103,7 +154,7 @@ def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
              f"{jax.process_count()} process(es); precision {plan.precision}; "
              f"zero_stage {cfg.parallel.zero_stage}", ranks=[0])
 
-    tx = build_optimizer(t)
+    tx = build_optimizer(t, plan)
     schedule = lr_schedule(t)
     # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
     state = init_state(plan, tx, key=jax.random.key(t.seed),
@@ -137,6 +188,10 @@ def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
     compile_s = time.time() - t0
     mem = compiled.memory_analysis()
     temp = getattr(mem, "temp_size_in_bytes", None)
+    # per-device bytes the step needs (arguments + outputs + temporaries - donated aliases), for
+    # backends without runtime memory statistics (the CPU)
+    compiled_peak = sum(getattr(mem, f, 0) or 0 for f in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                          "temp_size_in_bytes")) - (getattr(mem, "alias_size_in_bytes", 0) or 0)
     log.info(f"train step compiled in {compile_s:.1f}s; per-device temporary memory "
              f"{(temp or 0) / 2**20:.1f} MiB", ranks=[0])
 
@@ -157,10 +212,13 @@ def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
     bar = tqdm(range(start, t.max_steps), initial=start, total=t.max_steps, disable=not (is_main and cfg.logging.progress_bar),
                dynamic_ncols=True, desc="train")
     last_t, last_step, perf, m = time.time(), start, {}, None
+    preempted = _PreemptionFlag()
     for step in bar:
         state, m = compiled(state, loader.batch(step))
         done = step + 1
         watchdog.kick(f"step {done}")
+        if plan.precision == "fp16":
+            _check_overflow_streak(m, cfg.precision)
         if done % cfg.logging.log_every == 0 or done == t.max_steps:
             m = {k: float(v) for k, v in m.items()}
             now = time.time()
@@ -170,30 +228,40 @@ def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
                                  num_devices=jax.device_count(), data_parallel_size=plan.data_size,
                                  device_kind=kind, recompute=recompute)
             peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
-            rec = {"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak}
+            rec = {"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak or compiled_peak,
+                   "peak_memory_source": "runtime" if peak else "compiled estimate"}
             write(rec)
             bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}",
                             tflops=f"{perf['tflops_6n']:.3f}")
-            if plan.precision == "fp16" and m.get("consecutive_skips", 0) >= cfg.precision.max_consecutive_skips \
-                    and m["loss_scale"] <= cfg.precision.min_scale:
-                raise FloatingPointError(
-                    f"fp16: {int(m['consecutive_skips'])} consecutive steps overflowed at the minimum loss scale "
-                    f"{cfg.precision.min_scale}; training stopped (try bf16 or a lower learning rate)")
+        v = None
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             v = _evaluate(eval_step, state.params, evals)
             write({"step": done, "val_loss": v})
             if is_main:
                 bar.write(f"step {done}: validation loss {v:.4f}")
-        if ckpt and cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0:
-            ckpt.save(done, state)
+        if ckpt and (v is not None or (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0)):
+            ckpt.save(done, state, val_loss=v)  # eval steps are candidates for the best checkpoint
+        if preempted:
+            break
     bar.close()
+    preempted.restore()
+    if preempted:  # SIGTERM: save where we are and stop, without the final evaluation
+        watchdog.stop()
+        log.warning(f"SIGTERM received: saving step {int(state.step)} and stopping", ranks=[0])
+        if ckpt:
+            _final_save(ckpt, state)
+            ckpt.close()
+        if mfile:
+            mfile.close()
+        return {"preempted": True, "state": state, "plan": plan, "final_metrics": m, "perf": perf,
+                "val_loss_start": val_start, "val_loss_end": None, "compile_s": compile_s, "sample": ""}
     val_end = _evaluate(eval_step, state.params, evals)
     watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
     write({"step": int(state.step), "val_loss": val_end})
     log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} (nats/token)",
              ranks=[0])
     if ckpt:
-        ckpt.save(int(state.step), state, force=True)
+        _final_save(ckpt, state, val_end)
         ckpt.close()
 
     sample = ""

@@ -69,3 +69,14 @@ def test_dry_run_cli():
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "parameters 111,518,035,968" in r.stdout and "mesh" in r.stdout
+
+
+def test_fp16_stops_after_consecutive_overflows_at_min_scale(tmp_path):
+    # a loss scale pinned at 1e38 overflows fp16 on every step and cannot back off
+    cfg = _cfg(tmp_path, "precision.fp16=true", "precision.initial_scale=1e38", "precision.min_scale=1e38",
+               "precision.max_scale=1e38", "precision.max_consecutive_skips=3", "training.max_steps=50",
+               "checkpoint.dir=")
+    with pytest.raises(FloatingPointError, match="3 consecutive steps overflowed with the loss scale at its minimum"):
+        train(cfg)
+    recs = _records(tmp_path / "run" / "metrics.jsonl")
+    assert [r["skipped"] for r in recs if "loss" in r] == [1, 1]  # logged steps 1, 2; step 3 raised

@@ -15,7 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxcolossal import dist_logger, launch as L
+import importlib
+
+from jaxcolossal import dist_logger
+
+L = importlib.import_module("jaxcolossal.launch")  # the module (the package re-exports a function named launch)
 
 ALL_LAUNCH_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
