@@ -390,6 +390,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     tp = p.tensor_parallel_size
     if tp != -1:
         _check_tp(m, tp)
+    if p.pipeline_parallel_size != -1:
+        _check_pipeline(cfg, p.pipeline_parallel_size)
     if num_devices is not None:
         rp = p.resolve(num_devices)
         _check_tp(m, rp.tensor_parallel_size)
@@ -401,10 +403,68 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(
                 f"the microbatch of training.batch_size / gradient_accumulation_steps = {micro} sequences "
                 f"is not divisible by the data-parallel size {dp}")
+        if rp.pipeline_parallel_size > 1:
+            _check_pipeline(cfg, rp.pipeline_parallel_size)
+            mb = pipeline_microbatches(cfg, rp.pipeline_parallel_size)
+            if t.batch_size % (dp * mb):
+                raise ConfigError(
+                    f"training.batch_size={t.batch_size} does not split into parallel.num_microbatches={mb} "
+                    f"pipeline microbatches per data-parallel shard (data_parallel_size={dp}): "
+                    f"it must be divisible by {dp} × {mb} = {dp * mb}")
         if p.zero_stage > 0 and m.hidden_size % dp:
             raise ConfigError(
                 f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
                 f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
+
+
+def pipeline_microbatches(cfg: Config, pp: int) -> int:
+    """Pipeline microbatches per step for ``pp`` stages (see docs/pipeline.md).
+
+    With pipeline parallelism the pipeline microbatches *replace* gradient accumulation: the
+    batch of a step is split into ``m`` microbatches that flow through the stages. ``m`` is
+    ``parallel.num_microbatches`` when set, else ``training.gradient_accumulation_steps`` when
+    that is above 1, else ``2 · pp``.
+    """
+    p, t = cfg.parallel, cfg.training
+    if p.num_microbatches > 0:
+        return p.num_microbatches
+    if t.gradient_accumulation_steps > 1:
+        return t.gradient_accumulation_steps
+    return 2 * pp
+
+
+def _check_pipeline(cfg: Config, pp: int) -> None:
+    """The pipeline errors that need no device count (docs/pipeline.md)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    v = p.num_model_chunks
+    if p.num_microbatches < 0:
+        raise ConfigError(f"parallel.num_microbatches={p.num_microbatches}: must be >= 0 (0: the default)")
+    if pp == 1:
+        return
+    if p.pipeline_schedule == "interleaved" and v < 2:
+        raise ConfigError("parallel.pipeline_schedule=interleaved needs parallel.num_model_chunks >= 2 "
+                          f"(got {v}); use 1f1b for one chunk per device")
+    if p.pipeline_schedule == "1f1b" and v > 1:
+        raise ConfigError(f"parallel.num_model_chunks={v} needs parallel.pipeline_schedule interleaved "
+                          "(or gpipe, the circular pipeline); 1f1b runs one chunk per device")
+    if m.num_layers % (pp * v):
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is not divisible by pipeline_parallel_size × num_model_chunks "
+            f"= {pp} × {v} = {pp * v}: every (virtual) stage must hold the same number of layers")
+    if p.num_microbatches > 0 and t.gradient_accumulation_steps > 1 \
+            and t.gradient_accumulation_steps != p.num_microbatches:
+        raise ConfigError(
+            f"with pipeline parallelism the pipeline microbatches replace gradient accumulation: "
+            f"parallel.num_microbatches={p.num_microbatches} and training.gradient_accumulation_steps="
+            f"{t.gradient_accumulation_steps} disagree; set only one of them")
+    mb = pipeline_microbatches(cfg, pp)
+    if v > 1 and mb % pp:
+        raise ConfigError(
+            f"parallel.num_microbatches={mb} with {v} model chunks: the interleaved schedule runs microbatches "
+            f"in groups of pipeline_parallel_size={pp}, so it needs a multiple of {pp} (at least {pp})")
+    if t.micro_batch_size == 0 and t.batch_size % mb:
+        raise ConfigError(
+            f"training.batch_size={t.batch_size} is not divisible by parallel.num_microbatches={mb}")
 
 
 def _check_tp(m: ModelConfig, tp: int) -> None:

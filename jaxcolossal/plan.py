@@ -74,6 +74,8 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
     if rp.pipeline_parallel_size > 1:
-        lines.append(f"pipeline   {rp.pipeline_parallel_size} stages, schedule {p.pipeline_schedule} "
-                     "(pipeline execution is not implemented yet: plan only)")
+        from jaxcolossal.pipeline import pipeline_schedule_for
+        s = pipeline_schedule_for(cfg, rp.pipeline_parallel_size)
+        lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
+                     f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
     return "\n".join(lines)

@@ -112,17 +112,15 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     """
     validate(cfg, num_devices=mesh.size)
     shape = {k: int(v) for k, v in mesh.shape.items()}
-    if shape["pp"] > 1:
-        raise NotImplementedError(
-            "parallel.pipeline_parallel_size > 1: pipeline schedules are not implemented yet; "
-            "use --dry-run to plan a pipelined config")
     family = get_family(cfg.model)
     vocab = family.padded_vocab_size(cfg.model, shape["tp"])
     table = family.param_shapes_and_axes(cfg.model, vocab)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
     shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
     axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)
-    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape)
+    # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
+    rules = {**RULES, "layers": "pp"} if shape["pp"] > 1 else RULES
+    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
     return TrainPlan(cfg=cfg, mesh=mesh, mesh_shape=shape, vocab=vocab, param_axes=axes,
                      param_shapes=shapes, specs=specs, precision=cfg.precision.mode)
 
