@@ -22,8 +22,8 @@ embedding and cross-entropy), while the pipeline and data parallelism are explic
 
 * a ``lax.scan`` over the schedule's ticks; ``lax.ppermute`` over ``pp`` moves activations
   ``[mb, t, d]`` forward (ring ``s -> s+1``) and cotangents back (ring ``s -> s-1``);
-* the embedding runs in the first virtual stage, final norm + LM head + loss in the last (a
-  ``where`` on the static per-tick table picks them; other stages discard the result). With tied
+* the embedding runs in the first virtual stage, final norm + LM head + loss in the last
+  (``lax.cond`` on the static per-tick table; idle slots are skipped the same way). With tied
   embeddings both uses accumulate into the same gradient;
 * every device differentiates with respect to a *varying* copy of its weights
   (``jax.lax.pcast(..., to='varying')``), so its gradient stays local and unreduced over the
@@ -38,7 +38,7 @@ embedding and cross-entropy), while the pipeline and data parallelism are explic
 
 The gradient contract is :func:`jaxcolossal.train.step.make_grad_fn`'s:
 ``grad_fn(params, inputs, targets, scale) -> (loss_sum, grads)`` with fp32 grads of the mean loss
-carrying ``plan.specs.grads``.
+carrying ``plan.specs.grads`` (``plan.specs.opt`` for ZeRO-1, as the non-pipelined step).
 
 Schedules (``p`` stages, ``m`` microbatches, ``v`` chunks per device)
 --------------------------------------------------------------------
@@ -63,16 +63,17 @@ Schedules (``p`` stages, ``m`` microbatches, ``v`` chunks per device)
   inputs. Both lock-step tick counts are the minimum for a lock-step schedule whose first
   backward waits for the first microbatch to traverse all ``V`` virtual stages.
 
-Every device runs the same number of ticks and the same collectives in the same order, so a
-pipelined step cannot deadlock; invalid slots compute on stale data and their results are
-masked out with ``where`` (no NaN leaks: ``where`` selects, it does not multiply).
+Every device runs the same number of ticks and the same collectives in the same order (the
+``cond`` branches of a stage are taken alike by its tp and data peers, and the ``ppermute`` s sit
+outside them), and :func:`_after` orders a tick's collectives through buffers so that XLA's CPU
+runtime cannot start them in different orders on different devices: a pipelined step cannot
+deadlock. docs/pipeline.md has the measurements.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +163,8 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
     S = 2 * V - 1 if lockstep else 1
     fwd = np.zeros((T, p, 6), np.int32)
     bwd = np.zeros((T, p, 6), np.int32)
-    # default (idle) slots: a stash slot that no live unit uses at that tick (see the module doc)
+    # idle slots still write their (stale) input to the stash: to slot (t - s) mod S, the slot of
+    # the unit this device would start at tick t, which no waiting unit holds (check_schedule)
     for t in range(T):
         for s in range(p):
             fwd[t, s, SLOT] = (t - s) % S
