@@ -61,7 +61,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
     fpt = flops_per_token(cfg.model, t.seq_len, cfg.model.remat != "none")
     gib = lambda x: f"{x / 2**30:,.2f} GiB"
     lines = [
-        f"model      llama, {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+        f"model      {cfg.model.type}, {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
         f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "
         f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
         f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)",
