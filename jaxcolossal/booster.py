@@ -23,7 +23,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxcolossal.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, TrainingConfig)
+from jaxcolossal.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, TrainingConfig,
+                                pipeline_microbatches)
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.train.state import TrainPlan, TrainState, init_state, make_plan
 from jaxcolossal.train.step import make_train_step
@@ -121,11 +122,14 @@ class Booster:
             ConfigError: the plugin does not fit the model (e.g. tp not dividing the heads).
         """
         data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
-        bs = batch_size or data * gradient_accumulation_steps
-        training = TrainingConfig(batch_size=bs, gradient_accumulation_steps=gradient_accumulation_steps,
+        training = TrainingConfig(batch_size=batch_size or data * gradient_accumulation_steps,
+                                  gradient_accumulation_steps=gradient_accumulation_steps,
                                   seq_len=min(128, model.cfg.max_position_embeddings), seed=seed,
                                   max_grad_norm=self.plugin.max_norm)
         cfg = Config(model=model.cfg, training=training, parallel=self.plugin.parallel, precision=self.plugin.precision)
+        pp = self.mesh.shape["pp"]
+        if batch_size is None and pp > 1:  # the smallest batch that splits into the pipeline microbatches
+            training.batch_size = data * max(gradient_accumulation_steps, pipeline_microbatches(cfg, pp))
         self.plan = make_plan(cfg, self.mesh)
         tx = optimizer
         if self.plugin.max_norm > 0:

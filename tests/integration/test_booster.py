@@ -38,6 +38,18 @@ def test_plugins_match_single_device():
                      jax.device_get(state.params), jax.device_get(ref_state.params))
 
 
+def test_pipeline_plugin_with_default_batch():
+    cfg = tiny_config()
+    model = jc.models.LlamaForCausalLM(cfg.model, rngs=nnx.Rngs(0))
+    booster = jc.Booster(plugin=jc.HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, precision="fp32"))
+    state, step = booster.boost(model, optax.adamw(1e-3))
+    B = booster.plan.cfg.training.batch_size
+    assert B == 2 * 4  # dp 2 × 2·pp microbatches
+    x = random_batches(cfg, 1)[0][:B]
+    state, m = step(state, booster.shard_batch({"inputs": x[:, :-1], "targets": x[:, 1:]}))
+    assert np.isfinite(float(m["loss"])) and abs(float(m["loss"]) - np.log(256)) < 0.5
+
+
 def test_bf16_plugin_keeps_fp32_master():
     state, losses = _train(jc.LowLevelZeroPlugin(stage=1, precision="bf16"), jax.devices())
     assert state.params["layers"]["wq"].dtype == jax.numpy.bfloat16
