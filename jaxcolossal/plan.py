@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxcolossal.config import Config, ConfigError, validate
 from jaxcolossal.mesh import mesh_shape
 from jaxcolossal.metrics import flops_per_token, param_count
-from jaxcolossal.models import get_family
+from jaxcolossal.models import param_layout
 from jaxcolossal.sharding import RULES, shard_bytes, state_specs
 from jaxcolossal.train.state import BYTES_PER_PARAM
 
@@ -37,12 +37,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
     validate(cfg, num_devices=num_devices)
     rp = p.resolve(num_devices)
     shape = mesh_shape(rp)
-    family = get_family(cfg.model)
-    vocab = family.padded_vocab_size(cfg.model, shape["tp"])
-    table = family.param_shapes_and_axes(cfg.model, vocab)
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
-    shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
-    axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)
+    vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
     rules = {**RULES, "layers": "pp"}
     specs = state_specs(axes, shapes, p.zero_stage, shape, rules)
     b = BYTES_PER_PARAM[cfg.precision.mode]

@@ -27,4 +27,18 @@ def get_family(cfg: ModelConfig) -> ModuleType:
     return FAMILIES[cfg.type]
 
 
-__all__ = ["LlamaForCausalLM", "GPT2LMHeadModel", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]
+def param_layout(cfg: ModelConfig, tp: int = 1) -> tuple[int, dict, dict]:
+    """``(padded vocab, shapes, logical axes)`` of every parameter of ``cfg``'s family, as two
+    pytrees of tuples mirroring the params dict; no arrays are created."""
+    import jax
+
+    family = get_family(cfg)
+    vocab = family.padded_vocab_size(cfg, tp)
+    table = family.param_shapes_and_axes(cfg, vocab)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+    shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
+    axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)
+    return vocab, shapes, axes
+
+
+__all__ = ["param_layout", "LlamaForCausalLM", "GPT2LMHeadModel", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcolossal.config import Config, validate
 from jaxcolossal.mesh import mesh_shape
-from jaxcolossal.models import get_family
+from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.sharding import DATA_AXES, RULES, Sharder, StateSpecs, named, state_specs
 
@@ -112,12 +112,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     """
     validate(cfg, num_devices=mesh.size)
     shape = {k: int(v) for k, v in mesh.shape.items()}
-    family = get_family(cfg.model)
-    vocab = family.padded_vocab_size(cfg.model, shape["tp"])
-    table = family.param_shapes_and_axes(cfg.model, vocab)
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
-    shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
-    axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)
+    vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
     # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
     rules = {**RULES, "layers": "pp"} if shape["pp"] > 1 else RULES
     specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
