@@ -134,7 +134,7 @@ class Booster:
         tx = optimizer
         if self.plugin.max_norm > 0:
             tx = optax.chain(optax.clip_by_global_norm(self.plugin.max_norm), optimizer)
-        params = nnx.state(model, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         if self.plan.vocab != params["embed_tokens"].shape[0]:
             raise ConfigError(
                 f"the model was built with a vocabulary of {params['embed_tokens'].shape[0]} rows but this plugin "

@@ -133,7 +133,7 @@ class GPT2LMHeadModel(nnx.Module):
             self.lm_head = make("lm_head", *table["lm_head"])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        params = nnx.state(self, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
         return forward(params, tokens, self.cfg)[..., : self.cfg.vocab_size]
 
 
@@ -143,7 +143,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
     Raises:
         ConfigError: ``num_key_value_heads != num_attention_heads``.
     """
-    return nnx.state(GPT2LMHeadModel(cfg, rngs=nnx.Rngs(params=key), tp=tp), nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(GPT2LMHeadModel(cfg, rngs=nnx.Rngs(params=key), tp=tp), nnx.Param))
 
 
 # ----------------------------------------------------------------------------- the computation

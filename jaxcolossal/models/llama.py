@@ -110,20 +110,20 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = make("lm_head", *table["lm_head"])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        params = nnx.state(self, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
         return forward(params, tokens, self.cfg)[..., : self.cfg.vocab_size]
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
     """fp32 params (pure dict) of a fresh :class:`LlamaForCausalLM`; jit-able."""
-    return nnx.state(LlamaForCausalLM(cfg, rngs=nnx.Rngs(params=key), tp=tp), nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(LlamaForCausalLM(cfg, rngs=nnx.Rngs(params=key), tp=tp), nnx.Param))
 
 
 def param_axes(model: nnx.Module) -> dict:
     """Pure dict of logical-axis tuples, one per parameter of ``model``."""
     state = nnx.state(model, nnx.Param)
-    return jax.tree.map(lambda v: tuple(v.get_metadata()["axes"]), state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["axes"]), state,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def count_params(params: Any) -> int:
