@@ -140,7 +140,19 @@ class Booster:
                 f"the model was built with a vocabulary of {params['embed_tokens'].shape[0]} rows but this plugin "
                 f"needs {self.plan.vocab} (padded for tp); build it with tp={self.mesh.shape['tp']}")
         state = init_state(self.plan, tx, params=params)
-        return state, make_train_step(self.plan, tx)
+        step = make_train_step(self.plan, tx)
+        want = self.plan.cfg.training.batch_size
+
+        def train_step(state: TrainState, batch: dict):
+            shape = tuple(batch["inputs"].shape)
+            if shape[0] != want or tuple(batch["targets"].shape) != shape:
+                raise ValueError(
+                    f"train_step: the batch has inputs {shape} and targets {tuple(batch['targets'].shape)}, but "
+                    f"boost() planned batch_size={want} sequences per step; pass batch_size= to boost()")
+            return step(state, batch)
+
+        train_step.lower = step.lower  # AOT access, as on a jitted function
+        return state, train_step
 
     def shard_batch(self, batch: dict) -> dict:
         """Place a host batch ``{"inputs", "targets"}`` (global ``[B, t]`` numpy arrays, the

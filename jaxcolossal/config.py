@@ -133,7 +133,8 @@ class ParallelConfig:
             if num_devices % known:
                 raise ConfigError(
                     f"parallel.{unknown[0]}=-1: the other sizes multiply to {known}, "
-                    f"which does not divide the {num_devices} devices")
+                    f"which does not divide the {num_devices} devices; choose sizes whose product divides "
+                    f"{num_devices} (e.g. parallel.tensor_parallel_size=1 on a single device)")
             sizes[unknown[0]] = num_devices // known
         product = math.prod(sizes.values())
         if product != num_devices:
@@ -468,9 +469,13 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
 
 
 def _check_tp(m: ModelConfig, tp: int) -> None:
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    g = math.gcd(*(getattr(m, k) for k in keys))
+    valid = [d for d in range(1, g + 1) if g % d == 0]
+    for key in keys:
         v = getattr(m, key)
         if v % tp:
             raise ConfigError(
                 f"parallel.tensor_parallel_size={tp} does not divide model.{key}={v} "
-                "(Megatron tensor parallelism splits heads and the MLP evenly over tp)")
+                f"(Megatron tensor parallelism splits heads and the MLP evenly over tp); "
+                f"allowed values for this model: {valid}")

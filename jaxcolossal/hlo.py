@@ -1,6 +1,6 @@
 """Reading compiled HLO: collectives, where they sit (inside which loop) and their bytes.
 
-Used by tests and ``scripts/zero_report.py`` to check what XLA emitted against DESIGN.md §3 —
+Used by tests and ``scripts/zero_report.py`` to check what XLA emitted against the ZeRO formulas (docs/zero.md) —
 e.g. that ZeRO-0/1 reduce gradients once per step (outside the microbatch loop) and ZeRO-2/3
 keep a 1/N gradient buffer across microbatches.
 """

@@ -28,7 +28,7 @@ from jaxcolossal.config import ModelConfig
 from jaxcolossal.sharding import shard_bytes
 
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
-"""Dense bf16 peak FLOP/s by device family (NVIDIA datasheets; REFERENCES.md)."""
+"""Dense bf16 peak FLOP/s by device family (NVIDIA datasheets)."""
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -114,7 +114,7 @@ def _local_bytes(tree: Any) -> int:
 
 
 def model_state_bytes(state: Any, grad_specs: Any, param_shapes: Any, mesh_shape: Mapping[str, int]) -> dict[str, int]:
-    """Per-device bytes of params, gradients and optimizer state (DESIGN.md §3's p, g, K).
+    """Per-device bytes of params, gradients and optimizer state (the ZeRO paper's (docs/zero.md) p, g, K).
 
     Params and optimizer state (which includes the fp32 master copy in mixed precision) are
     read from the arrays' shards on the first device; the fp32 gradient buffer, which exists
@@ -129,7 +129,7 @@ def model_state_bytes(state: Any, grad_specs: Any, param_shapes: Any, mesh_shape
 
 
 def zero_formula_bytes(num_params: int, n: int, zero_stage: int, p: int, g: int, K: int) -> dict[str, float]:
-    """DESIGN.md §3: expected per-device bytes for Ψ = ``num_params`` over N = ``n`` ZeRO ranks."""
+    """the ZeRO formulas (docs/zero.md): expected per-device bytes for Ψ = ``num_params`` over N = ``n`` ZeRO ranks."""
     psi = num_params
     return {
         "params": p * psi / (n if zero_stage >= 3 else 1),

@@ -54,7 +54,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
     n = param_count(cfg.model)
     t = cfg.training
     fpt = flops_per_token(cfg.model, t.seq_len, cfg.model.remat != "none")
-    gib = lambda x: f"{x / 2**30:,.2f} GiB"
+    gib = lambda x: f"{x / 2**30:,.2f} GiB" if x >= 2**30 else f"{x / 2**20:,.2f} MiB"
     lines = [
         f"model      {cfg.model.type}, {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
         f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "
@@ -68,6 +68,9 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"{t.gradient_accumulation_steps} accumulation microbatches",
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
+    if p.zero_stage > 0 and rp.data_parallel_size == 1:
+        lines.append(f"note       zero_stage {p.zero_stage} with data_parallel_size 1 shards nothing: "
+                     "ZeRO splits state over the data-parallel group")
     if rp.pipeline_parallel_size > 1:
         from jaxcolossal.pipeline import pipeline_schedule_for
         s = pipeline_schedule_for(cfg, rp.pipeline_parallel_size)

@@ -4,7 +4,7 @@ Model code names *logical* axes (``batch``, ``seq``, ``embed``, ``mlp``, ``heads
 ``kv_heads``, ``head_dim``, ``vocab``, ``layers``, ``stage``); :data:`RULES` maps them to mesh
 axes (MaxText's ``logical_axis_rules``). ZeRO is a second, tiny rule on top: the ZeRO stage
 decides which parts of the train state get the ``embed`` dimension sharded over ``fsdp``
-(Rajbhandari et al., 2020; DESIGN.md §3):
+(Rajbhandari et al., 2020; the ZeRO formulas (docs/zero.md)):
 
 =====  =========================  ======================  ====================
 stage  parameters (compute copy)  gradients               optimizer state (+ fp32 master)

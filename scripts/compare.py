@@ -22,7 +22,7 @@ c. **Compile time vs depth.** Trace + lower + compile of our train step for 4 an
    Each compile gets a fresh jitted function and a slightly different learning rate (a constant
    in the program), so no cache can serve it.
 d. **ZeRO 0–3 on 8 simulated devices** (``scripts/zero_report.py``'s ``measure``): per-device
-   bytes of params / gradients / optimizer state measured from the arrays against DESIGN.md §3,
+   bytes of params / gradients / optimizer state measured from the arrays against the ZeRO formulas (docs/zero.md),
    and the collective volume per step read from the compiled HLO against 2Ψ (stages 0–2) and 3Ψ
    (stage 3). Volume counts elements per device in the ring convention of the ZeRO paper: an
    all-reduce of S elements moves 2S, a reduce-scatter or all-gather S. XLA's CPU backend writes a
@@ -470,7 +470,7 @@ def part_d(args, log) -> dict:
 PARTS = {"a": ("our train step vs plain JAX + optax, 1 device", part_a),
          "b": ("our train step vs Hugging Face transformers + PyTorch, 1 device (CPU)", part_b),
          "c": ("compile time, 4 vs 32 layers", part_c),
-         "d": ("ZeRO 0-3 on 8 simulated devices vs DESIGN.md §3", part_d)}
+         "d": ("ZeRO 0-3 on 8 simulated devices vs the ZeRO formulas (docs/zero.md)", part_d)}
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@
 # summary.md (the benchmark table). Steps, each bounded by `timeout` and by what is left of the
 # overall budget (BUDGET_S, default 450 s); a failed step is recorded and the next one runs:
 #   1. environment: nvidia-smi, jax version and devices;
-#   2. XLA GPU flags recommended by NVIDIA's JAX-Toolbox (REFERENCES.md), each probed first so that
+#   2. XLA GPU flags recommended by NVIDIA's JAX-Toolbox, each probed first so that
 #      a flag this jaxlib does not know is dropped instead of aborting the run;
 #   3. cuDNN attention probe: jax.nn.dot_product_attention(implementation='cudnn'), forward and
 #      backward, bf16, causal, GQA, at the head dims used below; falls back to XLA attention;

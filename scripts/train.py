@@ -53,7 +53,13 @@ def main(argv=None) -> int:
         return 2
     if args.dry_run:
         from jaxcolossal.plan import dry_run
-        print(dry_run(cfg))
+        p = cfg.parallel
+        explicit = -1 not in (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
+        try:  # explicit sizes give the device count; otherwise plan for --devices (default 8)
+            print(dry_run(cfg, None if explicit else (args.devices or _devices_in_xla_flags() or 8)))
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         return 0
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)

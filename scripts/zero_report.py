@@ -4,7 +4,7 @@
     python scripts/zero_report.py --precision bf16 --accum 4
 
 For each ZeRO stage: the bytes of params / gradients / optimizer state one device holds
-(measured from the arrays' shards; gradients from their buffer spec) next to DESIGN.md §3's
+(measured from the arrays' shards; gradients from their buffer spec) next to the ZeRO paper's (docs/zero.md)
 formula, and the collectives in the compiled train step (kind, count, and the elements they
 produce per step, relative to Ψ). On the CPU backend gradient reduce-scatters appear as
 all-reduce + dynamic-slice and bf16 collectives are widened to f32 (see tests/integration/
@@ -26,7 +26,7 @@ def measure(precision: str, zero: int, *, accum: int = 1, hidden: int = 256, lay
 
     Returns ``{"psi", "n", "measured", "formula", "collectives", "hlo"}``: Ψ (every parameter),
     the ZeRO group size, per-device bytes of params / grads / optimizer measured from the arrays
-    (:func:`jaxcolossal.metrics.model_state_bytes`) and from DESIGN.md §3's formula, the compiled
+    (:func:`jaxcolossal.metrics.model_state_bytes`) and from the ZeRO paper's (docs/zero.md) formula, the compiled
     step's per-step collective totals (:func:`jaxcolossal.hlo.collective_totals`) and its HLO text.
     Call after the device count is set (``jc.simulate_devices``).
     """
@@ -91,7 +91,7 @@ def main() -> int:
             coll = ", ".join(f"{k} ×{v['count']} ({v['elements'] / psi:.2f})" for k, v in sorted(totals.items()))
             cells = [f"{got[k] / 2**20:.3f} ({want[k] / 2**20:.3f})" for k in ("params", "grads", "optimizer")]
             print(f"| {prec} | {zero} | " + " | ".join(cells) + f" | {coll} |")
-    print("\nΨ counts every parameter; formula = DESIGN.md §3 with p, g, K of jaxcolossal/train/state.py "
+    print("\nΨ counts every parameter; formula = the ZeRO formulas (docs/zero.md) with p, g, K of jaxcolossal/train/state.py "
           "(fp32: 4, 4, 8; bf16: 2, 4, 12).")
     return 0
 

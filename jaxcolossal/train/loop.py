@@ -54,7 +54,7 @@ def param_table(plan: TrainPlan) -> str:
 
 
 def memory_report(plan: TrainPlan, state: Any) -> tuple[str, dict]:
-    """Per-device model-state bytes, measured from the arrays, next to DESIGN.md §3's formula."""
+    """Per-device model-state bytes, measured from the arrays, next to the ZeRO paper's (docs/zero.md) formula."""
     got = mx.model_state_bytes(state, plan.specs.grads, plan.param_shapes, plan.mesh_shape)
     psi = sum(math.prod(s) for s in jax.tree.leaves(plan.param_shapes, is_leaf=lambda x: isinstance(x, tuple)))
     psi_local = psi / plan.mesh_shape["tp"]  # the formula's Ψ is per tensor-parallel rank
@@ -159,6 +159,8 @@ def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
     # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
     state = init_state(plan, tx, key=jax.random.key(t.seed),
                        params=init_params_from(cfg.model, plan.mesh_shape["tp"]))
+    if cfg.model.init_from:
+        log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
     if is_main:
         print(param_table(plan))
         report, _ = memory_report(plan, state)

@@ -5,7 +5,7 @@ dtypes — and :func:`init_state` builds a :class:`TrainState` directly in its t
 (initialisation runs under ``jit`` with ``out_shardings``, so no device ever holds more than its
 shard).
 
-Precision modes, with DESIGN.md §3's bytes per parameter (p compute params, g gradients,
+Precision modes, with the ZeRO paper's (docs/zero.md) bytes per parameter (p compute params, g gradients,
 K optimizer state including any fp32 master copy):
 
 ======  ===========================================  =====  =====  ======

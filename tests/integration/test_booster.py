@@ -64,5 +64,10 @@ def test_plugin_errors():
         jc.GeminiPlugin(precision="int8")
     cfg = tiny_config()
     model = jc.models.LlamaForCausalLM(cfg.model, rngs=nnx.Rngs(0))
+    booster = jc.Booster(plugin=jc.DDPPlugin())
+    state, step = booster.boost(model, optax.adamw(1e-3), batch_size=16)
+    x = random_batches(cfg, 1)[0][:8]
+    with pytest.raises(ValueError, match=r"planned batch_size=16 sequences per step"):
+        step(state, booster.shard_batch({"inputs": x[:, :-1], "targets": x[:, 1:]}))
     with pytest.raises(ConfigError, match="tensor_parallel_size=8 does not divide"):
         jc.Booster(plugin=jc.HybridParallelPlugin(tp_size=8, precision="fp32")).boost(model, optax.adamw(1e-3))

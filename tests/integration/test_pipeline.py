@@ -133,7 +133,7 @@ def test_tables_are_valid_and_match_formulas(kind, v, p):
 
 
 def test_1f1b_is_designs_lockstep_form():
-    """DESIGN.md §4: stage s runs forward of t−s and backward of t−(2p−2−s), m+2p−2 ticks."""
+    """Lock-step 1F1B: stage s runs forward of t−s and backward of t−(2p−2−s), m+2p−2 ticks."""
     p, m = 4, 8
     s = make_schedule("1f1b", p, m)
     assert s.num_ticks == m + 2 * p - 2

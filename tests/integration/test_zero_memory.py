@@ -1,4 +1,4 @@
-"""Per-device model-state bytes match DESIGN.md §3's ZeRO formulas within 5%.
+"""Per-device model-state bytes match the ZeRO paper's (docs/zero.md) ZeRO formulas within 5%.
 
 Bytes per parameter: fp32 mode p=4, g=4, K=8 (Adam m, v); bf16 mode p=2, g=4 (gradients are
 accumulated and reduced in fp32), K=12 (fp32 master + m + v). Params and optimizer state are
