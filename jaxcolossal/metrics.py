@@ -78,7 +78,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> 
 
 
 def throughput(cfg: ModelConfig, *, batch_size: int, seq_len: int, step_seconds: float, num_devices: int,
-               data_parallel_size: int, device_kind: str, recompute: bool = False) -> dict[str, float | None]:
+               device_kind: str, recompute: bool = False) -> dict[str, float | None]:
     """Per-step throughput figures.
 
     Args:

@@ -393,9 +393,7 @@ def make_pipeline_grad_fn(plan) -> Callable:
     p = plan.mesh_shape[PP_AXIS]
     sched = pipeline_schedule_for(cfg, p)
     m, v = sched.m, sched.v
-    n_data = plan.data_size
     zero = cfg.parallel.zero_stage
-    L = cfg.model.num_layers
     fwd_tab = jnp.asarray(sched.fwd)
     bwd_tab = jnp.asarray(sched.bwd) if sched.bwd is not None else None
     S = sched.num_slots
@@ -445,7 +443,6 @@ def make_pipeline_grad_fn(plan) -> Callable:
         d = cfg.model.hidden_size
         act = jnp.zeros((b // m, t, d), plan.compute_dtype)
         act = _vary(act)
-        lc = L // (p * v)
 
         zero_loss = lambda: _vary(jnp.zeros((), jnp.float32))
         add_f32 = lambda acc, g: jax.tree.map(lambda A, b: A + b.astype(jnp.float32), acc, g)

@@ -227,7 +227,7 @@ def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
             step_s = (now - last_t) / (done - last_step)
             last_t, last_step = now, done
             perf = mx.throughput(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len, step_seconds=step_s,
-                                 num_devices=jax.device_count(), data_parallel_size=plan.data_size,
+                                 num_devices=jax.device_count(),
                                  device_kind=kind, recompute=recompute)
             peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
             rec = {"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak or compiled_peak,

@@ -31,7 +31,6 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcolossal.config import Config, validate
-from jaxcolossal.mesh import mesh_shape
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.sharding import DATA_AXES, RULES, Sharder, StateSpecs, named, state_specs

@@ -5,11 +5,10 @@ must equal the concatenation of the processes' rows in process order, i.e. the b
 process would build. A batch that does not split evenly must fail with a clear error.
 """
 import json
-import sys
 
 import pytest
 
-from mh import REPO, clean_env, launcher, run
+from mh import clean_env, launcher, run
 
 WORKER = r"""
 import json

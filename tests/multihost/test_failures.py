@@ -10,7 +10,6 @@ default is 300 s). The mechanisms (see jaxcolossal/launch.py and jaxcolossal/run
 * the coordination service's heartbeat and shutdown barrier end the survivors of a death;
 * ``python -m jaxcolossal.run`` stops the others as soon as one process fails.
 """
-import os
 import subprocess
 import sys
 import time

@@ -4,7 +4,6 @@ The programs here do not import JAX, so these tests take seconds. The real train
 the launcher is in test_train_multiprocess.py, the JAX failure cases in test_failures.py.
 """
 import json
-import sys
 import textwrap
 
 import pytest

@@ -1,6 +1,5 @@
 """Config loading and validation: every bad input gets a clear error before compilation."""
 
-import jax
 import pytest
 
 from jaxcolossal.config import ConfigError, ParallelConfig, config_from_dict, load_config, validate
