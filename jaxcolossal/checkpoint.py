@@ -93,5 +93,6 @@ class CheckpointManager:
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for pending saves and release orbax's threads."""
         self._mngr.wait_until_finished()
         self._mngr.close()

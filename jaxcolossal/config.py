@@ -59,6 +59,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """``hidden_size / num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
 
@@ -165,6 +166,7 @@ class PrecisionConfig:
 
     @property
     def mode(self) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"fp32"``."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
 
@@ -211,6 +213,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict:
+        """The config as nested plain dicts (YAML-serialisable)."""
         return dataclasses.asdict(self)
 
 

@@ -199,11 +199,13 @@ class Sharder:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, logical_to_spec(axes, self.rules)))
 
     def is_sharded(self, logical: str) -> bool:
+        """Whether the logical axis maps to mesh axes of total size > 1."""
         if self.mesh is None:
             return False
         return _axis_size(dict(self.mesh.shape), self.rules.get(logical)) > 1
 
     def inner(self) -> "Sharder":
+        """This sharder with ``batch`` mapped to nothing (inside the per-data-shard vmap)."""
         return Sharder(self.mesh, {**self.rules, "batch": None})
 
 

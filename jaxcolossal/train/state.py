@@ -74,22 +74,27 @@ class TrainPlan:
 
     @property
     def compute_dtype(self):
+        """jnp dtype of the forward/backward (float32, bfloat16 or float16)."""
         return COMPUTE_DTYPES[self.precision]
 
     @property
     def mixed(self) -> bool:
+        """True when a separate fp32 master copy is kept (bf16/fp16)."""
         return self.precision != "fp32"
 
     @property
     def data_size(self) -> int:
+        """N = dp × fsdp, the data-parallel group size."""
         return self.mesh_shape["dp"] * self.mesh_shape["fsdp"]
 
     @property
     def sharder(self) -> Sharder:
+        """Activation-constraint helper for this mesh and the rules table."""
         return Sharder(self.mesh, RULES)
 
     @property
     def batch_sharding(self) -> NamedSharding:
+        """``P(("dp", "fsdp"), None)`` for int32 ``[B, t]`` batches."""
         return NamedSharding(self.mesh, P(DATA_AXES, None))
 
     @property
