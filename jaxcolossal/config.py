@@ -14,7 +14,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +70,15 @@ class ModelConfig:
 class TrainingConfig:
     """Optimisation schedule. ``batch_size`` is global (sequences per optimizer step).
 
+    ``resume``: ``false`` starts fresh (and refuses a ``checkpoint.dir`` that already holds
+    checkpoints unless ``checkpoint.overwrite``); ``true`` restores the newest restorable step and
+    fails when there is none; ``auto`` restores when there is one and starts fresh otherwise.
+
+    ``nonfinite_policy``: what a step whose loss or gradient norm is NaN/inf does in every
+    precision (the update is never applied): ``stop`` ends the run with an error at once;
+    ``skip`` skips the step and stops after ``precision.max_consecutive_skips`` in a row. fp16
+    overflows follow the loss scaler instead (skip, back off, stop at ``min_scale``).
+
     ``micro_batch_size`` (Colossal-AI's per-rank micro batch), when > 0, defines the global
     batch instead: ``batch_size = micro_batch_size × gradient_accumulation_steps × dp``, set
     when the config is validated against a device count.
@@ -88,7 +100,8 @@ class TrainingConfig:
     seed: int = 1024
     eval_every: int = 100
     eval_batches: int = 8
-    resume: bool = False
+    resume: Literal[False, True, "auto"] = False
+    nonfinite_policy: Literal["stop", "skip"] = "stop"
     optimizer: Literal["adamw", "fused_adamw"] = "adamw"
     sample_tokens: int = 200
     sample_prompt: str = "def "
@@ -142,7 +155,9 @@ class ParallelConfig:
             raise ConfigError(
                 "parallel: data_parallel_size × tensor_parallel_size × pipeline_parallel_size = "
                 f"{sizes['data_parallel_size']}×{sizes['tensor_parallel_size']}×"
-                f"{sizes['pipeline_parallel_size']} = {product}, but there are {num_devices} devices")
+                f"{sizes['pipeline_parallel_size']} = {product}, but there are {num_devices} devices; set "
+                f"parallel.data_parallel_size=-1 to use them all, or (simulated CPU devices) run scripts/train.py "
+                f"with --devices {product}")
         return dataclasses.replace(self, **sizes)
 
 
@@ -184,11 +199,15 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Orbax checkpoints under ``dir`` every ``save_every`` steps (0: only at the end)."""
+    """Orbax checkpoints under ``dir`` every ``save_every`` steps (0: only at the end).
+
+    ``overwrite``: a fresh run (``training.resume=false``) into a ``dir`` that already holds
+    checkpoints deletes them first; without it such a run is refused before anything compiles."""
 
     dir: str = ""
     save_every: int = 0
     max_to_keep: int = 3
+    overwrite: bool = False
 
 
 @dataclass
@@ -217,16 +236,90 @@ class Config:
         return dataclasses.asdict(self)
 
 
+# ----------------------------------------------------------------------------- value ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``lo``/``hi`` bounds (closed unless ``*_open``), plus
+    ``special`` values outside them with the meaning given in ``note``. NaN and ±inf are never
+    accepted."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    special: tuple = ()
+    note: str = ""
+
+    def contains(self, v: float) -> bool:
+        """True when ``v`` is finite and inside the bounds, or one of ``special``."""
+        if v in self.special:
+            return True
+        if not math.isfinite(v):
+            return False
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below
+
+    def describe(self, what: str = "must be") -> str:
+        """The bounds in words, e.g. ``must be > 0`` or ``must be in [0, 1)``."""
+        if self.hi == math.inf:
+            text = f"{what} {'>' if self.lo_open else '>='} {self.lo:g}"
+        else:
+            text = (f"{what} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+                    f"{')' if self.hi_open else ']'}")
+        return text + (f" ({self.note})" if self.note else "")
+
+
+_POS = Range(1)                      # a count or a size: 1, 2, ...
+_NONNEG = Range(0)
+_GT0 = Range(0, lo_open=True)        # a strictly positive real
+_MESH = Range(1, special=(-1,), note="or -1: the remaining devices")
+_BETA = Range(0, 1, hi_open=True)
+
+RANGES: dict[str, Range] = {
+    "model.num_layers": _POS, "model.hidden_size": _POS, "model.num_attention_heads": _POS,
+    "model.num_key_value_heads": _POS, "model.intermediate_size": _POS,
+    "model.max_position_embeddings": _POS, "model.vocab_size": _POS, "model.vocab_pad_multiple": _POS,
+    "model.rms_norm_eps": _GT0, "model.layer_norm_eps": _GT0, "model.rope_theta": _GT0,
+    "model.initializer_range": _GT0,
+    "training.batch_size": _POS, "training.micro_batch_size": Range(0, note="0: use batch_size"),
+    "training.seq_len": _POS, "training.gradient_accumulation_steps": _POS,
+    "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
+    "training.max_steps": _POS, "training.warmup_steps": _NONNEG, "training.weight_decay": _NONNEG,
+    "training.adam_beta1": _BETA, "training.adam_beta2": _BETA, "training.adam_eps": _GT0,
+    "training.max_grad_norm": Range(0, note="0: no clipping"), "training.seed": Range(0, 2**32 - 1),
+    "training.eval_every": Range(0, note="0: only at the start and the end"),
+    "training.eval_batches": _POS, "training.sample_tokens": Range(0, note="0: no sample"),
+    "parallel.data_parallel_size": _MESH, "parallel.tensor_parallel_size": _MESH,
+    "parallel.pipeline_parallel_size": _MESH,
+    "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
+    "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
+    "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,
+    "precision.hysteresis": _POS, "precision.min_scale": _GT0, "precision.max_scale": _GT0,
+    "precision.max_consecutive_skips": _POS,
+    "data.val_fraction": Range(0, 1, hi_open=True), "data.max_corpus_bytes": Range(0, note="0: all of it"),
+    "checkpoint.save_every": Range(0, note="0: only at evaluations and the end"), "checkpoint.max_to_keep": _POS,
+    "logging.log_every": _POS,
+}
+"""Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
+
+PATH_KEYS = ("model.init_from", "data.corpus", "checkpoint.dir", "logging.run_dir")
+"""Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
+
+
 # ----------------------------------------------------------------------------- loading
 
 
 def _coerce(path: str, value: Any, annotation: Any) -> Any:
-    """Check ``value`` against a dataclass field annotation; ints are accepted for floats."""
+    """Check ``value`` against a dataclass field annotation; ints are accepted for floats, and so
+    are strings that spell a number (PyYAML reads ``1e-4``, without a dot, as a string)."""
     origin = typing.get_origin(annotation)
     if origin is Literal:
         allowed = typing.get_args(annotation)
-        if value not in allowed or type(value) is not type(allowed[0]):
-            raise ConfigError(f"{path}={value!r}: allowed values are {list(allowed)}")
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(f"{path}={value!r}: allowed values are {_yaml_list(allowed)}")
         return value
     if annotation is bool:
         if not isinstance(value, bool):
@@ -237,6 +330,8 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{path}={value!r}: expected an integer")
         return value
     if annotation is float:
+        if isinstance(value, str) and _looks_float(value):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r}: expected a number")
         return float(value)
@@ -249,6 +344,45 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     raise TypeError(f"unsupported annotation {annotation} for {path}")
 
 
+def _yaml_list(values) -> str:
+    """``[False, True, 'auto']`` as a user writes it: ``[false, true, auto]``."""
+    return "[" + ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values) + "]"
+
+
+def all_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (``model.num_layers``, ...), in declaration order."""
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        out += all_keys(hints[f.name], path) if dataclasses.is_dataclass(hints[f.name]) else [path]
+    return out
+
+
+ALIASES = {
+    "tp": "parallel.tensor_parallel_size", "tp_size": "parallel.tensor_parallel_size",
+    "pp": "parallel.pipeline_parallel_size", "pp_size": "parallel.pipeline_parallel_size",
+    "dp": "parallel.data_parallel_size", "dp_size": "parallel.data_parallel_size",
+    "zero": "parallel.zero_stage", "stage": "parallel.zero_stage", "lr": "training.learning_rate",
+    "microbatch_size": "training.micro_batch_size", "grad_accum": "training.gradient_accumulation_steps",
+    "accumulation_steps": "training.gradient_accumulation_steps", "max_norm": "training.max_grad_norm",
+    "clip_grad": "training.max_grad_norm", "steps": "training.max_steps",
+}
+"""Names used by Colossal-AI, DeepSpeed or MaxText for our keys, for the "did you mean" hint."""
+
+
+def _did_you_mean(key: str) -> str:
+    """``; did you mean 'parallel.zero_stage'?`` for a misspelt or misplaced key, else ``""``:
+    the same name in another section first, then the closest spelling."""
+    keys = all_keys()
+    leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(keys)}
+    leaf = key.rsplit(".", 1)[-1]
+    guess = [ALIASES[leaf]] if leaf in ALIASES else difflib.get_close_matches(key, keys, n=1, cutoff=0.75) or \
+        [leaves[g] for g in difflib.get_close_matches(leaf, list(leaves), n=1)]
+    return f"; did you mean {guess[0]!r}?" if guess else ""
+
+
 def _build(cls: type, raw: dict, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(raw).__name__}")
@@ -257,9 +391,10 @@ def _build(cls: type, raw: dict, prefix: str):
     unknown = sorted(set(raw) - fields)
     if unknown:
         where = f"section '{prefix}'" if prefix else "the top level"
+        full = [prefix + "." + k if prefix else k for k in unknown]
         raise ConfigError(
-            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(repr(prefix + '.' + k if prefix else k) for k in unknown)} "
-            f"in {where}; allowed keys: {sorted(fields)}")
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in full)} "
+            f"in {where}{_did_you_mean(str(full[0]))}; allowed keys: {sorted(fields)}")
     kwargs = {}
     for name, value in raw.items():
         path = f"{prefix}.{name}" if prefix else name
@@ -283,15 +418,13 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     """Parse ``section.key=value`` strings; values are read as YAML scalars
-    (``3`` → int, ``1e-4`` → float, ``true`` → bool)."""
+    (``3`` → int, ``true`` → bool; ``1e-4`` becomes a float where the key is a number)."""
     parsed = []
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
         value = yaml.safe_load(text) if text else ""
-        if isinstance(value, str) and _looks_float(value):
-            value = float(value)
         parsed.append((key.strip(), value))
     return parsed
 
@@ -304,6 +437,36 @@ def _looks_float(text: str) -> bool:
         return False
 
 
+_UNSET_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def expand_path(key: str, value: str) -> str:
+    """``~`` and ``$VAR``/``${VAR}`` expanded in one path (or comma-separated globs for
+    ``data.corpus``; ``stdlib`` stays as it is).
+
+    Raises:
+        ConfigError: naming the key, when a variable in the path is not set.
+    """
+    parts = value.split(",") if key == "data.corpus" else [value]
+    out = []
+    for part in parts:
+        part = part.strip() if key == "data.corpus" else part
+        expanded = os.path.expandvars(os.path.expanduser(part))
+        unset = _UNSET_VAR.search(expanded)
+        if unset:
+            raise ConfigError(f"{key}={value!r}: the environment variable {unset.group(1).strip('{}')} is not set")
+        out.append(expanded)
+    return ",".join(out)
+
+
+def expand_paths(cfg: "Config") -> None:
+    """Expand every key of :data:`PATH_KEYS` in place (the one place where paths are expanded)."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        obj = getattr(cfg, section)
+        setattr(obj, name, expand_path(key, getattr(obj, name)))
+
+
 def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
     """Build and validate a :class:`Config` from a nested dict plus overrides.
 
@@ -314,6 +477,7 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
     for key, value in parse_overrides(overrides):
         _set_dotted(raw, key, value)
     cfg = _build(Config, raw, "")
+    expand_paths(cfg)
     validate(cfg)
     return cfg
 
@@ -337,6 +501,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 # ----------------------------------------------------------------------------- validation
 
 
+def check_ranges(cfg: Config) -> None:
+    """Check every key of :data:`RANGES` (NaN and ±inf are refused everywhere).
+
+    Raises:
+        ConfigError: ``section.key=value: must be ...``.
+    """
+    for key, rng in RANGES.items():
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if not rng.contains(v):
+            raise ConfigError(f"{key}={v!r}: {rng.describe('must be' if math.isfinite(v) else 'must be a finite number')}")
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Reject impossible combinations before anything is compiled.
 
@@ -347,20 +524,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         ConfigError: naming the key(s) and the allowed values.
     """
     m, t, p, pr = cfg.model, cfg.training, cfg.parallel, cfg.precision
-    positive = {
-        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
-        "model.num_attention_heads": m.num_attention_heads,
-        "model.num_key_value_heads": m.num_key_value_heads,
-        "model.intermediate_size": m.intermediate_size, "model.vocab_size": m.vocab_size,
-        "model.max_position_embeddings": m.max_position_embeddings,
-        "model.vocab_pad_multiple": m.vocab_pad_multiple,
-        "training.batch_size": t.batch_size, "training.seq_len": t.seq_len,
-        "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "training.max_steps": t.max_steps,
-    }
-    for k, v in positive.items():
-        if v < 1:
-            raise ConfigError(f"{k}={v}: must be >= 1")
+    check_ranges(cfg)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
@@ -373,24 +537,17 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    if t.micro_batch_size < 0:
-        raise ConfigError(f"training.micro_batch_size={t.micro_batch_size}: must be >= 0 (0: use batch_size)")
     if t.micro_batch_size == 0 and t.batch_size % t.gradient_accumulation_steps:
         raise ConfigError(
             f"training.batch_size={t.batch_size} (global) is not divisible by "
             f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"training.warmup_steps={t.warmup_steps}: must be >= 0")
     if pr.bf16 and pr.fp16:
         raise ConfigError("precision: bf16 and fp16 are both true; choose one (neither means fp32)")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1)")
-    if p.num_model_chunks < 1:
-        raise ConfigError(f"parallel.num_model_chunks={p.num_model_chunks}: must be >= 1")
-    for k in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
-        v = getattr(p, k)
-        if v != -1 and v < 1:
-            raise ConfigError(f"parallel.{k}={v}: must be a positive integer or -1 (the remaining devices)")
+    if pr.min_scale > pr.max_scale:
+        raise ConfigError(f"precision.min_scale={pr.min_scale:g} is above precision.max_scale={pr.max_scale:g}")
+    if t.resume is not False and not cfg.checkpoint.dir:
+        raise ConfigError(f"training.resume={_yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
+                          "resume from)")
     tp = p.tensor_parallel_size
     if tp != -1:
         _check_tp(m, tp)
@@ -441,8 +598,6 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
     """The pipeline errors that need no device count (docs/pipeline.md)."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
     v = p.num_model_chunks
-    if p.num_microbatches < 0:
-        raise ConfigError(f"parallel.num_microbatches={p.num_microbatches}: must be >= 0 (0: the default)")
     if pp == 1:
         return
     if p.pipeline_schedule == "interleaved" and v < 2:

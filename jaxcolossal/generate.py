@@ -40,3 +40,9 @@ def sample_tokens(logits_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
         out.append(tok)
         ctx = (ctx + [tok])[-window:]
     return np.asarray(out, np.int32)
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters other than newline and tab (the raw
+    bytes a barely trained byte-level model emits) are shown as ``\\xNN`` escapes."""
+    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)

@@ -24,19 +24,17 @@ gone. :func:`launch` passes it to ``jax.distributed.initialize`` as the shutdown
 (and as the heartbeat timeout, capped at JAX's 100 s), so a dead process takes the others down;
 on CPU it also sets ``--xla_cpu_collective_timeout_seconds`` so a gloo collective whose peer
 never arrives fails instead of waiting for ever. NCCL has no such timeout, so the training loop
-runs a :class:`StepWatchdog` that aborts a process making no progress for that long.
+runs a :class:`~jaxcolossal.train.guard.StepWatchdog` that aborts a process making no progress
+for that long.
 ``python -m jaxcolossal.run --timeout S`` sets the variable for every process it starts.
 """
 from __future__ import annotations
 
-import faulthandler
 import os
 import random
 import re
 import sys
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -57,7 +55,6 @@ __all__ = [
     "launch_from_slurm",
     "launch_from_openmpi",
     "collective_timeout",
-    "StepWatchdog",
     "COLLECTIVE_TIMEOUT_ENV",
     "WATCHDOG_EXIT_CODE",
 ]
@@ -190,7 +187,7 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> int:
     """Seconds a process may wait for its peers: ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, default 300.
 
     Used for the distributed shutdown barrier, the heartbeat (capped at 100 s), the CPU (gloo)
-    collective timeout and the training loop's :class:`StepWatchdog`.
+    collective timeout and the training loop's :class:`~jaxcolossal.train.guard.StepWatchdog`.
 
     Raises:
       ValueError: the variable is set but is not a positive integer.
@@ -206,95 +203,6 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> int:
     if value < 1:
         raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV} must be a positive integer (seconds), got {raw!r}")
     return value
-
-
-class StepWatchdog:
-    """Abort the process when it makes no progress for ``timeout`` seconds.
-
-    A process blocked in a collective whose peer left the loop early, hung or died cannot be
-    interrupted from Python (the wait is inside XLA/NCCL/gloo), and NCCL has no timeout of its
-    own. The loop calls :meth:`kick` after each unit of progress; a daemon thread checks the time
-    since the last kick and, past ``timeout``, prints a clear message and the Python stacks of
-    every thread to stderr and ends the process with ``os._exit(WATCHDOG_EXIT_CODE)`` (124).
-
-    Use it as a context manager or call :meth:`start`/:meth:`stop`. With ``timeout=None`` it is
-    disabled and every method is a no-op.
-
-    Args:
-      timeout: seconds without a kick before aborting, or None (disabled).
-      process_index: shown in the message (default: 0 before the backend starts, else
-        ``jax.process_index()``, read once here and never from the watchdog thread).
-      on_timeout: called with the message instead of aborting (for tests).
-    """
-
-    def __init__(self, timeout: float | None, *, process_index: int | None = None,
-                 on_timeout: Callable[[str], None] | None = None) -> None:
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
-        self.timeout = timeout
-        if process_index is None:
-            process_index = jax.process_index() if _backend_started() else 0
-        self.process_index = process_index
-        self._on_timeout = on_timeout
-        self._last = time.monotonic()
-        self._what = "start"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.fired = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.timeout is not None
-
-    def start(self, what: str = "start") -> "StepWatchdog":
-        if self.enabled and self._thread is None:
-            self.kick(what)
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="jaxcolossal-watchdog", daemon=True)
-            self._thread.start()
-        return self
-
-    def kick(self, what: str = "") -> None:
-        """Record progress (``what`` names it in the message, e.g. ``"step 12"``)."""
-        self._last = time.monotonic()
-        if what:
-            self._what = what
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> "StepWatchdog":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        poll = min(1.0, self.timeout / 10)
-        while not self._stop.wait(poll):
-            idle = time.monotonic() - self._last
-            if idle > self.timeout:
-                self.fired = True
-                msg = (f"jaxcolossal watchdog: process {self.process_index} made no progress for "
-                       f"{idle:.0f} s (timeout {self.timeout:g} s; last progress: {self._what}). A "
-                       f"collective is probably waiting for a process that left the training loop "
-                       f"early, hung or died. Aborting with exit code {WATCHDOG_EXIT_CODE}; set "
-                       f"{COLLECTIVE_TIMEOUT_ENV} (or python -m jaxcolossal.run --timeout) to change "
-                       f"the timeout.")
-                if self._on_timeout is not None:
-                    self._on_timeout(msg)
-                    return
-                sys.stderr.write("\n" + msg + "\nPython stacks of this process:\n")
-                sys.stderr.flush()
-                try:
-                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
-                sys.stderr.flush()
-                os._exit(WATCHDOG_EXIT_CODE)
 
 
 def _install_fail_fast_excepthook() -> None:

@@ -17,6 +17,7 @@ per device / the device's dense bf16 peak (A100 312, H100 and H200 989 TFLOP/s).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Mapping
 
@@ -136,3 +137,18 @@ def zero_formula_bytes(num_params: int, n: int, zero_stage: int, p: int, g: int,
         "grads": g * psi / (n if zero_stage >= 2 else 1),
         "optimizer": K * psi / (n if zero_stage >= 1 else 1),
     }
+
+
+def json_line(record: Mapping[str, Any]) -> str:
+    """One strict-JSON line for ``metrics.jsonl``: a NaN or ±inf value becomes ``null`` and its key
+    is listed under ``"nonfinite_values"`` with the value spelt out (``{"loss": "nan"}``), since bare
+    ``NaN``/``Infinity`` is not JSON and strict parsers reject the whole line."""
+    out, bad = {}, {}
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k], bad[k] = None, str(v)
+        else:
+            out[k] = v
+    if bad:
+        out["nonfinite_values"] = bad
+    return json.dumps(out, allow_nan=False)

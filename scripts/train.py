@@ -15,6 +15,9 @@ Several processes on one machine (2 x 4 simulated CPU devices here):
 
 The launcher sets each process's device count in ``XLA_FLAGS``; without ``--devices`` that
 count is kept.
+
+Exit status: 0 done; 2 a config error (one line, before anything compiles); 3 training stopped
+on NaN/inf or a checkpoint error; 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
 """
 
 import argparse
@@ -63,6 +66,8 @@ def main(argv=None) -> int:
         return 0
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)
+    from jaxcolossal.checkpoint import CheckpointError
+    from jaxcolossal.train.guard import NonFiniteError
     from jaxcolossal.train.loop import train
 
     try:
@@ -70,7 +75,13 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    return 143 if out.get("preempted") else 0  # 128 + SIGTERM, as a scheduler expects
+    except (NonFiniteError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:  # a second Ctrl-C
+        print("aborted (second Ctrl-C): nothing saved since the last checkpoint", file=sys.stderr)
+        return 130
+    return out["exit_code"]  # 0, or 143 / 130 after SIGTERM / Ctrl-C (128 + signal), as schedulers expect
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ def resolve_files(corpus: str) -> list[str]:
 
     Args:
       corpus: ``"stdlib"``, or one glob pattern, or several comma-separated
-        glob patterns (each expanded with ``recursive=True`` after ``~``
-        expansion, so ``**`` matches nested directories).
+        glob patterns (each expanded with ``recursive=True``, so ``**`` matches
+        nested directories; ``~`` and ``$VAR`` are expanded earlier, by
+        :func:`jaxcolossal.config.expand_paths`).
 
     Returns:
       Sorted, de-duplicated regular-file paths (directories matched by a
@@ -78,7 +79,7 @@ def resolve_files(corpus: str) -> list[str]:
         raise ValueError(f"data corpus must be 'stdlib' or a glob pattern, got {corpus!r}")
     files = set()
     for pattern in patterns:
-        for path in glob.glob(os.path.expanduser(pattern), recursive=True):
+        for path in glob.glob(pattern, recursive=True):
             if os.path.isfile(path):
                 files.add(path)
     if not files:

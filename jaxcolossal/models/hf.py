@@ -533,27 +533,19 @@ _MATCH_FAMILY = {"llama": ("rms_norm_eps", "rope_theta"),
                  "gpt2": ("max_position_embeddings", "layer_norm_eps")}
 
 
-def init_params_from(cfg_model: ModelConfig, tp: int = 1) -> dict | None:
-    """The initial params for ``model.init_from`` (fine-tuning from Hugging Face weights).
-
-    Returns ``None`` when ``cfg_model.init_from`` is empty; else :func:`load_hf` of that
-    directory, padded with ``cfg_model.vocab_pad_multiple`` and ``tp`` (fp32 numpy, for
-    ``init_state(plan, tx, params=...)``).
-
-    The YAML must describe the same model: ``type, num_layers, hidden_size, num_attention_heads,
-    num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings`` and, for llama,
-    ``rms_norm_eps, rope_theta``, for gpt2 ``max_position_embeddings, layer_norm_eps`` must equal
-    the HF config's (checked before any weight is read).
+def check_init_from(cfg_model: ModelConfig) -> None:
+    """Check ``model.init_from`` before anything compiles: the directory and its ``config.json``
+    exist and describe the model of the YAML (the keys listed in :func:`init_params_from`).
 
     Raises:
-        ConfigError: the sizes differ (the message names every mismatched key with both
-            values), or the HF config is unsupported.
-        FileNotFoundError: no such directory / config / weights.
+        ConfigError: a missing directory or config (naming the key), an unsupported HF config,
+            or sizes that differ (every mismatched key with both values).
     """
-    if not cfg_model.init_from:
-        return None
     path = cfg_model.init_from
-    hf = config_from_hf(read_hf_config(path))
+    try:
+        hf = config_from_hf(read_hf_config(path))
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.init_from={path!r}: {e}") from None
     keys = _MATCH + _MATCH_FAMILY.get(hf.type, ())
     bad = []
     for k in keys:
@@ -564,5 +556,26 @@ def init_params_from(cfg_model: ModelConfig, tp: int = 1) -> dict | None:
     if bad:
         raise ConfigError(f"model.init_from={path!r}: the model section does not match the checkpoint: "
                           + "; ".join(bad))
-    _, params = load_hf(path, tp, vocab_pad_multiple=cfg_model.vocab_pad_multiple)
+
+
+def init_params_from(cfg_model: ModelConfig, tp: int = 1) -> dict | None:
+    """The initial params for ``model.init_from`` (fine-tuning from Hugging Face weights).
+
+    Returns ``None`` when ``cfg_model.init_from`` is empty; else :func:`load_hf` of that
+    directory, padded with ``cfg_model.vocab_pad_multiple`` and ``tp`` (fp32 numpy, for
+    ``init_state(plan, tx, params=...)``).
+
+    The YAML must describe the same model: ``type, num_layers, hidden_size, num_attention_heads,
+    num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings`` and, for llama,
+    ``rms_norm_eps, rope_theta``, for gpt2 ``max_position_embeddings, layer_norm_eps`` must equal
+    the HF config's (checked by :func:`check_init_from` before any weight is read).
+
+    Raises:
+        ConfigError: see :func:`check_init_from`.
+        FileNotFoundError: no weights in the directory.
+    """
+    if not cfg_model.init_from:
+        return None
+    check_init_from(cfg_model)
+    _, params = load_hf(cfg_model.init_from, tp, vocab_pad_multiple=cfg_model.vocab_pad_multiple)
     return params

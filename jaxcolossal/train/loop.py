@@ -1,37 +1,45 @@
-"""The training loop behind ``scripts/train.py``: data, steps, metrics, checkpoints, a sample.
+"""The training loop behind ``scripts/train.py``, as a short sequence of named phases.
 
-``train(cfg)`` prints, in order: the mesh, a table of every parameter's shape, dtype and
-sharding, the per-device bytes of params / gradients / optimizer state (against the ZeRO
-formulas), the validation loss at start, a progress bar with loss, tokens/s and TFLOPS, the
-validation loss at the end and a short generated sample. Metrics go to
-``<run_dir>/metrics.jsonl`` (one JSON object a line), written by process 0 only.
+``train(cfg)``: **preflight** (every error that needs the file system, before anything
+compiles) → **start** (mesh, plan, data, state, **restore**, compile) → **steps** (with
+**evaluate** and **save** at their intervals) → **finish** (final evaluation, final save, a
+sample). What happens on a signal, a NaN or a hung peer is decided in
+:mod:`jaxcolossal.train.guard`.
+
+It prints, in order: the mesh, a table of every parameter's shape, dtype and sharding, the
+per-device bytes of params / gradients / optimizer state (against the ZeRO formulas), the
+validation loss at start, a progress bar with loss, tokens/s and TFLOPS, the validation loss at
+the end and a short generated sample. Metrics go to ``<run_dir>/metrics.jsonl`` (one strict
+JSON object a line), written by process 0 only.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import logging
 import math
 import os
-import signal
-import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jaxcolossal import metrics as mx
-from jaxcolossal.checkpoint import CheckpointManager
-from jaxcolossal.config import Config
+from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, step_dirs
+from jaxcolossal.config import Config, ConfigError
 from jaxcolossal.data import DataLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.dist_logger import get_dist_logger
-from jaxcolossal.generate import sample_tokens
-from jaxcolossal.launch import StepWatchdog, collective_timeout
+from jaxcolossal.generate import printable, sample_tokens
+from jaxcolossal.launch import collective_timeout
 from jaxcolossal.mesh import make_mesh
-from jaxcolossal.models.hf import init_params_from
-from jaxcolossal.sharding import DATA_AXES, describe
+from jaxcolossal.models.hf import check_init_from, init_params_from
+from jaxcolossal.sharding import DATA_AXES, describe, shard_bytes
+from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
 from jaxcolossal.train.step import make_eval_step, make_train_step
@@ -54,128 +62,134 @@ def param_table(plan: TrainPlan) -> str:
 
 
 def memory_report(plan: TrainPlan, state: Any) -> tuple[str, dict]:
-    """Per-device model-state bytes, measured from the arrays, next to the ZeRO paper's (docs/zero.md) formula."""
+    """Per-device model-state bytes, measured from the arrays, next to the ZeRO paper's (docs/zero.md) formula.
+
+    The formula's Ψ is the parameters of one model-parallel rank: what tensor and pipeline
+    parallelism leave on a device before ZeRO (``plan.specs.base``).
+    """
     got = mx.model_state_bytes(state, plan.specs.grads, plan.param_shapes, plan.mesh_shape)
-    psi = sum(math.prod(s) for s in jax.tree.leaves(plan.param_shapes, is_leaf=lambda x: isinstance(x, tuple)))
-    psi_local = psi / plan.mesh_shape["tp"]  # the formula's Ψ is per tensor-parallel rank
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+    psi = sum(math.prod(s) for s in jax.tree.leaves(plan.param_shapes, is_leaf=is_shape))
+    psi_local = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, plan.mesh_shape),
+                                                 plan.param_shapes, plan.specs.base, is_leaf=is_shape)))
     b = BYTES_PER_PARAM[plan.precision]
     n = plan.mesh_shape["fsdp"]
     want = mx.zero_formula_bytes(psi_local, n, plan.cfg.parallel.zero_stage, **b)
     lines = [f"per-device model state (ZeRO-{plan.cfg.parallel.zero_stage}, {plan.precision}: "
-             f"p={b['p']} g={b['g']} K={b['K']} bytes/param, Ψ={psi:,}, N={n}, tp={plan.mesh_shape['tp']})"]
+             f"p={b['p']} g={b['g']} K={b['K']} bytes/param, Ψ={psi:,}, per model-parallel rank {psi_local:,}, "
+             f"N={n}, tp={plan.mesh_shape['tp']}, pp={plan.mesh_shape['pp']})"]
     for k in ("params", "grads", "optimizer"):
         lines.append(f"  {k:<10} {got[k] / 2**20:10.3f} MiB   formula {want[k] / 2**20:10.3f} MiB")
     lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
     return "\n".join(lines), {"measured": got, "formula": want}
 
 
-class _PreemptionFlag:
-    """Set by SIGTERM (a scheduler's preemption notice) while the loop runs; the loop then
-    saves a checkpoint and stops. Only the main thread can install signal handlers; elsewhere
-    this is a flag that never sets."""
-
-    def __init__(self):
-        self.hit = False
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.hit = True
-
-    def restore(self) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-            self._old = None
-
-    def __bool__(self) -> bool:
-        return self.hit
+# ----------------------------------------------------------------------------- preflight
 
 
-def _final_save(ckpt: CheckpointManager, state: Any, val_loss: float | None = None) -> None:
-    """Save the last step unless the periodic save already wrote it."""
-    ckpt.wait()
-    if int(state.step) not in ckpt.all_steps():
-        ckpt.save(int(state.step), state, val_loss=val_loss, force=True)
-
-
-def _check_overflow_streak(m: dict, pc) -> None:
-    """Stop fp16 training that can only skip: ``max_consecutive_skips`` overflowed steps in a row
-    while the loss scale is already at ``min_scale`` (one host sync per step, fp16 only).
+def preflight(cfg: Config) -> None:
+    """Every check that needs the file system, before anything is compiled.
 
     Raises:
-        FloatingPointError: naming the streak and the scale.
+        ConfigError: one line naming the key: ``model.init_from`` missing or not matching;
+            ``model.vocab_size`` below the tokenizer's ids; ``training.resume=true`` with a
+            ``checkpoint.dir`` that holds no step; a fresh run into a ``checkpoint.dir`` that
+            holds steps, without ``checkpoint.overwrite``.
     """
-    skips = int(m["consecutive_skips"])
-    if skips >= pc.max_consecutive_skips and float(m["loss_scale"]) <= pc.min_scale:
-        raise FloatingPointError(
-            f"fp16: {skips} consecutive steps overflowed with the loss scale at its minimum "
-            f"{pc.min_scale}; training stopped instead of skipping forever (try bf16, a lower learning "
-            "rate, or precision.min_scale)")
+    m, t, c = cfg.model, cfg.training, cfg.checkpoint
+    if m.init_from:
+        check_init_from(m)
+    tok = get_tokenizer(cfg.data.tokenizer)
+    if tok.vocab_size > m.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} is smaller than the {tok.vocab_size} ids of data.tokenizer="
+            f"{cfg.data.tokenizer}: ids >= {m.vocab_size} would have no embedding row; set model.vocab_size "
+            f">= {tok.vocab_size}")
+    if not c.dir:
+        return
+    steps = step_dirs(c.dir)
+    if t.resume is True and not steps:
+        raise ConfigError(
+            f"training.resume=true, but checkpoint.dir={c.dir!r} holds no checkpoint (a typo?); "
+            "training.resume=auto starts fresh when there is none")
+    if t.resume is False and steps and not c.overwrite:
+        shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+        raise ConfigError(
+            f"checkpoint.dir={c.dir!r} already holds the checkpoints of steps {shown}; a fresh run would mix "
+            "with them and its retention would delete them. Continue them with training.resume=true, pick "
+            "another checkpoint.dir, or set checkpoint.overwrite=true to delete them")
 
 
-def _evaluate(eval_step, params, batches) -> float:
-    return float(np.mean([float(eval_step(params, x, y)) for x, y in batches]))
+# ----------------------------------------------------------------------------- start
 
 
-def train(cfg: Config) -> dict:
-    """Run the main job described by ``cfg``; returns a summary dict (losses, throughput, sample).
+@dataclass
+class Run:
+    """Everything the phases share; built by :func:`_start`."""
 
-    With ``checkpoint.dir`` set it saves every ``checkpoint.save_every`` steps, at each
-    evaluation (a candidate for the best checkpoint) and at the end; on SIGTERM it saves the
-    current step and returns early with ``preempted=True``.
+    cfg: Config
+    plan: TrainPlan
+    state: Any
+    ckpt: CheckpointManager | None
+    loader: DataLoader
+    evals: list
+    compiled: Any
+    eval_step: Any
+    compile_s: float
+    compiled_peak: int
+    mfile: Any
 
-    In a multi-process job a :class:`~jaxcolossal.launch.StepWatchdog` guards the steps and
-    evaluations: a process that makes no progress for ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` seconds
-    (default 300; e.g. stuck in a collective because another process left the loop or died)
-    aborts with a clear message and exit status 124.
+    @property
+    def is_main(self) -> bool:
+        return jax.process_index() == 0
 
-    Raises:
-        ConfigError: before anything is compiled, for any impossible setting.
-    """
-    watchdog = StepWatchdog(collective_timeout() if jax.process_count() > 1 else None)
+    def write(self, rec: dict) -> None:
+        """Append one record to ``metrics.jsonl`` (process 0)."""
+        if self.mfile:
+            self.mfile.write(mx.json_line(rec) + "\n")
+            self.mfile.flush()
+
+
+def _open_checkpoints(cfg: Config) -> CheckpointManager | None:
+    c = cfg.checkpoint
+    if not c.dir:
+        return None
+    ckpt = CheckpointManager(c.dir, c.max_to_keep, config=cfg.to_dict())
+    if c.overwrite and cfg.training.resume is False and step_dirs(c.dir):
+        get_dist_logger().warning(f"checkpoint.overwrite=true: deleted steps {ckpt.clear()} in {ckpt.directory}",
+                                  ranks=[0])
+    return ckpt
+
+
+def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
+    """``training.resume``: true restores the newest step that restores (or fails), auto as
+    well when there is one; damaged steps are moved aside by the checkpoint manager."""
+    if ckpt is None or cfg.training.resume is False:
+        return state
     try:
-        return _train(cfg, watchdog)
-    finally:
-        watchdog.stop()
+        state = ckpt.restore(state)
+    except FileNotFoundError:
+        if cfg.training.resume is True:
+            raise
+        get_dist_logger().info(f"training.resume=auto: no checkpoint in {ckpt.directory}, starting fresh", ranks=[0])
+        return state
+    get_dist_logger().info(f"resumed from step {int(state.step)} in {ckpt.directory}", ranks=[0])
+    return state
 
 
-def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
+def _start(cfg: Config) -> Run:
     log = get_dist_logger()
-    run_dir = cfg.logging.run_dir
+    run_dir, t = cfg.logging.run_dir, cfg.training
     is_main = jax.process_index() == 0
     if is_main:
         os.makedirs(run_dir, exist_ok=True)
         log.log_to_file(os.path.join(run_dir, "train.log"))
     mesh = make_mesh(cfg.parallel)
     plan = make_plan(cfg, mesh)
-    t = cfg.training
     log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} device(s), "
              f"{jax.process_count()} process(es); precision {plan.precision}; "
              f"zero_stage {cfg.parallel.zero_stage}", ranks=[0])
-
-    tx = build_optimizer(t, plan)
-    schedule = lr_schedule(t)
-    # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
-    state = init_state(plan, tx, key=jax.random.key(t.seed),
-                       params=init_params_from(cfg.model, plan.mesh_shape["tp"]))
-    if cfg.model.init_from:
-        log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
-    if is_main:
-        print(param_table(plan))
-        report, _ = memory_report(plan, state)
-        print(report)
-
-    ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.max_to_keep) if cfg.checkpoint.dir else None
-    if t.resume:
-        if ckpt is None:
-            raise ValueError("training.resume=true needs checkpoint.dir")
-        if ckpt.latest_step() is not None:
-            state = ckpt.restore(state)
-            log.info(f"resumed from step {int(state.step)} in {ckpt.directory}", ranks=[0])
-
     train_tokens, val_tokens = load_splits(cfg.data)
-    tok = get_tokenizer(cfg.data.tokenizer)
     loader = DataLoader(train_tokens, t.batch_size, t.seq_len, t.seed, mesh=mesh,
                         batch_spec=jax.sharding.PartitionSpec(DATA_AXES))
     eval_bs = t.batch_size // t.gradient_accumulation_steps
@@ -183,99 +197,249 @@ def _train(cfg: Config, watchdog: StepWatchdog) -> dict:
              for x, y in eval_batches(val_tokens if len(val_tokens) > t.seq_len + 1 else train_tokens,
                                       eval_bs, t.seq_len, t.eval_batches)]
 
-    step_fn = make_train_step(plan, tx, schedule)
-    eval_step = make_eval_step(plan)
+    tx = build_optimizer(t, plan)
+    # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
+    state = init_state(plan, tx, key=jax.random.key(t.seed),
+                       params=init_params_from(cfg.model, plan.mesh_shape["tp"]))
+    if cfg.model.init_from:
+        log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
+    if is_main:
+        print(param_table(plan))
+        print(memory_report(plan, state)[0])
+    ckpt = _open_checkpoints(cfg)
+    state = _restore(cfg, ckpt, state)
+
+    step_fn = make_train_step(plan, tx, lr_schedule(t))
     t0 = time.time()
     compiled = step_fn.lower(state, loader.batch(int(state.step))).compile()
     compile_s = time.time() - t0
     mem = compiled.memory_analysis()
-    temp = getattr(mem, "temp_size_in_bytes", None)
     # per-device bytes the step needs (arguments + outputs + temporaries - donated aliases), for
     # backends without runtime memory statistics (the CPU)
-    compiled_peak = sum(getattr(mem, f, 0) or 0 for f in ("argument_size_in_bytes", "output_size_in_bytes",
-                                                          "temp_size_in_bytes")) - (getattr(mem, "alias_size_in_bytes", 0) or 0)
+    peak = sum(getattr(mem, f, 0) or 0 for f in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                 "temp_size_in_bytes")) - (getattr(mem, "alias_size_in_bytes", 0) or 0)
     log.info(f"train step compiled in {compile_s:.1f}s; per-device temporary memory "
-             f"{(temp or 0) / 2**20:.1f} MiB", ranks=[0])
-
-    watchdog.start("compiled the train step")
-    val_start = _evaluate(eval_step, state.params, evals)
-    log.info(f"validation loss at step {int(state.step)}: {val_start:.4f} nats/token", ranks=[0])
+             f"{(getattr(mem, 'temp_size_in_bytes', 0) or 0) / 2**20:.1f} MiB", ranks=[0])
     mfile = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
+    return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
+               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, mfile=mfile)
 
-    def write(rec):
-        if mfile:
-            mfile.write(json.dumps(rec) + "\n")
-            mfile.flush()
 
-    write({"step": int(state.step), "val_loss": val_start})
-    kind = jax.devices()[0].device_kind
-    recompute = cfg.model.remat != "none"
-    start = int(state.step)
-    bar = tqdm(range(start, t.max_steps), initial=start, total=t.max_steps, disable=not (is_main and cfg.logging.progress_bar),
-               dynamic_ncols=True, desc="train")
-    last_t, last_step, perf, m = time.time(), start, {}, None
-    preempted = _PreemptionFlag()
-    for step in bar:
-        state, m = compiled(state, loader.batch(step))
-        done = step + 1
-        watchdog.kick(f"step {done}")
-        if plan.precision == "fp16":
-            _check_overflow_streak(m, cfg.precision)
-        if done % cfg.logging.log_every == 0 or done == t.max_steps:
-            m = {k: float(v) for k, v in m.items()}
-            now = time.time()
-            step_s = (now - last_t) / (done - last_step)
-            last_t, last_step = now, done
-            perf = mx.throughput(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len, step_seconds=step_s,
-                                 num_devices=jax.device_count(),
-                                 device_kind=kind, recompute=recompute)
-            peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
-            rec = {"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak or compiled_peak,
-                   "peak_memory_source": "runtime" if peak else "compiled estimate"}
-            write(rec)
-            bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}",
-                            tflops=f"{perf['tflops_6n']:.3f}")
-        v = None
-        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
-            v = _evaluate(eval_step, state.params, evals)
-            write({"step": done, "val_loss": v})
-            if is_main:
-                bar.write(f"step {done}: validation loss {v:.4f}")
-        if ckpt and (v is not None or (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0)):
-            ckpt.save(done, state, val_loss=v)  # eval steps are candidates for the best checkpoint
-        if preempted:
-            break
-    bar.close()
-    preempted.restore()
-    if preempted:  # SIGTERM: save where we are and stop, without the final evaluation
+# ----------------------------------------------------------------------------- evaluate, save
+
+
+def _evaluate(run: Run, state: Any) -> float:
+    """Mean validation loss (nats/token) over the fixed evaluation batches."""
+    return float(np.mean([float(run.eval_step(state.params, x, y)) for x, y in run.evals]))
+
+
+def _save(run: Run, state: Any, val_loss: float | None = None, final: bool = False) -> None:
+    """Save ``state`` at its step (a no-op without ``checkpoint.dir``). ``final``: wait for the
+    periodic saves and skip a step that is already on disk."""
+    if run.ckpt is None:
+        return
+    step = int(state.step)
+    if final:
+        run.ckpt.wait()
+        if step in run.ckpt.all_steps():
+            return
+    run.ckpt.save(step, state, val_loss=val_loss, force=final)
+
+
+class _StepClock:
+    """Seconds per training step between log lines, with evaluation and checkpoint time left out."""
+
+    def __init__(self, step: int):
+        self.t, self.step, self.paused_s = time.time(), step, 0.0
+
+    @contextlib.contextmanager
+    def paused(self, pending: Any):
+        jax.block_until_ready(pending)  # the steps dispatched so far belong to the training time
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.paused_s += time.time() - t0
+
+    def lap(self, step: int) -> float:
+        now = time.time()
+        per_step = (now - self.t - self.paused_s) / max(step - self.step, 1)
+        self.t, self.step, self.paused_s = now, step, 0.0
+        return per_step
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
+    cfg, t = run.cfg, run.cfg.training
+    m = {k: float(v) for k, v in m.items()}
+    step_s = clock.lap(done)
+    perf = mx.throughput(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len, step_seconds=step_s,
+                         num_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
+                         recompute=cfg.model.remat != "none")
+    peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
+    run.write({"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak or run.compiled_peak,
+               "peak_memory_source": "runtime" if peak else "compiled estimate"})
+    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}", tflops=f"{perf['tflops_6n']:.3f}")
+    return perf
+
+
+def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, dict]:
+    """Train from the state's step to ``max_steps`` (or a signal). Returns ``(state, perf)``.
+
+    Each step's non-finite flag is read one step late (after the next step is dispatched), so
+    the host never waits for the device in between; it is read at once before a log line, an
+    evaluation, a save or a stop.
+    """
+    cfg, t, c = run.cfg, run.cfg.training, run.cfg.checkpoint
+    guard = NonFiniteGuard(t.nonfinite_policy, cfg.precision)
+    state, start = run.state, int(run.state.step)
+    clock, perf, pending = _StepClock(start), {}, None
+    bar = tqdm(range(start, t.max_steps), initial=start, total=t.max_steps, dynamic_ncols=True, desc="train",
+               disable=not (run.is_main and cfg.logging.progress_bar))
+    try:
+        for step in bar:
+            state, m = run.compiled(state, run.loader.batch(step))
+            done = step + 1
+            watchdog.kick(f"step {done}")
+            if pending is not None:
+                guard.check(*pending)
+            pending = (done, m)
+            evaluate = bool(t.eval_every) and done % t.eval_every == 0 and done != t.max_steps
+            save = run.ckpt is not None and (evaluate or (c.save_every and done % c.save_every == 0))
+            log_now = done % cfg.logging.log_every == 0 or done == t.max_steps
+            if log_now:  # a non-finite step is logged too (null values, spelt out in "nonfinite_values")
+                perf = _log_step(run, done, m, clock, bar)
+            if log_now or evaluate or save or stop:
+                guard.check(*pending)
+                pending = None
+            if evaluate or save:
+                with clock.paused(m):
+                    v = _evaluate(run, state) if evaluate else None
+                    if evaluate:
+                        run.write({"step": done, "val_loss": v})
+                        if run.is_main:
+                            bar.write(f"step {done}: validation loss {v:.4f}")
+                    if save:
+                        _save(run, state, val_loss=v)  # eval steps are candidates for the best checkpoint
+            if stop:
+                break
+        if pending is not None:
+            guard.check(*pending)
+    except NonFiniteError:
+        _save_last_finite(run, state)
+        raise
+    finally:
+        bar.close()
+    return state, perf
+
+
+def _save_last_finite(run: Run, state: Any) -> None:
+    """On a non-finite stop: the state still holds the last finite update (the bad one was not
+    applied); save it so that nothing since the last checkpoint is lost."""
+    if run.ckpt is None:
+        return
+    try:
+        _save(run, state, final=True)
+        run.ckpt.close()
+        get_dist_logger().warning(f"saved step {int(state.step)}, the last finite state, in {run.ckpt.directory}",
+                                  ranks=[0])
+    except NonFiniteStateError as e:
+        get_dist_logger().warning(str(e), ranks=[0])
+
+
+# ----------------------------------------------------------------------------- finish
+
+
+def _sample(run: Run, state: Any) -> str:
+    """A short generated text (the tokenizer's ids only; control characters escaped)."""
+    cfg, t = run.cfg.model, run.cfg.training
+    if t.sample_tokens <= 0:
+        return ""
+    from jaxcolossal.sharding import Sharder  # the unconstrained forward for a batch of one
+    tok = get_tokenizer(run.cfg.data.tokenizer)
+    fn = jax.jit(lambda p, x: run.plan.family.forward(p, x, cfg, Sharder(None))[..., : tok.vocab_size])
+    out = sample_tokens(fn, state.params, tok.encode(t.sample_prompt), t.sample_tokens, t.seq_len,
+                        jax.random.key(t.seed + 1))
+    return t.sample_prompt + tok.decode(out)
+
+
+def _drop_orbax_noise(record: logging.LogRecord) -> bool:
+    # saves between evaluations carry no val_loss on purpose; orbax warns about each one
+    return "did not provide metrics" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_console():
+    """Log lines (ours, absl's, orbax's) go above the progress bar instead of through it."""
+    absl = logging.getLogger("absl")
+    absl.addFilter(_drop_orbax_noise)
+    try:
+        with logging_redirect_tqdm([logging.getLogger(), logging.getLogger("jaxcolossal")]):
+            yield
+    finally:
+        absl.removeFilter(_drop_orbax_noise)
+
+
+def train(cfg: Config) -> dict:
+    """Run the main job described by ``cfg``; returns a summary dict (losses, throughput, sample).
+
+    With ``checkpoint.dir`` set it saves every ``checkpoint.save_every`` steps, at each
+    evaluation (a candidate for the best checkpoint) and at the end. On SIGTERM or Ctrl-C it
+    saves the current step and returns early with ``stopped_by`` set (``"SIGTERM"``/``"SIGINT"``)
+    and ``exit_code`` 143/130. In a multi-process job a watchdog aborts a process that makes no
+    progress for ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` seconds (exit 124). See
+    :mod:`jaxcolossal.train.guard`.
+
+    Raises:
+        ConfigError: before anything is compiled, for any impossible setting.
+        NonFiniteError: a NaN/inf step under ``training.nonfinite_policy`` (after saving the last
+            finite state).
+        CheckpointError: a save that could not be written, or a checkpoint that does not fit.
+    """
+    preflight(cfg)
+    watchdog = StepWatchdog(collective_timeout() if jax.process_count() > 1 else None)
+    try:
+        with StopSignals() as stop, _quiet_console():
+            return _train(cfg, watchdog, stop)
+    finally:
         watchdog.stop()
-        log.warning(f"SIGTERM received: saving step {int(state.step)} and stopping", ranks=[0])
-        if ckpt:
-            _final_save(ckpt, state)
-            ckpt.close()
-        if mfile:
-            mfile.close()
-        return {"preempted": True, "state": state, "plan": plan, "final_metrics": m, "perf": perf,
-                "val_loss_start": val_start, "val_loss_end": None, "compile_s": compile_s, "sample": ""}
-    val_end = _evaluate(eval_step, state.params, evals)
-    watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
-    write({"step": int(state.step), "val_loss": val_end})
-    log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} (nats/token)",
-             ranks=[0])
-    if ckpt:
-        _final_save(ckpt, state, val_end)
-        ckpt.close()
 
-    sample = ""
-    if t.sample_tokens > 0:
-        from jaxcolossal.sharding import Sharder  # the unconstrained forward for a batch of one
-        fn = jax.jit(lambda p, x: plan.family.forward(p, x, cfg.model, Sharder(None)))
-        out = sample_tokens(fn, state.params, tok.encode(t.sample_prompt), t.sample_tokens, t.seq_len,
-                            jax.random.key(t.seed + 1))
-        sample = t.sample_prompt + tok.decode(out)
-        if is_main:
-            print("----- sample -----\n" + sample + "\n------------------")
-    if mfile:
-        mfile.close()
-    return {"val_loss_start": val_start, "val_loss_end": val_end, "final_metrics": m, "perf": perf,
-            "compile_s": compile_s, "sample": sample, "state": state, "plan": plan}
+
+def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
+    run = _start(cfg)
+    try:
+        return _run(run, watchdog, stop)
+    finally:
+        if run.mfile:
+            run.mfile.close()
+
+
+def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
+    log = get_dist_logger()
+    watchdog.start("compiled the train step")
+    val_start = _evaluate(run, run.state)
+    log.info(f"validation loss at step {int(run.state.step)}: {val_start:.4f} nats/token", ranks=[0])
+    run.write({"step": int(run.state.step), "val_loss": val_start})
+    state, perf = _steps(run, watchdog, stop)
+    out = {"val_loss_start": val_start, "val_loss_end": None, "perf": perf, "compile_s": run.compile_s,
+           "sample": "", "state": state, "plan": run.plan, "stopped_by": stop.received,
+           "exit_code": stop.exit_code}
+    if stop:  # a signal: save where we are and stop, without the final evaluation
+        watchdog.stop()
+        log.warning(f"{stop.received} received: saving step {int(state.step)} and stopping", ranks=[0])
+    else:
+        out["val_loss_end"] = val_end = _evaluate(run, state)
+        watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
+        run.write({"step": int(state.step), "val_loss": val_end})
+        log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} "
+                 "(nats/token)", ranks=[0])
+    _save(run, state, val_loss=out["val_loss_end"], final=True)
+    if run.ckpt:
+        run.ckpt.close()
+    if not stop:
+        out["sample"] = _sample(run, state)
+        if run.is_main and out["sample"]:
+            print("----- sample -----\n" + printable(out["sample"]) + "\n------------------")
+    return out

@@ -12,11 +12,16 @@ from jaxcolossal.config import TrainingConfig
 
 
 def lr_schedule(t: TrainingConfig) -> optax.Schedule:
-    """Linear warmup over ``warmup_steps`` to ``learning_rate``, then cosine decay to
-    ``learning_rate * min_learning_rate_ratio`` at ``max_steps``."""
-    return optax.warmup_cosine_decay_schedule(
+    """The learning rate of optimizer step ``s`` (0-based), as Colossal-AI's warmup schedules:
+    linear warmup ``learning_rate · (s + 1) / warmup_steps`` — the first step already moves —
+    reaching ``learning_rate`` at step ``warmup_steps − 1``, then cosine decay towards
+    ``learning_rate · min_learning_rate_ratio``, reached at the last step (``max_steps − 1``) when
+    there is a warmup."""
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
         decay_steps=max(t.max_steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_learning_rate_ratio)
+    shift = 1 if t.warmup_steps > 0 else 0  # without warmup, step 0 runs at the peak
+    return lambda step: base(step + shift)
 
 
 NO_DECAY_SUFFIXES = ("norm", "norm_bias")

@@ -17,8 +17,10 @@
 
 2. **Mixed precision**: the forward/backward uses the compute-dtype params; gradients are cast
    to fp32 per shard *before* any reduction (fp32 reduction), and the update is applied to the
-   fp32 master copy. fp16 adds dynamic loss scaling; an overflow anywhere skips the step
-   everywhere, leaving params, master and optimizer state unchanged.
+   fp32 master copy. fp16 adds dynamic loss scaling.
+   **Non-finite steps** (every precision): a NaN/inf in the loss or any gradient skips the step
+   everywhere, leaving params, master and optimizer state unchanged, and sets the metric
+   ``nonfinite``; the loop's guard (``jaxcolossal.train.guard``) decides whether to stop.
 3. **Clipping and AdamW** (optax): the global norm is taken over the global gradient arrays,
    so each parameter counts once whatever its sharding.
 4. **ZeRO update**: the update runs on the optimizer-state sharding (each rank its shard),
@@ -132,7 +134,8 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
 
     ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``.
     ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
-    ``lr``; in fp16 also ``loss_scale``, ``skipped`` and ``consecutive_skips``.
+    ``lr``; int32 ``nonfinite`` (1: the step was not applied); in fp16 also ``loss_scale``,
+    ``skipped`` and ``consecutive_skips``.
     """
     grad_fn = make_grad_fn(plan)
     mesh, specs, pc = plan.mesh, plan.specs, plan.cfg.precision
@@ -155,18 +158,21 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         new_params = constrain(new_params, mesh, specs.params)
         new = TrainState(step=state.step + 1, params=new_params,
                          master=new_master if plan.mixed else None, opt_state=opt_state, scaler=state.scaler)
-        metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm}
-        if schedule is not None:
-            metrics["lr"] = schedule(state.step)
+        # every precision: a step whose loss or gradients hold NaN/inf is not applied
+        finite = all_finite(grads) & jnp.isfinite(loss_sum)
+        keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
+        scaler = state.scaler
         if fp16:
-            finite = all_finite(grads)
-            keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
             scaler = scaler_update(state.scaler, finite, growth_factor=pc.growth_factor,
                                    backoff_factor=pc.backoff_factor, growth_interval=pc.growth_interval,
                                    hysteresis=pc.hysteresis, min_scale=pc.min_scale, max_scale=pc.max_scale)
-            new = TrainState(step=state.step + 1, params=keep(new.params, state.params),
-                             master=keep(new.master, state.master),
-                             opt_state=keep(new.opt_state, state.opt_state), scaler=scaler)
+        new = TrainState(step=state.step + 1, params=keep(new.params, state.params),
+                         master=keep(new.master, state.master),
+                         opt_state=keep(new.opt_state, state.opt_state), scaler=scaler)
+        metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
+        if fp16:
             metrics.update(loss_scale=state.scaler.scale, skipped=(~finite).astype(jnp.int32),
                            consecutive_skips=scaler.consecutive_skips)
         return new, metrics

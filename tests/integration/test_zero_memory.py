@@ -33,3 +33,22 @@ def test_memory_matches_zero_formula(zero_stage, precision):
     # and the stage really shrinks what it should
     if zero_stage >= 1:
         assert got["optimizer"] < BYTES_PER_PARAM[precision]["K"] * psi / 4
+
+
+def test_memory_report_formula_counts_pipeline_stages():
+    """The printed table compares against Ψ per model-parallel rank: with pp 2 × tp 2 each device
+    holds about a quarter of the layers' parameters before ZeRO (configs/llama_tiny_3d.yaml)."""
+    import os
+
+    from jaxcolossal.config import load_config
+    from jaxcolossal.train.loop import memory_report
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "configs", "llama_tiny_3d.yaml"))
+    plan = make_plan(cfg, make_mesh(cfg.parallel))
+    state = init_state(plan, build_optimizer(cfg.training, plan), key=jax.random.key(0))
+    text, numbers = memory_report(plan, state)
+    for key in ("params", "grads", "optimizer"):
+        got, want = numbers["measured"][key], numbers["formula"][key]
+        assert got == pytest.approx(want, rel=0.01), (key, got, want, text)
+    assert "pp=2" in text

@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-from jaxcolossal.launch import StepWatchdog, collective_timeout, launch_from_env
+from jaxcolossal.launch import collective_timeout, launch_from_env
+from jaxcolossal.train.guard import StepWatchdog
 
 launch_from_env(verbose=False)
 

@@ -137,8 +137,10 @@ def test_launch_passes_the_collective_timeout(env, calls):
 
 def test_step_watchdog_fires_and_stays_quiet(monkeypatch):
     import time
+
+    from jaxcolossal.train.guard import StepWatchdog
     fired = []
-    with L.StepWatchdog(0.3, process_index=1, on_timeout=fired.append) as wd:
+    with StepWatchdog(0.3, process_index=1, on_timeout=fired.append) as wd:
         for _ in range(6):  # kicked every 0.1 s: no alarm
             time.sleep(0.1)
             wd.kick("busy")
@@ -146,13 +148,13 @@ def test_step_watchdog_fires_and_stays_quiet(monkeypatch):
         time.sleep(1.0)  # no kick for 1 s > 0.3 s
     assert len(fired) == 1 and wd.fired
     assert "process 1 made no progress" in fired[0] and "last progress: busy" in fired[0]
-    off = L.StepWatchdog(None)
+    off = StepWatchdog(None)
     off.start()
     off.kick()
     off.stop()
     assert not off.enabled and off._thread is None
     with pytest.raises(ValueError, match="timeout must be > 0"):
-        L.StepWatchdog(0)
+        StepWatchdog(0)
 
 
 # ------------------------------------------------------------------ real 2-process jobs

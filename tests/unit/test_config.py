@@ -88,3 +88,106 @@ def test_80_layer_example_validates_and_plans():
     assert "mesh {'pp': 4, 'dp': 1, 'fsdp': 1, 'tp': 8}" in text
     assert cfg.training.batch_size == 16  # micro_batch_size 1 × 16 accumulation steps × dp 1
     assert "per-device model state" in text
+
+
+# ----------------------------------------------------------------------------- values that make no sense
+
+
+def _numeric_keys():
+    import dataclasses
+    import typing
+
+    from jaxcolossal.config import Config, all_keys
+
+    out = {}
+    for key in all_keys():
+        section, name = key.split(".")
+        ann = typing.get_type_hints(typing.get_type_hints(Config)[section])[name]
+        if ann in (int, float):
+            out[key] = ann
+    assert dataclasses.is_dataclass(Config) and len(out) > 40
+    return out
+
+
+def test_every_numeric_key_has_a_range():
+    from jaxcolossal.config import RANGES
+
+    assert set(_numeric_keys()) == set(RANGES)
+
+
+@pytest.mark.parametrize("key", sorted(_numeric_keys()))
+def test_sweep_zero_negative_nan_inf(key):
+    """Each numeric key: values outside its range are refused by load_config naming the key; values
+    inside it are accepted (or refused for another key's sake, never this one's)."""
+    from jaxcolossal.config import RANGES
+
+    rng, ann = RANGES[key], _numeric_keys()[key]
+    values = [0, -1, -2] + ([float("nan"), float("inf"), float("-inf")] if ann is float else [])
+    for v in values:
+        text = {float("nan"): ".nan", float("inf"): ".inf", float("-inf"): "-.inf"}.get(v, str(v)) if ann is float \
+            else str(v)
+        if rng.contains(v):
+            try:
+                config_from_dict({}, [f"{key}={text}"])
+            except ConfigError as e:
+                assert not str(e).startswith(f"{key}="), e
+        else:
+            with pytest.raises(ConfigError, match=rf"^{key}=\S+: must be"):
+                config_from_dict({}, [f"{key}={text}"])
+
+
+def test_float_strings_from_yaml_are_numbers(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  learning_rate: 1e-4\n  adam_eps: 1E-8\n")  # PyYAML reads these as strings
+    cfg = load_config(f)
+    assert cfg.training.learning_rate == 1e-4 and cfg.training.adam_eps == 1e-8
+    with pytest.raises(ConfigError, match="training.learning_rate='fast': expected a number"):
+        config_from_dict({"training": {"learning_rate": "fast"}})
+
+
+def test_nonsense_values_named_by_key():
+    for override, message in [("logging.log_every=0", "logging.log_every=0: must be >= 1"),
+                              ("training.eval_batches=0", "training.eval_batches=0: must be >= 1"),
+                              ("training.learning_rate=nan", "training.learning_rate=nan: must be a finite number > 0"),
+                              ("training.learning_rate=inf", "training.learning_rate=inf: must be a finite number > 0"),
+                              ("precision.max_consecutive_skips=0", "precision.max_consecutive_skips=0: must be >= 1")]:
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+            config_from_dict({}, [override])
+
+
+def test_paths_expand_home_and_variables(monkeypatch):
+    import os
+
+    monkeypatch.setenv("SCRATCH", "/scratch/me")
+    cfg = config_from_dict({}, ["checkpoint.dir=~/ckpt", "logging.run_dir=$SCRATCH/runs",
+                                "model.init_from=${SCRATCH}/hf", "data.corpus=~/a/*.txt, $SCRATCH/b/**/*.jsonl"])
+    home = os.path.expanduser("~")
+    assert cfg.checkpoint.dir == f"{home}/ckpt" and cfg.logging.run_dir == "/scratch/me/runs"
+    assert cfg.model.init_from == "/scratch/me/hf"
+    assert cfg.data.corpus == f"{home}/a/*.txt,/scratch/me/b/**/*.jsonl"
+    assert config_from_dict({}).data.corpus == "stdlib"
+    monkeypatch.delenv("NOPE", raising=False)
+    with pytest.raises(ConfigError, match=r"checkpoint.dir='\$NOPE/x': the environment variable NOPE is not set"):
+        config_from_dict({}, ["checkpoint.dir=$NOPE/x"])
+
+
+def test_resume_values():
+    assert config_from_dict({}, ["training.resume=auto", "checkpoint.dir=x"]).training.resume == "auto"
+    with pytest.raises(ConfigError, match=r"training.resume='maybe': allowed values are \[false, true, auto\]"):
+        config_from_dict({}, ["training.resume=maybe"])
+    with pytest.raises(ConfigError, match="training.resume=true needs checkpoint.dir"):
+        config_from_dict({}, ["training.resume=true"])
+
+
+def test_unknown_keys_suggest_the_right_one():
+    for override, guess in [("training.learnig_rate=1", "training.learning_rate"),
+                            ("training.zero_stage=2", "parallel.zero_stage"),
+                            ("parallel.tp=2", "parallel.tensor_parallel_size"),
+                            ("model.hiden_size=8", "model.hidden_size")]:
+        with pytest.raises(ConfigError, match=f"did you mean '{guess}'"):
+            config_from_dict({}, [override])
+
+
+def test_mesh_mismatch_suggests_devices_flag():
+    with pytest.raises(ConfigError, match=r"1×1×1 = 1, but there are 8 devices.*--devices 1"):
+        ParallelConfig(data_parallel_size=1).resolve(8)

@@ -1,0 +1,226 @@
+"""The training loop's fault policies, in one place: signals, non-finite steps, the watchdog.
+
+* :class:`StopSignals` — SIGTERM (a scheduler's preemption notice) and SIGINT (Ctrl-C) set a
+  flag; the loop saves a checkpoint at the end of the current step and exits 143 / 130
+  (``128 + signal``). A second Ctrl-C aborts at once (``KeyboardInterrupt``).
+* :class:`NonFiniteGuard` — every precision: a step whose loss or gradients hold NaN/inf is
+  never applied (the train step keeps the old state, see ``jaxcolossal.train.step``); the guard
+  then stops the run with :class:`NonFiniteError` (``training.nonfinite_policy=stop``) or lets
+  it skip up to ``precision.max_consecutive_skips`` steps in a row (``skip``). In fp16, overflow
+  is the loss scaler's business (DynamicGradScaler: skip and back off); the run stops only when
+  ``max_consecutive_skips`` steps in a row overflow with the scale at ``min_scale``.
+* :class:`StepWatchdog` — in a multi-process job, aborts a process that makes no progress for
+  the collective timeout (a peer died or left the loop; NCCL has no timeout of its own).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+
+from jaxcolossal.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, _backend_started
+
+EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}
+"""Exit status after a signal-triggered save, ``128 + signal number``, as schedulers expect."""
+
+
+class StopSignals:
+    """Turn SIGTERM and SIGINT into a request to save and stop (a context manager).
+
+    ``received`` is ``None`` until a signal arrives, then its name (``"SIGTERM"``/``"SIGINT"``);
+    ``bool(stop)`` is True once one has. A second SIGINT restores Python's default handler and
+    raises ``KeyboardInterrupt`` at once. Handlers can only be installed from the main thread;
+    elsewhere this is a flag that never sets.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.received == "SIGINT" and name == "SIGINT":
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt("second Ctrl-C: aborting without saving")
+        self.received = self.received or name
+        if name == "SIGINT":
+            sys.stderr.write("\nCtrl-C: finishing this step, saving a checkpoint and stopping "
+                             "(press Ctrl-C again to abort at once)\n")
+
+    @property
+    def exit_code(self) -> int:
+        """143 after SIGTERM, 130 after SIGINT, 0 when no signal arrived."""
+        return EXIT_CODES.get(self.received, 0)
+
+    def __bool__(self) -> bool:
+        return self.received is not None
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced NaN or inf and the policy says stop. ``step`` is the offending step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class NonFiniteGuard:
+    """Read each step's ``nonfinite`` flag and apply ``training.nonfinite_policy``.
+
+    Args:
+        policy: ``"stop"`` or ``"skip"`` (``training.nonfinite_policy``).
+        precision: the ``precision`` config section (``mode``, ``max_consecutive_skips``,
+            ``min_scale``).
+    """
+
+    def __init__(self, policy: str, precision):
+        self.policy, self.pc = policy, precision
+        self.fp16 = precision.mode == "fp16"
+        self.streak = 0
+
+    def check(self, step: int, m: dict) -> None:
+        """Check the metrics of optimizer step ``step`` (1-based; a host sync on two scalars).
+
+        Raises:
+            NonFiniteError: the policy says stop; the message names the step, the values and
+                what to try.
+        """
+        if not int(m["nonfinite"]):
+            self.streak = 0
+            return
+        self.streak += 1
+        k = self.pc.max_consecutive_skips
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if self.fp16:
+            if self.streak >= k and float(m["loss_scale"]) <= self.pc.min_scale:
+                raise NonFiniteError(
+                    f"fp16: {self.streak} consecutive steps overflowed with the loss scale at its minimum "
+                    f"{self.pc.min_scale:g} (up to step {step}); training stopped instead of skipping forever "
+                    "(try bf16, a lower learning rate, or precision.min_scale)", step)
+            return
+        what = f"step {step}: loss {loss}, grad_norm {norm}"
+        if self.policy == "stop":
+            raise NonFiniteError(
+                f"{what} is not finite; the update was not applied and training stopped "
+                "(training.nonfinite_policy=stop). Lower training.learning_rate, check the data, or set "
+                "training.nonfinite_policy=skip to skip such steps", step)
+        if self.streak >= k:
+            raise NonFiniteError(
+                f"{what}: {self.streak} consecutive non-finite steps (precision.max_consecutive_skips={k}); "
+                "training stopped", step)
+
+
+def is_finite(x: float | None) -> bool:
+    """True for a finite float (None counts as finite: nothing was measured)."""
+    return x is None or math.isfinite(x)
+
+
+class StepWatchdog:
+    """Abort the process when it makes no progress for ``timeout`` seconds.
+
+    A process blocked in a collective whose peer left the loop early, hung or died cannot be
+    interrupted from Python (the wait is inside XLA/NCCL/gloo), and NCCL has no timeout of its
+    own. The loop calls :meth:`kick` after each unit of progress; a daemon thread checks the time
+    since the last kick and, past ``timeout``, prints a clear message and the Python stacks of
+    every thread to stderr and ends the process with ``os._exit(WATCHDOG_EXIT_CODE)`` (124).
+
+    Use it as a context manager or call :meth:`start`/:meth:`stop`. With ``timeout=None`` it is
+    disabled and every method is a no-op.
+
+    Args:
+      timeout: seconds without a kick before aborting, or None (disabled).
+      process_index: shown in the message (default: 0 before the backend starts, else
+        ``jax.process_index()``, read once here and never from the watchdog thread).
+      on_timeout: called with the message instead of aborting (for tests).
+    """
+
+    def __init__(self, timeout: float | None, *, process_index: int | None = None,
+                 on_timeout: Callable[[str], None] | None = None) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+        self.timeout = timeout
+        if process_index is None:
+            process_index = jax.process_index() if _backend_started() else 0
+        self.process_index = process_index
+        self._on_timeout = on_timeout
+        self._last = time.monotonic()
+        self._what = "start"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout is not None
+
+    def start(self, what: str = "start") -> "StepWatchdog":
+        if self.enabled and self._thread is None:
+            self.kick(what)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="jaxcolossal-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def kick(self, what: str = "") -> None:
+        """Record progress (``what`` names it in the message, e.g. ``"step 12"``)."""
+        self._last = time.monotonic()
+        if what:
+            self._what = what
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> "StepWatchdog":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        poll = min(1.0, self.timeout / 10)
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout:
+                self.fired = True
+                msg = (f"jaxcolossal watchdog: process {self.process_index} made no progress for "
+                       f"{idle:.0f} s (timeout {self.timeout:g} s; last progress: {self._what}). A "
+                       f"collective is probably waiting for a process that left the training loop "
+                       f"early, hung or died. Aborting with exit code {WATCHDOG_EXIT_CODE}; set "
+                       f"{COLLECTIVE_TIMEOUT_ENV} (or python -m jaxcolossal.run --timeout) to change "
+                       f"the timeout.")
+                if self._on_timeout is not None:
+                    self._on_timeout(msg)
+                    return
+                sys.stderr.write("\n" + msg + "\nPython stacks of this process:\n")
+                sys.stderr.flush()
+                try:
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+                sys.stderr.flush()
+                os._exit(WATCHDOG_EXIT_CODE)
+
+
