@@ -44,7 +44,9 @@ Schedules (``p`` stages, ``m`` microbatches, ``v`` chunks per device)
 --------------------------------------------------------------------
 * ``gpipe`` (Huang et al., 2019, GPipe): all forwards, then all backwards; the backward is JAX's
   autodiff of the forward scan, so the scan's residuals for all ``m`` microbatches are live at
-  once (activation memory grows with ``m``). ``m·v + p − 1`` forward ticks; bubble
+  once (activation memory grows with ``m``). It differentiates with respect to fp32 copies of the
+  weights that each tick casts to the compute dtype, so the microbatch gradients are summed in
+  fp32, as in the lock-step schedules. ``m·v + p − 1`` forward ticks; bubble
   ``(p − 1)/(m·v + p − 1)``. With ``v > 1`` it is the circular (looped) pipeline.
 * ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): lock-step one-forward-one-backward. Each
   tick has one forward slot and one backward slot; stage ``s`` runs the forward of microbatch
@@ -455,9 +457,16 @@ def make_pipeline_grad_fn(plan) -> Callable:
             return x, jax.lax.cond(valid, lambda: chunk(lp, x), lambda: x)
 
         if not lockstep:
-            def loss_of(layers, others):
+            # Differentiate w.r.t. fp32 copies, cast to the compute dtype inside each tick: the
+            # cast's transpose makes each tick's weight cotangent fp32, so the scan's transpose
+            # sums the microbatches in fp32 (with the compute-dtype weights closed over, it would
+            # sum them in that dtype). The ZeRO-3 gather above still moves compute-dtype values.
+            cast = lambda tree, dtype: jax.tree.map(lambda a: a.astype(dtype), tree)
+
+            def loss_of(layers32, others32):
                 def tick(carry, row):
                     recv, loss = carry
+                    layers, others = cast((layers32, others32), plan.compute_dtype)
                     _, y = forward_slot(row, recv, layers, others)
                     l = jax.lax.cond((row[VALID] == 1) & (row[LAST] == 1),
                                      lambda: head_loss(others, y, ys[row[MB]]), zero_loss)
@@ -467,10 +476,8 @@ def make_pipeline_grad_fn(plan) -> Callable:
                 (_, loss), _ = jax.lax.scan(tick, (act, zero_loss()), f_rows)
                 return loss
 
-            loss, vjp = jax.vjp(loss_of, layers, others)
+            loss, vjp = jax.vjp(loss_of, *cast((layers, others), jnp.float32))
             g_layers, g_others = vjp(_vary(coef))
-            g_layers = jax.tree.map(lambda g: g.astype(jnp.float32), g_layers)
-            g_others = jax.tree.map(lambda g: g.astype(jnp.float32), g_others)
         else:
             b_rows = jax.lax.dynamic_index_in_dim(bwd_tab, stage, 1, keepdims=False)
             f32z = lambda a: _vary(jnp.zeros(a.shape, jnp.float32))

@@ -25,6 +25,10 @@ vocab, P max positions, L layers)::
     layers.b_proj    [L, d]        (layers, embed)
     final_norm / final_norm_bias [d]  (embed,)                       ln_f
     lm_head          [d, v]        (embed, vocab)  only when tie_word_embeddings is false
+
+As in llama.py, initialisation depends only on the seed: the vocabulary rows of ``wte`` (columns
+of ``lm_head``) are drawn at the unpadded ``vocab_size`` and the padding is zero
+(:func:`jaxcolossal.models.llama.init_vocab_padded`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models.llama import (_REMAT, Sharder, _no_shard, attention, cross_entropy_sum,
-                                      logits_from_hidden, padded_vocab_size)
+                                      init_vocab_padded, logits_from_hidden, padded_vocab_size)
 
 __all__ = ["padded_vocab_size", "param_shapes_and_axes", "init_params", "forward", "loss_sum",
            "hidden_states", "layer_norm", "GPT2LMHeadModel"]
@@ -104,7 +108,9 @@ class GPT2LMHeadModel(nnx.Module):
     Args:
         cfg: the model section of the config (``num_key_value_heads == num_attention_heads``).
         rngs: ``nnx.Rngs`` for initialisation: weights normal(0, initializer_range), residual
-            projections (``wo``, ``w_proj``) scaled by 1/sqrt(2L), biases zero, LayerNorm scales one.
+            projections (``wo``, ``w_proj``) scaled by 1/sqrt(2L), biases zero, LayerNorm scales one;
+            the padded vocabulary rows of ``wte`` and columns of ``lm_head`` zero, the real ones
+            drawn at ``vocab_size`` so that they do not depend on ``tp``.
         tp: tensor-parallel size, only to pad the vocabulary (:func:`padded_vocab_size`).
 
     Params are fp32 ``nnx.Param`` with logical ``axes`` metadata. ``__call__(tokens)`` maps
@@ -122,7 +128,7 @@ class GPT2LMHeadModel(nnx.Module):
         keys = iter(jax.random.split(rngs.params(), 32))
 
         def make(name, shape, axes):
-            return nnx.Param(_init_leaf(next(keys), name, shape, cfg), axes=axes)
+            return nnx.Param(init_vocab_padded(_init_leaf, next(keys), name, shape, axes, cfg), axes=axes)
 
         self.wte = make("wte", *table["wte"])
         self.wpe = make("wpe", *table["wpe"])

@@ -22,6 +22,11 @@ heads, q head dim, f intermediate, v padded vocab, L layers)::
     layers.w_down [L, f, d]     (layers, mlp, embed)                 row-parallel
     final_norm    [d]           (embed,)
     lm_head       [d, v]        (embed, vocab)  absent when tie_word_embeddings
+
+Initialisation depends only on the seed, never on the layout: the vocabulary rows of
+``embed_tokens`` (columns of ``lm_head``) are drawn at their unpadded ``vocab_size`` and the
+padding rows/columns added by :func:`padded_vocab_size` are zero (:func:`init_vocab_padded`), and
+the random draws do not depend on how the state is sharded.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def _no_shard(x, axes):
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
     """Vocabulary padded up to a multiple of ``vocab_pad_multiple * tp`` (Colossal-AI pads to
-    64·tp). Padded rows are never predicted: their logits are masked to -inf."""
+    64·tp). Padded rows are initialised to zero, never looked up, and never predicted: their
+    logits are masked to -1e30."""
     mult = cfg.vocab_pad_multiple * tp
     return int(math.ceil(cfg.vocab_size / mult) * mult)
 
@@ -80,13 +86,35 @@ def _init_leaf(key, name: str, shape, cfg: ModelConfig) -> jax.Array:
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
+def init_vocab_padded(init_leaf: Callable, key: jax.Array, name: str, shape: tuple, axes: tuple,
+                      cfg: ModelConfig) -> jax.Array:
+    """``init_leaf(key, name, shape, cfg)``, except that a parameter with a ``vocab`` axis is
+    drawn at its unpadded size ``cfg.vocab_size`` on that axis and zero-padded to ``shape``.
+
+    So ``embed_tokens [v, d]`` is ``[vocab_size, d]`` random rows then ``v - vocab_size`` zero
+    rows (``lm_head [d, v]``: zero columns), and the real rows take the same values whatever
+    ``v`` is, i.e. whatever ``tp`` and ``vocab_pad_multiple`` are; the padding is zero as in a
+    Hugging Face import (:mod:`jaxcolossal.models.hf`).
+    """
+    if "vocab" not in axes:
+        return init_leaf(key, name, shape, cfg)
+    i = axes.index("vocab")
+    real = cfg.vocab_size
+    x = init_leaf(key, name, (*shape[:i], real, *shape[i + 1:]), cfg)
+    pad = [(0, 0)] * len(shape)
+    pad[i] = (0, shape[i] - real)
+    return jnp.pad(x, pad)
+
+
 class LlamaForCausalLM(nnx.Module):
     """LLaMA decoder with a causal-LM head, as a Flax NNX module.
 
     Args:
         cfg: the model section of the config.
         rngs: ``nnx.Rngs`` for initialisation (normal(0, initializer_range); residual output
-            projections scaled by 1/sqrt(2L); norms at one).
+            projections scaled by 1/sqrt(2L); norms at one; the padded vocabulary rows of
+            ``embed_tokens`` and columns of ``lm_head`` zero, the real ones drawn at
+            ``vocab_size`` so that they do not depend on ``tp``: :func:`init_vocab_padded`).
         tp: tensor-parallel size, only to pad the vocabulary (:func:`padded_vocab_size`).
 
     Params are fp32 ``nnx.Param`` with logical ``axes`` metadata. ``__call__(tokens)`` maps
@@ -101,7 +129,7 @@ class LlamaForCausalLM(nnx.Module):
         keys = iter(jax.random.split(key, 16))
 
         def make(name, shape, axes):
-            return nnx.Param(_init_leaf(next(keys), name, shape, cfg), axes=axes)
+            return nnx.Param(init_vocab_padded(_init_leaf, next(keys), name, shape, axes, cfg), axes=axes)
 
         self.embed_tokens = make("embed_tokens", *table["embed_tokens"])
         self.layers = nnx.Dict({n: make(n, *sa) for n, sa in table["layers"].items()})

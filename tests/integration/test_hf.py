@@ -254,7 +254,7 @@ def test_init_from_starts_main_job_from_hf_weights(tmp_path):
     model = {**GPT2_MODEL, "init_from": str(tmp_path / "hf")}
     cfg = config_from_dict({
         "model": model,
-        "training": dict(batch_size=8, seq_len=16, max_steps=1, warmup_steps=1, eval_every=0, eval_batches=2,
+        "training": dict(batch_size=8, seq_len=16, max_steps=1, learning_rate=1e-9, eval_every=0, eval_batches=2,
                          sample_tokens=0),
         "parallel": {"data_parallel_size": -1, "tensor_parallel_size": 2, "zero_stage": 1},
         "data": {"corpus": str(corpus)},
@@ -270,7 +270,7 @@ def test_init_from_starts_main_job_from_hf_weights(tmp_path):
                                                                 torch.from_numpy(y).long().reshape(-1))))
     print(f"val loss at start {out['val_loss_start']:.6f}, transformers {np.mean(hf_losses):.6f}")
     assert abs(out["val_loss_start"] - np.mean(hf_losses)) < TOL
-    # warmup: the one step ran at lr 0, so the state still holds the imported weights
+    # the one step ran at lr 1e-9 (Adam moves each weight by about lr), so the state still holds the imported weights
     _, imported = load_hf(tmp_path / "hf")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, atol=1e-6), out["state"].params,
                  imported)

