@@ -155,8 +155,19 @@ class Booster:
         return state, train_step
 
     def shard_batch(self, batch: dict) -> dict:
-        """Place a host batch ``{"inputs", "targets"}`` (global ``[B, t]`` numpy arrays, the
-        same on every process) with the data-parallel sharding."""
+        """Place a host batch ``{"inputs", "targets"}`` (global ``[B, t]`` integer numpy arrays, the
+        same on every process) with the data-parallel sharding.
+
+        Raises:
+            ValueError: a token id outside ``[0, model.vocab_size)`` (after :meth:`boost`): it would
+                index a padded or missing embedding row and train on garbage without an error.
+        """
+        vocab = self.plan.cfg.model.vocab_size if self.plan is not None else None
+        for k, v in batch.items():
+            v = np.asarray(v)
+            if vocab is not None and v.size and (v.min() < 0 or v.max() >= vocab):
+                raise ValueError(f"shard_batch: {k} holds token ids in [{v.min()}, {v.max()}], outside the "
+                                 f"model's vocabulary [0, {vocab})")
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(("dp", "fsdp"), None))
         return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda idx, v=v: np.asarray(v)[idx])
                 for k, v in batch.items()}

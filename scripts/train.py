@@ -17,7 +17,7 @@ The launcher sets each process's device count in ``XLA_FLAGS``; without ``--devi
 count is kept.
 
 Exit status: 0 done; 2 a config error (one line, before anything compiles); 3 training stopped
-on NaN/inf or a checkpoint error; 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
+on NaN/inf, a checkpoint error or a missing file (corpus, checkpoints); 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
 """
 
 import argparse
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteError, CheckpointError) as e:
+    except (NonFiniteError, CheckpointError, FileNotFoundError) as e:  # FileNotFoundError: corpus, checkpoints
         print(f"error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # a second Ctrl-C

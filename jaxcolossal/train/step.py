@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxcolossal.optim.loss_scale import all_finite, scaler_update
+from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
 
@@ -148,27 +148,26 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         n_tok = batch["inputs"].shape[0] * batch["inputs"].shape[1]
         grad_norm = optax.tree.norm(grads)
 
+        # every precision: a step whose loss or gradients hold NaN/inf is not applied (the norm is
+        # non-finite exactly when a gradient is, and the clipping computes it anyway)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
+        keep = lambda new, old: jax.tree.map(lambda x, y: jnp.where(finite, x, y), new, old)
+
         master = state.master if plan.mixed else state.params
         master = constrain(master, mesh, specs.opt)
         grads = constrain(grads, mesh, specs.opt)  # ZeRO-1: each rank keeps its slice
         updates, opt_state = tx.update(grads, state.opt_state, master)
-        new_master = constrain(optax.apply_updates(master, updates), mesh, specs.opt)
+        new_master = constrain(keep(optax.apply_updates(master, updates), master), mesh, specs.opt)
         # cast each rank's shard first, so the ZeRO all-gather moves compute-dtype values
         new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master), mesh, specs.opt)
         new_params = constrain(new_params, mesh, specs.params)
-        new = TrainState(step=state.step + 1, params=new_params,
-                         master=new_master if plan.mixed else None, opt_state=opt_state, scaler=state.scaler)
-        # every precision: a step whose loss or gradients hold NaN/inf is not applied
-        finite = all_finite(grads) & jnp.isfinite(loss_sum)
-        keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
         scaler = state.scaler
         if fp16:
             scaler = scaler_update(state.scaler, finite, growth_factor=pc.growth_factor,
                                    backoff_factor=pc.backoff_factor, growth_interval=pc.growth_interval,
                                    hysteresis=pc.hysteresis, min_scale=pc.min_scale, max_scale=pc.max_scale)
-        new = TrainState(step=state.step + 1, params=keep(new.params, state.params),
-                         master=keep(new.master, state.master),
-                         opt_state=keep(new.opt_state, state.opt_state), scaler=scaler)
+        new = TrainState(step=state.step + 1, params=new_params, master=new_master if plan.mixed else None,
+                         opt_state=keep(opt_state, state.opt_state), scaler=scaler)
         metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)

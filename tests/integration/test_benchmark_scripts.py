@@ -65,7 +65,10 @@ def test_compare_all_parts_tiny():
         assert part in r
     # a: the same math as plain JAX + optax
     assert r["a"]["max_abs_dloss"] < 1e-5 and r["a"]["ratio"] > 0
-    assert r["a"]["compiled_cost_ratio"]["flops"] == pytest.approx(1.0, rel=1e-3)
+    # the same FLOPs except the non-finite guard: a select per state element keeps the old state when a
+    # step is NaN/inf (measured 11 FLOPs per parameter; 0.5% of the step at compare.py's default size)
+    cost = r["a"]["compiled_cost"]
+    assert 0 < cost["ours"]["flops"] - cost["plain"]["flops"] <= 16 * r["a"]["num_params"]
     # b: transformers computes the same first loss from the same weights
     assert r["b"]["first_loss_torch"] == pytest.approx(r["b"]["first_loss_ours"], abs=1e-4)
     assert r["b"]["ratio"] > 0 and r["b"]["torch_threads"] >= 1 and "jaxcolossal" in r["b"]["tokens_per_s"]

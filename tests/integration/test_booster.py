@@ -71,3 +71,13 @@ def test_plugin_errors():
         step(state, booster.shard_batch({"inputs": x[:, :-1], "targets": x[:, 1:]}))
     with pytest.raises(ConfigError, match="tensor_parallel_size=8 does not divide"):
         jc.Booster(plugin=jc.HybridParallelPlugin(tp_size=8, precision="fp32")).boost(model, optax.adamw(1e-3))
+
+
+def test_shard_batch_refuses_ids_outside_the_vocabulary():
+    cfg = tiny_config()
+    booster = jc.Booster(plugin=jc.DDPPlugin(), devices=jax.devices()[:1])
+    booster.boost(jc.models.LlamaForCausalLM(cfg.model, rngs=nnx.Rngs(0)), optax.adamw(1e-3), batch_size=16)
+    x = random_batches(cfg, 1)[0]
+    x[3, 5] = cfg.model.vocab_size  # one id past the end
+    with pytest.raises(ValueError, match=r"inputs holds token ids in \[\d+, 256\], outside the model's vocabulary"):
+        booster.shard_batch({"inputs": x[:, :-1], "targets": x[:, 1:]})

@@ -141,5 +141,5 @@ def test_logs_metrics_and_checkpoints_are_written_once(zero3):
         assert (d / "_CHECKPOINT_METADATA").is_file() and (d / "commit_success.txt").is_file()
         assert not [p for p in d.rglob("*") if "tmp" in p.name]
         assert len(list(d.rglob("_METADATA"))) == 1
-        assert sorted(p.name for p in (d / "default").glob("ocdbt.process_*")) == ["ocdbt.process_0",
+        assert sorted(p.name for p in (d / "state").glob("ocdbt.process_*")) == ["ocdbt.process_0",
                                                                                    "ocdbt.process_1"]
