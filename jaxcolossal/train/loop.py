@@ -373,6 +373,7 @@ def _drop_orbax_noise(record: logging.LogRecord) -> bool:
 @contextlib.contextmanager
 def _quiet_console():
     """Log lines (ours, absl's, orbax's) go above the progress bar instead of through it."""
+    get_dist_logger()  # its own console handler first, so that the redirect replaces it instead of adding one
     absl = logging.getLogger("absl")
     absl.addFilter(_drop_orbax_noise)
     try:

@@ -171,6 +171,7 @@ def test_ctrl_c_saves_and_exits(tmp_path, sig=signal.SIGINT, code=130):
             proc.kill()
     assert proc.returncode == code, err[-2000:]
     assert f"{signal.Signals(sig).name} received: saving step" in err
+    assert err.count("validation loss at step 0") == 1, err[-3000:]  # each log line once, above the bar
     steps = [r["step"] for r in records(tmp_path) if "loss" in r]
     cm = CheckpointManager(str(tmp_path / "ckpt"))
     assert cm.latest_step() is not None and cm.latest_step() >= steps[-1] >= 3
