@@ -46,6 +46,10 @@ _policies = ocp.checkpoint_managers
 DAMAGED_DIR = "damaged"
 """Subfolder of the checkpoint directory that receives steps which failed to restore."""
 
+LEGACY_ITEM = "default"
+"""The item folder of steps written before the ``config`` item existed (one unnamed orbax item);
+they restore and export as before, without a saved config."""
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read as asked."""
@@ -205,15 +209,34 @@ class CheckpointManager:
         Raises:
             Exception: from orbax, when the step's files cannot be read.
         """
+        if self._state_dir(step).endswith(LEGACY_ITEM):
+            return {}
         return self._mngr.restore(int(step), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"] or {}
+
+    def _state_dir(self, step: int) -> str:
+        legacy = os.path.join(self.directory, str(step), LEGACY_ITEM)
+        return legacy if os.path.isdir(legacy) else os.path.join(self.directory, str(step), "state")
+
+    def _state_metadata(self, step: int) -> Any:
+        """The saved state's tree metadata; raises when the step cannot be read (it is damaged)."""
+        if self._state_dir(step).endswith(LEGACY_ITEM):
+            with ocp.StandardCheckpointer() as c:
+                return c.metadata(self._state_dir(step)).item_metadata
+        meta = self._mngr.item_metadata(int(step))
+        if "state" not in meta.keys() or meta["state"] is None:
+            raise CheckpointError(f"step {step} holds no 'state' item")
+        return meta["state"]
+
+    def _restore_state(self, step: int, abstract: Any) -> Any:
+        if self._state_dir(step).endswith(LEGACY_ITEM):
+            with ocp.StandardCheckpointer() as c:
+                return c.restore(self._state_dir(step), abstract)
+        return self._mngr.restore(int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
     def _check_layout(self, step: int, target: Any) -> None:
         """Raise :class:`CheckpointMismatchError` when ``step``'s saved tree differs from ``target``;
         any other failure to read the metadata propagates (the step is damaged)."""
-        meta = self._mngr.item_metadata(int(step))
-        if "state" not in meta.keys() or meta["state"] is None:
-            raise CheckpointError(f"step {step} holds no 'state' item")
-        saved, want = _saved_layout(meta["state"]), _target_layout(target)
+        saved, want = _saved_layout(self._state_metadata(step)), _target_layout(target)
         diff = [f"{k}: saved {saved.get(k, '(absent)')}, now {want.get(k, '(absent)')}"
                 for k in sorted(dict.fromkeys([*saved, *want]), key=lambda k: (not k.startswith("params"), k))
                 if saved.get(k) != want.get(k)]
@@ -268,16 +291,14 @@ class CheckpointManager:
             FileNotFoundError: no checkpoint in the directory (or none restores).
         """
         abstract = abstract_like(target)
-        restore = lambda s: self._mngr.restore(
-            int(s), args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         if step is not None:
             self._check_layout(step, abstract)
-            return restore(step)
+            return self._restore_state(step, abstract)
         self._mngr.reload()
         for s in reversed(step_dirs(self.directory)):
             try:
                 self._check_layout(s, abstract)
-                return restore(s)
+                return self._restore_state(s, abstract)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # a corrupt, truncated or foreign step: move it aside, try the previous one
@@ -299,14 +320,13 @@ class CheckpointManager:
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        tree = self._mngr.item_metadata(step)["state"].tree
+        tree = self._state_metadata(step).tree
         key = "master" if prefer_master and tree.get("master") is not None else "params"
         is_leaf = lambda x: hasattr(x, "shape")
         item = {key: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[key], is_leaf=is_leaf)}
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-        path = os.path.join(self.directory, str(step), "state")
         with ocp.PyTreeCheckpointer() as ckptr:
-            out = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=as_numpy,
+            out = ckptr.restore(self._state_dir(step), args=ocp.args.PyTreeRestore(item=item, restore_args=as_numpy,
                                                                   partial_restore=True))
         return out[key], step
 

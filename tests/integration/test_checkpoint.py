@@ -114,3 +114,20 @@ def test_restore_target_without_shardings_is_refused(tmp_path):
     with pytest.raises(ValueError, match="without a sharding"):
         cm.restore(jax.device_get(state))  # numpy arrays
     cm.close()
+
+
+def test_steps_written_before_the_config_item_still_restore(tmp_path):
+    import orbax.checkpoint as ocp
+
+    state, _, _ = run_steps(tiny_config(), jax.devices()[:1], steps=1)
+    old = ocp.CheckpointManager(str(tmp_path), options=ocp.CheckpointManagerOptions(create=True))
+    old.save(1, args=ocp.args.StandardSave(state))  # the format of the first release: one unnamed item
+    old.wait_until_finished()
+    old.close()
+    cm = CheckpointManager(str(tmp_path))
+    restored = cm.restore(state)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
+    params, step = cm.restore_params()
+    assert step == 1 and cm.saved_config(1) == {}
+    np.testing.assert_array_equal(params["layers"]["wq"], jax.device_get(state.params["layers"]["wq"]))
+    cm.close()
