@@ -246,9 +246,9 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the layout difference is the error; keys are a hint
                 keys = []
             raise CheckpointMismatchError(
-                f"checkpoint step {step} in {self.directory} does not fit this run: "
-                f"{len(diff)} state arrays differ ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}). "
+                f"checkpoint step {step} in {self.directory} does not fit this run. "
                 + (f"Config keys that differ: {'; '.join(keys)}. " if keys else "")
+                + f"{len(diff)} state arrays differ ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}). "
                 + "Restore with the saved model, optimizer and precision settings, or start a new "
                   "checkpoint.dir (a different parallel layout is fine).")
 

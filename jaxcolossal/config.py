@@ -424,9 +424,19 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
-        value = yaml.safe_load(text) if text else ""
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
         parsed.append((key.strip(), value))
     return parsed
+
+
+def _yaml_problem(e: Exception) -> str:
+    """PyYAML's error in one line: what is wrong, and where (line and column, 1-based)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def _looks_float(text: str) -> bool:
@@ -487,14 +497,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     Raises:
         FileNotFoundError: the YAML file does not exist.
-        ConfigError: see :func:`config_from_dict`.
+        ConfigError: the file is not valid YAML (line and column), or see :func:`config_from_dict`.
     """
     raw = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from None
     return config_from_dict(raw, overrides)
 
 

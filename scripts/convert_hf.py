@@ -90,8 +90,15 @@ def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = No
     else:
         from jaxcolossal.checkpoint import CheckpointManager, step_dirs
 
-        if not step_dirs(src):
+        steps = step_dirs(src)
+        parent = os.path.dirname(os.path.abspath(src))
+        if not steps and os.path.basename(os.path.abspath(src)).isdigit() and step_dirs(parent):
+            raise FileNotFoundError(f"{src!r} is one step of a checkpoint dir: pass {parent!r} with "
+                                    f"--step {os.path.basename(os.path.abspath(src))}")
+        if not steps:
             raise FileNotFoundError(f"{src!r} holds neither params.npz + model.yaml nor checkpoint steps")
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"{src!r} has no step {step}; its steps: {', '.join(map(str, steps))}")
         ckpt = CheckpointManager(src)
         try:
             params, step = ckpt.restore_params(step)

@@ -16,8 +16,9 @@ Several processes on one machine (2 x 4 simulated CPU devices here):
 The launcher sets each process's device count in ``XLA_FLAGS``; without ``--devices`` that
 count is kept.
 
-Exit status: 0 done; 2 a config error (one line, before anything compiles); 3 training stopped
-on NaN/inf, a checkpoint error or a missing file (corpus, checkpoints); 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
+Exit status: 0 done; 2 a config error (one line, before anything compiles; a resume with nothing
+left to train too); 3 training stopped on NaN/inf, a checkpoint error or a missing corpus file;
+143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
 """
 
 import argparse

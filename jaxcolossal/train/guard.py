@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import faulthandler
-import math
 import os
 import signal
 import sys
@@ -77,11 +76,12 @@ class StopSignals:
 
 
 class NonFiniteError(FloatingPointError):
-    """Training produced NaN or inf and the policy says stop. ``step`` is the offending step."""
+    """Training produced NaN or inf and the policy says stop. ``step`` is the offending step,
+    ``metrics`` its metrics (device or host scalars)."""
 
-    def __init__(self, message: str, step: int):
+    def __init__(self, message: str, step: int, metrics: dict | None = None):
         super().__init__(message)
-        self.step = step
+        self.step, self.metrics = step, metrics or {}
 
 
 class NonFiniteGuard:
@@ -116,23 +116,18 @@ class NonFiniteGuard:
                 raise NonFiniteError(
                     f"fp16: {self.streak} consecutive steps overflowed with the loss scale at its minimum "
                     f"{self.pc.min_scale:g} (up to step {step}); training stopped instead of skipping forever "
-                    "(try bf16, a lower learning rate, or precision.min_scale)", step)
+                    "(try bf16, a lower learning rate, or precision.min_scale)", step, m)
             return
         what = f"step {step}: loss {loss}, grad_norm {norm}"
         if self.policy == "stop":
             raise NonFiniteError(
                 f"{what} is not finite; the update was not applied and training stopped "
                 "(training.nonfinite_policy=stop). Lower training.learning_rate, check the data, or set "
-                "training.nonfinite_policy=skip to skip such steps", step)
+                "training.nonfinite_policy=skip to skip such steps", step, m)
         if self.streak >= k:
             raise NonFiniteError(
                 f"{what}: {self.streak} consecutive non-finite steps (precision.max_consecutive_skips={k}); "
-                "training stopped", step)
-
-
-def is_finite(x: float | None) -> bool:
-    """True for a finite float (None counts as finite: nothing was measured)."""
-    return x is None or math.isfinite(x)
+                "training stopped", step, m)
 
 
 class StepWatchdog:

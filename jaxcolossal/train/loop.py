@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jaxcolossal import metrics as mx
-from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, step_dirs
+from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
 from jaxcolossal.config import Config, ConfigError
 from jaxcolossal.data import DataLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.dist_logger import get_dist_logger
@@ -54,10 +54,12 @@ def param_table(plan: TrainPlan) -> str:
     flat_opt = jax.tree.leaves(plan.specs.opt)
     dtype = jnp.dtype(plan.compute_dtype).name
     w = max(len(jax.tree_util.keystr(p)) for p, _ in flat_shapes)
-    rows.append(f"{'parameter':<{w}}  {'shape':<22} {'dtype':<8} {'logical axes':<40} {'params':<22} optimizer state")
-    for (path, shape), axes, spec, ospec in zip(flat_shapes, flat_axes, flat_specs, flat_opt):
+    names = [str(tuple(a or "-" for a in axes)) for axes in flat_axes]
+    wa = max(len("logical axes"), *map(len, names))
+    rows.append(f"{'parameter':<{w}}  {'shape':<22} {'dtype':<8} {'logical axes':<{wa}} {'params':<22} optimizer state")
+    for (path, shape), axes, spec, ospec in zip(flat_shapes, names, flat_specs, flat_opt):
         rows.append(f"{jax.tree_util.keystr(path):<{w}}  {str(tuple(shape)):<22} {dtype:<8} "
-                    f"{str(tuple(a or '-' for a in axes)):<40} {describe(spec):<22} {describe(ospec)}")
+                    f"{axes:<{wa}} {describe(spec):<22} {describe(ospec)}")
     return "\n".join(rows)
 
 
@@ -109,9 +111,11 @@ def preflight(cfg: Config) -> None:
         return
     steps = step_dirs(c.dir)
     if t.resume is True and not steps:
+        unfinished = sorted(n for n in os.listdir(c.dir) if "tmp" in n) if os.path.isdir(c.dir) else []
         raise ConfigError(
-            f"training.resume=true, but checkpoint.dir={c.dir!r} holds no checkpoint (a typo?); "
-            "training.resume=auto starts fresh when there is none")
+            f"training.resume=true, but checkpoint.dir={c.dir!r} holds no checkpoint"
+            + (f" (only unfinished saves: {', '.join(unfinished)})" if unfinished else " (a typo?)")
+            + "; training.resume=auto starts fresh when there is none")
     if t.resume is False and steps and not c.overwrite:
         shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
         raise ConfigError(
@@ -161,6 +165,11 @@ def _open_checkpoints(cfg: Config) -> CheckpointManager | None:
     return ckpt
 
 
+SCHEDULE_KEYS = tuple(f"training.{k}" for k in ("learning_rate", "min_learning_rate_ratio", "warmup_steps",
+                                                  "max_steps"))
+"""Keys that shape the learning-rate schedule; a resume that changes them says so."""
+
+
 def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
     """``training.resume``: true restores the newest step that restores (or fails), auto as
     well when there is one; damaged steps are moved aside by the checkpoint manager."""
@@ -173,7 +182,16 @@ def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
             raise
         get_dist_logger().info(f"training.resume=auto: no checkpoint in {ckpt.directory}, starting fresh", ranks=[0])
         return state
-    get_dist_logger().info(f"resumed from step {int(state.step)} in {ckpt.directory}", ranks=[0])
+    step = int(state.step)
+    get_dist_logger().info(f"resumed from step {step} in {ckpt.directory}", ranks=[0])
+    if step >= cfg.training.max_steps:
+        raise ConfigError(f"training.max_steps={cfg.training.max_steps}: the checkpoint is already at step {step}, "
+                          "so there is nothing to train; max_steps counts all steps, not the steps to add "
+                          f"(e.g. training.max_steps={step + cfg.training.max_steps})")
+    changed = config_diff(ckpt.saved_config(step), cfg.to_dict(), SCHEDULE_KEYS)
+    if changed:
+        get_dist_logger().warning("the learning-rate schedule differs from the saved run's, so the resumed steps "
+                                  "follow the new one: " + "; ".join(changed), ranks=[0])
     return state
 
 
@@ -319,15 +337,17 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
                     v = _evaluate(run, state) if evaluate else None
                     if evaluate:
                         run.write({"step": done, "val_loss": v})
-                        if run.is_main:
-                            bar.write(f"step {done}: validation loss {v:.4f}")
+                        get_dist_logger().info(f"step {done}: validation loss {v:.4f}", ranks=[0])
                     if save:
                         _save(run, state, val_loss=v)  # eval steps are candidates for the best checkpoint
             if stop:
                 break
         if pending is not None:
             guard.check(*pending)
-    except NonFiniteError:
+    except NonFiniteError as e:
+        if e.step % cfg.logging.log_every and e.step != t.max_steps:  # not logged yet: its values matter
+            run.write({"step": e.step, **{k: float(v) for k, v in e.metrics.items()}})
+        get_dist_logger().error(str(e), ranks=[0])
         _save_last_finite(run, state)
         raise
     finally:
@@ -343,8 +363,8 @@ def _save_last_finite(run: Run, state: Any) -> None:
     try:
         _save(run, state, final=True)
         run.ckpt.close()
-        get_dist_logger().warning(f"saved step {int(state.step)}, the last finite state, in {run.ckpt.directory}",
-                                  ranks=[0])
+        get_dist_logger().warning(f"saved step {int(state.step)} in {run.ckpt.directory}: the last finite state "
+                                  "(the step counts the skipped steps; their updates were not applied)", ranks=[0])
     except NonFiniteStateError as e:
         get_dist_logger().warning(str(e), ranks=[0])
 
@@ -365,9 +385,13 @@ def _sample(run: Run, state: Any) -> str:
     return t.sample_prompt + tok.decode(out)
 
 
+ORBAX_NOISE = ("did not provide metrics", "Metadata file does not exist")
+"""orbax log lines that say less than ours: saves between evaluations carry no val_loss on purpose,
+and a step folder without metadata is reported (and moved aside) by the checkpoint manager."""
+
+
 def _drop_orbax_noise(record: logging.LogRecord) -> bool:
-    # saves between evaluations carry no val_loss on purpose; orbax warns about each one
-    return "did not provide metrics" not in record.getMessage()
+    return not any(n in record.getMessage() for n in ORBAX_NOISE)
 
 
 @contextlib.contextmanager

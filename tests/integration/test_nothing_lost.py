@@ -83,7 +83,7 @@ def test_warmup_starts_above_zero(trained):
     assert lr[2] == pytest.approx(3e-3) and 0 < lr[2]
 
 
-def test_damaged_newest_and_stray_steps_never_block_new_saves(trained, tmp_path):
+def test_damaged_newest_and_stray_steps_never_block_new_saves(trained, tmp_path, capfd):
     src, _ = trained
     shutil.copytree(src / "ckpt", tmp_path / "ckpt")
     for dirpath, _, files in os.walk(tmp_path / "ckpt" / "8"):  # a crash mid-copy or a bad disk
@@ -103,6 +103,15 @@ def test_damaged_newest_and_stray_steps_never_block_new_saves(trained, tmp_path)
     assert moved == ["8", "99"]
     trained_steps = [r["step"] for r in records(tmp_path) if "loss" in r]
     assert trained_steps[0] == 7  # resumed from 6, the newest step that restored
+    assert "schedule differs from the saved run's" in capfd.readouterr().err  # max_steps 8 -> 10
+
+
+def test_resume_with_nothing_left_to_train_is_an_error(trained, tmp_path):
+    src, _ = trained
+    shutil.copytree(src / "ckpt", tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=r"training.max_steps=8: the checkpoint is already at step 8, so there is "
+                                          r"nothing to train.*training.max_steps=16"):
+        loop.train(config(tmp_path, "training.max_steps=8", "training.resume=true", "model.vocab_size=512"))
 
 
 def test_resume_with_another_model_names_the_keys(trained):
@@ -128,17 +137,20 @@ def test_convert_a_checkpoint_dir_to_hugging_face(trained, tmp_path):
     assert step == 6
     np.testing.assert_array_equal(params["layers"]["wq"], saved["layers"]["wq"])
     np.testing.assert_array_equal(params["embed_tokens"], saved["embed_tokens"][:512])
+    r = subprocess.run([sys.executable, "scripts/convert_hf.py", "--to-hf", str(tmp / "ckpt" / "6"), str(tmp_path / "x")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"pass '{tmp / 'ckpt'}' with --step 6" in r.stderr, r.stderr
 
 
 def test_nan_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     cfg = config(tmp_path, "training.learning_rate=1e30", "checkpoint.save_every=1", "checkpoint.max_to_keep=1",
-                 "training.eval_every=1", "training.max_steps=12", "logging.log_every=1")
+                 "training.eval_every=1", "training.max_steps=12", "logging.log_every=5")
     with pytest.raises(NonFiniteError, match=r"step \d+: loss \S+, grad_norm \S+ is not finite; the update was "
                                              r"not applied and training stopped") as e:
         loop.train(cfg)
     assert e.value.step < 12
     recs = records(tmp_path)  # every line is strict JSON (records() fails on NaN/Infinity)
-    bad = [r for r in recs if r.get("nonfinite")]
+    bad = [r for r in recs if r.get("nonfinite")]  # logged although not a log_every step: its values matter
     assert bad and bad[0]["nonfinite_values"], bad  # the NaN values are spelt out, their keys are null
     assert all(bad[0][k] is None and v in ("nan", "inf", "-inf") for k, v in bad[0]["nonfinite_values"].items())
     cm = CheckpointManager(str(tmp_path / "ckpt"))

@@ -191,3 +191,12 @@ def test_unknown_keys_suggest_the_right_one():
 def test_mesh_mismatch_suggests_devices_flag():
     with pytest.raises(ConfigError, match=r"1×1×1 = 1, but there are 8 devices.*--devices 1"):
         ParallelConfig(data_parallel_size=1).resolve(8)
+
+
+def test_broken_yaml_is_a_config_error_with_its_place(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  learning_rate: [1\n")
+    with pytest.raises(ConfigError, match=r"c.yaml' is not valid YAML: .* at line 3, column 1"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"override 'training.learning_rate=\[1': the value is not valid YAML"):
+        config_from_dict({}, ["training.learning_rate=[1"])
