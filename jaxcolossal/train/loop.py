@@ -145,6 +145,7 @@ class Run:
 
     @property
     def is_main(self) -> bool:
+        """True on process 0, which prints tables and writes ``metrics.jsonl``."""
         return jax.process_index() == 0
 
     def write(self, rec: dict) -> None:
