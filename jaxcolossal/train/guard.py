@@ -97,6 +97,20 @@ class NonFiniteGuard:
         self.policy, self.pc = policy, precision
         self.fp16 = precision.mode == "fp16"
         self.streak = 0
+        self._pending: tuple[int, dict] | None = None
+
+    def watch(self, step: int, m: dict) -> None:
+        """Check the previous step's metrics, then hold these until the next call or :meth:`flush`:
+        reading a step's flag one step late lets the host dispatch the next step before the device
+        finishes this one."""
+        self.flush()
+        self._pending = (step, m)
+
+    def flush(self) -> None:
+        """Check the held step now (before a log line, an evaluation, a save or a stop)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.check(*pending)
 
     def check(self, step: int, m: dict) -> None:
         """Check the metrics of optimizer step ``step`` (1-based; a host sync on two scalars).

@@ -307,14 +307,14 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
 def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, dict]:
     """Train from the state's step to ``max_steps`` (or a signal). Returns ``(state, perf)``.
 
-    Each step's non-finite flag is read one step late (after the next step is dispatched), so
-    the host never waits for the device in between; it is read at once before a log line, an
-    evaluation, a save or a stop.
+    Each step's non-finite flag is read one step late (:meth:`NonFiniteGuard.watch`), so the host
+    never waits for the device in between, and at once before a log line, an evaluation, a save or
+    a stop (:meth:`NonFiniteGuard.flush`).
     """
     cfg, t, c = run.cfg, run.cfg.training, run.cfg.checkpoint
     guard = NonFiniteGuard(t.nonfinite_policy, cfg.precision)
     state, start = run.state, int(run.state.step)
-    clock, perf, pending = _StepClock(start), {}, None
+    clock, perf = _StepClock(start), {}
     bar = tqdm(range(start, t.max_steps), initial=start, total=t.max_steps, dynamic_ncols=True, desc="train",
                disable=not (run.is_main and cfg.logging.progress_bar))
     try:
@@ -322,17 +322,14 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
             state, m = run.compiled(state, run.loader.batch(step))
             done = step + 1
             watchdog.kick(f"step {done}")
-            if pending is not None:
-                guard.check(*pending)
-            pending = (done, m)
+            guard.watch(done, m)
             evaluate = bool(t.eval_every) and done % t.eval_every == 0 and done != t.max_steps
             save = run.ckpt is not None and (evaluate or (c.save_every and done % c.save_every == 0))
             log_now = done % cfg.logging.log_every == 0 or done == t.max_steps
             if log_now:  # a non-finite step is logged too (null values, spelt out in "nonfinite_values")
                 perf = _log_step(run, done, m, clock, bar)
             if log_now or evaluate or save or stop:
-                guard.check(*pending)
-                pending = None
+                guard.flush()
             if evaluate or save:
                 with clock.paused(m):
                     v = _evaluate(run, state) if evaluate else None
@@ -343,8 +340,7 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
                         _save(run, state, val_loss=v)  # eval steps are candidates for the best checkpoint
             if stop:
                 break
-        if pending is not None:
-            guard.check(*pending)
+        guard.flush()
     except NonFiniteError as e:
         if e.step % cfg.logging.log_every and e.step != t.max_steps:  # not logged yet: its values matter
             run.write({"step": e.step, **{k: float(v) for k, v in e.metrics.items()}})

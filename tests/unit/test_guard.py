@@ -130,3 +130,16 @@ def test_nonfinite_step_is_not_applied_in_bf16():
             return
     pytest.fail("a learning rate of 1e30 should produce a non-finite step within 6 steps")
 
+
+
+def test_watch_checks_one_step_late_and_flush_at_once():
+    g = NonFiniteGuard("stop", PrecisionConfig())
+    g.watch(1, _m(0))
+    g.watch(2, _m(1, float("nan")))  # held: step 3 may be dispatched before step 2's flag is read
+    with pytest.raises(NonFiniteError, match="step 2: loss nan"):
+        g.watch(3, _m(0))
+    g = NonFiniteGuard("stop", PrecisionConfig())
+    g.watch(5, _m(1, float("inf")))
+    with pytest.raises(NonFiniteError, match="step 5"):
+        g.flush()
+    g.flush()  # nothing held any more
