@@ -37,6 +37,16 @@ class ModelConfig:
     ``init_from``: a local Hugging Face model directory (``config.json`` + safetensors) whose
     weights initialise the run.
 
+    ``remat``: the activation-checkpointing policy of each layer, from least to most recompute:
+    ``none``, ``selective`` (keeps every projection's output), ``save_qkv_proj``, ``dots``,
+    ``full`` (:mod:`jaxcolossal.models.remat`).
+
+    ``loss_chunk_tokens``: tokens per device in one chunk of the fused LM head + cross-entropy
+    (:func:`jaxcolossal.models.vocab.lm_head_loss`): a chunk's fp32 logits take
+    ``loss_chunk_tokens × vocab/tp × 4`` bytes; 0 materializes the logits of all tokens.
+    ``embedding_impl``: with the vocabulary split over tp, ``gather`` (Megatron's masked gather)
+    or ``one_hot`` (a one-hot matmul, ``2·tokens·vocab·hidden/tp`` FLOPs; for comparison).
+
     ``vocab_size`` is the tokenizer's size; the embedding may be padded internally to a
     multiple of ``vocab_pad_multiple * tensor_parallel_size`` (Colossal-AI pads to 64·tp);
     the padding never reaches the user: padded logits are masked and exports strip it.
@@ -56,8 +66,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     vocab_pad_multiple: int = 1
-    remat: Literal["none", "full", "dots"] = "none"
+    remat: Literal["none", "save_qkv_proj", "selective", "dots", "full"] = "none"
     attention_impl: Literal["xla", "cudnn"] = "xla"
+    embedding_impl: Literal["gather", "one_hot"] = "gather"
+    loss_chunk_tokens: int = 2048
     init_from: str = ""
 
     @property
@@ -284,6 +296,7 @@ RANGES: dict[str, Range] = {
     "model.max_position_embeddings": _POS, "model.vocab_size": _POS, "model.vocab_pad_multiple": _POS,
     "model.rms_norm_eps": _GT0, "model.layer_norm_eps": _GT0, "model.rope_theta": _GT0,
     "model.initializer_range": _GT0,
+    "model.loss_chunk_tokens": Range(0, note="0: materialize the logits of all tokens"),
     "training.batch_size": _POS, "training.micro_batch_size": Range(0, note="0: use batch_size"),
     "training.seq_len": _POS, "training.gradient_accumulation_steps": _POS,
     "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
@@ -368,6 +381,8 @@ ALIASES = {
     "microbatch_size": "training.micro_batch_size", "grad_accum": "training.gradient_accumulation_steps",
     "accumulation_steps": "training.gradient_accumulation_steps", "max_norm": "training.max_grad_norm",
     "clip_grad": "training.max_grad_norm", "steps": "training.max_steps",
+    "remat_policy": "model.remat", "gradient_checkpointing": "model.remat",
+    "num_vocab_tiling": "model.loss_chunk_tokens", "loss_chunk_size": "model.loss_chunk_tokens",
 }
 """Names used by Colossal-AI, DeepSpeed or MaxText for our keys, for the "did you mean" hint."""
 

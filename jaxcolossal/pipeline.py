@@ -241,24 +241,15 @@ def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool):
     the summed fp32 cross-entropy of the microbatch.
     """
     from jaxcolossal.models import get_family, llama
+    from jaxcolossal.models.remat import scan_layers
+    from jaxcolossal.models.vocab import embed_lookup
 
     m = cfg.model
     family = get_family(m)
     name = family.__name__.rsplit(".", 1)[-1]
-    remat = {"full": jax.checkpoint_policies.nothing_saveable,
-             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
-    def lookup(table, tokens):
-        if vocab_parallel:  # Megatron's VocabParallelEmbedding, as in the model's hidden_states
-            onehot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
-            return jnp.einsum("btv,vd->btd", shard(onehot, ("batch", "seq", "vocab")), table)
-        return jnp.take(table, tokens, axis=0)
-
-    def scan_layers(layer_fn, lp, x):
-        body = lambda carry, p: (layer_fn(carry, p), None)
-        if m.remat in remat:
-            body = jax.checkpoint(body, policy=remat[m.remat], prevent_cse=False)
-        return jax.lax.scan(body, x, lp)[0]
+    def lookup(table, tokens):  # Megatron's VocabParallelEmbedding when vocab_parallel, as in the model
+        return embed_lookup(table, tokens, shard, vocab_parallel, m.embedding_impl)
 
     if name == "llama":
         def embed(o, tokens):
@@ -266,23 +257,21 @@ def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool):
 
         def chunk(lp, x):
             cos, sin = llama.rope_tables(x.shape[1], m.head_dim, m.rope_theta)
-            return scan_layers(lambda h, p: llama.decoder_layer(h, p, m, cos, sin, shard), lp, x)
+            return scan_layers(lambda h, p: llama.decoder_layer(h, p, m, cos, sin, shard), x, lp, m.remat)
 
         def head_loss(o, x, y):
-            h = llama.rms_norm(x, o["final_norm"], m.rms_norm_eps)
-            return llama.cross_entropy_sum(llama.logits_from_hidden(o, h, m, shard), y, shard)
+            return llama.head_loss(o, llama.rms_norm(x, o["final_norm"], m.rms_norm_eps), y, m, shard)
     elif name == "gpt2":
         def embed(o, tokens):
             x = lookup(o["wte"], tokens)
             return shard(x + o["wpe"][: tokens.shape[1]][None].astype(x.dtype), ("batch", "seq", "embed"))
 
         def chunk(lp, x):
-            return scan_layers(lambda h, p: family.decoder_layer(h, p, m, shard), lp, x)
+            return scan_layers(lambda h, p: family.decoder_layer(h, p, m, shard), x, lp, m.remat)
 
         def head_loss(o, x, y):
             h = family.layer_norm(x, o["final_norm"], o["final_norm_bias"], m.layer_norm_eps)
-            head = {"embed_tokens": o["wte"], **({"lm_head": o["lm_head"]} if "lm_head" in o else {})}
-            return llama.cross_entropy_sum(llama.logits_from_hidden(head, h, m, shard), y, shard)
+            return family.head_loss(o, h, y, m, shard)
     else:
         raise ConfigError(f"pipeline parallelism has no stage split for model.type={m.type!r}")
     return embed, chunk, head_loss

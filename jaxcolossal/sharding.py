@@ -198,11 +198,15 @@ class Sharder:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, logical_to_spec(axes, self.rules)))
 
+    def axis_size(self, logical: str) -> int:
+        """How many ways the rules split the logical axis (1 without a mesh)."""
+        if self.mesh is None:
+            return 1
+        return _axis_size(dict(self.mesh.shape), self.rules.get(logical))
+
     def is_sharded(self, logical: str) -> bool:
         """Whether the logical axis maps to mesh axes of total size > 1."""
-        if self.mesh is None:
-            return False
-        return _axis_size(dict(self.mesh.shape), self.rules.get(logical)) > 1
+        return self.axis_size(logical) > 1
 
     def inner(self) -> "Sharder":
         """This sharder with ``batch`` mapped to nothing (inside the per-data-shard vmap)."""

@@ -3,8 +3,8 @@
 The same interface as :mod:`jaxcolossal.models.llama` — :func:`padded_vocab_size`,
 :func:`param_shapes_and_axes`, :func:`init_params`, :func:`forward`, :func:`loss_sum` over a params
 dict, plus the NNX module :class:`GPT2LMHeadModel` — so the train step, ZeRO and tensor
-parallelism apply unchanged. Attention, remat policies and the vocab-parallel cross-entropy are
-llama.py's. The numerics follow Hugging Face's ``GPT2LMHeadModel`` (``gelu_new``, LayerNorm over
+parallelism apply unchanged. Attention is llama.py's; the remat policies are
+:mod:`jaxcolossal.models.remat`'s and the embedding and fused LM-head loss :mod:`jaxcolossal.models.vocab`'s. The numerics follow Hugging Face's ``GPT2LMHeadModel`` (``gelu_new``, LayerNorm over
 the last dim with ``layer_norm_eps``, scores scaled by 1/sqrt(head_dim)); HF's fused Conv1D
 ``c_attn`` is stored here as separate q/k/v projections (see :mod:`jaxcolossal.models.hf`).
 
@@ -40,8 +40,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models.llama import (_REMAT, Sharder, _no_shard, attention, cross_entropy_sum,
-                                      init_vocab_padded, logits_from_hidden, padded_vocab_size)
+from jaxcolossal.models import vocab
+from jaxcolossal.models.llama import attention, init_vocab_padded, padded_vocab_size
+from jaxcolossal.models.remat import scan_layers, tag
+from jaxcolossal.models.vocab import Sharder, _no_shard, embed_lookup
 
 __all__ = ["padded_vocab_size", "param_shapes_and_axes", "init_params", "forward", "loss_sum",
            "hidden_states", "layer_norm", "GPT2LMHeadModel"]
@@ -169,14 +171,14 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no
     eps = cfg.layer_norm_eps
     h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], eps)
     qkv_axes = ("batch", "seq", "heads", "head_dim")
-    q = shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]) + lp["bq"], qkv_axes)
-    k = shard(jnp.einsum("btd,dhq->bthq", h, lp["wk"]) + lp["bk"], qkv_axes)
-    v = shard(jnp.einsum("btd,dhq->bthq", h, lp["wv"]) + lp["bv"], qkv_axes)
+    q = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]) + lp["bq"], qkv_axes), "query_proj")
+    k = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wk"]) + lp["bk"], qkv_axes), "key_proj")
+    v = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wv"]) + lp["bv"], qkv_axes), "value_proj")
     a = shard(attention(q, k, v, cfg.attention_impl), qkv_axes)
-    x = shard(x + jnp.einsum("bthq,hqd->btd", a, lp["wo"]) + lp["bo"], ("batch", "seq", "embed"))
+    x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]) + lp["bo"], "out_proj"), ("batch", "seq", "embed"))
     h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], eps)
-    u = shard(jnp.einsum("btd,df->btf", h, lp["w_fc"]) + lp["b_fc"], ("batch", "seq", "mlp"))
-    y = jnp.einsum("btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"]) + lp["b_proj"]
+    u = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_fc"]) + lp["b_fc"], ("batch", "seq", "mlp")), "mlp_up")
+    y = tag(jnp.einsum("btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"]) + lp["b_proj"], "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
 
 
@@ -186,24 +188,18 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
 
     ``t`` must not exceed ``max_position_embeddings`` (the rows of ``wpe``).
     """
-    table = params["wte"]
-    if vocab_parallel:  # Megatron's VocabParallelEmbedding, as in llama.hidden_states
-        onehot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
-        x = jnp.einsum("btv,vd->btd", shard(onehot, ("batch", "seq", "vocab")), table)
-    else:
-        x = jnp.take(table, tokens, axis=0)
+    x = embed_lookup(params["wte"], tokens, shard, vocab_parallel, cfg.embedding_impl)
     t = tokens.shape[1]
     if t > params["wpe"].shape[0]:
         raise ValueError(f"sequence length {t} exceeds max_position_embeddings={params['wpe'].shape[0]}")
     x = shard(x + params["wpe"][:t][None].astype(x.dtype), ("batch", "seq", "embed"))
-
-    def body(carry, lp):
-        return decoder_layer(carry, lp, cfg, shard), None
-
-    if cfg.remat in _REMAT:
-        body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, shard), x, params["layers"], cfg.remat)
     return layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
+
+
+def head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
+    """The LM head ``[d, v]``: ``wte.T`` when tied, else ``lm_head``."""
+    return params["lm_head"] if "lm_head" in params else params["wte"].T
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
@@ -213,13 +209,16 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
     The LM head is ``wte.T`` (tied) or ``lm_head`` when ``tie_word_embeddings`` is false.
     """
     h = hidden_states(params, tokens, cfg, shard, vocab_parallel)
-    head = {"embed_tokens": params["wte"]}
-    if "lm_head" in params:
-        head["lm_head"] = params["lm_head"]
-    return logits_from_hidden(head, h, cfg, shard)
+    return vocab.logits(h, head_weight(params, cfg), cfg.vocab_size, shard)
+
+
+def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
+    """Summed cross-entropy of final hidden states ``h [b, t, d]`` through the fused, chunked LM head
+    (:func:`jaxcolossal.models.vocab.lm_head_loss`)."""
+    return vocab.lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens)
 
 
 def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
              shard: Sharder = _no_shard, vocab_parallel: bool = False) -> jax.Array:
     """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``."""
-    return cross_entropy_sum(forward(params, tokens, cfg, shard, vocab_parallel), targets, shard)
+    return head_loss(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), targets, cfg, shard)

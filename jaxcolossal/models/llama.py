@@ -39,12 +39,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcolossal.config import ModelConfig
-
-Sharder = Callable[[jax.Array, tuple], jax.Array]
-
-
-def _no_shard(x, axes):
-    return x
+from jaxcolossal.models import vocab
+from jaxcolossal.models.remat import scan_layers, tag
+from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -204,62 +201,46 @@ def attention(q, k, v, impl: str = "xla") -> jax.Array:
     return out.reshape(b, t, h, d)
 
 
-_REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard) -> jax.Array:
     """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps)
-    q = shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]), ("batch", "seq", "heads", "head_dim"))
-    k = shard(jnp.einsum("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim"))
-    v = shard(jnp.einsum("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim"))
+    q = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]), ("batch", "seq", "heads", "head_dim")), "query_proj")
+    k = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
+    v = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = shard(attention(q, k, v, cfg.attention_impl), ("batch", "seq", "heads", "head_dim"))
-    x = shard(x + jnp.einsum("bthq,hqd->btd", a, lp["wo"]), ("batch", "seq", "embed"))
+    x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]), "out_proj"), ("batch", "seq", "embed"))
     h = rms_norm(x, lp["mlp_norm"], eps)
-    g = shard(jnp.einsum("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp"))
-    u = shard(jnp.einsum("btd,df->btf", h, lp["w_up"]), ("batch", "seq", "mlp"))
-    y = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"])
+    g = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp")), "mlp_gate")
+    u = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_up"]), ("batch", "seq", "mlp")), "mlp_up")
+    y = tag(jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"]), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
 
 
 def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
                   vocab_parallel: bool = False) -> jax.Array:
-    """Final-norm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``."""
-    table = params["embed_tokens"]
-    if vocab_parallel:
-        # Megatron's VocabParallelEmbedding: each tp rank looks up its vocabulary slice and the
-        # partial sums are all-reduced; written as a one-hot contraction over the sharded dim.
-        onehot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
-        x = jnp.einsum("btv,vd->btd", shard(onehot, ("batch", "seq", "vocab")), table)
-    else:
-        x = jnp.take(table, tokens, axis=0)
-    x = shard(x, ("batch", "seq", "embed"))
+    """Final-norm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``.
+
+    The embedding is :func:`jaxcolossal.models.vocab.embed_lookup` (Megatron's vocab-parallel
+    masked gather when ``vocab_parallel``); the layers run in one ``lax.scan`` checkpointed by the
+    ``model.remat`` policy (:mod:`jaxcolossal.models.remat`).
+    """
+    x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
+              ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
-
-    def body(carry, lp):
-        return decoder_layer(carry, lp, cfg, cos, sin, shard), None
-
-    if cfg.remat in _REMAT:
-        body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard), x, params["layers"], cfg.remat)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
+def head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
+    """The LM head ``[d, v]``: ``embed_tokens.T`` when tied, else ``lm_head``."""
+    return params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
-    """fp32 logits ``[b, t, v]`` (padded vocab, sharded on ``vocab``); padded columns are -inf."""
-    w = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
-    logits = shard(logits, ("batch", "seq", "vocab"))
-    vocab = logits.shape[-1]
-    if vocab != cfg.vocab_size:
-        col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-        logits = jnp.where(col < cfg.vocab_size, logits, -1e30)
-    return logits
+    """fp32 logits ``[b, t, v]`` (padded vocab, sharded on ``vocab``); padded columns are -1e30."""
+    return vocab.logits(h, head_weight(params, cfg), cfg.vocab_size, shard)
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
@@ -268,21 +249,13 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
     return logits_from_hidden(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), cfg, shard)
 
 
-def cross_entropy_sum(logits: jax.Array, targets: jax.Array, shard: Sharder = _no_shard) -> jax.Array:
-    """Sum over tokens of -log softmax(logits)[target], in fp32, never gathering the vocab.
-
-    With logits sharded on ``vocab`` over tp this is Megatron's vocab-parallel cross-entropy:
-    the max and sum-exp are local reductions followed by all-reduces over tp, and the target
-    logit is a masked local sum followed by an all-reduce — the full ``[b, t, v]`` logits are
-    never gathered on one device.
-    """
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-    picked = jnp.sum(jnp.where(col == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.sum(lse - picked)
+def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
+    """Summed cross-entropy of final hidden states ``h [b, t, d]``: the LM head fused with the loss
+    over chunks of ``model.loss_chunk_tokens`` tokens (:func:`jaxcolossal.models.vocab.lm_head_loss`)."""
+    return vocab.lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens)
 
 
 def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
              shard: Sharder = _no_shard, vocab_parallel: bool = False) -> jax.Array:
     """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``."""
-    return cross_entropy_sum(forward(params, tokens, cfg, shard, vocab_parallel), targets, shard)
+    return head_loss(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), targets, cfg, shard)
