@@ -69,7 +69,7 @@ class ModelConfig:
     remat: Literal["none", "save_qkv_proj", "selective", "dots", "full"] = "none"
     attention_impl: Literal["xla", "cudnn"] = "xla"
     embedding_impl: Literal["gather", "one_hot"] = "gather"
-    loss_chunk_tokens: int = 2048
+    loss_chunk_tokens: int = 1024
     init_from: str = ""
 
     @property

@@ -104,6 +104,28 @@ def top_level_collectives(comps: dict, entry: str) -> list[Collective]:
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
+def walk_executions(hlo_text: str):
+    """Yield ``(computation name, lines, executions per step)`` for every computation reachable
+    from ENTRY, loop bodies multiplied out by their ``known_trip_count`` (a loop without one
+    counts once). A computation called from several places is yielded once per call site.
+
+    XLA's ``cost_analysis()`` counts a ``while`` body once; this is what it leaves out.
+    """
+    comps, entry = computations(hlo_text)
+
+    def walk(name: str, times: int, stack: tuple):
+        if name in stack or name not in comps:
+            return
+        yield name, comps[name], times
+        for line in comps[name]:
+            trip = _TRIP.search(line)
+            mult = int(trip.group(1)) if (" while(" in line and trip) else 1
+            for callee in _CALLS.findall(line):
+                yield from walk(callee, times * mult, stack + (name,))
+
+    yield from walk(entry, 1, ())
+
+
 def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[str, int]]:
     """Per-step totals by collective kind, loops multiplied out by their known trip counts.
 
@@ -111,13 +133,9 @@ def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[s
     "bytes": result bytes per step}}``, ignoring collectives smaller than ``min_elements``
     (scalars such as the loss). A loop without a known trip count counts once.
     """
-    comps, entry = computations(hlo_text)
     totals: dict[str, dict[str, int]] = {}
-
-    def walk(name: str, times: int, stack: tuple) -> None:
-        if name in stack or name not in comps:
-            return
-        for line in comps[name]:
+    for name, lines, times in walk_executions(hlo_text):
+        for line in lines:
             for kind in COLLECTIVES:
                 if f" {kind}(" in line or f" {kind}-start(" in line:
                     c = Collective(kind, _result_shapes(line), name, line.strip())
@@ -126,10 +144,43 @@ def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[s
                         t["count"] += times
                         t["elements"] += times * sum(math.prod(s) for _, s in c.shapes)
                         t["bytes"] += times * c.bytes
-            trip = _TRIP.search(line)
-            mult = int(trip.group(1)) if (" while(" in line and trip) else 1
-            for callee in _CALLS.findall(line):
-                walk(callee, times * mult, stack + (name,))
-
-    walk(entry, 1, ())
     return totals
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\w+)\[([\d,]*)\]")
+_DOT = re.compile(r"\bdot\((?:\w+\[([\d,]*)\]\S*\s+)?%?([\w.\-]+)")
+_LHS_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def dot_flops(hlo_text: str) -> dict[str, int]:
+    """Matmul FLOPs of one execution of a compiled program, loops multiplied out by trip count.
+
+    Each ``dot`` counts ``2 · (result elements) · (product of the lhs contracting dims)``, the
+    convention of the model-FLOP formulas (:mod:`jaxcolossal.metrics`); elementwise work is not
+    counted. Returns ``{"flops": total, "dots": dot executions per step}``.
+
+    Raises:
+        ValueError: a ``dot`` whose left operand's shape cannot be found.
+    """
+    flops = count = 0
+    for name, lines, times in walk_executions(hlo_text):
+        shapes = {}
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                shapes[m.group(1)] = _dims(m.group(2))
+        for line in lines:
+            if " dot(" not in line:
+                continue
+            m, d = _INSTR.match(line), _DOT.search(line)
+            lhs = _dims(d.group(1)) if d.group(1) is not None else shapes.get(d.group(2))
+            if lhs is None:
+                raise ValueError(f"cannot find the shape of dot operand {d.group(2)!r} in {name!r}")
+            contract = _dims(_LHS_CONTRACT.search(line).group(1))
+            flops += times * 2 * math.prod(_dims(m.group(2))) * math.prod(lhs[i] for i in contract)
+            count += times
+    return {"flops": flops, "dots": count}

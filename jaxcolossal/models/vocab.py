@@ -115,8 +115,21 @@ def chunk_positions(batch: int, seq: int, chunk_tokens: int) -> int:
     return max(1, min(seq, math.ceil(chunk_tokens / max(batch, 1))))
 
 
+def fused_pays(tokens: int, hidden: int, chunk_tokens: int) -> bool:
+    """Whether the fused, chunked head needs less memory than the full logits, for ``tokens``
+    tokens per device.
+
+    In rows of ``v/tp`` fp32 values: the full path holds the logits and their gradient
+    (``2·tokens``); the fused one holds the fp32 ``dW`` (``hidden``) and one chunk's logits,
+    exponentials and gradient (``3·chunk_tokens``). So the fused path is taken when
+    ``2·tokens > hidden + 3·chunk_tokens`` (the compiled temporaries in ``scripts/lean_step.py``
+    agree: at 2048 tokens, hidden 2048 and chunks of 1024 the fused step was larger).
+    """
+    return chunk_tokens > 0 and 2 * tokens > hidden + 3 * chunk_tokens
+
+
 def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int, shard: Sharder = _no_shard,
-                 chunk_tokens: int = 0, mask: jax.Array | None = None) -> jax.Array:
+                 chunk_tokens: int = 0, mask: jax.Array | None = None, force_fused: bool = False) -> jax.Array:
     """Summed next-token cross-entropy (nats, fp32 scalar) of the head ``w`` on hidden states ``h``.
 
     Args:
@@ -125,16 +138,19 @@ def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int
         targets: int32 ``[b, t]``.
         vocab_size: the real vocabulary; columns ``>= vocab_size`` never receive probability.
         chunk_tokens: tokens per device per chunk (``model.loss_chunk_tokens``); 0 materializes
-            the whole ``[b, t, v]`` fp32 logits and differentiates them by autodiff.
+            the whole ``[b, t, v]`` fp32 logits and differentiates them by autodiff, as does any
+            value for which :func:`fused_pays` is false.
         mask: optional ``[b, t]`` per-token weights (1 = counted).
+        force_fused: take the fused path whenever ``chunk_tokens > 0``, even where
+            :func:`fused_pays` says it costs more memory (tests and measurements).
 
     Returns the sum, not the mean: the train step divides by the tokens of the whole step. The
     gradient with respect to ``h`` is cast to ``h``'s dtype only after the incoming cotangent (the
     fp16 loss scale) has multiplied it, so small gradients do not underflow.
     """
-    if chunk_tokens <= 0:
-        return cross_entropy_sum(logits(h, w, vocab_size, shard), targets, mask)
     b, t, d = h.shape
+    if chunk_tokens <= 0 or not (force_fused or fused_pays(b * t, d, chunk_tokens)):
+        return cross_entropy_sum(logits(h, w, vocab_size, shard), targets, mask)
     c = chunk_positions(b, t, chunk_tokens)
     n = math.ceil(t / c)
     valid = jnp.ones((b, t), jnp.float32) if mask is None else mask.astype(jnp.float32)
