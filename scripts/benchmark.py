@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-per-dp", type=int, default=None, help="sequences per data-parallel rank per step")
     ap.add_argument("--seq", type=int, default=None, help="sequence length")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None)
-    ap.add_argument("--remat", choices=["none", "full", "dots"], default=None)
+    ap.add_argument("--remat", choices=["none", "selective", "dots", "save_qkv_proj", "full"], default=None)
     ap.add_argument("--attention", choices=["xla", "cudnn"], default=None)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)

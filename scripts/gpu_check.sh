@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a single H200 / H100, bounded to under 8 minutes in all.
+# One prepared GPU check for a single H200 / H100, bounded to under 9.5 minutes in all.
 #
 #     bash scripts/gpu_check.sh                 # results in ./gpu_results
 #     OUT=/tmp/res BUDGET_S=420 bash scripts/gpu_check.sh
@@ -11,20 +11,21 @@
 # It writes to $OUT (default ./gpu_results): gpu_check.log (everything printed), env.txt, the
 # accepted XLA flags, one <name>.txt / <name>.json per benchmark, bench_optimizer.txt, and
 # summary.md (the benchmark table). Steps, each bounded by `timeout` and by what is left of the
-# overall budget (BUDGET_S, default 450 s); a failed step is recorded and the next one runs:
+# overall budget (BUDGET_S, default 540 s); a failed step is recorded and the next one runs:
 #   1. environment: nvidia-smi, jax version and devices;
 #   2. XLA GPU flags recommended by NVIDIA's JAX-Toolbox, each probed first so that
 #      a flag this jaxlib does not know is dropped instead of aborting the run;
 #   3. cuDNN attention probe: jax.nn.dot_product_attention(implementation='cudnn'), forward and
 #      backward, bf16, causal, GQA, at the head dims used below; falls back to XLA attention;
-#   4. scripts/benchmark.py: LLaMA ~1B (Llama-3.2-1B shape) without and with full remat, LLaMA ~3B
-#      (Llama-3.2-3B shape) with full remat; seq 4096, bf16, one GPU;
+#   4. scripts/benchmark.py: LLaMA ~1B (Llama-3.2-1B shape) without and with full remat, and with
+#      full remat on the old LM-head path (all logits materialized), LLaMA ~3B (Llama-3.2-3B shape)
+#      with full remat; seq 4096, bf16, one GPU;
 #   5. scripts/bench_optimizer.py (fused AdamW Pallas kernel vs optax, GB/s vs HBM peak).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 OUT=${OUT:-./gpu_results}
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-540}
 PY=${PYTHON:-python}
 SEQ=${SEQ:-4096}
 MODEL_1B=${MODEL_1B:-llama_1b}
@@ -140,6 +141,10 @@ bench() {  # bench NAME MAX_SECONDS ARGS...
 }
 bench llama_1b_remat_none 150 --model "$MODEL_1B" --remat none --batch-per-dp "$B1_NONE"
 bench llama_1b_remat_full 150 --model "$MODEL_1B" --remat full --batch-per-dp "$B1_FULL"
+# the same with the old LM-head path (all fp32 logits materialized, model.loss_chunk_tokens=0): the
+# fused, chunked head's effect on peak memory and MFU (scripts/lean_step.py measures it on the CPU)
+bench llama_1b_remat_full_full_logits 150 --model "$MODEL_1B" --remat full --batch-per-dp "$B1_FULL" \
+      --set model.loss_chunk_tokens=0 model.embedding_impl=one_hot
 bench llama_3b_remat_full 200 --model "$MODEL_3B" --remat full --batch-per-dp "$B3_FULL"
 
 # ---------------------------------------------------------------- 5. fused AdamW vs optax
