@@ -24,7 +24,8 @@ chunk. The default of ``model.loss_chunk_tokens``: step time (run, interleaved) 
    temporaries of a vocabulary-heavy small model (hidden 256, vocab 32000, 2 layers, batch 8 ×
    seq 512) for several chunk sizes, as ratios to the unchunked step.
 mainjob. The main job (``scripts/train.py``, 300 steps) with the old paths and with the new ones,
-   one after the other in this process's run: final validation loss and wall time, as a ratio.
+   one after the other: final validation loss and wall time, as a ratio; then the main job's
+   compiled train step on both paths, run interleaved: the step-time ratio (less noisy).
 
 The final line is one JSON object with every figure.
 """
@@ -222,11 +223,47 @@ def part_chunk(args, log) -> dict:
     return out
 
 
+def main_step_times(repeats: int) -> dict:
+    """The main job's compiled train step (configs/llama_tiny.yaml, 8 devices) on the old and the
+    new paths, run interleaved on the same batch: median step seconds of each."""
+    import jax
+    import numpy as np
+
+    from jaxcolossal.config import load_config
+    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
+    from jaxcolossal.train.state import init_state, make_plan
+    from jaxcolossal.train.step import make_train_step
+
+    runs = {}
+    for name, ov in (("old", OLD), ("new", NEW)):
+        cfg = load_config(os.path.join(HERE, "..", "configs", "llama_tiny.yaml"),
+                          overrides=[f"model.{k}={v}" for k, v in ov.items()])
+        plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()))
+        tx = build_optimizer(cfg.training, plan)
+        state = init_state(plan, tx, key=jax.random.key(0))
+        t = cfg.training
+        x = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1)).astype(np.int32)
+        b = {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding), "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
+        compiled = make_train_step(plan, tx, lr_schedule(t)).lower(state, b).compile()
+        state, m = compiled(state, b)
+        jax.block_until_ready(m)
+        runs[name] = {"fn": compiled, "state": state, "batch": b, "times": []}
+    for r in range(repeats):
+        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            run = runs[name]
+            t0 = time.perf_counter()
+            run["state"], m = run["fn"](run["state"], run["batch"])
+            jax.block_until_ready(m)
+            run["times"].append(time.perf_counter() - t0)
+    return {name: statistics.median(run["times"]) for name, run in runs.items()}
+
+
 def part_mainjob(args, log) -> dict:
     out = {}
     for name, ov in (("old", OLD), ("new", NEW), ("old again", OLD), ("new again", NEW))[: 2 * args.mainjob_repeats]:
         with tempfile.TemporaryDirectory() as d:
-            cmd = [sys.executable, os.path.join(HERE, "train.py"), f"run_dir={d}", "checkpoint.dir="] + \
+            cmd = [sys.executable, os.path.join(HERE, "train.py"), f"logging.run_dir={d}"] + \
                   [f"model.{k}={v}" for k, v in ov.items()]
             t0 = time.perf_counter()
             p = subprocess.run(cmd, capture_output=True, text=True)
@@ -240,7 +277,13 @@ def part_mainjob(args, log) -> dict:
     old = [v["wall_s"] for k, v in out.items() if k.startswith("old")]
     out["time_ratio_new_over_old"] = statistics.median(new) / statistics.median(old)
     out["val_loss_new_minus_old"] = out["new"]["val_loss"] - out["old"]["val_loss"]
-    log(f"  wall time new / old = {out['time_ratio_new_over_old']:.3f}; val_loss new - old = {out['val_loss_new_minus_old']:+.4f}")
+    log(f"  wall time (compile, 300 steps, evaluations, sample; runs one after the other) new / old = "
+        f"{out['time_ratio_new_over_old']:.3f}; val_loss new - old = {out['val_loss_new_minus_old']:+.4f}")
+    steps = main_step_times(args.step_repeats)
+    out["step_s"] = steps
+    out["step_ratio_new_over_old"] = steps["new"] / steps["old"]
+    log(f"  the main job's train step, interleaved ({args.step_repeats} steps each): old {steps['old'] * 1e3:.1f} ms, "
+        f"new {steps['new'] * 1e3:.1f} ms; new / old = {out['step_ratio_new_over_old']:.3f}")
     return out
 
 
@@ -258,6 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="512,1024,2048,4096", help="chunk sizes for part chunk")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved timed steps per chunk size")
     ap.add_argument("--mainjob-repeats", type=int, default=1, choices=[1, 2])
+    ap.add_argument("--step-repeats", type=int, default=30, help="interleaved timed steps of the main job's step")
     ap.add_argument("--out", default=None, help="also write the JSON object to this file")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.part.split(",") if p.strip()]

@@ -142,29 +142,39 @@ LAYOUTS = {  # each also runs one remat policy; the reference runs remat none
                                 {"remat": "selective"}),
     "dp2_tp4_zero3_save_qkv_proj": ({"data_parallel_size": 2, "tensor_parallel_size": 4, "zero_stage": 3},
                                     {"remat": "save_qkv_proj"}),
-    "pp2_tp2_dp2": ({"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}),
+    "pp2_tp2_dp2_untied": ({"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                           {"tie_word_embeddings": False}),
 }
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The single-device run on the old path: all logits materialized (``loss_chunk_tokens=0``)."""
-    cfg = tiny_config({"data_parallel_size": 1}, model={**LEAN_MODEL, "loss_chunk_tokens": 0})
-    state, metrics, _ = run_steps(cfg, jax.devices()[:1])
-    return jax.device_get(state.params), metrics
+def references():
+    """Single-device runs on the old path, all logits materialized (``loss_chunk_tokens=0``), with
+    tied and with untied embeddings (computed when first asked for)."""
+    cache = {}
+
+    def get(tied: bool):
+        if tied not in cache:
+            cfg = tiny_config({"data_parallel_size": 1},
+                              model={**LEAN_MODEL, "loss_chunk_tokens": 0, "tie_word_embeddings": tied})
+            state, metrics, _ = run_steps(cfg, jax.devices()[:1])
+            cache[tied] = (jax.device_get(state.params), metrics)
+        return cache[tied]
+    return get
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_lean_training_matches_single_device(name, reference):
+def test_lean_training_matches_single_device(name, references):
     """3 steps with the fused head (48-token chunks), the masked-gather embedding and a remat
-    policy, on each layout, equal the single-device run on the old paths (tied, padded vocabulary)."""
+    policy, on each layout, equal the single-device run on the old paths (padded vocabulary; tied
+    and untied heads)."""
     parallel, model = LAYOUTS[name]
     cfg = tiny_config(parallel, model={**LEAN_MODEL, **model})
     per_device_tokens = cfg.training.batch_size // parallel["data_parallel_size"] * cfg.training.seq_len
     if parallel.get("pipeline_parallel_size", 1) == 1:  # the pipeline's microbatches are smaller
         assert vocab.fused_pays(per_device_tokens, cfg.model.hidden_size, 48), "the fused path must be exercised"
     state, metrics, _ = run_steps(cfg, jax.devices())
-    ref_params, ref_metrics = reference
+    ref_params, ref_metrics = references(cfg.model.tie_word_embeddings)
     for got, want in zip(metrics, ref_metrics):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
         np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5)
