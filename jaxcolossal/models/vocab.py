@@ -173,7 +173,7 @@ def _zeros_varying_like(shape, dtype, *refs) -> jax.Array:
     axes = set()
     for r in refs:
         aval = jax.typeof(r)
-        mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it ``vma``
+        mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; other releases expose ``aval.vma``
         axes |= set(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
     if not axes:
         return z
@@ -187,7 +187,9 @@ def _fused_loss(shard: Sharder, vocab_size: int):
 
     The forward rule saves ``dh [n,b,c,d]`` and ``dW [d,v]`` in fp32 (the gradient of the summed
     loss); the backward rule only scales them by the incoming cotangent and casts them to the
-    inputs' dtypes (carried as empty arrays, since residuals must be arrays).
+    inputs' dtypes (carried as empty arrays, since residuals must be arrays). The logits'
+    gradient ``softmax - onehot`` (values in [-1, 1]) is formed in fp32 and cast to the compute
+    dtype for its two matmuls, which accumulate in fp32, as Liger's fused linear cross-entropy does.
     """
 
     def chunk_loss(hc, w, yc, vc):
