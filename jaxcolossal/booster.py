@@ -156,15 +156,22 @@ class Booster:
 
     def shard_batch(self, batch: dict) -> dict:
         """Place a host batch ``{"inputs", "targets"}`` (global ``[B, t]`` integer numpy arrays, the
-        same on every process) with the data-parallel sharding.
+        same on every process), and optionally ``"loss_mask"`` ``[B, t]`` (1 = trained on), with the
+        data-parallel sharding.
 
         Raises:
             ValueError: a token id outside ``[0, model.vocab_size)`` (after :meth:`boost`): it would
-                index a padded or missing embedding row and train on garbage without an error.
+                index a padded or missing embedding row and train on garbage without an error; a
+                ``loss_mask`` of another shape, or with negative or non-finite values.
         """
         vocab = self.plan.cfg.model.vocab_size if self.plan is not None else None
         for k, v in batch.items():
             v = np.asarray(v)
+            if k == "loss_mask":
+                if v.shape != np.shape(batch["inputs"]) or not np.all(np.isfinite(v)) or v.min() < 0:
+                    raise ValueError(f"shard_batch: loss_mask of shape {v.shape} must match inputs "
+                                     f"{np.shape(batch['inputs'])} and hold finite values >= 0 (1 = trained on)")
+                continue
             if vocab is not None and v.size and (v.min() < 0 or v.max() >= vocab):
                 raise ValueError(f"shard_batch: {k} holds token ids in [{v.min()}, {v.max()}], outside the "
                                  f"model's vocabulary [0, {vocab})")

@@ -249,13 +249,16 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
     return logits_from_hidden(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), cfg, shard)
 
 
-def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
+def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+              mask: jax.Array | None = None) -> jax.Array:
     """Summed cross-entropy of final hidden states ``h [b, t, d]``: the LM head fused with the loss
     over chunks of ``model.loss_chunk_tokens`` tokens (:func:`jaxcolossal.models.vocab.lm_head_loss`)."""
-    return vocab.lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens)
+    return vocab.lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens,
+                              mask)
 
 
 def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
-             shard: Sharder = _no_shard, vocab_parallel: bool = False) -> jax.Array:
-    """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``."""
-    return head_loss(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), targets, cfg, shard)
+             shard: Sharder = _no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None) -> jax.Array:
+    """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``; with a
+    ``mask [b, t]`` (1 = trained on, 0 = ignored: prompt or padding tokens) only the masked-in tokens count."""
+    return head_loss(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), targets, cfg, shard, mask)

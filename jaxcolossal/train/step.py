@@ -50,12 +50,23 @@ def _with_leading(spec: P, lead) -> P:
     return P(lead, *spec)
 
 
+def token_count(inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """The tokens a step's mean loss divides by (fp32 scalar): ``B·t``, or with a loss mask the
+    masked-in tokens of the whole global batch (at least 1, so an all-masked step is a zero update)."""
+    if mask is None:
+        return jnp.asarray(inputs.shape[0] * inputs.shape[1], jnp.float32)
+    return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+
+
 def make_grad_fn(plan: TrainPlan) -> Callable:
-    """``grad_fn(params, inputs, targets, scale) -> (loss_sum, fp32 grads)`` over one step.
+    """``grad_fn(params, inputs, targets, scale, mask=None) -> (loss_sum, fp32 grads)`` over one step.
 
     ``inputs``/``targets``: int32 ``[B, t]`` global arrays sharded over the data group.
     ``scale``: the fp16 loss scale (1.0 otherwise); returned gradients are unscaled and
     normalised by the number of tokens in the step, so they are the gradient of the mean loss.
+    ``mask``: optional ``[B, t]`` loss mask (1 = trained on); then only masked-in tokens count and
+    the gradient is that of the mean over the masked-in tokens of the *whole* step (all data
+    shards and microbatches), not a mean of per-shard or per-microbatch means (:func:`token_count`).
     The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``; for ZeRO-1 the
     optimizer-state sharding, since the one reduction per step goes straight to each rank's slice).
     With ``pp > 1`` this is :func:`jaxcolossal.pipeline.make_pipeline_grad_fn` (same contract).
@@ -73,23 +84,22 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,
                                    is_leaf=lambda x: isinstance(x, P))
 
-    def shard_loss(params, x, y, coef):
-        s = family.loss_sum(params, x, y, cfg.model, inner, vocab_parallel)
+    def shard_loss(params, x, y, m, coef):
+        s = family.loss_sum(params, x, y, cfg.model, inner, vocab_parallel, m)
         return s * coef, s
 
-    per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True), in_axes=(None, 0, 0, None),
-                         spmd_axis_name=DATA_AXES)
-
-    def grad_fn(params, inputs, targets, scale):
+    def grad_fn(params, inputs, targets, scale, mask=None):
         B, t = inputs.shape
-        coef = scale / (B * t)  # gradient of the mean over the whole step, times the loss scale
-        xs = inputs.reshape(n, k, B // (n * k), t)
-        ys = targets.reshape(n, k, B // (n * k), t)
-        xs = jax.lax.with_sharding_constraint(xs, NamedSharding(mesh, P(DATA_AXES)))
-        ys = jax.lax.with_sharding_constraint(ys, NamedSharding(mesh, P(DATA_AXES)))
+        coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
+        split = lambda a: jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),
+                                                           NamedSharding(mesh, P(DATA_AXES)))
+        xs, ys = split(inputs), split(targets)
+        ms = None if mask is None else split(mask.astype(jnp.float32))
+        per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True),
+                             in_axes=(None, 0, 0, None if mask is None else 0, None), spmd_axis_name=DATA_AXES)
 
         def micro(j):
-            (_, loss), g = per_shard(params, xs[:, j], ys[:, j], coef)
+            (_, loss), g = per_shard(params, xs[:, j], ys[:, j], None if ms is None else ms[:, j], coef)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), g)  # fp32 before any reduction
             return jnp.sum(loss), constrain(g, mesh, per_shard_specs)
 
@@ -132,7 +142,9 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         tx: the optax optimizer (``build_optimizer``).
         schedule: the learning-rate schedule, only to report ``lr`` in the metrics.
 
-    ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``.
+    ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``, and
+    optionally ``"loss_mask"`` ``[B, t]`` (1 = trained on, 0 = prompt or padding; any dtype): the
+    loss is then the mean over the masked-in tokens of the whole global batch.
     ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
     ``lr``; int32 ``nonfinite`` (1: the step was not applied); in fp16 also ``loss_scale``,
     ``skipped`` and ``consecutive_skips``.
@@ -144,8 +156,9 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
 
     def step(state: TrainState, batch: dict):
         scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
-        loss_sum, grads = grad_fn(state.params, batch["inputs"], batch["targets"], scale)
-        n_tok = batch["inputs"].shape[0] * batch["inputs"].shape[1]
+        mask = batch.get("loss_mask")
+        loss_sum, grads = grad_fn(state.params, batch["inputs"], batch["targets"], scale, mask)
+        n_tok = token_count(batch["inputs"], mask)
         grad_norm = optax.tree.norm(grads)
 
         # every precision: a step whose loss or gradients hold NaN/inf is not applied (the norm is
@@ -176,20 +189,22 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
                            consecutive_skips=scaler.consecutive_skips)
         return new, metrics
 
-    batch_sharding = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
-    return jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
+    # one sharding for every leaf of the batch dict (inputs, targets and the optional loss_mask)
+    return jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=(shardings, None),
                    donate_argnums=(0,))
 
 
 def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-    """Jitted ``eval_step(params, inputs, targets) -> mean loss`` (fp32 nats/token)."""
+    """Jitted ``eval_step(params, inputs, targets, mask=None) -> mean loss`` (fp32 nats/token; over
+    the masked-in tokens when a loss ``mask [B, t]`` is given)."""
     sharder = plan.sharder
     vp = sharder.is_sharded("vocab")
     cfg, family = plan.cfg.model, plan.family
 
-    def ev(params, x, y):
+    def ev(params, x, y, mask=None):
         x = sharder(x, ("batch", "seq"))
-        return family.loss_sum(params, x, y, cfg, sharder, vp) / (x.shape[0] * x.shape[1])
+        m = None if mask is None else mask.astype(jnp.float32)
+        return family.loss_sum(params, x, y, cfg, sharder, vp, m) / token_count(x, mask)
 
     return jax.jit(ev)
 
