@@ -224,11 +224,14 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """Where ``metrics.jsonl`` and the log file go; ``log_every`` in steps."""
+    """Where ``metrics.jsonl`` and the log file go; ``log_every`` in steps. ``tensorboard``: also
+    write every logged scalar as TensorBoard events to ``<run_dir>/tensorboard``
+    (:class:`jaxcolossal.metrics.MetricsWriter`)."""
 
     run_dir: str = "runs/default"
     log_every: int = 10
     progress_bar: bool = True
+    tensorboard: bool = False
 
 
 @dataclass

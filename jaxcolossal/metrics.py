@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any, Mapping
 
 import jax
@@ -152,3 +153,49 @@ def json_line(record: Mapping[str, Any]) -> str:
     if bad:
         out["nonfinite_values"] = bad
     return json.dumps(out, allow_nan=False)
+
+
+class MetricsWriter:
+    """The run's metric sinks: ``<run_dir>/metrics.jsonl`` (one strict-JSON object per record,
+    :func:`json_line`) and, with ``tensorboard=True``, TensorBoard event files in
+    ``<run_dir>/tensorboard`` (tensorboardX's ``SummaryWriter``).
+
+    Every numeric field of a record with a ``step`` becomes a scalar at that step: ``val_loss`` as
+    ``eval/val_loss``, the others as ``train/<name>`` (``loss``, ``grad_norm``, ``lr``,
+    ``tokens_per_s``, ``tflops_6n``, ``mfu``, ``peak_memory_bytes``, ``loss_scale``, ...). Only
+    process 0 writes (the caller passes ``enabled=False`` elsewhere).
+
+    Raises:
+        ImportError: ``tensorboard=True`` without the ``tensorboardX`` package.
+    """
+
+    def __init__(self, run_dir: str, tensorboard: bool = False, enabled: bool = True):
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as e:
+                raise ImportError("logging.tensorboard=true needs the tensorboardX package: "
+                                  "pip install tensorboardX") from e
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, rec: Mapping[str, Any]) -> None:
+        """Append one record (a flat dict, usually with ``step``) to every sink."""
+        if self.jsonl:
+            self.jsonl.write(json_line(rec) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None and "step" in rec:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar("eval/val_loss" if k == "val_loss" else f"train/{k}", float(v), int(rec["step"]))
+            self.tb.flush()
+
+    def close(self) -> None:
+        """Flush and close the sinks (idempotent)."""
+        if self.jsonl:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

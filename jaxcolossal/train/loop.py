@@ -141,7 +141,7 @@ class Run:
     eval_step: Any
     compile_s: float
     compiled_peak: int
-    mfile: Any
+    metrics: mx.MetricsWriter
 
     @property
     def is_main(self) -> bool:
@@ -149,10 +149,8 @@ class Run:
         return jax.process_index() == 0
 
     def write(self, rec: dict) -> None:
-        """Append one record to ``metrics.jsonl`` (process 0)."""
-        if self.mfile:
-            self.mfile.write(mx.json_line(rec) + "\n")
-            self.mfile.flush()
+        """Append one record to ``metrics.jsonl`` and, with ``logging.tensorboard``, TensorBoard (process 0)."""
+        self.metrics.write(rec)
 
 
 def _open_checkpoints(cfg: Config) -> CheckpointManager | None:
@@ -239,9 +237,9 @@ def _start(cfg: Config) -> Run:
                                                  "temp_size_in_bytes")) - (getattr(mem, "alias_size_in_bytes", 0) or 0)
     log.info(f"train step compiled in {compile_s:.1f}s; per-device temporary memory "
              f"{(getattr(mem, 'temp_size_in_bytes', 0) or 0) / 2**20:.1f} MiB", ranks=[0])
-    mfile = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
+    metrics = mx.MetricsWriter(run_dir, cfg.logging.tensorboard, enabled=is_main)
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
-               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, mfile=mfile)
+               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics)
 
 
 # ----------------------------------------------------------------------------- evaluate, save
@@ -434,8 +432,7 @@ def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     try:
         return _run(run, watchdog, stop)
     finally:
-        if run.mfile:
-            run.mfile.close()
+        run.metrics.close()
 
 
 def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:

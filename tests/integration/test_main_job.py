@@ -30,7 +30,7 @@ def _records(path):
 
 
 def test_main_job_writes_metrics_and_sample(tmp_path, capsys):
-    out = train(_cfg(tmp_path, "training.max_steps=12"))
+    out = train(_cfg(tmp_path, "training.max_steps=12", "logging.tensorboard=true"))
     recs = _records(tmp_path / "run" / "metrics.jsonl")
     steps = [r for r in recs if "loss" in r]
     vals = [r for r in recs if "val_loss" in r]
@@ -41,6 +41,18 @@ def test_main_job_writes_metrics_and_sample(tmp_path, capsys):
     assert out["sample"].startswith("def ") and len(out["sample"]) > 4
     printed = capsys.readouterr().out
     assert "['layers']['wq']" in printed and "per-device model state" in printed and "----- sample -----" in printed
+
+    # TensorBoard: the same scalars, read back by tensorboard's own reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/tflops_6n",
+            "train/peak_memory_bytes", "eval/val_loss"}
+    assert want <= tags, want - tags
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 13))
+    np.testing.assert_allclose([e.value for e in acc.Scalars("train/loss")], [r["loss"] for r in steps], rtol=1e-6)
+    assert [e.value for e in acc.Scalars("eval/val_loss")] == pytest.approx([r["val_loss"] for r in vals], rel=1e-6)
 
 
 def test_resume_is_bit_exact(tmp_path):
