@@ -200,11 +200,12 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     """Training text. ``corpus``: ``"stdlib"`` (the running Python's standard library sources)
-    or comma-separated globs of ``.txt``/``.jsonl`` files."""
+    or comma-separated globs of ``.txt``/``.jsonl`` files. ``tokenizer``: ``byte``, or the path
+    of a local Hugging Face tokenizer (a folder with ``tokenizer.json``, or the file)."""
 
     corpus: str = "stdlib"
     text_key: str = "text"
-    tokenizer: Literal["byte"] = "byte"
+    tokenizer: str = "byte"
     val_fraction: float = 0.05
     max_corpus_bytes: int = 0
 
@@ -321,7 +322,7 @@ RANGES: dict[str, Range] = {
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
-PATH_KEYS = ("model.init_from", "data.corpus", "checkpoint.dir", "logging.run_dir")
+PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "checkpoint.dir", "logging.run_dir")
 """Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
 
 
@@ -576,6 +577,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError("precision: bf16 and fp16 are both true; choose one (neither means fp32)")
     if pr.min_scale > pr.max_scale:
         raise ConfigError(f"precision.min_scale={pr.min_scale:g} is above precision.max_scale={pr.max_scale:g}")
+    tok = cfg.data.tokenizer
+    if tok != "byte" and not (os.path.isfile(tok) or os.path.isfile(os.path.join(tok, "tokenizer.json"))):
+        raise ConfigError(f"data.tokenizer={tok!r}: expected 'byte' or a Hugging Face tokenizer folder holding "
+                          "tokenizer.json (or that file); "
+                          + ("the folder has no tokenizer.json" if os.path.isdir(tok) else "no such file or folder"))
     if t.resume is not False and not cfg.checkpoint.dir:
         raise ConfigError(f"training.resume={_yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
                           "resume from)")

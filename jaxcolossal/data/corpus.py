@@ -6,6 +6,7 @@ call (the whole Python standard library takes well under a second or two).
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import sysconfig
@@ -132,14 +133,16 @@ def load_corpus(data_cfg) -> np.ndarray:
 
     Reads ``data_cfg.corpus`` (see :func:`resolve_files`), tokenizes every
     document with ``get_tokenizer(data_cfg.tokenizer)`` and joins the documents
-    with :data:`DOC_SEPARATOR` (``"\\n\\n"``) in file order. When
+    in file order with the tokenizer's end-of-text id (a Hugging Face tokenizer
+    that has one) or :data:`DOC_SEPARATOR` (``"\\n\\n"``). When
     ``data_cfg.max_corpus_bytes > 0`` the stream is cut to that many tokens
     (reading stops as soon as enough is read). Missing attributes fall back to
     the dataclass defaults (``corpus="stdlib"``, ``text_key="text"``,
     ``tokenizer="byte"``, ``max_corpus_bytes=0``).
 
     Returns:
-      1-D ``np.ndarray`` of dtype ``uint8`` (byte tokenizer), shape ``[N]``.
+      1-D ``np.ndarray`` of shape ``[N]``: ``uint8`` (byte tokenizer), ``uint16``
+      or ``uint32`` (a Hugging Face tokenizer, by its vocabulary size).
 
     Raises:
       FileNotFoundError: no file matches the pattern (the pattern is named).
@@ -154,19 +157,25 @@ def load_corpus(data_cfg) -> np.ndarray:
         raise ValueError(f"max_corpus_bytes must be >= 0 (0 = no limit), got {limit}")
 
     files = resolve_files(corpus)
-    sep = tokenizer.encode(DOC_SEPARATOR)
+    eos = getattr(tokenizer, "eos_id", None)
+    sep = np.asarray([eos], tokenizer.dtype) if eos is not None else tokenizer.encode(DOC_SEPARATOR)
     parts: list[np.ndarray] = []
     total = 0
-    for i, doc in enumerate(iter_documents(files, text_key)):
-        if i:
-            parts.append(sep)
-            total += len(sep)
-        ids = tokenizer.encode(doc)
-        parts.append(ids)
-        total += len(ids)
+    docs = iter_documents(files, text_key)
+    batched = hasattr(tokenizer, "encode_batch")  # Hugging Face: documents in groups, on its threads
+    while True:
+        group = list(itertools.islice(docs, 256 if batched else 1))
+        if not group:
+            break
+        for ids in (tokenizer.encode_batch(group) if batched else [tokenizer.encode(group[0])]):
+            if parts:
+                parts.append(sep)
+                total += len(sep)
+            parts.append(ids)
+            total += len(ids)
         if limit and total >= limit:
             break
-    stream = np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
+    stream = np.concatenate(parts) if parts else np.zeros((0,), getattr(tokenizer, "dtype", np.uint8))
     if limit:
         stream = stream[:limit]
     if len(stream) < MIN_STREAM_TOKENS:

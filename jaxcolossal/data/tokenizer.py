@@ -1,14 +1,18 @@
 """Tokenizers.
 
-Only a byte-level tokenizer exists for now: every UTF-8 byte of the text is one
-token, so the vocabulary has exactly 256 entries and needs no training, no files
-and no downloads.
+* ``byte`` (the default): every UTF-8 byte of the text is one token, so the vocabulary has
+  exactly 256 entries and needs no training, no files and no downloads.
+* A local Hugging Face tokenizer (a folder holding ``tokenizer.json``, or that file), loaded with
+  the ``tokenizers`` library (:class:`HFTokenizer`): what a LLaMA or GPT-2 checkpoint ships with.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
-__all__ = ["ByteTokenizer", "get_tokenizer", "TOKENIZERS"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS"]
 
 
 class ByteTokenizer:
@@ -16,6 +20,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    dtype = np.uint8
 
     def encode(self, text: str) -> np.ndarray:
         """Encode ``text`` to its UTF-8 bytes.
@@ -69,26 +74,93 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=256)"
 
 
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library (Rust, multi-threaded).
+
+    ``vocab_size`` counts the added special tokens; ``eos_id`` is the id of the end-of-text token
+    named by ``tokenizer_config.json``'s ``eos_token`` beside the file, else of the first of
+    ``</s>``, ``<|end_of_text|>``, ``<|endoftext|>``, ``<eos>`` the vocabulary holds, else None.
+    ``encode`` adds no special tokens (documents are joined with ``eos_id`` by the corpus).
+
+    Raises:
+        FileNotFoundError: ``path`` is neither a ``tokenizer.json`` nor a folder holding one.
+        ValueError: the file is not a tokenizer the library can read.
+    """
+
+    EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"data.tokenizer={path!r}: no tokenizer.json there (a Hugging Face "
+                                    "tokenizer folder or its tokenizer.json file, or 'byte')")
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # the library raises a bare Exception for a malformed file
+            raise ValueError(f"data.tokenizer={path!r}: {file} is not a readable tokenizers file: {e}") from None
+        self.name = path
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos(os.path.dirname(os.path.abspath(file)))
+        self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+
+    def _find_eos(self, folder: str) -> int | None:
+        names = list(self.EOS_CANDIDATES)
+        cfg = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                eos = json.load(f).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str):
+                names.insert(0, eos)
+        for n in names:
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return int(i)
+        return None
+
+    def encode(self, text: str) -> np.ndarray:
+        """Ids of ``text`` (no special tokens added): 1-D ``uint16`` (vocabulary ≤ 65536) or ``uint32``."""
+        if not isinstance(text, str):
+            raise TypeError(f"HFTokenizer.encode expects a str, got {type(text).__name__}")
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """:meth:`encode` of many texts at once, on the library's thread pool."""
+        return [np.asarray(e.ids, dtype=self.dtype)
+                for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        """Text of the ids (any shape, flattened). Raises ValueError for ids outside the vocabulary."""
+        arr = np.asarray(ids).reshape(-1)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size - 1}], got [{arr.min()}, {arr.max()}]")
+        return self._tok.decode([int(i) for i in arr], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
 TOKENIZERS = {"byte": ByteTokenizer}
 
 
-def get_tokenizer(name: str) -> ByteTokenizer:
-    """Return a tokenizer instance by name.
+def get_tokenizer(name: str) -> "ByteTokenizer | HFTokenizer":
+    """Return a tokenizer by name or path.
 
     Args:
-      name: tokenizer name; the allowed values are the keys of ``TOKENIZERS``
-        (currently only ``"byte"``).
+      name: ``"byte"``, or the path of a Hugging Face tokenizer folder / ``tokenizer.json``.
 
     Returns:
       A fresh tokenizer object with ``vocab_size``, ``encode`` and ``decode``.
 
     Raises:
-      ValueError: for an unknown name; the message lists the allowed values.
+      ValueError: an unknown name that is not a path; the message lists the allowed values.
+      FileNotFoundError: a path without a ``tokenizer.json``.
     """
-    try:
-        cls = TOKENIZERS[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown tokenizer {name!r}; allowed values: {sorted(TOKENIZERS)}"
-        ) from None
-    return cls()
+    if name in TOKENIZERS:
+        return TOKENIZERS[name]()
+    if isinstance(name, str) and (os.sep in name or name.endswith(".json") or os.path.exists(name)):
+        return HFTokenizer(name)
+    raise ValueError(f"unknown tokenizer {name!r}; allowed values: {sorted(TOKENIZERS)} or the path of a "
+                     "Hugging Face tokenizer folder (tokenizer.json)")

@@ -1,0 +1,82 @@
+"""A local Hugging Face tokenizer (``data.tokenizer=<folder with tokenizer.json>``): loading, the
+corpus stream joined with its end-of-text id, clear errors, and the main job training on it."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxcolossal.config import ConfigError, load_config
+from jaxcolossal.data import get_tokenizer, load_corpus
+from jaxcolossal.data.tokenizer import HFTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = [f"def function_{i}(x):\n    return x * {i} + {i * i}\n" for i in range(400)]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    """A 300-entry byte-level BPE trained with the ``tokenizers`` library, saved as a HF folder,
+    plus a JSON-lines corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    d = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    with open(d / "corpus.jsonl", "w") as f:
+        for doc in DOCS:
+            f.write(json.dumps({"text": doc}) + "\n")
+    return d
+
+
+def test_hf_tokenizer_loads_and_round_trips(tok_dir):
+    tok = get_tokenizer(str(tok_dir))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.vocab_size == 300 and tok.eos_id == 0 and tok.dtype == np.uint16
+    ids = tok.encode(DOCS[7])
+    assert ids.dtype == np.uint16 and len(ids) < len(DOCS[7].encode())  # merges happened
+    assert tok.decode(ids) == DOCS[7]
+    assert get_tokenizer(str(tok_dir / "tokenizer.json")).vocab_size == 300  # the file itself
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        tok.decode([300])
+
+
+def test_corpus_joins_documents_with_eos(tok_dir):
+    class Data:
+        corpus = str(tok_dir / "corpus.jsonl")
+        text_key = "text"
+        tokenizer = str(tok_dir)
+        max_corpus_bytes = 0
+
+    stream = load_corpus(Data)
+    tok = get_tokenizer(str(tok_dir))
+    want = np.concatenate([np.concatenate([tok.encode(d), [0]]) for d in DOCS])[:-1]
+    assert stream.dtype == np.uint16
+    np.testing.assert_array_equal(stream, want)
+
+
+def test_bad_tokenizer_path_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.tokenizer=.*no such file or folder"):
+        load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [f"data.tokenizer={tmp_path}/missing"])
+    with pytest.raises(ConfigError, match=r"data.tokenizer=.*the folder has no tokenizer.json"):
+        load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [f"data.tokenizer={tmp_path}"])
+
+
+def test_main_job_trains_on_a_hf_tokenizer(tok_dir, tmp_path):
+    from jaxcolossal.train.loop import train
+
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=32",
+            "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=8",
+            "logging.progress_bar=false", "training.eval_every=0", "training.max_steps=6",
+            f"data.tokenizer={tok_dir}", f"data.corpus={tok_dir}/corpus.jsonl", f"logging.run_dir={tmp_path}/run"]
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256 is smaller than the 300 ids of data.tokenizer="):
+        train(load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), base))
+    out = train(load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), base + ["model.vocab_size=300"]))
+    assert out["val_loss_end"] < out["val_loss_start"] < np.log(300) + 0.3
