@@ -201,9 +201,13 @@ class PrecisionConfig:
 class DataConfig:
     """Training text. ``corpus``: ``"stdlib"`` (the running Python's standard library sources)
     or comma-separated globs of ``.txt``/``.jsonl`` files. ``tokenizer``: ``byte``, or the path
-    of a local Hugging Face tokenizer (a folder with ``tokenizer.json``, or the file)."""
+    of a local Hugging Face tokenizer (a folder with ``tokenizer.json``, or the file).
+    ``format``: ``text`` (pre-training: documents joined into one stream, random windows) or
+    ``chat`` (instruction fine-tuning: JSON lines of ``messages`` or ``prompt``/``response``, one
+    conversation per row, loss on the responses only; :mod:`jaxcolossal.data.chat`)."""
 
     corpus: str = "stdlib"
+    format: Literal["text", "chat"] = "text"
     text_key: str = "text"
     tokenizer: str = "byte"
     val_fraction: float = 0.05
@@ -582,6 +586,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"data.tokenizer={tok!r}: expected 'byte' or a Hugging Face tokenizer folder holding "
                           "tokenizer.json (or that file); "
                           + ("the folder has no tokenizer.json" if os.path.isdir(tok) else "no such file or folder"))
+    if cfg.data.format == "chat" and cfg.data.corpus == "stdlib":
+        raise ConfigError("data.format=chat needs data.corpus: JSON-lines files of conversations "
+                          "({'messages': [...]} or {'prompt', 'response'} per line)")
+    if cfg.data.format == "chat" and p.pipeline_parallel_size not in (1,):
+        raise ConfigError("data.format=chat (a loss mask) is not supported with pipeline parallelism yet: "
+                          "set parallel.pipeline_parallel_size=1")
     if t.resume is not False and not cfg.checkpoint.dir:
         raise ConfigError(f"training.resume={_yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
                           "resume from)")

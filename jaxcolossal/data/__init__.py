@@ -9,16 +9,18 @@ from .corpus import (
 )
 from .loader import (
     DataLoader,
+    ExampleLoader,
     eval_batches,
     local_rows,
     process_rows,
     sample_windows,
     window_starts,
 )
-from .tokenizer import ByteTokenizer, get_tokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 
 __all__ = [
     "ByteTokenizer",
+    "HFTokenizer",
     "get_tokenizer",
     "DOC_SEPARATOR",
     "stdlib_files",
@@ -32,4 +34,5 @@ __all__ = [
     "local_rows",
     "eval_batches",
     "DataLoader",
+    "ExampleLoader",
 ]

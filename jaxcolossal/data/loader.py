@@ -21,6 +21,7 @@ __all__ = [
     "local_rows",
     "eval_batches",
     "DataLoader",
+    "ExampleLoader",
 ]
 
 
@@ -342,3 +343,44 @@ class DataLoader:
         return (f"DataLoader(tokens={len(self.tokens)}, batch_size={self.batch_size}, "
                 f"seq_len={self.seq_len}, seed={self.seed}, rows={self.rows}, "
                 f"sharding={self.sharding})")
+
+
+class ExampleLoader(DataLoader):
+    """Batches of whole examples with a loss mask (instruction fine-tuning, :mod:`.chat`).
+
+    ``batch(step)`` is ``{"inputs", "targets", "loss_mask"}``: ``batch_size`` rows drawn from
+    ``examples [N, seq_len + 1]`` by ``np.random.default_rng([seed, step]).integers(0, N)``, so
+    like :class:`DataLoader` it is a pure function of ``(examples, seed, step)`` (resume needs only
+    the step) and each process builds only the rows its devices address. ``masks [N, seq_len]``
+    (float32, aligned with the targets) gives ``loss_mask``.
+
+    Raises:
+        ValueError: shapes that do not match, no examples, and what :class:`DataLoader` raises.
+    """
+
+    def __init__(self, examples, masks, batch_size: int, seed: int, mesh=None, batch_spec=None,
+                 process_index=None, process_count=None, start_step: int = 0):
+        examples, masks = np.asarray(examples), np.asarray(masks, np.float32)
+        if examples.ndim != 2 or len(examples) == 0 or masks.shape != (len(examples), examples.shape[1] - 1):
+            raise ValueError(f"examples must be [N >= 1, seq_len + 1] and masks [N, seq_len], got "
+                             f"{examples.shape} and {masks.shape}")
+        super().__init__(examples[0], batch_size, examples.shape[1] - 1, seed, mesh=mesh, batch_spec=batch_spec,
+                         process_index=process_index, process_count=process_count, start_step=start_step)
+        self.examples, self.masks = examples.astype(np.int32), masks
+
+    def local_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of step ``step``: ``inputs``/``targets`` int32 and ``loss_mask`` float32."""
+        step = _as_int("step", step, 0)
+        idx = np.random.default_rng([self.seed, step]).integers(0, len(self.examples), self.batch_size)[self.rows]
+        rows = self.examples[idx]
+        return {"inputs": np.ascontiguousarray(rows[:, :-1]), "targets": np.ascontiguousarray(rows[:, 1:]),
+                "loss_mask": np.ascontiguousarray(self.masks[idx])}
+
+    def eval_batches(self, examples, masks, batch_size: int, num_batches: int) -> list[tuple]:
+        """Fixed evaluation batches ``(inputs, targets, loss_mask)``, placed like training batches:
+        the first ``batch_size · num_batches`` rows of ``examples`` (cycled when there are fewer)."""
+        n = batch_size * num_batches
+        idx = np.arange(n) % len(examples)
+        ex, m = np.asarray(examples, np.int32)[idx], np.asarray(masks, np.float32)[idx]
+        return [tuple(self.to_global(a[b * batch_size:(b + 1) * batch_size])
+                      for a in (ex[:, :-1], ex[:, 1:], m)) for b in range(num_batches)]

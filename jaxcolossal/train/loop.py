@@ -32,7 +32,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
 from jaxcolossal.config import Config, ConfigError
-from jaxcolossal.data import DataLoader, eval_batches, get_tokenizer, load_splits
+from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
+from jaxcolossal.data.chat import load_chat
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.generate import printable, sample_tokens
 from jaxcolossal.launch import collective_timeout
@@ -194,6 +195,28 @@ def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
     return state
 
 
+def _data(cfg: Config, mesh) -> tuple[DataLoader, list]:
+    """The training loader and the fixed evaluation batches for ``data.format``: ``text`` windows
+    of one token stream, or ``chat`` conversations with a loss mask on the responses."""
+    t, spec = cfg.training, jax.sharding.PartitionSpec(DATA_AXES)
+    eval_bs = t.batch_size // t.gradient_accumulation_steps
+    if cfg.data.format == "chat":
+        chat = load_chat(cfg.data, get_tokenizer(cfg.data.tokenizer), t.seq_len)
+        train_part, val_part = chat.split(cfg.data.val_fraction)
+        if chat.truncated:
+            get_dist_logger().warning(f"data.format=chat: {chat.truncated} of {len(chat.examples)} conversations "
+                                      f"were cut to training.seq_len={t.seq_len} tokens", ranks=[0])
+        loader = ExampleLoader(train_part.examples, train_part.masks, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
+        held = val_part if len(val_part.examples) else train_part
+        return loader, loader.eval_batches(held.examples, held.masks, eval_bs, t.eval_batches)
+    train_tokens, val_tokens = load_splits(cfg.data)
+    loader = DataLoader(train_tokens, t.batch_size, t.seq_len, t.seed, mesh=mesh, batch_spec=spec)
+    evals = [(loader.to_global(x), loader.to_global(y))
+             for x, y in eval_batches(val_tokens if len(val_tokens) > t.seq_len + 1 else train_tokens,
+                                      eval_bs, t.seq_len, t.eval_batches)]
+    return loader, evals
+
+
 def _start(cfg: Config) -> Run:
     log = get_dist_logger()
     run_dir, t = cfg.logging.run_dir, cfg.training
@@ -206,13 +229,7 @@ def _start(cfg: Config) -> Run:
     log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} device(s), "
              f"{jax.process_count()} process(es); precision {plan.precision}; "
              f"zero_stage {cfg.parallel.zero_stage}", ranks=[0])
-    train_tokens, val_tokens = load_splits(cfg.data)
-    loader = DataLoader(train_tokens, t.batch_size, t.seq_len, t.seed, mesh=mesh,
-                        batch_spec=jax.sharding.PartitionSpec(DATA_AXES))
-    eval_bs = t.batch_size // t.gradient_accumulation_steps
-    evals = [(loader.to_global(x), loader.to_global(y))
-             for x, y in eval_batches(val_tokens if len(val_tokens) > t.seq_len + 1 else train_tokens,
-                                      eval_bs, t.seq_len, t.eval_batches)]
+    loader, evals = _data(cfg, mesh)
 
     tx = build_optimizer(t, plan)
     # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
@@ -247,7 +264,7 @@ def _start(cfg: Config) -> Run:
 
 def _evaluate(run: Run, state: Any) -> float:
     """Mean validation loss (nats/token) over the fixed evaluation batches."""
-    return float(np.mean([float(run.eval_step(state.params, x, y)) for x, y in run.evals]))
+    return float(np.mean([float(run.eval_step(state.params, *batch)) for batch in run.evals]))
 
 
 def _save(run: Run, state: Any, val_loss: float | None = None, final: bool = False) -> None:

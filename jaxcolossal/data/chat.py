@@ -1,0 +1,171 @@
+"""Instruction fine-tuning data: chat JSON lines rendered to fixed windows with a loss mask.
+
+``data.format=chat`` reads JSON lines, one conversation per line, in either of two forms:
+
+* ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}``
+* ``{"prompt": "...", "response": "..."}`` (one user turn and one assistant turn)
+
+Each conversation becomes one row of ``seq_len + 1`` tokens: the rendered text, cut at
+``seq_len + 1`` tokens (counted and reported), padded with the tokenizer's end-of-text id (0 for
+the byte tokenizer). The loss mask is 1 exactly on the targets that are assistant tokens
+(including the end-of-text that closes each assistant turn, so the model learns to stop), 0 on
+system/user turns, role headers and padding: only the responses are trained on.
+
+Rendering: a Hugging Face tokenizer whose ``tokenizer_config.json`` has a ``chat_template`` is
+rendered with that Jinja template (``jinja2``, as ``transformers`` does), segment by segment: the
+text up to each assistant turn (``add_generation_prompt=True``) is the prompt and what the turn
+adds is the response. Otherwise a plain template is used: ``"<role>: <content>\\n"`` per turn,
+with the assistant's ``"assistant: "`` header masked out and its content plus end-of-text in.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .corpus import _read_text, resolve_files
+
+__all__ = ["ChatData", "load_chat", "render_segments"]
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class ChatData:
+    """Rendered conversations. ``examples`` int32 ``[N, seq_len + 1]``; ``masks`` float32
+    ``[N, seq_len]`` aligned with the targets ``examples[:, 1:]``; ``truncated``: rows cut to fit."""
+
+    examples: np.ndarray
+    masks: np.ndarray
+    truncated: int
+
+    def split(self, val_fraction: float) -> tuple["ChatData", "ChatData"]:
+        """The last ``ceil(N · val_fraction)`` rows (at least one when ``val_fraction > 0`` and
+        N > 1) are the validation split; the rest train."""
+        n = len(self.examples)
+        k = 0 if val_fraction <= 0 or n < 2 else max(1, int(np.ceil(n * val_fraction)))
+        cut = n - k
+        return (ChatData(self.examples[:cut], self.masks[:cut], self.truncated),
+                ChatData(self.examples[cut:], self.masks[cut:], 0))
+
+
+def _conversation(record, where: str) -> list[dict]:
+    if isinstance(record, dict) and "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: messages[{i}] must be {{'role': one of {list(ROLES)}, "
+                                 f"'content': a string}}, got {str(m)[:80]}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError(f"{where}: the conversation has no assistant turn, so nothing to train on")
+        return msgs
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    raise ValueError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str, 'response': str}}")
+
+
+def _chat_template(tokenizer):
+    name = tokenizer.name
+    folder = name if os.path.isdir(name) else os.path.dirname(os.path.abspath(name))
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        cfg = json.load(f)
+    tmpl = cfg.get("chat_template")
+    if not isinstance(tmpl, str):
+        return None
+    import jinja2
+
+    def tok(name):
+        v = cfg.get(name)
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
+    template = env.from_string(tmpl)
+    specials = {"bos_token": tok("bos_token"), "eos_token": tok("eos_token")}
+    return lambda messages, gen: template.render(messages=messages, add_generation_prompt=gen, **specials)
+
+
+def render_segments(messages: list[dict], template=None, eos_text: str = "") -> list[tuple[str, bool]]:
+    """``[(text, trained)]`` whose concatenation is the rendered conversation; ``trained`` marks
+    the assistant responses. ``template(messages, add_generation_prompt)`` renders with a chat
+    template; ``None`` uses the plain ``"<role>: <content>\\n"`` form (module docstring)."""
+    if template is None:
+        out = []
+        for m in messages:
+            if m["role"] == "assistant":
+                out += [("assistant: ", False), (m["content"] + "\n", True)]
+                if eos_text:
+                    out.append((eos_text, True))
+            else:
+                out.append((f"{m['role']}: {m['content']}\n", False))
+        return out
+    out, done = [], ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = template(messages[:i], True)
+        full = template(messages[: i + 1], False)
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise ValueError("the chat template does not render conversations as growing prefixes; "
+                             "use a tokenizer without chat_template for the plain format")
+        out += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    tail = template(messages, False)[len(done):]
+    if tail:
+        out.append((tail, False))
+    return out
+
+
+def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
+    """Read ``data_cfg.corpus`` (JSON-lines globs) as conversations and render them (module doc).
+
+    Returns:
+        :class:`ChatData` with one row per conversation.
+
+    Raises:
+        FileNotFoundError: no file matches.
+        ValueError: a line that does not parse or is not a conversation (file and line named),
+            an empty corpus, or a conversation whose responses are all cut off by ``seq_len``.
+    """
+    template = _chat_template(tokenizer) if hasattr(tokenizer, "encode_batch") else None
+    eos = getattr(tokenizer, "eos_id", None)
+    pad = 0 if eos is None else eos
+    eos_text = tokenizer.decode([eos]) if (eos is not None and template is None) else ""
+    rows, masks, truncated = [], [], 0
+    for path in resolve_files(data_cfg.corpus):
+        for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON line ({e.msg})") from None
+            segments = render_segments(_conversation(record, where), template, eos_text)
+            ids = [tokenizer.encode(text).astype(np.int64) for text, _ in segments]
+            flags = [np.full(len(i), trained, np.float32) for i, (_, trained) in zip(ids, segments)]
+            tokens, trained = np.concatenate(ids), np.concatenate(flags)
+            prompt_len = int(np.argmax(trained > 0)) if trained.any() else len(tokens)
+            if len(tokens) > seq_len + 1:
+                truncated += 1
+                tokens, trained = tokens[: seq_len + 1], trained[: seq_len + 1]
+            if not trained[1:].any():
+                raise ValueError(f"{where}: no response token is left within training.seq_len={seq_len} "
+                                 f"(the text before the first response takes {prompt_len} tokens); raise seq_len or "
+                             "shorten the prompt")
+            row = np.full(seq_len + 1, pad, np.int32)
+            row[: len(tokens)] = tokens
+            m = np.zeros(seq_len + 1, np.float32)
+            m[: len(trained)] = trained
+            rows.append(row)
+            masks.append(m[1:])  # target j is token j + 1
+    if not rows:
+        raise ValueError(f"data.corpus={data_cfg.corpus!r} holds no conversations")
+    return ChatData(np.stack(rows), np.stack(masks), truncated)

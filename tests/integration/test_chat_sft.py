@@ -1,0 +1,118 @@
+"""Instruction fine-tuning (``data.format=chat``): conversations rendered with a loss mask on the
+responses only (plain template and a tokenizer's Jinja chat template), errors that name the file
+and line, and the main job fine-tuning on a chat file."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxcolossal.config import ConfigError, load_config
+from jaxcolossal.data import ExampleLoader, get_tokenizer
+from jaxcolossal.data.chat import load_chat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+            "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _write_chat(path, n=64):
+    with open(path, "w") as f:
+        for i in range(n):
+            if i % 2:
+                rec = {"prompt": f"add {i} and {i}", "response": f"{2 * i}"}
+            else:
+                rec = {"messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": f"double {i}"},
+                                    {"role": "assistant", "content": f"{2 * i}"}]}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+class _Data:
+    def __init__(self, corpus):
+        self.corpus = str(corpus)
+
+
+def _trained_text(tok, chat, row):
+    ex, m = chat.examples[row], chat.masks[row]
+    return tok.decode(ex[1:][m > 0])
+
+
+def test_plain_template_masks_the_responses_only(tmp_path):
+    tok = get_tokenizer("byte")
+    chat = load_chat(_Data(_write_chat(tmp_path / "c.jsonl")), tok, seq_len=48)
+    assert chat.examples.shape == (64, 49) and chat.masks.shape == (64, 48) and chat.truncated == 0
+    assert _trained_text(tok, chat, 0) == "0\n" and _trained_text(tok, chat, 3) == "6\n"
+    prompt = tok.decode(chat.examples[3][: int(np.argmax(chat.masks[3])) + 1])
+    assert prompt == "user: add 3 and 3\nassistant: "
+
+
+def test_chat_template_of_the_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["double 12 is 24"] * 10, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": TEMPLATE}))
+    tok = get_tokenizer(str(tmp_path))
+    chat = load_chat(_Data(_write_chat(tmp_path / "c.jsonl")), tok, seq_len=64)
+    assert _trained_text(tok, chat, 6) == "12</s>"  # the response and the eos that ends it
+    first = int(np.argmax(chat.masks[6]))
+    assert tok.decode(chat.examples[6][: first + 1]) == "<|system|>be brief<|user|>double 6<|assistant|>"
+    assert np.all(chat.examples[6][len(tok.encode("<|system|>be brief<|user|>double 6<|assistant|>12</s>")):] == 0)
+
+
+@pytest.mark.parametrize("line,match", [
+    ("{not json", r"c.jsonl:2: invalid JSON line"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), r"c.jsonl:2: the conversation has no assistant"),
+    (json.dumps({"messages": [{"role": "bot", "content": "hi"}]}), r"c.jsonl:2: messages\[0\] must be"),
+    (json.dumps({"text": "hi"}), r"c.jsonl:2: expected \{'messages'"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, line, match):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=match):
+        load_chat(_Data(p), get_tokenizer("byte"), seq_len=32)
+
+
+def test_prompt_longer_than_the_window_is_an_error(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"prompt": "x" * 100, "response": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:1: no response token is left within training.seq_len=16"):
+        load_chat(_Data(p), get_tokenizer("byte"), seq_len=16)
+
+
+def test_example_loader_is_a_pure_function_of_the_step(tmp_path):
+    chat = load_chat(_Data(_write_chat(tmp_path / "c.jsonl")), get_tokenizer("byte"), seq_len=48)
+    a = ExampleLoader(chat.examples, chat.masks, 8, seed=3, process_index=0, process_count=1)
+    b = ExampleLoader(chat.examples, chat.masks, 8, seed=3, process_index=0, process_count=1)
+    for k in ("inputs", "targets", "loss_mask"):
+        np.testing.assert_array_equal(a.batch(5)[k], b.batch(5)[k])
+    assert not np.array_equal(a.batch(5)["inputs"], a.batch(6)["inputs"])
+    halves = [ExampleLoader(chat.examples, chat.masks, 8, seed=3, process_index=i, process_count=2).batch(5)
+              for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate([h["loss_mask"] for h in halves]), a.batch(5)["loss_mask"])
+
+
+def test_chat_needs_a_corpus():
+    with pytest.raises(ConfigError, match="data.format=chat needs data.corpus"):
+        load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), ["data.format=chat"])
+
+
+def test_main_job_fine_tunes_on_chat(tmp_path):
+    from jaxcolossal.train.loop import train
+
+    corpus = _write_chat(tmp_path / "c.jsonl", n=128)
+    cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [
+        "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=48",
+        "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=0", "logging.progress_bar=false",
+        "training.eval_every=0", "training.max_steps=40", "training.warmup_steps=4", "data.format=chat",
+        f"data.corpus={corpus}", "data.val_fraction=0.1", f"logging.run_dir={tmp_path}/run"])
+    out = train(cfg)
+    # the loss is over response tokens only (a few digits and a newline): it falls well below uniform
+    assert out["val_loss_end"] < out["val_loss_start"] - 1.0
