@@ -116,3 +116,50 @@ def test_main_job_fine_tunes_on_chat(tmp_path):
     out = train(cfg)
     # the loss is over response tokens only (a few digits and a newline): it falls well below uniform
     assert out["val_loss_end"] < out["val_loss_start"] - 1.0
+
+
+def test_sft_from_hugging_face_matches_transformers(tmp_path):
+    """A tiny LLaMA saved by ``transformers`` and a tokenizer trained by scripts/train_tokenizer.py,
+    converted and fine-tuned on chat lines (``model.init_from``, the tokenizer's chat template):
+    the first step's loss equals ``transformers``' loss on the same batch with the same mask
+    (labels -100 off the responses; rtol 1e-4), and the response loss falls."""
+    import sys
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import convert_hf
+    import train_tokenizer
+    from jaxcolossal.data.chat import load_chat
+    from jaxcolossal.train.loop import train
+
+    corpus = _write_chat(tmp_path / "chat.jsonl", n=96)
+    hf = tmp_path / "hf"
+    vocab = train_tokenizer.train(str(corpus), 300, str(hf), chat_template=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                     ).save_pretrained(str(hf))
+    assert convert_hf.main(["--to-jax", str(hf), str(tmp_path / "out")]) == 0
+    cfg = load_config(str(tmp_path / "out" / "model.yaml"), [
+        f"model.init_from={hf}", f"data.tokenizer={hf}", "data.format=chat", f"data.corpus={corpus}",
+        "data.val_fraction=0.1", "training.seq_len=48", "training.batch_size=16", "training.max_steps=30",
+        "training.warmup_steps=3", "training.learning_rate=3e-3", "training.eval_every=0", "training.eval_batches=2",
+        "training.sample_tokens=0", "logging.log_every=1", "logging.progress_bar=false",
+        f"logging.run_dir={tmp_path}/run"])
+    out = train(cfg)
+    first = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in line][0]
+    assert first["step"] == 1
+
+    # the batch of step 0, as the loader drew it, through transformers
+    chat, _ = load_chat(cfg.data, get_tokenizer(str(hf)), 48).split(0.1)
+    batch = ExampleLoader(chat.examples, chat.masks, 16, cfg.training.seed, process_index=0, process_count=1).batch(0)
+    ids = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+    labels = ids.copy()
+    labels[:, 1:][batch["loss_mask"] == 0] = -100
+    model = LlamaForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_loss = model(input_ids=torch.tensor(ids, dtype=torch.long), labels=torch.tensor(labels, dtype=torch.long)).loss
+    np.testing.assert_allclose(first["loss"], float(hf_loss), rtol=1e-4)
+    assert out["val_loss_end"] < out["val_loss_start"] - 0.5
