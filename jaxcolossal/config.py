@@ -204,7 +204,9 @@ class DataConfig:
     of a local Hugging Face tokenizer (a folder with ``tokenizer.json``, or the file).
     ``format``: ``text`` (pre-training: documents joined into one stream, random windows) or
     ``chat`` (instruction fine-tuning: JSON lines of ``messages`` or ``prompt``/``response``, one
-    conversation per row, loss on the responses only; :mod:`jaxcolossal.data.chat`)."""
+    conversation per row, loss on the responses only; :mod:`jaxcolossal.data.chat`).
+    ``cache_dir``: where a ``text`` corpus's token stream is cached after the first run
+    (:mod:`jaxcolossal.data.cache`); ``""`` tokenizes at every start."""
 
     corpus: str = "stdlib"
     format: Literal["text", "chat"] = "text"
@@ -212,6 +214,7 @@ class DataConfig:
     tokenizer: str = "byte"
     val_fraction: float = 0.05
     max_corpus_bytes: int = 0
+    cache_dir: str = "~/.cache/jaxcolossal/tokens"
 
 
 @dataclass
@@ -326,7 +329,8 @@ RANGES: dict[str, Range] = {
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
-PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "checkpoint.dir", "logging.run_dir")
+PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir", "checkpoint.dir",
+             "logging.run_dir")
 """Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
 
 

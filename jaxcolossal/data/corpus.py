@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .cache import cached, corpus_key
 from .tokenizer import get_tokenizer
 
 __all__ = [
@@ -128,35 +129,8 @@ def iter_documents(files: list[str], text_key: str = "text") -> Iterator[str]:
             yield text
 
 
-def load_corpus(data_cfg) -> np.ndarray:
-    """Build the full token stream described by ``data_cfg``.
-
-    Reads ``data_cfg.corpus`` (see :func:`resolve_files`), tokenizes every
-    document with ``get_tokenizer(data_cfg.tokenizer)`` and joins the documents
-    in file order with the tokenizer's end-of-text id (a Hugging Face tokenizer
-    that has one) or :data:`DOC_SEPARATOR` (``"\\n\\n"``). When
-    ``data_cfg.max_corpus_bytes > 0`` the stream is cut to that many tokens
-    (reading stops as soon as enough is read). Missing attributes fall back to
-    the dataclass defaults (``corpus="stdlib"``, ``text_key="text"``,
-    ``tokenizer="byte"``, ``max_corpus_bytes=0``).
-
-    Returns:
-      1-D ``np.ndarray`` of shape ``[N]``: ``uint8`` (byte tokenizer), ``uint16``
-      or ``uint32`` (a Hugging Face tokenizer, by its vocabulary size).
-
-    Raises:
-      FileNotFoundError: no file matches the pattern (the pattern is named).
-      ValueError: unknown tokenizer, negative ``max_corpus_bytes``, a bad JSON
-        line, or a stream shorter than :data:`MIN_STREAM_TOKENS` tokens.
-    """
-    corpus = getattr(data_cfg, "corpus", "stdlib")
-    text_key = getattr(data_cfg, "text_key", "text")
-    tokenizer = get_tokenizer(getattr(data_cfg, "tokenizer", "byte"))
-    limit = int(getattr(data_cfg, "max_corpus_bytes", 0) or 0)
-    if limit < 0:
-        raise ValueError(f"max_corpus_bytes must be >= 0 (0 = no limit), got {limit}")
-
-    files = resolve_files(corpus)
+def _tokenize(files: list[str], text_key: str, tokenizer, limit: int) -> np.ndarray:
+    """The token stream of ``files``: documents joined by the end-of-text id or the separator."""
     eos = getattr(tokenizer, "eos_id", None)
     sep = np.asarray([eos], tokenizer.dtype) if eos is not None else tokenizer.encode(DOC_SEPARATOR)
     parts: list[np.ndarray] = []
@@ -178,6 +152,46 @@ def load_corpus(data_cfg) -> np.ndarray:
     stream = np.concatenate(parts) if parts else np.zeros((0,), getattr(tokenizer, "dtype", np.uint8))
     if limit:
         stream = stream[:limit]
+    return stream
+
+
+def load_corpus(data_cfg) -> np.ndarray:
+    """Build the full token stream described by ``data_cfg``.
+
+    Reads ``data_cfg.corpus`` (see :func:`resolve_files`), tokenizes every
+    document with ``get_tokenizer(data_cfg.tokenizer)`` and joins the documents
+    in file order with the tokenizer's end-of-text id (a Hugging Face tokenizer
+    that has one) or :data:`DOC_SEPARATOR` (``"\\n\\n"``). When
+    ``data_cfg.max_corpus_bytes > 0`` the stream is cut to that many tokens
+    (reading stops as soon as enough is read). With ``data_cfg.cache_dir`` the
+    stream is tokenized once and memory-mapped afterwards (:mod:`.cache`).
+    Missing attributes fall back to
+    the dataclass defaults (``corpus="stdlib"``, ``text_key="text"``,
+    ``tokenizer="byte"``, ``max_corpus_bytes=0``).
+
+    Returns:
+      1-D ``np.ndarray`` of shape ``[N]``: ``uint8`` (byte tokenizer), ``uint16``
+      or ``uint32`` (a Hugging Face tokenizer, by its vocabulary size).
+
+    Raises:
+      FileNotFoundError: no file matches the pattern (the pattern is named).
+      ValueError: unknown tokenizer, negative ``max_corpus_bytes``, a bad JSON
+        line, or a stream shorter than :data:`MIN_STREAM_TOKENS` tokens.
+    """
+    corpus = getattr(data_cfg, "corpus", "stdlib")
+    text_key = getattr(data_cfg, "text_key", "text")
+    tokenizer = get_tokenizer(getattr(data_cfg, "tokenizer", "byte"))
+    limit = int(getattr(data_cfg, "max_corpus_bytes", 0) or 0)
+    if limit < 0:
+        raise ValueError(f"max_corpus_bytes must be >= 0 (0 = no limit), got {limit}")
+
+    files = resolve_files(corpus)
+
+    def build() -> np.ndarray:
+        return _tokenize(files, text_key, tokenizer, limit)
+
+    cache_dir = getattr(data_cfg, "cache_dir", "") or ""
+    stream = cached(cache_dir, corpus_key(files, tokenizer, text_key, limit), build) if cache_dir else build()
     if len(stream) < MIN_STREAM_TOKENS:
         raise ValueError(
             f"corpus {corpus!r} gives only {len(stream)} tokens; "
