@@ -206,7 +206,10 @@ class DataConfig:
     ``chat`` (instruction fine-tuning: JSON lines of ``messages`` or ``prompt``/``response``, one
     conversation per row, loss on the responses only; :mod:`jaxcolossal.data.chat`).
     ``cache_dir``: where a ``text`` corpus's token stream is cached after the first run
-    (:mod:`jaxcolossal.data.cache`); ``""`` tokenizes at every start."""
+    (:mod:`jaxcolossal.data.cache`); ``""`` tokenizes at every start. ``packing_mask``: windows
+    that hold several documents get segment ids and per-document positions, so attention does
+    not cross a document boundary and positions restart, and the target that crosses one is
+    not trained on (:func:`jaxcolossal.data.loader.packing_fields`)."""
 
     corpus: str = "stdlib"
     format: Literal["text", "chat"] = "text"
@@ -215,6 +218,7 @@ class DataConfig:
     val_fraction: float = 0.05
     max_corpus_bytes: int = 0
     cache_dir: str = "~/.cache/jaxcolossal/tokens"
+    packing_mask: bool = False
 
 
 @dataclass
@@ -593,6 +597,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.format == "chat" and cfg.data.corpus == "stdlib":
         raise ConfigError("data.format=chat needs data.corpus: JSON-lines files of conversations "
                           "({'messages': [...]} or {'prompt', 'response'} per line)")
+    if cfg.data.packing_mask and cfg.data.format != "text":
+        raise ConfigError("data.packing_mask=true applies to data.format=text (chat rows hold one conversation)")
+    if cfg.data.packing_mask and m.attention_impl != "xla":
+        raise ConfigError(f"data.packing_mask=true needs model.attention_impl=xla (segment ids), not {m.attention_impl!r}")
+    if cfg.data.packing_mask and p.pipeline_parallel_size not in (1,):
+        raise ConfigError("data.packing_mask=true is not supported with pipeline parallelism yet: "
+                          "set parallel.pipeline_parallel_size=1")
     if cfg.data.format == "chat" and p.pipeline_parallel_size not in (1,):
         raise ConfigError("data.format=chat (a loss mask) is not supported with pipeline parallelism yet: "
                           "set parallel.pipeline_parallel_size=1")

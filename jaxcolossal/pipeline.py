@@ -530,11 +530,11 @@ def make_pipeline_grad_fn(plan) -> Callable:
         in_specs=(manual(lay_param_specs), manual(oth_param_specs), tok_spec, tok_spec, P()),
         out_specs=(P(), manual(lay_grad_specs), manual(oth_grad_specs)))
 
-    def grad_fn(params, inputs, targets, scale, mask=None):
-        if mask is not None:
+    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None):
+        if mask is not None or segment_ids is not None or positions is not None:
             raise NotImplementedError(
-                "a loss mask (batch['loss_mask']) is not supported with pipeline_parallel_size > 1 yet; "
-                "train masked batches with parallel.pipeline_parallel_size=1")
+                "a loss mask or packed segments (batch['loss_mask'], ['segment_ids']) are not supported with "
+                "pipeline_parallel_size > 1 yet; train such batches with parallel.pipeline_parallel_size=1")
         B, t = inputs.shape
         coef = (scale / (B * t)).astype(jnp.float32)
         layers = jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(

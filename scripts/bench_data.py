@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                 f.write(d)
             paths.append(p)
         t0 = time.perf_counter()
-        stream = _tokenize(paths, "text", tok, 0)
+        stream = _tokenize(paths, "text", tok, 0)["tokens"]
         ours_s = time.perf_counter() - t0
         out.update(vocab=vocab, tokens=n_loop, loop_mb_s=out["text_mb"] / loop_s, ours_mb_s=out["text_mb"] / ours_s,
                    speedup=loop_s / ours_s, stream_tokens=int(len(stream)))

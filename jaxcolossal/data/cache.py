@@ -2,14 +2,15 @@
 
 ``load_corpus`` keys the token stream by a SHA-256 of what determines it: every file's path,
 size and modification time, the tokenizer (its ``tokenizer.json`` bytes, or ``byte``), the text
-field and the byte limit. The stream is stored as ``<data.cache_dir>/<key>.npy`` (numpy's format:
-dtype and length in the header) and later runs, and every process of a multi-host run, open it
-with ``np.load(mmap_mode="r")``: nothing is re-tokenized, and nothing is read until a window
-needs it.
+field and the byte limit. The stream and its document starts are stored as
+``<data.cache_dir>/<key>.tokens.npy`` and ``<key>.docs.npy`` (numpy's format: dtype and length
+in the header) with an index ``<key>.json`` written last. Later runs, and every process of a
+multi-host run, open them with ``np.load(mmap_mode="r")``: nothing is re-tokenized, and nothing
+is read until a window needs it.
 
 Writes are atomic (a temporary file, then ``os.replace``), so a crash mid-write never leaves a
-partial cache; processes that build the same key at once write identical bytes. A cache file
-that does not load is deleted and rebuilt, with a warning.
+partial entry; processes that build the same key at once write identical bytes. An entry that
+does not load is rebuilt, with a warning.
 """
 from __future__ import annotations
 
@@ -48,22 +49,33 @@ def corpus_key(files: list[str], tokenizer, text_key: str, limit: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def cached(cache_dir: str, key: str, build: Callable[[], np.ndarray]) -> np.ndarray:
-    """The stream stored under ``key`` in ``cache_dir`` (memory-mapped, read-only), or
-    ``build()``'s, stored first. An empty ``cache_dir`` disables the cache."""
+def cached(cache_dir: str, key: str, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays stored under ``key`` in ``cache_dir`` (memory-mapped, read-only), or ``build()``'s
+    (a dict of named 1-D arrays), stored first. ``<key>.<name>.npy`` per array; the first name's
+    file is written last, so its presence means the entry is complete. An empty ``cache_dir``
+    disables the cache."""
     if not cache_dir:
         return build()
-    path = os.path.join(cache_dir, f"{key}.npy")
-    if os.path.exists(path):
+    log = logging.getLogger("jaxcolossal")
+    index = os.path.join(cache_dir, f"{key}.json")
+    if os.path.exists(index):
         try:
-            return np.load(path, mmap_mode="r")
+            with open(index) as f:
+                names = json.load(f)
+            return {n: np.load(os.path.join(cache_dir, f"{key}.{n}.npy"), mmap_mode="r") for n in names}
         except (ValueError, OSError, EOFError) as e:
-            logging.getLogger("jaxcolossal").warning(f"pre-tokenization cache {path} is unreadable ({e}); rebuilding")
-            os.remove(path)
-    stream = build()
+            log.warning(f"pre-tokenization cache {index} is unreadable ({e}); rebuilding")
+            os.remove(index)
+    arrays = build()
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, np.ascontiguousarray(stream))
-    os.replace(tmp, path)
-    return np.load(path, mmap_mode="r")
+
+    def atomic(path: str, write) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb" if path.endswith(".npy") else "w") as f:
+            write(f)
+        os.replace(tmp, path)
+
+    for n, a in arrays.items():
+        atomic(os.path.join(cache_dir, f"{key}.{n}.npy"), lambda f, a=a: np.save(f, np.ascontiguousarray(a)))
+    atomic(index, lambda f: json.dump(list(arrays), f))  # last: the entry is complete
+    return {n: np.load(os.path.join(cache_dir, f"{key}.{n}.npy"), mmap_mode="r") for n in arrays}

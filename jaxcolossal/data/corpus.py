@@ -129,11 +129,14 @@ def iter_documents(files: list[str], text_key: str = "text") -> Iterator[str]:
             yield text
 
 
-def _tokenize(files: list[str], text_key: str, tokenizer, limit: int) -> np.ndarray:
-    """The token stream of ``files``: documents joined by the end-of-text id or the separator."""
+def _tokenize(files: list[str], text_key: str, tokenizer, limit: int) -> dict[str, np.ndarray]:
+    """``{"tokens": stream, "docs": starts}``: the documents of ``files`` joined by the end-of-text
+    id or the separator (which ends the document before it), and int64 ``starts`` of each
+    document in the stream (``starts[0] == 0``)."""
     eos = getattr(tokenizer, "eos_id", None)
     sep = np.asarray([eos], tokenizer.dtype) if eos is not None else tokenizer.encode(DOC_SEPARATOR)
     parts: list[np.ndarray] = []
+    starts: list[int] = []
     total = 0
     docs = iter_documents(files, text_key)
     batched = hasattr(tokenizer, "encode_batch")  # Hugging Face: documents in groups, on its threads
@@ -145,17 +148,20 @@ def _tokenize(files: list[str], text_key: str, tokenizer, limit: int) -> np.ndar
             if parts:
                 parts.append(sep)
                 total += len(sep)
+            starts.append(total)
             parts.append(ids)
             total += len(ids)
         if limit and total >= limit:
             break
     stream = np.concatenate(parts) if parts else np.zeros((0,), getattr(tokenizer, "dtype", np.uint8))
+    starts = np.asarray(starts or [0], np.int64)
     if limit:
         stream = stream[:limit]
-    return stream
+        starts = starts[starts < max(limit, 1)]
+    return {"tokens": stream, "docs": starts}
 
 
-def load_corpus(data_cfg) -> np.ndarray:
+def load_corpus(data_cfg, with_docs: bool = False):
     """Build the full token stream described by ``data_cfg``.
 
     Reads ``data_cfg.corpus`` (see :func:`resolve_files`), tokenizes every
@@ -171,7 +177,8 @@ def load_corpus(data_cfg) -> np.ndarray:
 
     Returns:
       1-D ``np.ndarray`` of shape ``[N]``: ``uint8`` (byte tokenizer), ``uint16``
-      or ``uint32`` (a Hugging Face tokenizer, by its vocabulary size).
+      or ``uint32`` (a Hugging Face tokenizer, by its vocabulary size); with
+      ``with_docs`` also the int64 start of every document in it.
 
     Raises:
       FileNotFoundError: no file matches the pattern (the pattern is named).
@@ -187,17 +194,18 @@ def load_corpus(data_cfg) -> np.ndarray:
 
     files = resolve_files(corpus)
 
-    def build() -> np.ndarray:
+    def build() -> dict[str, np.ndarray]:
         return _tokenize(files, text_key, tokenizer, limit)
 
     cache_dir = getattr(data_cfg, "cache_dir", "") or ""
-    stream = cached(cache_dir, corpus_key(files, tokenizer, text_key, limit), build) if cache_dir else build()
+    out = cached(cache_dir, corpus_key(files, tokenizer, text_key, limit), build) if cache_dir else build()
+    stream = out["tokens"]
     if len(stream) < MIN_STREAM_TOKENS:
         raise ValueError(
             f"corpus {corpus!r} gives only {len(stream)} tokens; "
             f"at least {MIN_STREAM_TOKENS} are needed"
         )
-    return stream
+    return (stream, out["docs"]) if with_docs else stream
 
 
 def split_corpus(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -238,10 +246,20 @@ def split_corpus(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
     return train, val
 
 
-def load_splits(data_cfg) -> tuple[np.ndarray, np.ndarray]:
+def load_splits(data_cfg, with_docs: bool = False):
     """``split_corpus(load_corpus(data_cfg), data_cfg.val_fraction)``.
 
-    ``val_fraction`` defaults to 0.05 when the attribute is missing. Raises
-    what :func:`load_corpus` and :func:`split_corpus` raise.
+    ``val_fraction`` defaults to 0.05 when the attribute is missing. With ``with_docs`` returns
+    ``((train, train_starts), (val, val_starts))``: each split's document starts, relative to
+    it (the validation split starts a document at 0, wherever it cuts). Raises what
+    :func:`load_corpus` and :func:`split_corpus` raise.
     """
-    return split_corpus(load_corpus(data_cfg), getattr(data_cfg, "val_fraction", 0.05))
+    frac = getattr(data_cfg, "val_fraction", 0.05)
+    if not with_docs:
+        return split_corpus(load_corpus(data_cfg), frac)
+    stream, starts = load_corpus(data_cfg, with_docs=True)
+    train, val = split_corpus(stream, frac)
+    cut = len(train)
+    starts = np.asarray(starts)
+    val_starts = np.unique(np.concatenate([[0], starts[starts >= cut] - cut])).astype(np.int64)
+    return (train, starts[starts < cut]), (val, val_starts)

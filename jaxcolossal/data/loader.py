@@ -22,6 +22,7 @@ __all__ = [
     "eval_batches",
     "DataLoader",
     "ExampleLoader",
+    "packing_fields",
 ]
 
 
@@ -131,6 +132,26 @@ def sample_windows(tokens, step: int, batch_size: int, seq_len: int, seed: int, 
     return _gather(tokens, starts, seq_len)
 
 
+def packing_fields(doc_starts, starts, seq_len: int) -> dict[str, np.ndarray]:
+    """Segment ids, positions and loss mask of windows packed with several documents.
+
+    Window ``i`` holds inputs ``tokens[s_i : s_i + seq_len]``; ``doc_starts`` (sorted int, first
+    0) are where documents start in the stream. Returns int32 ``segment_ids`` (0 for the
+    document the window starts in, +1 at each document start), int32 ``positions`` (offset
+    within the document, restarting at 0) and float32 ``loss_mask``: 0 where the target is the
+    first token of the next document (predicting it from another document is not this
+    document's loss), else 1. All ``[rows, seq_len]``.
+    """
+    doc_starts = np.asarray(doc_starts, np.int64)
+    idx = np.asarray(starts, np.int64)[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]
+    doc = np.searchsorted(doc_starts, idx, side="right") - 1
+    positions = idx[:, :-1] - doc_starts[doc[:, :-1]]
+    segments = doc - doc[:, :1]
+    mask = (segments[:, 1:] == segments[:, :-1]).astype(np.float32)
+    return {"segment_ids": np.ascontiguousarray(segments[:, :-1].astype(np.int32)),
+            "positions": np.ascontiguousarray(positions.astype(np.int32)), "loss_mask": mask}
+
+
 def process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
     """The contiguous block of global-batch rows owned by one process.
 
@@ -188,7 +209,7 @@ def local_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]):
 
 
 # ------------------------------------------------------------------- eval
-def eval_batches(tokens, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def eval_batches(tokens, batch_size: int, seq_len: int, num_batches: int, doc_starts=None) -> list[tuple]:
     """A FIXED set of validation windows (no randomness), for a stable val loss.
 
     ``n = batch_size * num_batches`` window starts are spaced evenly over
@@ -199,7 +220,9 @@ def eval_batches(tokens, batch_size: int, seq_len: int, num_batches: int) -> lis
 
     Returns:
       list of ``num_batches`` pairs ``(inputs, targets)``, each an ``int32``
-      array of shape ``[batch_size, seq_len]`` with targets = inputs shifted by one.
+      array of shape ``[batch_size, seq_len]`` with targets = inputs shifted by one;
+      with ``doc_starts`` 5-tuples ``(inputs, targets, loss_mask, segment_ids,
+      positions)`` (:func:`packing_fields`).
 
     Raises:
       ValueError: ``batch_size``/``seq_len``/``num_batches`` < 1, or
@@ -214,8 +237,12 @@ def eval_batches(tokens, batch_size: int, seq_len: int, num_batches: int) -> lis
     max_start = len(tokens) - seq_len - 1
     starts = np.arange(n, dtype=np.int64) * max_start // max(n - 1, 1)
     inputs, targets = _gather(tokens, starts, seq_len)
+    arrays = [inputs, targets]
+    if doc_starts is not None:  # packed: (inputs, targets, loss_mask, segment_ids, positions)
+        f = packing_fields(doc_starts, starts, seq_len)
+        arrays += [f["loss_mask"], f["segment_ids"], f["positions"]]
     return [
-        (inputs[b * batch_size:(b + 1) * batch_size], targets[b * batch_size:(b + 1) * batch_size])
+        tuple(a[b * batch_size:(b + 1) * batch_size] for a in arrays)
         for b in range(num_batches)
     ]
 
@@ -249,6 +276,8 @@ class DataLoader:
         ``jax.process_count()``. They choose the rows in the no-mesh case; with
         a mesh they must equal JAX's own values (the rows come from the sharding).
       start_step: first step yielded by ``iter(loader)``.
+      doc_starts: optional sorted starts of the documents in ``tokens`` (``data.packing_mask``):
+        batches then also carry ``segment_ids``, ``positions`` and ``loss_mask``.
 
     Raises:
       ValueError: ``batch_size < 1``, ``seq_len < 1``, ``seq_len + 1 >
@@ -259,8 +288,10 @@ class DataLoader:
     """
 
     def __init__(self, tokens, batch_size: int, seq_len: int, seed: int, mesh=None,
-                 batch_spec=None, process_index=None, process_count=None, start_step: int = 0):
+                 batch_spec=None, process_index=None, process_count=None, start_step: int = 0,
+                 doc_starts=None):
         self.tokens = _as_stream(tokens)
+        self.doc_starts = None if doc_starts is None else np.asarray(doc_starts, np.int64)
         self.batch_size = _as_int("batch_size", batch_size, 1)
         self.seq_len = _as_int("seq_len", seq_len, 1)
         _check_seq_len(self.tokens, self.seq_len)
@@ -292,10 +323,16 @@ class DataLoader:
 
     def local_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of step ``step`` as numpy ``int32`` arrays of
-        shape ``[local_rows, seq_len]`` (keys ``inputs``, ``targets``)."""
+        shape ``[local_rows, seq_len]`` (keys ``inputs``, ``targets``; with ``doc_starts``
+        also ``segment_ids``, ``positions`` and ``loss_mask``, :func:`packing_fields`)."""
         inputs, targets = sample_windows(self.tokens, step, self.batch_size, self.seq_len,
                                          self.seed, rows=self.rows)
-        return {"inputs": inputs, "targets": targets}
+        out = {"inputs": inputs, "targets": targets}
+        if self.doc_starts is not None:
+            starts = window_starts(len(self.tokens), step, self.batch_size, self.seq_len, self.seed)
+            starts = starts[self.rows] if isinstance(self.rows, slice) else starts[np.asarray(self.rows)]
+            out.update(packing_fields(self.doc_starts, starts, self.seq_len))
+        return out
 
     def batch(self, step: int) -> dict:
         """The batch of optimizer step ``step``: ``{"inputs", "targets"}``.

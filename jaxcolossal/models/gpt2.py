@@ -166,7 +166,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no_shard,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
     """One pre-LN GPT-2 block. x ``[b, t, d]`` in the compute dtype."""
     eps = cfg.layer_norm_eps
     h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], eps)
@@ -174,7 +175,7 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no
     q = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]) + lp["bq"], qkv_axes), "query_proj")
     k = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wk"]) + lp["bk"], qkv_axes), "key_proj")
     v = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wv"]) + lp["bv"], qkv_axes), "value_proj")
-    a = shard(attention(q, k, v, cfg.attention_impl), qkv_axes)
+    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids), qkv_axes)
     x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]) + lp["bo"], "out_proj"), ("batch", "seq", "embed"))
     h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], eps)
     u = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_fc"]) + lp["b_fc"], ("batch", "seq", "mlp")), "mlp_up")
@@ -183,17 +184,20 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no
 
 
 def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
-                  vocab_parallel: bool = False) -> jax.Array:
+                  vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
+                  positions: jax.Array | None = None) -> jax.Array:
     """Final-LayerNorm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``.
 
-    ``t`` must not exceed ``max_position_embeddings`` (the rows of ``wpe``).
+    ``t`` must not exceed ``max_position_embeddings`` (the rows of ``wpe``). Packed rows pass
+    ``segment_ids``/``positions`` (int ``[b, t]``): attention within a document, positions from 0.
     """
     x = embed_lookup(params["wte"], tokens, shard, vocab_parallel, cfg.embedding_impl)
     t = tokens.shape[1]
     if t > params["wpe"].shape[0]:
         raise ValueError(f"sequence length {t} exceeds max_position_embeddings={params['wpe'].shape[0]}")
-    x = shard(x + params["wpe"][:t][None].astype(x.dtype), ("batch", "seq", "embed"))
-    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, shard), x, params["layers"], cfg.remat)
+    wpe = params["wpe"][:t][None] if positions is None else jnp.take(params["wpe"], positions, axis=0)
+    x = shard(x + wpe.astype(x.dtype), ("batch", "seq", "embed"))
+    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, shard, segment_ids), x, params["layers"], cfg.remat)
     return layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
 
 
@@ -203,12 +207,14 @@ def head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
-            vocab_parallel: bool = False) -> jax.Array:
+            vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None) -> jax.Array:
     """Logits ``[b, t, v_padded]`` (fp32) for int ``tokens [b, t]``; padded columns are -1e30.
 
-    The LM head is ``wte.T`` (tied) or ``lm_head`` when ``tie_word_embeddings`` is false.
+    The LM head is ``wte.T`` (tied) or ``lm_head`` when ``tie_word_embeddings`` is false. Packed
+    rows pass ``segment_ids``/``positions`` as in :func:`hidden_states`.
     """
-    h = hidden_states(params, tokens, cfg, shard, vocab_parallel)
+    h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
     return vocab.logits(h, head_weight(params, cfg), cfg.vocab_size, shard)
 
 
@@ -221,7 +227,10 @@ def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, 
 
 
 def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
-             shard: Sharder = _no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None) -> jax.Array:
+             shard: Sharder = _no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None,
+             segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``; with a
-    ``mask [b, t]`` (1 = trained on, 0 = ignored: prompt or padding tokens) only the masked-in tokens count."""
-    return head_loss(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), targets, cfg, shard, mask)
+    ``mask [b, t]`` (1 = trained on, 0 = ignored: prompt or padding tokens) only the masked-in tokens
+    count; ``segment_ids``/``positions`` as in :func:`hidden_states`."""
+    h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
+    return head_loss(params, h, targets, cfg, shard, mask)

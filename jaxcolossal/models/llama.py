@@ -166,42 +166,53 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[t, q]`` in Hugging Face's rotate-half layout (RoFormer, Su et al., 2021)."""
+def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[t, q]`` in Hugging Face's rotate-half layout (RoFormer, Su et al., 2021); with
+    int ``positions [b, t]`` (packed documents, each restarting at 0) ``[b, t, q]``."""
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
+    pos = jnp.arange(seq_len, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
+    ang = pos[..., None] * inv
     ang = jnp.concatenate([ang, ang], axis=-1)
     return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x [b, t, heads, q]`` by position."""
+    """Rotate ``x [b, t, heads, q]`` by position (``cos``/``sin`` ``[t, q]`` or ``[b, t, q]``)."""
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     xf = x.astype(jnp.float32)
-    return (xf * cos[None, :, None, :] + rot.astype(jnp.float32) * sin[None, :, None, :]).astype(x.dtype)
+    c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None, :], sin[:, :, None, :])
+    return (xf * c + rot.astype(jnp.float32) * s).astype(x.dtype)
 
 
-def attention(q, k, v, impl: str = "xla") -> jax.Array:
+def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention. q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` -> ``[b, t, h, q]``.
 
     ``impl="cudnn"`` uses ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16);
-    ``"xla"`` is an explicit einsum with an fp32 softmax that works everywhere.
+    ``"xla"`` is an explicit einsum with an fp32 softmax that works everywhere. ``segment_ids``
+    (int ``[b, t]``, packed documents): a query attends only to keys of its own segment.
     """
     if impl == "cudnn":
+        if segment_ids is not None:
+            raise ValueError("segment_ids (data.packing_mask) need model.attention_impl=xla")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if segment_ids is not None:
+        mask = mask[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [b, t, s]
+        mask = mask[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, d)
 
 
-def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard) -> jax.Array:
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
     """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps)
@@ -209,7 +220,7 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
     k = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = shard(attention(q, k, v, cfg.attention_impl), ("batch", "seq", "heads", "head_dim"))
+    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids), ("batch", "seq", "heads", "head_dim"))
     x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]), "out_proj"), ("batch", "seq", "embed"))
     h = rms_norm(x, lp["mlp_norm"], eps)
     g = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp")), "mlp_gate")
@@ -219,17 +230,21 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
 
 
 def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
-                  vocab_parallel: bool = False) -> jax.Array:
+                  vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
+                  positions: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``.
 
     The embedding is :func:`jaxcolossal.models.vocab.embed_lookup` (Megatron's vocab-parallel
     masked gather when ``vocab_parallel``); the layers run in one ``lax.scan`` checkpointed by the
-    ``model.remat`` policy (:mod:`jaxcolossal.models.remat`).
+    ``model.remat`` policy (:mod:`jaxcolossal.models.remat`). Packed rows (``data.packing_mask``)
+    pass ``segment_ids`` and ``positions`` (int ``[b, t]``): attention stays within a document and
+    RoPE positions restart at each document.
     """
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
-    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
-    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard), x, params["layers"], cfg.remat)
+    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
+    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids), x, params["layers"],
+                    cfg.remat)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
@@ -244,9 +259,12 @@ def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig, shard: Shar
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
-            vocab_parallel: bool = False) -> jax.Array:
-    """Logits ``[b, t, v_padded]`` (fp32) for int ``tokens [b, t]``."""
-    return logits_from_hidden(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), cfg, shard)
+            vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None) -> jax.Array:
+    """Logits ``[b, t, v_padded]`` (fp32) for int ``tokens [b, t]`` (packed rows: ``segment_ids``,
+    ``positions`` as in :func:`hidden_states`)."""
+    h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
+    return logits_from_hidden(params, h, cfg, shard)
 
 
 def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
@@ -258,7 +276,10 @@ def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, 
 
 
 def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
-             shard: Sharder = _no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None) -> jax.Array:
+             shard: Sharder = _no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None,
+             segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``; with a
-    ``mask [b, t]`` (1 = trained on, 0 = ignored: prompt or padding tokens) only the masked-in tokens count."""
-    return head_loss(params, hidden_states(params, tokens, cfg, shard, vocab_parallel), targets, cfg, shard, mask)
+    ``mask [b, t]`` (1 = trained on, 0 = ignored: prompt or padding tokens) only the masked-in tokens
+    count; ``segment_ids``/``positions`` as in :func:`hidden_states`."""
+    h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
+    return head_loss(params, h, targets, cfg, shard, mask)

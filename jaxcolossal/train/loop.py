@@ -197,7 +197,8 @@ def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
 
 def _data(cfg: Config, mesh) -> tuple[DataLoader, list]:
     """The training loader and the fixed evaluation batches for ``data.format``: ``text`` windows
-    of one token stream, or ``chat`` conversations with a loss mask on the responses."""
+    of one token stream (with ``data.packing_mask`` also segment ids and positions), or ``chat``
+    conversations with a loss mask on the responses."""
     t, spec = cfg.training, jax.sharding.PartitionSpec(DATA_AXES)
     eval_bs = t.batch_size // t.gradient_accumulation_steps
     if cfg.data.format == "chat":
@@ -209,11 +210,15 @@ def _data(cfg: Config, mesh) -> tuple[DataLoader, list]:
         loader = ExampleLoader(train_part.examples, train_part.masks, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
         held = val_part if len(val_part.examples) else train_part
         return loader, loader.eval_batches(held.examples, held.masks, eval_bs, t.eval_batches)
-    train_tokens, val_tokens = load_splits(cfg.data)
-    loader = DataLoader(train_tokens, t.batch_size, t.seq_len, t.seed, mesh=mesh, batch_spec=spec)
-    evals = [(loader.to_global(x), loader.to_global(y))
-             for x, y in eval_batches(val_tokens if len(val_tokens) > t.seq_len + 1 else train_tokens,
-                                      eval_bs, t.seq_len, t.eval_batches)]
+    if cfg.data.packing_mask:  # documents' starts too: segment ids, positions, cross-document targets masked
+        (train_tokens, train_docs), (val_tokens, val_docs) = load_splits(cfg.data, with_docs=True)
+    else:
+        (train_tokens, val_tokens), train_docs, val_docs = load_splits(cfg.data), None, None
+    loader = DataLoader(train_tokens, t.batch_size, t.seq_len, t.seed, mesh=mesh, batch_spec=spec, doc_starts=train_docs)
+    use_val = len(val_tokens) > t.seq_len + 1
+    evals = [tuple(loader.to_global(a) for a in batch)
+             for batch in eval_batches(val_tokens if use_val else train_tokens, eval_bs, t.seq_len, t.eval_batches,
+                                       doc_starts=val_docs if use_val else train_docs)]
     return loader, evals
 
 

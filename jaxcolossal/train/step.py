@@ -59,7 +59,8 @@ def token_count(inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
 
 
 def make_grad_fn(plan: TrainPlan) -> Callable:
-    """``grad_fn(params, inputs, targets, scale, mask=None) -> (loss_sum, fp32 grads)`` over one step.
+    """``grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None) ->
+    (loss_sum, fp32 grads)`` over one step.
 
     ``inputs``/``targets``: int32 ``[B, t]`` global arrays sharded over the data group.
     ``scale``: the fp16 loss scale (1.0 otherwise); returned gradients are unscaled and
@@ -67,6 +68,7 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     ``mask``: optional ``[B, t]`` loss mask (1 = trained on); then only masked-in tokens count and
     the gradient is that of the mean over the masked-in tokens of the *whole* step (all data
     shards and microbatches), not a mean of per-shard or per-microbatch means (:func:`token_count`).
+    ``segment_ids``/``positions``: optional int ``[B, t]`` of packed rows (``data.packing_mask``).
     The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``; for ZeRO-1 the
     optimizer-state sharding, since the one reduction per step goes straight to each rank's slice).
     With ``pp > 1`` this is :func:`jaxcolossal.pipeline.make_pipeline_grad_fn` (same contract).
@@ -84,22 +86,25 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,
                                    is_leaf=lambda x: isinstance(x, P))
 
-    def shard_loss(params, x, y, m, coef):
-        s = family.loss_sum(params, x, y, cfg.model, inner, vocab_parallel, m)
+    def shard_loss(params, x, y, aux, coef):
+        s = family.loss_sum(params, x, y, cfg.model, inner, vocab_parallel, **aux)
         return s * coef, s
 
-    def grad_fn(params, inputs, targets, scale, mask=None):
+    per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True), in_axes=(None, 0, 0, 0, None),
+                         spmd_axis_name=DATA_AXES)
+
+    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None):
         B, t = inputs.shape
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
         split = lambda a: jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),
                                                            NamedSharding(mesh, P(DATA_AXES)))
         xs, ys = split(inputs), split(targets)
-        ms = None if mask is None else split(mask.astype(jnp.float32))
-        per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True),
-                             in_axes=(None, 0, 0, None if mask is None else 0, None), spmd_axis_name=DATA_AXES)
+        aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
+                                              ("segment_ids", segment_ids), ("positions", positions))
+               if a is not None}
 
         def micro(j):
-            (_, loss), g = per_shard(params, xs[:, j], ys[:, j], None if ms is None else ms[:, j], coef)
+            (_, loss), g = per_shard(params, xs[:, j], ys[:, j], {name: a[:, j] for name, a in aux.items()}, coef)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), g)  # fp32 before any reduction
             return jnp.sum(loss), constrain(g, mesh, per_shard_specs)
 
@@ -144,7 +149,8 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
 
     ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``, and
     optionally ``"loss_mask"`` ``[B, t]`` (1 = trained on, 0 = prompt or padding; any dtype): the
-    loss is then the mean over the masked-in tokens of the whole global batch.
+    loss is then the mean over the masked-in tokens of the whole global batch; and optionally
+    ``"segment_ids"``/``"positions"`` int32 ``[B, t]`` for packed documents (``data.packing_mask``).
     ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
     ``lr``; int32 ``nonfinite`` (1: the step was not applied); in fp16 also ``loss_scale``,
     ``skipped`` and ``consecutive_skips``.
@@ -157,7 +163,8 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     def step(state: TrainState, batch: dict):
         scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
         mask = batch.get("loss_mask")
-        loss_sum, grads = grad_fn(state.params, batch["inputs"], batch["targets"], scale, mask)
+        loss_sum, grads = grad_fn(state.params, batch["inputs"], batch["targets"], scale, mask,
+                                  batch.get("segment_ids"), batch.get("positions"))
         n_tok = token_count(batch["inputs"], mask)
         grad_norm = optax.tree.norm(grads)
 
@@ -195,16 +202,16 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
 
 
 def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-    """Jitted ``eval_step(params, inputs, targets, mask=None) -> mean loss`` (fp32 nats/token; over
-    the masked-in tokens when a loss ``mask [B, t]`` is given)."""
+    """Jitted ``eval_step(params, inputs, targets, mask=None, segment_ids=None, positions=None) -> mean
+    loss`` (fp32 nats/token; over the masked-in tokens when a loss ``mask [B, t]`` is given)."""
     sharder = plan.sharder
     vp = sharder.is_sharded("vocab")
     cfg, family = plan.cfg.model, plan.family
 
-    def ev(params, x, y, mask=None):
+    def ev(params, x, y, mask=None, segment_ids=None, positions=None):
         x = sharder(x, ("batch", "seq"))
         m = None if mask is None else mask.astype(jnp.float32)
-        return family.loss_sum(params, x, y, cfg, sharder, vp, m) / token_count(x, mask)
+        return family.loss_sum(params, x, y, cfg, sharder, vp, m, segment_ids, positions) / token_count(x, mask)
 
     return jax.jit(ev)
 

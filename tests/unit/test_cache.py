@@ -20,22 +20,23 @@ def test_built_once_then_memory_mapped(tmp_path):
 
     def build():
         calls.append(1)
-        return np.arange(100, dtype=np.uint16)
+        return {"tokens": np.arange(100, dtype=np.uint16), "docs": np.array([0, 40])}
 
     a = cached(str(tmp_path), "k", build)
     b = cached(str(tmp_path), "k", build)
-    assert len(calls) == 1 and isinstance(b, np.memmap) and b.dtype == np.uint16
-    np.testing.assert_array_equal(a, np.arange(100))
-    np.testing.assert_array_equal(b, np.arange(100))
-    assert sorted(os.listdir(tmp_path)) == ["k.npy"]  # no temporary file left behind
+    assert len(calls) == 1 and isinstance(b["tokens"], np.memmap) and b["tokens"].dtype == np.uint16
+    np.testing.assert_array_equal(a["tokens"], np.arange(100))
+    np.testing.assert_array_equal(b["tokens"], np.arange(100))
+    np.testing.assert_array_equal(b["docs"], [0, 40])
+    assert sorted(os.listdir(tmp_path)) == ["k.docs.npy", "k.json", "k.tokens.npy"]  # no temporary file left
 
 
 def test_damaged_cache_is_rebuilt(tmp_path, caplog):
-    cached(str(tmp_path), "k", lambda: np.arange(1000, dtype=np.uint8))
-    with open(tmp_path / "k.npy", "r+b") as f:
-        f.truncate(20)  # a header cut short, as by a crash or a full disk
-    out = cached(str(tmp_path), "k", lambda: np.arange(10, dtype=np.uint8))
-    np.testing.assert_array_equal(out, np.arange(10))
+    cached(str(tmp_path), "k", lambda: {"tokens": np.arange(1000, dtype=np.uint8)})
+    with open(tmp_path / "k.tokens.npy", "r+b") as f:
+        f.truncate(20)  # a header cut short, as by a disk error
+    out = cached(str(tmp_path), "k", lambda: {"tokens": np.arange(10, dtype=np.uint8)})
+    np.testing.assert_array_equal(out["tokens"], np.arange(10))
     assert "unreadable" in caplog.text
 
 
@@ -44,14 +45,14 @@ def test_corpus_stream_is_cached_and_follows_its_files(tmp_path):
     doc.write_text("hello world " * 2000)
     data = _Data(doc, tmp_path / "cache")
     first = load_corpus(data)
-    assert len(os.listdir(tmp_path / "cache")) == 1
+    assert len(os.listdir(tmp_path / "cache")) == 3
     second = load_corpus(data)
     assert isinstance(second, np.memmap)
     np.testing.assert_array_equal(first, second)
     time.sleep(0.01)
     doc.write_text("goodbye world " * 2000)  # a changed file is a new key
     third = load_corpus(data)
-    assert len(os.listdir(tmp_path / "cache")) == 2
+    assert len(os.listdir(tmp_path / "cache")) == 6
     assert get_tokenizer("byte").decode(third[:7]) == "goodbye"
 
 
