@@ -47,6 +47,23 @@ for name, par in {"zero3": ParallelConfig(zero_stage=3), "dp4_tp2": ParallelConf
         "concat_in_process_order": bool(np.array_equal(np.concatenate(list(all_local)), full_in)),
         "addressable_rows": sorted({int(s.index[0].start or 0) for s in batch["inputs"].addressable_shards}),
     }
+# chat rows (ExampleLoader) and packed windows: every key of the global batch equals one process's build
+from jaxcolossal.data.loader import ExampleLoader
+mesh = make_mesh(ParallelConfig(zero_stage=3))
+ex = np.random.default_rng(1).integers(0, 256, (40, 13)).astype(np.int32)
+mk = (np.random.default_rng(2).random((40, 12)) > 0.5).astype(np.float32)
+docs = [0, 700, 2100, 4000]
+checks = {}
+for name, ld, ref in (
+        ("chat", ExampleLoader(ex, mk, 16, 3, mesh=mesh, batch_spec=P(DATA_AXES)),
+         ExampleLoader(ex, mk, 16, 3, process_index=0, process_count=1)),
+        ("packed", DataLoader(tokens, 16, 12, 3, mesh=mesh, batch_spec=P(DATA_AXES), doc_starts=docs),
+         DataLoader(tokens, 16, 12, 3, process_index=0, process_count=1, doc_starts=docs))):
+    b, r = ld.batch(5), ref.local_batch(5)
+    checks[name] = set(b) == set(r) and all(
+        np.array_equal(np.asarray(multihost_utils.process_allgather(b[k], tiled=True)), r[k]) for k in r)
+    checks[name + "_own_rows"] = list(ld.local_batch(5)["inputs"].shape)
+out["other_loaders"] = checks
 errors = {}
 for name, kwargs in {"mesh_12": dict(batch_size=12, mesh=make_mesh(ParallelConfig(zero_stage=3))),
                      "no_mesh_15": dict(batch_size=15)}.items():
@@ -86,6 +103,9 @@ def test_each_process_builds_its_rows_and_the_global_batch_is_their_concatenatio
             assert got["addressable_rows"] == list(range(8 * r, 8 * r + 8, step))
         # tp over all 8 devices: no batch sharding, every process holds the whole batch
         assert out["tp8"]["rows"] == [0, 16] and out["tp8"]["global_equals_single_process"]
+        # chat rows with their loss mask, and packed windows with segment ids/positions/mask
+        assert out["other_loaders"] == {"chat": True, "chat_own_rows": [8, 12],
+                                        "packed": True, "packed_own_rows": [8, 12]}, out["other_loaders"]
 
         errors = out["errors"]
         assert errors["mesh_12"].startswith("batch of shape (12, 12) cannot be split by NamedSharding")
