@@ -200,10 +200,12 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     """Training text. ``corpus``: ``"stdlib"`` (the running Python's standard library sources)
-    or comma-separated globs of ``.txt``/``.jsonl`` files. ``tokenizer``: ``byte``, or the path
-    of a local Hugging Face tokenizer (a folder with ``tokenizer.json``, or the file).
-    ``format``: ``text`` (pre-training: documents joined into one stream, random windows) or
-    ``chat`` (instruction fine-tuning: JSON lines of ``messages`` or ``prompt``/``response``, one
+    or comma-separated globs of ``.txt``/``.jsonl`` files. ``tokenizer``: ``byte``, the path of a
+    local Hugging Face tokenizer (a folder with ``tokenizer.json``, or the file), or ``auto`` (the
+    default): the tokenizer in ``model.init_from`` when that folder has one, else ``byte``.
+    ``format``: ``text`` (pre-training: documents joined into one stream, random windows; ``.jsonl``
+    files by suffix), ``jsonl`` (every file is JSON lines), ``parquet`` (column ``text_key``, with
+    ``pyarrow``), ``datasets`` (``corpus`` is a ``datasets`` ``save_to_disk`` folder), or ``chat`` (instruction fine-tuning: JSON lines of ``messages`` or ``prompt``/``response``, one
     conversation per row, loss on the responses only; :mod:`jaxcolossal.data.chat`).
     ``cache_dir``: where a ``text`` corpus's token stream is cached after the first run
     (:mod:`jaxcolossal.data.cache`); ``""`` tokenizes at every start. ``packing_mask``: windows
@@ -212,9 +214,9 @@ class DataConfig:
     not trained on (:func:`jaxcolossal.data.loader.packing_fields`)."""
 
     corpus: str = "stdlib"
-    format: Literal["text", "chat"] = "text"
+    format: Literal["text", "jsonl", "parquet", "datasets", "chat"] = "text"
     text_key: str = "text"
-    tokenizer: str = "byte"
+    tokenizer: str = "auto"
     val_fraction: float = 0.05
     max_corpus_bytes: int = 0
     cache_dir: str = "~/.cache/jaxcolossal/tokens"
@@ -589,6 +591,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError("precision: bf16 and fp16 are both true; choose one (neither means fp32)")
     if pr.min_scale > pr.max_scale:
         raise ConfigError(f"precision.min_scale={pr.min_scale:g} is above precision.max_scale={pr.max_scale:g}")
+    if cfg.data.tokenizer == "auto":  # resolved here, once: everything after sees a concrete tokenizer
+        init = cfg.model.init_from
+        cfg.data.tokenizer = init if init and os.path.isfile(os.path.join(init, "tokenizer.json")) else "byte"
     tok = cfg.data.tokenizer
     if tok != "byte" and not (os.path.isfile(tok) or os.path.isfile(os.path.join(tok, "tokenizer.json"))):
         raise ConfigError(f"data.tokenizer={tok!r}: expected 'byte' or a Hugging Face tokenizer folder holding "
@@ -597,8 +602,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.format == "chat" and cfg.data.corpus == "stdlib":
         raise ConfigError("data.format=chat needs data.corpus: JSON-lines files of conversations "
                           "({'messages': [...]} or {'prompt', 'response'} per line)")
-    if cfg.data.packing_mask and cfg.data.format != "text":
-        raise ConfigError("data.packing_mask=true applies to data.format=text (chat rows hold one conversation)")
+    if cfg.data.packing_mask and cfg.data.format == "chat":
+        raise ConfigError("data.packing_mask=true applies to the pre-training formats, not data.format=chat "
+                          "(a chat row holds one conversation)")
+    if cfg.data.format in ("parquet", "datasets", "jsonl") and cfg.data.corpus == "stdlib":
+        raise ConfigError(f"data.format={cfg.data.format} needs data.corpus: the files (or, for datasets, "
+                          "the saved folder) to read")
     if cfg.data.packing_mask and m.attention_impl != "xla":
         raise ConfigError(f"data.packing_mask=true needs model.attention_impl=xla (segment ids), not {m.attention_impl!r}")
     if cfg.data.packing_mask and p.pipeline_parallel_size not in (1,):

@@ -13,6 +13,7 @@ import sysconfig
 from typing import Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from .cache import cached, corpus_key
 from .tokenizer import get_tokenizer
@@ -97,19 +98,64 @@ def _read_text(path: str) -> str:
         return fh.read().decode("utf-8", errors="replace")
 
 
-def iter_documents(files: list[str], text_key: str = "text") -> Iterator[str]:
+def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("data.format=parquet needs pyarrow: pip install pyarrow") from e
+    f = pq.ParquetFile(path)
+    names = f.schema_arrow.names
+    if text_key not in names:
+        raise ValueError(f"{path}: parquet file has no column {text_key!r} (data.text_key); its columns: {names}")
+    for batch in f.iter_batches(columns=[text_key], batch_size=1024):
+        for i, text in enumerate(batch.column(0).to_pylist()):
+            if not isinstance(text, str):
+                raise ValueError(f"{path}: column {text_key!r} holds {type(text).__name__}, expected strings")
+            yield text
+
+
+def _dataset_documents(folder: str, text_key: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("data.format=datasets needs the datasets package: pip install datasets") from e
+    ds = datasets.load_from_disk(folder)
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"{folder}: a DatasetDict without a 'train' split (splits: {list(ds)})")
+        ds = ds["train"]
+    if text_key not in ds.column_names:
+        raise ValueError(f"{folder}: dataset has no column {text_key!r} (data.text_key); its columns: "
+                         f"{ds.column_names}")
+    for batch in ds.select_columns([text_key]).iter(batch_size=1024):
+        yield from batch[text_key]
+
+
+def iter_documents(files: list[str], text_key: str = "text", fmt: str = "text") -> Iterator[str]:
     """Yield the documents of ``files`` in order.
 
     A plain text file is one document (read as UTF-8, invalid bytes replaced
     by U+FFFD). A ``.jsonl``/``.json`` file is JSON-lines: every non-blank
     line is a JSON object whose ``text_key`` field is one document.
 
+    ``fmt``: ``text`` (by suffix, as above), ``jsonl`` (every file is JSON
+    lines), ``parquet`` (column ``text_key`` of each file, with ``pyarrow``) or
+    ``datasets`` (``files`` is one ``datasets.load_from_disk`` folder; its
+    ``train`` split when it is a ``DatasetDict``).
+
     Raises:
       ValueError: for a JSON line that does not parse, is not an object, or
-        lacks a string ``text_key`` field (file and line number are named).
+        lacks a string ``text_key`` field (file and line number are named); a
+        parquet file or dataset without the column (its columns are listed).
     """
+    if fmt == "datasets":
+        yield from _dataset_documents(files[0], text_key)
+        return
     for path in files:
-        if not path.lower().endswith(_JSON_SUFFIXES):
+        if fmt == "parquet":
+            yield from _parquet_documents(path, text_key)
+            continue
+        if fmt != "jsonl" and not path.lower().endswith(_JSON_SUFFIXES):
             yield _read_text(path)
             continue
         for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
@@ -129,7 +175,7 @@ def iter_documents(files: list[str], text_key: str = "text") -> Iterator[str]:
             yield text
 
 
-def _tokenize(files: list[str], text_key: str, tokenizer, limit: int) -> dict[str, np.ndarray]:
+def _tokenize(files: list[str], text_key: str, tokenizer, limit: int, fmt: str = "text") -> dict[str, np.ndarray]:
     """``{"tokens": stream, "docs": starts}``: the documents of ``files`` joined by the end-of-text
     id or the separator (which ends the document before it), and int64 ``starts`` of each
     document in the stream (``starts[0] == 0``)."""
@@ -138,8 +184,9 @@ def _tokenize(files: list[str], text_key: str, tokenizer, limit: int) -> dict[st
     parts: list[np.ndarray] = []
     starts: list[int] = []
     total = 0
-    docs = iter_documents(files, text_key)
+    docs = iter_documents(files, text_key, fmt)
     batched = hasattr(tokenizer, "encode_batch")  # Hugging Face: documents in groups, on its threads
+    bar = tqdm(desc="tokenizing", unit=" doc", disable=None, leave=False, mininterval=1.0)  # only on a terminal
     while True:
         group = list(itertools.islice(docs, 256 if batched else 1))
         if not group:
@@ -151,8 +198,10 @@ def _tokenize(files: list[str], text_key: str, tokenizer, limit: int) -> dict[st
             starts.append(total)
             parts.append(ids)
             total += len(ids)
+        bar.update(len(group))
         if limit and total >= limit:
             break
+    bar.close()
     stream = np.concatenate(parts) if parts else np.zeros((0,), getattr(tokenizer, "dtype", np.uint8))
     starts = np.asarray(starts or [0], np.int64)
     if limit:
@@ -192,13 +241,22 @@ def load_corpus(data_cfg, with_docs: bool = False):
     if limit < 0:
         raise ValueError(f"max_corpus_bytes must be >= 0 (0 = no limit), got {limit}")
 
-    files = resolve_files(corpus)
+    fmt = getattr(data_cfg, "format", "text")
+    if fmt == "datasets":  # one saved dataset folder: its files key the cache
+        if not os.path.isdir(corpus):
+            raise FileNotFoundError(f"data.format=datasets: data.corpus={corpus!r} is not a folder saved by "
+                                    "datasets' save_to_disk")
+        files = [corpus]
+        stat_files = sorted(os.path.join(d, f) for d, _, names in os.walk(corpus) for f in names)
+    else:
+        files = stat_files = resolve_files(corpus)
 
     def build() -> dict[str, np.ndarray]:
-        return _tokenize(files, text_key, tokenizer, limit)
+        return _tokenize(files, text_key, tokenizer, limit, fmt)
 
     cache_dir = getattr(data_cfg, "cache_dir", "") or ""
-    out = cached(cache_dir, corpus_key(files, tokenizer, text_key, limit), build) if cache_dir else build()
+    key = corpus_key(stat_files, tokenizer, f"{fmt}:{text_key}", limit)
+    out = cached(cache_dir, key, build) if cache_dir else build()
     stream = out["tokens"]
     if len(stream) < MIN_STREAM_TOKENS:
         raise ValueError(

@@ -158,6 +158,8 @@ def get_tokenizer(name: str) -> "ByteTokenizer | HFTokenizer":
       ValueError: an unknown name that is not a path; the message lists the allowed values.
       FileNotFoundError: a path without a ``tokenizer.json``.
     """
+    if name == "auto":  # data.tokenizer's default, resolved by the config; without a model folder: bytes
+        name = "byte"
     if name in TOKENIZERS:
         return TOKENIZERS[name]()
     if isinstance(name, str) and (os.sep in name or name.endswith(".json") or os.path.exists(name)):

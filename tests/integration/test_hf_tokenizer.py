@@ -80,3 +80,43 @@ def test_main_job_trains_on_a_hf_tokenizer(tok_dir, tmp_path):
         train(load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), base))
     out = train(load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), base + ["model.vocab_size=300"]))
     assert out["val_loss_end"] < out["val_loss_start"] < np.log(300) + 0.3
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "datasets"])
+def test_formats_give_the_same_stream(tok_dir, tmp_path, fmt):
+    """JSON lines, parquet (pyarrow) and a saved ``datasets`` folder of the same documents give the
+    same token stream; a missing column is an error that lists the columns."""
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        corpus = str(tmp_path / "docs.parquet")
+        pq.write_table(pa.table({"text": DOCS, "id": list(range(len(DOCS)))}), corpus)
+    elif fmt == "datasets":
+        import datasets
+        corpus = str(tmp_path / "ds")
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS})}).save_to_disk(corpus)
+    else:
+        corpus = str(tok_dir / "corpus.jsonl")
+
+    class Data:
+        format = fmt
+        text_key = "text"
+        tokenizer = str(tok_dir)
+        max_corpus_bytes = 0
+        cache_dir = str(tmp_path / "cache")
+
+    Data.corpus = corpus
+    tok = get_tokenizer(str(tok_dir))
+    want = np.concatenate([np.concatenate([tok.encode(d), [0]]) for d in DOCS])[:-1]
+    np.testing.assert_array_equal(load_corpus(Data), want)
+    np.testing.assert_array_equal(load_corpus(Data), want)  # from the cache
+    if fmt != "jsonl":
+        Data.text_key = "body"
+        with pytest.raises(ValueError, match=r"has no column 'body' \(data.text_key\); its columns"):
+            load_corpus(Data)
+
+
+def test_auto_tokenizer_is_the_init_from_folders(tok_dir):
+    cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [f"model.init_from={tok_dir}"])
+    assert cfg.data.tokenizer == str(tok_dir)
+    assert load_config(os.path.join(ROOT, "configs/llama_tiny.yaml")).data.tokenizer == "byte"
