@@ -595,9 +595,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         init = cfg.model.init_from
         cfg.data.tokenizer = init if init and os.path.isfile(os.path.join(init, "tokenizer.json")) else "byte"
     tok = cfg.data.tokenizer
-    if tok != "byte" and not (os.path.isfile(tok) or os.path.isfile(os.path.join(tok, "tokenizer.json"))):
-        raise ConfigError(f"data.tokenizer={tok!r}: expected 'byte' or a Hugging Face tokenizer folder holding "
-                          "tokenizer.json (or that file); "
+    if tok != "byte" and not (os.path.isfile(tok) or any(os.path.isfile(os.path.join(tok, f))
+                                                         for f in ("tokenizer.json", "tokenizer.model"))):
+        raise ConfigError(f"data.tokenizer={tok!r}: expected 'byte' or a tokenizer folder holding tokenizer.json "
+                          "(Hugging Face) or tokenizer.model (SentencePiece), or that file; "
                           + ("the folder has no tokenizer.json" if os.path.isdir(tok) else "no such file or folder"))
     if cfg.data.format == "chat" and cfg.data.corpus == "stdlib":
         raise ConfigError("data.format=chat needs data.corpus: JSON-lines files of conversations "

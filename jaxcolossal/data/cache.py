@@ -33,7 +33,10 @@ def tokenizer_id(tokenizer) -> str:
     name = getattr(tokenizer, "name", "byte")
     if name == "byte":
         return "byte"
-    file = os.path.join(name, "tokenizer.json") if os.path.isdir(name) else name
+    file = name
+    if os.path.isdir(name):
+        file = os.path.join(name, "tokenizer.json")
+        file = file if os.path.isfile(file) else os.path.join(name, "tokenizer.model")
     with open(file, "rb") as f:
         return f"hf:{hashlib.sha256(f.read()).hexdigest()}:eos={getattr(tokenizer, 'eos_id', None)}"
 

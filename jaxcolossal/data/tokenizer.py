@@ -4,6 +4,8 @@
   exactly 256 entries and needs no training, no files and no downloads.
 * A local Hugging Face tokenizer (a folder holding ``tokenizer.json``, or that file), loaded with
   the ``tokenizers`` library (:class:`HFTokenizer`): what a LLaMA or GPT-2 checkpoint ships with.
+* A SentencePiece ``tokenizer.model`` (or a folder holding one and no ``tokenizer.json``), loaded
+  with the ``sentencepiece`` library (:class:`SentencePieceTokenizer`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "get_tokenizer", "TOKENIZERS"]
 
 
 class ByteTokenizer:
@@ -142,6 +144,53 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
+class SentencePieceTokenizer:
+    """A SentencePiece ``tokenizer.model`` (LLaMA-1/2's format) through the ``sentencepiece`` library.
+
+    ``vocab_size`` is the model's piece count; ``eos_id`` its end-of-sentence id (None when it has
+    none). ``encode`` adds no BOS/EOS.
+
+    Raises:
+        ImportError: without the ``sentencepiece`` package.
+        ValueError: a file the library cannot load.
+    """
+
+    def __init__(self, path: str):
+        try:
+            import sentencepiece
+        except ImportError as e:
+            raise ImportError(f"data.tokenizer={path!r} is a SentencePiece model: pip install sentencepiece") from e
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except Exception as e:  # the library raises OSError/RuntimeError for a bad file
+            raise ValueError(f"data.tokenizer={path!r}: not a readable SentencePiece model: {e}") from None
+        self.name = path
+        self.vocab_size = int(self._sp.get_piece_size())
+        eos = int(self._sp.eos_id())
+        self.eos_id = eos if eos >= 0 else None
+        self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+
+    def encode(self, text: str) -> np.ndarray:
+        """Ids of ``text`` (no BOS/EOS): 1-D ``uint16`` or ``uint32``."""
+        if not isinstance(text, str):
+            raise TypeError(f"SentencePieceTokenizer.encode expects a str, got {type(text).__name__}")
+        return np.asarray(self._sp.encode(text), dtype=self.dtype)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """:meth:`encode` of many texts (the library's C++ loop)."""
+        return [np.asarray(ids, dtype=self.dtype) for ids in self._sp.encode(list(texts))]
+
+    def decode(self, ids) -> str:
+        """Text of the ids (any shape, flattened). Raises ValueError for ids outside the vocabulary."""
+        arr = np.asarray(ids).reshape(-1)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size - 1}], got [{arr.min()}, {arr.max()}]")
+        return self._sp.decode([int(i) for i in arr])
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
 TOKENIZERS = {"byte": ByteTokenizer}
 
 
@@ -162,7 +211,10 @@ def get_tokenizer(name: str) -> "ByteTokenizer | HFTokenizer":
         name = "byte"
     if name in TOKENIZERS:
         return TOKENIZERS[name]()
-    if isinstance(name, str) and (os.sep in name or name.endswith(".json") or os.path.exists(name)):
+    if isinstance(name, str) and (os.sep in name or name.endswith((".json", ".model")) or os.path.exists(name)):
+        if name.endswith(".model") or (os.path.isdir(name) and not os.path.isfile(os.path.join(name, "tokenizer.json"))
+                                        and os.path.isfile(os.path.join(name, "tokenizer.model"))):
+            return SentencePieceTokenizer(os.path.join(name, "tokenizer.model") if os.path.isdir(name) else name)
         return HFTokenizer(name)
     raise ValueError(f"unknown tokenizer {name!r}; allowed values: {sorted(TOKENIZERS)} or the path of a "
                      "Hugging Face tokenizer folder (tokenizer.json)")

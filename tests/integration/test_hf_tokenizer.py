@@ -120,3 +120,22 @@ def test_auto_tokenizer_is_the_init_from_folders(tok_dir):
     cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [f"model.init_from={tok_dir}"])
     assert cfg.data.tokenizer == str(tok_dir)
     assert load_config(os.path.join(ROOT, "configs/llama_tiny.yaml")).data.tokenizer == "byte"
+
+
+def test_sentencepiece_model(tmp_path):
+    """A SentencePiece ``tokenizer.model`` (LLaMA-1/2's format): loaded, round-trips, joins
+    documents with its eos id, and is accepted by the config (folder or file)."""
+    import sentencepiece
+
+    text = tmp_path / "train.txt"
+    text.write_text("\n".join(DOCS))
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "tokenizer"),
+                                             vocab_size=200, model_type="bpe", eos_id=2, bos_id=1, unk_id=0,
+                                             minloglevel=2)
+    for spec in (str(tmp_path / "tokenizer.model"), str(tmp_path)):
+        tok = get_tokenizer(spec)
+        assert tok.vocab_size == 200 and tok.eos_id == 2
+        # SentencePiece's default normalization folds newlines and runs of spaces into one space
+        assert tok.decode(tok.encode(DOCS[3])) == " ".join(DOCS[3].split())
+    cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [f"data.tokenizer={tmp_path}"])
+    assert cfg.data.tokenizer == str(tmp_path)
