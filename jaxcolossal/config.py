@@ -401,6 +401,7 @@ ALIASES = {
     "clip_grad": "training.max_grad_norm", "steps": "training.max_steps",
     "remat_policy": "model.remat", "gradient_checkpointing": "model.remat",
     "num_vocab_tiling": "model.loss_chunk_tokens", "loss_chunk_size": "model.loss_chunk_tokens",
+    "text_field": "data.text_key", "dataset_text_field": "data.text_key", "tensorboard_dir": "logging.tensorboard",
 }
 """Names used by Colossal-AI, DeepSpeed or MaxText for our keys, for the "did you mean" hint."""
 
