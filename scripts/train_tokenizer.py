@@ -32,25 +32,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
 
 def texts(corpus: str, text_key: str):
     """Every text of the corpus: documents, or the contents of chat lines."""
-    from jaxcolossal.data.corpus import _read_text, resolve_files
+    from jaxcolossal.data.corpus import _read_text, iter_json_lines, resolve_files
 
     for path in resolve_files(corpus):
         if not path.lower().endswith((".jsonl", ".json")):
             yield _read_text(path)
             continue
-        for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON line ({e.msg})") from None
+        for where, rec in iter_json_lines(path):
             if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
+                raise ValueError(f"{where}: expected a JSON object")
             found = [rec[k] for k in (text_key, "prompt", "response") if isinstance(rec.get(k), str)]
             found += [m["content"] for m in rec.get("messages", []) if isinstance(m, dict) and isinstance(m.get("content"), str)]
             if not found:
-                raise ValueError(f"{path}:{lineno}: no {text_key!r}, prompt/response or messages field")
+                raise ValueError(f"{where}: no {text_key!r}, prompt/response or messages field")
             yield from found
 
 

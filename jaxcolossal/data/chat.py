@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .corpus import _read_text, resolve_files
+from .corpus import iter_json_lines, resolve_files
 
 __all__ = ["ChatData", "load_chat", "render_segments"]
 
@@ -140,14 +140,7 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
     eos_text = tokenizer.decode([eos]) if (eos is not None and template is None) else ""
     rows, masks, truncated = [], [], 0
     for path in resolve_files(data_cfg.corpus):
-        for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON line ({e.msg})") from None
+        for where, record in iter_json_lines(path):
             segments = render_segments(_conversation(record, where), template, eos_text)
             ids = [tokenizer.encode(text).astype(np.int64) for text, _ in segments]
             flags = [np.full(len(i), trained, np.float32) for i, (_, trained) in zip(ids, segments)]

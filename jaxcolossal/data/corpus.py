@@ -24,6 +24,7 @@ __all__ = [
     "stdlib_files",
     "resolve_files",
     "iter_documents",
+    "iter_json_lines",
     "load_corpus",
     "split_corpus",
     "load_splits",
@@ -98,6 +99,21 @@ def _read_text(path: str) -> str:
         return fh.read().decode("utf-8", errors="replace")
 
 
+def iter_json_lines(path: str) -> Iterator[tuple[str, object]]:
+    """``("<path>:<line>", parsed value)`` for every non-blank line of a JSON-lines file.
+
+    Raises:
+      ValueError: a line that does not parse, naming the file and line.
+    """
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON line ({e.msg})") from None
+
+
 def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
@@ -158,20 +174,12 @@ def iter_documents(files: list[str], text_key: str = "text", fmt: str = "text") 
         if fmt != "jsonl" and not path.lower().endswith(_JSON_SUFFIXES):
             yield _read_text(path)
             continue
-        for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON line ({e.msg})") from None
+        for where, record in iter_json_lines(path):
             if not isinstance(record, dict) or text_key not in record:
-                raise ValueError(f"{path}:{lineno}: JSON line has no field {text_key!r} (text_key)")
+                raise ValueError(f"{where}: JSON line has no field {text_key!r} (text_key)")
             text = record[text_key]
             if not isinstance(text, str):
-                raise ValueError(
-                    f"{path}:{lineno}: field {text_key!r} is {type(text).__name__}, expected str"
-                )
+                raise ValueError(f"{where}: field {text_key!r} is {type(text).__name__}, expected str")
             yield text
 
 
