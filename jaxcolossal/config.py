@@ -39,7 +39,8 @@ class ModelConfig:
 
     ``remat``: the activation-checkpointing policy of each layer, from least to most recompute:
     ``none``, ``selective`` (keeps every projection's output), ``save_qkv_proj``, ``dots``,
-    ``full`` (:mod:`jaxcolossal.models.remat`).
+    ``full`` (:mod:`jaxcolossal.models.remat`); ``offload`` keeps what ``selective`` keeps, in host
+    memory (``offload.activations=host`` sets it).
 
     ``loss_chunk_tokens``: tokens per device in one chunk of the fused LM head + cross-entropy
     (:func:`jaxcolossal.models.vocab.lm_head_loss`): a chunk's fp32 logits take
@@ -66,7 +67,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     vocab_pad_multiple: int = 1
-    remat: Literal["none", "save_qkv_proj", "selective", "dots", "full"] = "none"
+    remat: Literal["none", "save_qkv_proj", "selective", "dots", "full", "offload"] = "none"
     attention_impl: Literal["xla", "cudnn"] = "xla"
     embedding_impl: Literal["gather", "one_hot"] = "gather"
     loss_chunk_tokens: int = 1024
@@ -248,6 +249,65 @@ class LoggingConfig:
     tensorboard: bool = False
 
 
+class Bytes(str):
+    """A byte count in the config: an integer, or a string with a unit (``"80GB"``, ``"1.5GiB"``,
+    ``"512MB"``); ``""`` means "not given". :func:`parse_bytes` reads it."""
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: Any, key: str = "value") -> int:
+    """``"80GB"`` -> 80·10⁹, ``"1GiB"`` -> 2³⁰, ``4096`` -> 4096; ``""``/``None`` -> 0 (not given).
+
+    Raises:
+        ConfigError: not a non-negative number with one of the units B, KB, MB, GB, TB, KiB, MiB,
+            GiB, TiB.
+    """
+    if value is None or value == "":
+        return 0
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected a byte count such as 80GB or 85899345920")
+    if isinstance(value, (int, float)):
+        n = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ConfigError(f"{key}={value!r}: expected a byte count such as 80GB, 80GiB or 85899345920 "
+                              f"(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        n = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not math.isfinite(n) or n < 0:
+        raise ConfigError(f"{key}={value!r}: must be a finite, non-negative byte count")
+    return int(n)
+
+
+@dataclass
+class OffloadConfig:
+    """Heterogeneous memory: which part of the train state lives in host memory (Colossal-AI's
+    Gemini placement and ``cpu_offload``; :mod:`jaxcolossal.placement`, docs/offload.md).
+
+    ``placement_policy``: ``static`` (the fractions below, as given) or ``auto`` (the fractions that
+    fit ``device_memory_limit`` with the least host↔device traffic, Gemini's
+    ``ChunkManager.optimize_chunk_config``). ``offload_optim_frac``: the fraction of the optimizer
+    state (Adam m, v and the fp32 master copy), by bytes, that lives in pinned host memory.
+    ``offload_param_frac`` (ZeRO-3 only): the fraction of the compute parameters kept in host
+    memory between steps. ``optimizer_device``: where the offloaded optimizer state is updated:
+    ``device`` (moved in, updated, moved out) or ``host`` (on the CPU with ``compute_on``, as
+    Colossal-AI's CPU Adam). ``activations``: ``host`` saves the layer projections to host memory
+    instead of device memory (``model.remat=offload``). ``device_memory_limit``: the device bytes a
+    run may plan for (``"80GB"``; ``""``: the device's reported capacity × 0.9, none on the CPU).
+    ``nvme_path``: ZeRO-Infinity's NVMe tier (not supported yet: refused)."""
+
+    placement_policy: Literal["static", "auto"] = "static"
+    offload_optim_frac: float = 0.0
+    offload_param_frac: float = 0.0
+    optimizer_device: Literal["device", "host"] = "device"
+    activations: Literal["none", "host"] = "none"
+    device_memory_limit: Bytes = ""
+    nvme_path: str = ""
+
+
 @dataclass
 class Config:
     """The whole run: one object, validated before anything is compiled."""
@@ -259,6 +319,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def to_dict(self) -> dict:
         """The config as nested plain dicts (YAML-serialisable)."""
@@ -332,11 +393,12 @@ RANGES: dict[str, Range] = {
     "data.val_fraction": Range(0, 1, hi_open=True), "data.max_corpus_bytes": Range(0, note="0: all of it"),
     "checkpoint.save_every": Range(0, note="0: only at evaluations and the end"), "checkpoint.max_to_keep": _POS,
     "logging.log_every": _POS,
+    "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
 PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir", "checkpoint.dir",
-             "logging.run_dir")
+             "logging.run_dir", "offload.nvme_path")
 """Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
 
 
@@ -366,6 +428,9 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r}: expected a number")
         return float(value)
+    if annotation is Bytes:
+        parse_bytes(value, path)
+        return "" if value is None else str(value)
     if annotation is str:
         if value is None:
             return ""
@@ -401,6 +466,8 @@ ALIASES = {
     "clip_grad": "training.max_grad_norm", "steps": "training.max_steps",
     "remat_policy": "model.remat", "gradient_checkpointing": "model.remat",
     "num_vocab_tiling": "model.loss_chunk_tokens", "loss_chunk_size": "model.loss_chunk_tokens",
+    "cpu_offload": "offload.offload_optim_frac", "offload_optimizer": "offload.offload_optim_frac",
+    "memory_limit": "offload.device_memory_limit", "nvme_offload_dir": "offload.nvme_path",
     "text_field": "data.text_key", "dataset_text_field": "data.text_key", "tensorboard_dir": "logging.tensorboard",
 }
 """Names used by Colossal-AI, DeepSpeed or MaxText for our keys, for the "did you mean" hint."""
@@ -621,6 +688,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if t.resume is not False and not cfg.checkpoint.dir:
         raise ConfigError(f"training.resume={_yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
                           "resume from)")
+    _check_offload(cfg)
     tp = p.tensor_parallel_size
     if tp != -1:
         _check_tp(m, tp)
@@ -649,6 +717,30 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(
                 f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
                 f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
+
+
+def _check_offload(cfg: Config) -> None:
+    """The ``offload`` section against the rest (see :class:`OffloadConfig`)."""
+    o, m = cfg.offload, cfg.model
+    parse_bytes(o.device_memory_limit, "offload.device_memory_limit")
+    if o.offload_param_frac > 0 and cfg.parallel.zero_stage != 3:
+        raise ConfigError(f"offload.offload_param_frac={o.offload_param_frac:g} needs parallel.zero_stage=3 "
+                          f"(got {cfg.parallel.zero_stage}): below ZeRO-3 every device keeps the whole compute "
+                          "copy; offload the optimizer state with offload.offload_optim_frac instead")
+    if o.offload_param_frac > 0 and cfg.parallel.pipeline_parallel_size != 1:
+        raise ConfigError("offload.offload_param_frac > 0 is not supported with pipeline parallelism yet: set "
+                          "parallel.pipeline_parallel_size=1 or offload only the optimizer state")
+    if o.nvme_path:
+        raise ConfigError(f"offload.nvme_path={o.nvme_path!r}: the NVMe tier (ZeRO-Infinity) is not supported yet; "
+                          "offload to host memory with offload.offload_optim_frac and leave nvme_path empty")
+    if o.activations == "host":
+        if m.remat not in ("none", "offload"):
+            raise ConfigError(f"offload.activations=host saves the layer projections in host memory "
+                              f"(model.remat=offload), but model.remat={m.remat!r}; choose one")
+        m.remat = "offload"
+    if o.placement_policy == "auto" and (o.offload_optim_frac or o.offload_param_frac):
+        raise ConfigError("offload.placement_policy=auto chooses offload_optim_frac and offload_param_frac itself; "
+                          "leave them at 0, or set placement_policy=static to give them")
 
 
 def pipeline_microbatches(cfg: Config, pp: int) -> int:

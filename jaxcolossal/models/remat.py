@@ -13,6 +13,8 @@ name              kept per layer (everything else is recomputed)                
                   (MaxText ``minimal``-style)                                        attention
 ``dots``          every matmul without batch dims (``dots_with_no_batch_dims``)      elementwise
 ``full``          only the layer input (Colossal-AI ``gradient_checkpointing``)      the layer
+``offload``       what ``selective`` keeps, moved to pinned host memory in the       as
+                  forward and back for the backward (``offload.activations=host``)   ``selective``
 ================  =================================================================  ==========
 
 Model code tags the tensors with :func:`jax.ad_checkpoint.checkpoint_name` using the names in
@@ -36,6 +38,9 @@ POLICIES: dict[str, Callable | None] = {
     "selective": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(PROJECTIONS),
+        offload_src="device", offload_dst="pinned_host"),
 }
 """``model.remat`` name -> ``jax.checkpoint`` policy (``None``: no checkpointing)."""
 

@@ -38,6 +38,35 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = False,
+                    param_specs: Any = None) -> list[optax.GradientTransformation]:
+    """The transformations :func:`build_optimizer` chains: ``[clip_by_global_norm, adamw]``
+    (``[adamw]`` when ``max_grad_norm`` is 0). The train step uses them one by one when part of
+    the optimizer state is updated on the host (``offload.optimizer_device=host``).
+
+    ``on_host``: the AdamW for ``compute_on("device_host")``: the fused optimizer's plain-JAX
+    reference, on global arrays (no ``shard_map``, no Pallas kernel). ``param_specs``: the specs the
+    fused optimizer's ``shard_map`` follows (default ``plan.specs.opt``; a tree with ``None`` for the
+    leaves it does not update).
+    """
+    sched = lr_schedule(t)
+    mask = decay_mask  # a callable: optax applies it to the params tree
+    if t.optimizer == "fused_adamw":
+        from jaxcolossal.optim import fused_adamw
+        if on_host:
+            local = {"impl": "reference"}
+        else:
+            local = {} if plan is None else {"mesh": plan.mesh, "param_specs": plan.specs.opt
+                                             if param_specs is None else param_specs}
+        adam = fused_adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
+                           weight_decay=t.weight_decay, mask=mask, **local)
+    else:
+        adam = optax.adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
+                           weight_decay=t.weight_decay, mask=mask)
+    parts = [optax.clip_by_global_norm(t.max_grad_norm)] if t.max_grad_norm > 0 else []
+    return parts + [adam]
+
+
 def build_optimizer(t: TrainingConfig, plan: Any = None) -> optax.GradientTransformation:
     """``clip_by_global_norm(max_grad_norm)`` (skipped when 0) followed by AdamW.
 
@@ -47,17 +76,7 @@ def build_optimizer(t: TrainingConfig, plan: Any = None) -> optax.GradientTransf
 
     With a :class:`~jaxcolossal.train.state.TrainPlan`, the fused optimizer runs its per-leaf
     update inside ``shard_map`` on each device's local shard of the ZeRO optimizer-state
-    sharding (``plan.specs.opt``), so the update never gathers.
+    sharding (``plan.specs.opt``), so the update never gathers. The state is the chain's tuple
+    (one entry per part of :func:`optimizer_parts`).
     """
-    sched = lr_schedule(t)
-    mask = decay_mask  # a callable: optax applies it to the params tree
-    if t.optimizer == "fused_adamw":
-        from jaxcolossal.optim import fused_adamw
-        local = {} if plan is None else {"mesh": plan.mesh, "param_specs": plan.specs.opt}
-        adam = fused_adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
-                           weight_decay=t.weight_decay, mask=mask, **local)
-    else:
-        adam = optax.adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
-                           weight_decay=t.weight_decay, mask=mask)
-    parts = [optax.clip_by_global_norm(t.max_grad_norm)] if t.max_grad_norm > 0 else []
-    return optax.chain(*parts, adam)
+    return optax.chain(*optimizer_parts(t, plan))

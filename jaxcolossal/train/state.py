@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxcolossal.config import Config, validate
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
+from jaxcolossal.placement import Placement, place_state, resolve
 from jaxcolossal.sharding import DATA_AXES, RULES, Sharder, StateSpecs, named, state_specs
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -71,6 +72,8 @@ class TrainPlan:
     param_shapes: Any
     specs: StateSpecs
     precision: str
+    placement: Placement = None
+    placement_report: str = ""
 
     @property
     def compute_dtype(self):
@@ -112,7 +115,10 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
 
     Raises:
         ConfigError: impossible sizes (heads not divisible by tp, batch not divisible by the
-            data-parallel group, a dimension that its mesh axis does not divide, ...).
+            data-parallel group, a dimension that its mesh axis does not divide, ...), or a run
+            whose predicted device bytes exceed ``offload.device_memory_limit`` (or the device's
+            reported capacity) with the offload settings that would fit
+            (:func:`jaxcolossal.placement.resolve`).
     """
     validate(cfg, num_devices=mesh.size)
     shape = {k: int(v) for k, v in mesh.shape.items()}
@@ -120,8 +126,11 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
     rules = {**RULES, "layers": "pp"} if shape["pp"] > 1 else RULES
     specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
+    # which shards live in host memory (offload section), checked against the device limit
+    placement, report = resolve(cfg, shapes, specs, shape, list(mesh.devices.flat))
     return TrainPlan(cfg=cfg, mesh=mesh, mesh_shape=shape, vocab=vocab, param_axes=axes,
-                     param_shapes=shapes, specs=specs, precision=cfg.precision.mode)
+                     param_shapes=shapes, specs=specs, precision=cfg.precision.mode, placement=placement,
+                     placement_report=report)
 
 
 def opt_state_specs(tx: optax.GradientTransformation, params_abstract: Any, param_like_specs: Any) -> Any:
@@ -133,7 +142,8 @@ def opt_state_specs(tx: optax.GradientTransformation, params_abstract: Any, para
 
 
 def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:
-    """A :class:`TrainState` whose leaves are the target ``NamedSharding`` of each array."""
+    """A :class:`TrainState` whose leaves are the target ``NamedSharding`` of each array, in the
+    memory kind (device or pinned host) that ``plan.placement`` gives each leaf."""
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), plan.param_shapes,
                             is_leaf=lambda x: isinstance(x, tuple))
     specs = TrainState(
@@ -143,7 +153,10 @@ def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainS
         opt_state=opt_state_specs(tx, abstract, plan.specs.opt),
         scaler=LossScaleState(P(), P(), P(), P()) if plan.precision == "fp16" else None,
     )
-    return named(plan.mesh, specs)
+    shardings = named(plan.mesh, specs)
+    if plan.placement is not None and plan.placement.active:
+        shardings = place_state(shardings, plan.placement, tx, plan.mixed)
+    return shardings
 
 
 def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array | None = None,

@@ -40,6 +40,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcolossal.optim.loss_scale import scaler_update
+from jaxcolossal.placement import DEVICE, HOST
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
 
@@ -138,6 +139,90 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     return grad_fn
 
 
+def to_device(tree: Any, shardings: Any) -> Any:
+    """Inside the step: move each leaf whose target sharding is in pinned host memory into device
+    memory (same spec); device-resident leaves pass through. ``tree`` may be ``None``."""
+    if tree is None:
+        return None
+    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)) if s.memory_kind == HOST else x,
+                        tree, shardings, is_leaf=lambda x: x is None)
+
+
+def _split(tree: Any, where: Any) -> Any:
+    """``tree`` (param-shaped) with the leaves where ``where`` is False replaced by ``None``."""
+    return jax.tree.map(lambda w, x: x if w else None, where, tree)
+
+
+def _merge_states(dev: Any, host: Any) -> Any:
+    """One optimizer state from the device part and the host part (each with ``None`` for the other's
+    parameter-shaped leaves); shared leaves (the step count) come from the device part."""
+    none = lambda x: x is None  # noqa: E731
+    d, treedef = jax.tree.flatten(dev, is_leaf=none)
+    h = jax.tree.leaves(host, is_leaf=none)
+    return jax.tree.unflatten(treedef, [a if a is not None else b for a, b in zip(d, h)])
+
+
+def make_host_update(plan: TrainPlan, shardings: TrainState) -> Callable:
+    """``update(grads, opt_state, master, finite) -> (new_master, new_params, opt_state)`` with the
+    offloaded leaves' AdamW run on the host (``compute_on("device_host")``, Colossal-AI's CPU Adam in
+    HybridAdam) and the rest on the device.
+
+    The global-norm clipping runs first on the device over all gradients; then the host part's fp32
+    gradients move down (4 B/param), AdamW updates master and moments in place in host memory, and
+    the new compute-dtype params move up (p B/param). A non-finite step keeps the old values on
+    both sides. Raises nothing beyond the optimizer's own errors.
+    """
+    from jax.experimental.compute_on import compute_on
+    from jaxcolossal.train.optimizer import optimizer_parts
+
+    t, mesh, specs = plan.cfg.training, plan.mesh, plan.specs
+    off = plan.placement.optim
+    on_dev = jax.tree.map(lambda w: not w, off)
+    parts = optimizer_parts(t, plan, param_specs=_split(specs.opt, on_dev))
+    adam_dev, adam_host = parts[-1], optimizer_parts(t, None, on_host=True)[-1]
+    clip = parts[0] if len(parts) == 2 else None
+    master_sh = shardings.master if plan.mixed else shardings.params
+    host_sh = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(HOST), tree)  # noqa: E731
+    dtype = plan.compute_dtype
+
+    def host_fn(g, s, p, finite):
+        upd, s_new = adam_host.update(g, s, p)
+        p_new = optax.apply_updates(p, upd)
+        keep = lambda new, old: jax.tree.map(lambda x, y: jnp.where(finite, x, y), new, old)  # noqa: E731
+        p_new, s_new = keep(p_new, p), keep(s_new, s)
+        return p_new, jax.tree.map(lambda x: x.astype(dtype), p_new), s_new
+
+    on_host = compute_on("device_host")(jax.jit(host_fn))
+
+    def update(grads, opt_state, master, finite):
+        if clip is not None:
+            grads, _ = clip.update(grads, opt_state[0])
+        adam_state = opt_state[-1]
+        keep = lambda new, old: jax.tree.map(lambda x, y: jnp.where(finite, x, y), new, old)  # noqa: E731
+        # device part: the leaves that stay in device memory
+        g_d, p_d = _split(grads, on_dev), _split(master, on_dev)
+        s_d = optax.tree_map_params(adam_dev, lambda x, w: x if w else None, adam_state, on_dev)
+        u_d, s_d_new = adam_dev.update(g_d, s_d, p_d)
+        p_d_new = keep(optax.apply_updates(p_d, u_d), p_d)
+        s_d_new = keep(s_d_new, s_d)
+        # host part: gradients down, AdamW in host memory, compute-dtype params up
+        repl = NamedSharding(mesh, P()).with_memory_kind(HOST)
+        g_h = jax.device_put(_split(grads, off), host_sh(_split(master_sh, off)))
+        s_h = optax.tree_map_params(adam_host, lambda x, w: x if w else None, adam_state, off,
+                                    transform_non_params=lambda x: jax.device_put(x, repl))
+        p_h_new, c_h_new, s_h_new = on_host(g_h, s_h, _split(master, off), jax.device_put(finite, repl))
+        c_h_new = jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)), c_h_new,
+                               _split(master_sh, off))
+        new_master = jax.tree.map(lambda w, a, b: b if w else a, off, p_d_new, p_h_new)
+        c_d_new = constrain(jax.tree.map(lambda x: x.astype(dtype), p_d_new), mesh, _split(specs.opt, on_dev))
+        new_params = jax.tree.map(lambda w, a, b: b if w else a, off, c_d_new, c_h_new)
+        new_state = _merge_states(s_d_new, s_h_new)
+        new_state = (opt_state[0], new_state) if clip is not None else (new_state,)
+        return new_master, new_params, new_state
+
+    return update
+
+
 def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
     """Build the jitted ``train_step(state, batch) -> (state, metrics)``.
@@ -159,11 +244,15 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     mesh, specs, pc = plan.mesh, plan.specs, plan.cfg.precision
     fp16 = plan.precision == "fp16"
     shardings = state_shardings(plan, tx)
+    pl = plan.placement
+    host_update = pl is not None and pl.any_optim and pl.optimizer_device == "host"
+    update_on_host = make_host_update(plan, shardings) if host_update else None
 
     def step(state: TrainState, batch: dict):
         scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
         mask = batch.get("loss_mask")
-        loss_sum, grads = grad_fn(state.params, batch["inputs"], batch["targets"], scale, mask,
+        params = to_device(state.params, shardings.params)  # offloaded compute params come in first
+        loss_sum, grads = grad_fn(params, batch["inputs"], batch["targets"], scale, mask,
                                   batch.get("segment_ids"), batch.get("positions"))
         n_tok = token_count(batch["inputs"], mask)
         grad_norm = optax.tree.norm(grads)
@@ -174,12 +263,17 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         keep = lambda new, old: jax.tree.map(lambda x, y: jnp.where(finite, x, y), new, old)
 
         master = state.master if plan.mixed else state.params
-        master = constrain(master, mesh, specs.opt)
+        master_sh = shardings.master if plan.mixed else shardings.params
         grads = constrain(grads, mesh, specs.opt)  # ZeRO-1: each rank keeps its slice
-        updates, opt_state = tx.update(grads, state.opt_state, master)
-        new_master = constrain(keep(optax.apply_updates(master, updates), master), mesh, specs.opt)
-        # cast each rank's shard first, so the ZeRO all-gather moves compute-dtype values
-        new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master), mesh, specs.opt)
+        if host_update:  # offload.optimizer_device=host: the offloaded leaves are updated on the CPU
+            new_master, new_params, opt_state = update_on_host(grads, state.opt_state, master, finite)
+        else:  # offloaded leaves (if any) are moved in, updated here, and moved out by out_shardings
+            master = constrain(to_device(master, master_sh), mesh, specs.opt)
+            updates, opt_state = tx.update(grads, to_device(state.opt_state, shardings.opt_state), master)
+            new_master = constrain(keep(optax.apply_updates(master, updates), master), mesh, specs.opt)
+            opt_state = keep(opt_state, to_device(state.opt_state, shardings.opt_state))
+            # cast each rank's shard first, so the ZeRO all-gather moves compute-dtype values
+            new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master), mesh, specs.opt)
         new_params = constrain(new_params, mesh, specs.params)
         scaler = state.scaler
         if fp16:
@@ -187,7 +281,7 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
                                    backoff_factor=pc.backoff_factor, growth_interval=pc.growth_interval,
                                    hysteresis=pc.hysteresis, min_scale=pc.min_scale, max_scale=pc.max_scale)
         new = TrainState(step=state.step + 1, params=new_params, master=new_master if plan.mixed else None,
-                         opt_state=keep(opt_state, state.opt_state), scaler=scaler)
+                         opt_state=opt_state, scaler=scaler)
         metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)

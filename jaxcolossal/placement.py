@@ -1,0 +1,370 @@
+"""Heterogeneous memory: which shards of the train state live in device memory and which in pinned
+host memory (Colossal-AI's Gemini placement and ``cpu_offload``, ZeRO-Offload).
+
+The split of concerns is the one the design asks for: :mod:`jaxcolossal.sharding` decides the
+*specs* (what each device holds, by ZeRO stage and tensor parallelism); this module decides the
+*memory kind* of each shard (``device`` or ``pinned_host``, JAX's memory kinds). The train step
+only follows: it moves an offloaded leaf into device memory where it is used, or updates it on the
+host with ``compute_on("device_host")`` (:func:`jaxcolossal.train.step.make_train_step`).
+
+**What a fraction means, exactly.** The unit of placement is a parameter leaf (a stacked leaf
+``[L, ...]`` counts as one): its optimizer state (Adam m and v, and the fp32 master copy in mixed
+precision) moves as a whole, as do its compute parameters. :func:`choose` takes the set of leaves
+whose per-device bytes come closest to the fraction asked (an exact subset-sum over the leaves;
+ties: the fewest leaves, found largest first). Fewest and largest, because big transfers reach
+the link's bandwidth while small leaves (norm scales, biases) would pay a transfer's latency for
+a few bytes. The fraction reached (by bytes, per device) is reported next to the one asked; 0 and
+1 are always exact, and with a model's dozen-odd leaves the others land within a few tenths of a
+percent (docs/offload.md has the figures).
+
+**Formulas** (docs/offload.md), per device, with Ψ the parameters of one model-parallel rank, p/K
+the bytes per parameter of the compute copy / optimizer state (``train.state.BYTES_PER_PARAM``),
+N the ZeRO group, and f̂ₒ, f̂ₚ the fractions reached::
+
+    device = p·Ψ·(1 − f̂ₚ)/N₃ + K·Ψ·(1 − f̂ₒ)/N₁        host = p·Ψ·f̂ₚ/N₃ + K·Ψ·f̂ₒ/N₁
+
+where N₃ = N with ZeRO-3 (else 1) and N₁ = N with ZeRO ≥ 1 (else 1). The fp32 gradient buffer
+exists only inside the step and is always on the device.
+
+**Auto placement** (:func:`auto`): Gemini's ``ChunkManager.optimize_chunk_config(memory_limit)``
+as a search: every pair of fractions on a grid is scored by its predicted device bytes
+(:func:`device_need`) and its host↔device traffic per step (:func:`traffic`); of those under the
+limit, the least traffic wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxcolossal.config import Config, ConfigError, parse_bytes
+from jaxcolossal.sharding import shard_bytes
+
+HOST = "pinned_host"
+DEVICE = "device"
+GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""The fractions :func:`auto` tries for each of offload_optim_frac and offload_param_frac."""
+MAX_SUBSETS = 100_000
+"""Above this many distinct host totals, :func:`choose` falls back to a greedy pass."""
+CAPACITY_MARGIN = 0.9
+"""The share of a device's reported capacity a run may plan for when no limit is given."""
+
+_is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each parameter leaf's state lives.
+
+    Attributes:
+        optim: param-shaped tree of bool: True = the leaf's optimizer state (m, v, master) lives in
+            pinned host memory.
+        params: param-shaped tree of bool: True = the leaf's compute parameters live in pinned host
+            memory between steps (ZeRO-3 only).
+        optimizer_device: ``device`` or ``host``: where the offloaded optimizer state is updated.
+        optim_frac, param_frac: the fractions reached (per-device bytes on the host / all).
+        asked_optim_frac, asked_param_frac: the fractions the config asked for.
+    """
+
+    optim: Any
+    params: Any
+    optimizer_device: str = "device"
+    optim_frac: float = 0.0
+    param_frac: float = 0.0
+    asked_optim_frac: float = 0.0
+    asked_param_frac: float = 0.0
+
+    @property
+    def any_optim(self) -> bool:
+        return any(jax.tree.leaves(self.optim))
+
+    @property
+    def any_params(self) -> bool:
+        return any(jax.tree.leaves(self.params))
+
+    @property
+    def active(self) -> bool:
+        """True when any part of the state is in host memory."""
+        return self.any_optim or self.any_params
+
+
+def _names(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_shape)[0]]
+
+
+def local_elements(shapes: Any, specs: Any, mesh_shape: Mapping[str, int]) -> Any:
+    """Elements per device of each parameter leaf under ``specs`` (a param-shaped tree of ints)."""
+    return jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, mesh_shape), shapes, specs, is_leaf=_is_shape)
+
+
+def choose(sizes: Any, frac: float) -> tuple[Any, float]:
+    """The leaves to put on the host for ``frac`` of the bytes, and the fraction reached.
+
+    Args:
+        sizes: param-shaped tree of per-device sizes (elements or bytes; only ratios matter).
+        frac: in [0, 1].
+
+    Returns:
+        (tree of bool, reached fraction): largest leaves first, each taken when that brings the
+        host's share closer to ``frac`` (module docstring).
+    """
+    flat, treedef = jax.tree.flatten(sizes)
+    names = _names(sizes)
+    total = sum(flat)
+    if total == 0 or frac <= 0:
+        return jax.tree.unflatten(treedef, [False] * len(flat)), 0.0
+    if frac >= 1:
+        return jax.tree.unflatten(treedef, [True] * len(flat)), 1.0
+    target = frac * total
+    order = sorted(range(len(flat)), key=lambda i: (-flat[i], names[i]))
+    # every reachable host total, each with its fewest-leaves subset (largest leaves found first)
+    reach: dict[int, tuple] = {0: ()}
+    for i in order:
+        for s, sub in list(reach.items()):
+            t = s + flat[i]
+            if t not in reach or len(reach[t]) > len(sub) + 1:
+                reach[t] = sub + (i,)
+        if len(reach) > MAX_SUBSETS:  # too many distinct totals: greedy, largest first
+            got, chosen = 0, ()
+            for j in order:
+                if abs(got + flat[j] - target) < abs(got - target):
+                    got, chosen = got + flat[j], chosen + (j,)
+            reach = {got: chosen}
+            break
+    got = min(reach, key=lambda s: (abs(s - target), len(reach[s])))
+    take = [False] * len(flat)
+    for i in reach[got]:
+        take[i] = True
+    return jax.tree.unflatten(treedef, take), got / total
+
+
+def make_placement(optim_frac: float, param_frac: float, optimizer_device: str, shapes: Any, specs: Any,
+                   mesh_shape: Mapping[str, int]) -> Placement:
+    """A :class:`Placement` for the two fractions, from the parameter shapes and the ZeRO specs
+    (``specs.opt`` sizes the optimizer state's shards, ``specs.params`` the compute copy's)."""
+    optim, fo = choose(local_elements(shapes, specs.opt, mesh_shape), optim_frac)
+    params, fp = choose(local_elements(shapes, specs.params, mesh_shape), param_frac)
+    return Placement(optim, params, optimizer_device, fo, fp, optim_frac, param_frac)
+
+
+def no_offload(shapes: Any) -> Placement:
+    """Everything in device memory."""
+    none = jax.tree.map(lambda _: False, shapes, is_leaf=_is_shape)
+    return Placement(none, none)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def state_bytes(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
+                precision: str) -> dict[str, int]:
+    """Per-device bytes of the persistent model state by memory kind (the formulas above), plus
+    the fp32 gradient buffer that the step holds on the device: ``{"device", "host", "grads"}``."""
+    from jaxcolossal.train.state import BYTES_PER_PARAM
+    b = BYTES_PER_PARAM[precision]
+    opt = local_elements(shapes, specs.opt, mesh_shape)
+    par = local_elements(shapes, specs.params, mesh_shape)
+    grads = sum(jax.tree.leaves(local_elements(shapes, specs.grads, mesh_shape))) * b["g"]
+    split = lambda sizes, where: (sum(s for s, w in zip(jax.tree.leaves(sizes), jax.tree.leaves(where)) if not w),
+                                  sum(s for s, w in zip(jax.tree.leaves(sizes), jax.tree.leaves(where)) if w))
+    od, oh = split(opt, placement.optim)
+    pd, ph = split(par, placement.params)
+    return {"device": b["p"] * pd + b["K"] * od, "host": b["p"] * ph + b["K"] * oh, "grads": grads}
+
+
+def formula_bytes(psi_local: int, n: int, zero_stage: int, precision: str, optim_frac: float,
+                  param_frac: float) -> dict[str, float]:
+    """docs/offload.md's formulas: ``{"device", "host"}`` bytes per device of params + optimizer
+    state for Ψ = ``psi_local`` parameters per model-parallel rank over a ZeRO group of ``n``."""
+    from jaxcolossal.train.state import BYTES_PER_PARAM
+    b = BYTES_PER_PARAM[precision]
+    n3 = n if zero_stage >= 3 else 1
+    n1 = n if zero_stage >= 1 else 1
+    return {"device": b["p"] * psi_local * (1 - param_frac) / n3 + b["K"] * psi_local * (1 - optim_frac) / n1,
+            "host": b["p"] * psi_local * param_frac / n3 + b["K"] * psi_local * optim_frac / n1}
+
+
+def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
+    """An estimate of one microbatch's activation bytes per device, from Korthikanti et al. 2022
+    (Table 2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer at 2-byte activations, ``t`` = tp),
+    scaled to the compute dtype; ``full`` remat keeps ``2·s·b·h`` per layer plus one layer's
+    worth, the other policies the whole. Plus one chunk of fp32 LM-head logits. An estimate for
+    placement; the compiled ``memory_analysis()`` is the truth."""
+    m, t = cfg.model, cfg.training
+    n = mesh_shape["dp"] * mesh_shape["fsdp"]
+    tp, pp = mesh_shape["tp"], mesh_shape["pp"]
+    b = max(1, t.batch_size // (t.gradient_accumulation_steps * n))
+    s, h, a = t.seq_len, m.hidden_size, m.num_attention_heads
+    scale = 2 if cfg.precision.mode == "fp32" else 1
+    layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
+    layers = max(1, m.num_layers // pp)
+    acts = (2 * s * b * h * scale * layers + layer) if m.remat == "full" else layer * layers
+    chunk = min(m.loss_chunk_tokens or s * b, s * b)
+    return int(acts + chunk * (m.vocab_size / tp) * 4)
+
+
+def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int]) -> dict:
+    """Predicted per-device peak: persistent state on the device + the fp32 gradients + activations
+    (:func:`activation_bytes`) + with ``optimizer_device=device`` one offloaded leaf's optimizer
+    state streamed in (the largest). Returns the parts and ``"total"``."""
+    from jaxcolossal.train.state import BYTES_PER_PARAM
+    sb = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode)
+    opt = jax.tree.leaves(local_elements(shapes, specs.opt, mesh_shape))
+    offl = [s for s, w in zip(opt, jax.tree.leaves(placement.optim)) if w]
+    stream = max(offl, default=0) * BYTES_PER_PARAM[cfg.precision.mode]["K"] if placement.optimizer_device == "device" else 0
+    acts = activation_bytes(cfg, mesh_shape)
+    parts = {"state": sb["device"], "grads": sb["grads"], "activations": acts, "stream": stream, "host": sb["host"]}
+    parts["total"] = sb["device"] + sb["grads"] + acts + stream
+    return parts
+
+
+def traffic(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], precision: str) -> int:
+    """Host↔device bytes per step per device: an offloaded optimizer leaf moves its state in and out
+    (``2·K``/param, ``optimizer_device=device``) or its fp32 gradient down and its new compute
+    params up (``4 + p``, ``host``); an offloaded compute leaf moves in and out (``2·p``)."""
+    from jaxcolossal.train.state import BYTES_PER_PARAM
+    b = BYTES_PER_PARAM[precision]
+    opt = jax.tree.leaves(local_elements(shapes, specs.opt, mesh_shape))
+    par = jax.tree.leaves(local_elements(shapes, specs.params, mesh_shape))
+    per_opt = 2 * b["K"] if placement.optimizer_device == "device" else b["g"] + b["p"]
+    return int(sum(s for s, w in zip(opt, jax.tree.leaves(placement.optim)) if w) * per_opt
+               + sum(s for s, w in zip(par, jax.tree.leaves(placement.params)) if w) * 2 * b["p"])
+
+
+def device_limit(cfg: Config, devices: list | None = None) -> int:
+    """``offload.device_memory_limit`` in bytes, or the first device's reported capacity × 0.9
+    (:data:`CAPACITY_MARGIN`), or 0 when neither is known (the CPU reports none)."""
+    limit = parse_bytes(cfg.offload.device_memory_limit, "offload.device_memory_limit")
+    if limit or devices is None:
+        return limit
+    try:
+        stats = devices[0].memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        stats = {}
+    cap = stats.get("bytes_limit", 0)
+    return int(cap * CAPACITY_MARGIN) if cap else 0
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:,.2f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:,.2f} MiB"
+
+
+def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], limit: int) -> tuple[Placement, str]:
+    """The fractions on :data:`GRID` whose predicted device bytes fit ``limit`` with the least
+    host↔device traffic (ties: the smaller fractions), and the lines that explain the choice.
+
+    Raises:
+        ConfigError: nothing fits, with the smallest need found.
+    """
+    od = cfg.offload.optimizer_device
+    param_grid = GRID if cfg.parallel.zero_stage == 3 and mesh_shape["pp"] == 1 else (0.0,)
+    rows = []
+    for fo in GRID:
+        for fp in param_grid:
+            pl = make_placement(fo, fp, od, shapes, specs, mesh_shape)
+            need = device_need(pl, cfg, shapes, specs, mesh_shape)
+            rows.append((need["total"] <= limit, traffic(pl, shapes, specs, mesh_shape, cfg.precision.mode),
+                         fo + fp, pl, need))
+    fits = [r for r in rows if r[0]]
+    lines = [f"offload auto: device_memory_limit {gib(limit)}; predicted device bytes per device "
+             f"(state + grads + activations + stream) and host↔device traffic per step:"]
+    for ok, tr, _, pl, need in rows:
+        lines.append(f"  optim {pl.asked_optim_frac:4.2f} (reached {pl.optim_frac:4.2f})  param {pl.asked_param_frac:4.2f} "
+                     f"(reached {pl.param_frac:4.2f})  device {gib(need['total']):>12}  host {gib(need['host']):>12}  "
+                     f"traffic {gib(tr):>12}  {'fits' if ok else 'over'}")
+    if not fits:
+        best = min(rows, key=lambda r: r[4]["total"])
+        raise ConfigError(
+            f"offload.placement_policy=auto: nothing fits offload.device_memory_limit={gib(limit)}: the smallest "
+            f"predicted need is {gib(best[4]['total'])} (offload_optim_frac={best[3].asked_optim_frac:g}, "
+            f"offload_param_frac={best[3].asked_param_frac:g}; activations {gib(best[4]['activations'])}); "
+            "use more devices, a higher zero_stage, model.remat=full or a smaller microbatch")
+    _, tr, _, pl, need = min(fits, key=lambda r: (r[1], r[2]))
+    lines.append(f"offload auto: chose offload_optim_frac={pl.asked_optim_frac:g} offload_param_frac="
+                 f"{pl.asked_param_frac:g} (device {gib(need['total'])} ≤ {gib(limit)}, traffic {gib(tr)}/step)")
+    return pl, "\n".join(lines)
+
+
+def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
+            devices: list | None = None) -> tuple[Placement, str]:
+    """The run's :class:`Placement` from the ``offload`` section, checked against the device limit
+    before anything is compiled; with ``placement_policy=auto`` the fractions are chosen here and
+    written back to ``cfg.offload``. Returns the placement and a report (``""`` when silent).
+
+    Raises:
+        ConfigError: the predicted need is above the limit (the shortfall in bytes and the offload
+            settings that would fit), or auto finds nothing that fits.
+    """
+    o = cfg.offload
+    limit = device_limit(cfg, devices)
+    if o.placement_policy == "auto":
+        if not limit:
+            raise ConfigError("offload.placement_policy=auto needs offload.device_memory_limit (e.g. 80GB): this "
+                              "backend reports no device capacity")
+        pl, report = auto(cfg, shapes, specs, mesh_shape, limit)
+        o.offload_optim_frac, o.offload_param_frac = pl.asked_optim_frac, pl.asked_param_frac
+        return pl, report
+    pl = make_placement(o.offload_optim_frac, o.offload_param_frac, o.optimizer_device, shapes, specs, mesh_shape)
+    if limit:
+        need = device_need(pl, cfg, shapes, specs, mesh_shape)
+        if need["total"] > limit:
+            try:
+                fit, _ = auto(cfg, shapes, specs, mesh_shape, limit)
+                hint = (f"offload.offload_optim_frac={fit.asked_optim_frac:g}"
+                        + (f" offload.offload_param_frac={fit.asked_param_frac:g}" if fit.asked_param_frac else "")
+                        + " would fit (or offload.placement_policy=auto)")
+            except ConfigError:
+                hint = "no offload setting fits either: use more devices, a higher zero_stage or model.remat=full"
+            raise ConfigError(
+                f"the run needs {gib(need['total'])} per device ({need['total']:,} bytes: state {gib(need['state'])}, "
+                f"fp32 grads {gib(need['grads'])}, activations ≈{gib(need['activations'])}"
+                + (f", optimizer stream {gib(need['stream'])}" if need["stream"] else "")
+                + f") but offload.device_memory_limit allows {gib(limit)}: short by {need['total'] - limit:,} bytes; "
+                + hint)
+    return pl, ""
+
+
+# ----------------------------------------------------------------------------- memory kinds
+
+
+def with_kind(sharding: NamedSharding, host: bool) -> NamedSharding:
+    """``sharding`` in pinned host memory when ``host``, else in device memory."""
+    return sharding.with_memory_kind(HOST if host else DEVICE)
+
+
+def place_state(shardings: Any, placement: Placement, tx: Any, mixed: bool) -> Any:
+    """The train state's shardings (a ``TrainState`` of ``NamedSharding``) with the memory kinds of
+    ``placement``: offloaded compute params, master copy and optimizer moments in pinned host
+    memory; counters, the loss scaler and the rest in device memory."""
+    import optax
+    is_sh = lambda x: isinstance(x, NamedSharding)  # noqa: E731
+    params = jax.tree.map(with_kind, shardings.params, placement.params, is_leaf=is_sh)
+    master = jax.tree.map(with_kind, shardings.master, placement.optim, is_leaf=is_sh) if mixed else None
+    opt = optax.tree_map_params(tx, with_kind, shardings.opt_state, placement.optim,
+                                transform_non_params=lambda s: with_kind(s, False), is_leaf=is_sh)
+    dev = lambda t: jax.tree.map(lambda s: with_kind(s, False), t, is_leaf=is_sh)  # noqa: E731
+    return shardings.replace(step=dev(shardings.step), params=params, master=master, opt_state=opt,
+                             scaler=dev(shardings.scaler))
+
+
+def bytes_by_kind(tree: Any) -> dict[str, int]:
+    """Bytes of ``tree``'s arrays on the first addressable device, by memory kind, read from each
+    shard's ``sharding.memory_kind``: ``{"device": ..., "pinned_host": ...}``."""
+    dev = jax.local_devices()[0]
+    out = {DEVICE: 0, HOST: 0}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            if s.device == dev:
+                kind = s.data.sharding.memory_kind or DEVICE
+                out[HOST if kind == HOST else DEVICE] += s.data.nbytes
+    return out
+
+
+def total_psi(shapes: Any) -> int:
+    """Ψ, the total parameter count of a shapes tree."""
+    return sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=_is_shape))
