@@ -15,7 +15,7 @@ Plugin names and arguments follow Colossal-AI 0.5 (``colossalai.booster.plugin``
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
@@ -23,8 +23,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxcolossal.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, TrainingConfig,
-                                pipeline_microbatches)
+from jaxcolossal.config import (Config, ConfigError, OffloadConfig, ParallelConfig, PrecisionConfig,
+                                TrainingConfig, pipeline_microbatches)
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.train.state import TrainPlan, TrainState, init_state, make_plan
 from jaxcolossal.train.step import make_train_step
@@ -40,11 +40,14 @@ def _precision(precision: str, initial_scale: float = 2.0**16) -> PrecisionConfi
 
 @dataclass(frozen=True)
 class Plugin:
-    """Base preset: ``parallel`` and ``precision`` config sections plus ``max_norm`` clipping."""
+    """Base preset: ``parallel``, ``precision`` and ``offload`` config sections plus ``max_norm``
+    clipping. With a plugin the offloaded optimizer state is updated on the device
+    (``optimizer_device=device``): the optimizer is the user's optax transformation."""
 
     parallel: ParallelConfig
     precision: PrecisionConfig
     max_norm: float = 0.0
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 def DDPPlugin(precision: str = "fp32", max_norm: float = 0.0) -> Plugin:
@@ -56,21 +59,38 @@ TorchDDPPlugin = DDPPlugin
 
 
 def LowLevelZeroPlugin(stage: int = 1, precision: str = "fp16", initial_scale: float = 2.0**32,
-                       max_norm: float = 0.0) -> Plugin:
+                       max_norm: float = 0.0, cpu_offload: bool = False) -> Plugin:
     """ZeRO-1 (optimizer state sharded) or ZeRO-2 (and gradients) over every device.
+    ``cpu_offload``: the whole optimizer state (moments and fp32 master) in pinned host memory
+    (``offload.offload_optim_frac=1``; ZeRO-Offload).
 
     Raises:
         ConfigError: ``stage`` not in {1, 2}.
     """
     if stage not in (1, 2):
         raise ConfigError(f"LowLevelZeroPlugin(stage={stage}): allowed values are [1, 2]; use GeminiPlugin for ZeRO-3")
-    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=stage), _precision(precision, initial_scale), max_norm)
+    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=stage), _precision(precision, initial_scale), max_norm,
+                  OffloadConfig(offload_optim_frac=1.0 if cpu_offload else 0.0))
 
 
-def GeminiPlugin(precision: str = "fp16", initial_scale: float = 2.0**16, max_norm: float = 0.0) -> Plugin:
-    """ZeRO-3: parameters, gradients and optimizer state sharded over every device (Colossal-AI's
-    Gemini, without its chunk manager or CPU placement — XLA gathers per layer)."""
-    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=3), _precision(precision, initial_scale), max_norm)
+def GeminiPlugin(precision: str = "fp16", initial_scale: float = 2.0**16, max_norm: float = 0.0,
+                 placement_policy: str = "static", offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,
+                 device_memory_limit: str | int = "") -> Plugin:
+    """ZeRO-3: parameters, gradients and optimizer state sharded over every device, with Gemini's
+    placement: ``offload_optim_frac`` of the optimizer state and ``offload_param_frac`` of the
+    compute parameters in pinned host memory, or ``placement_policy="auto"`` to choose them for
+    ``device_memory_limit`` (:mod:`jaxcolossal.placement`; no chunk manager — XLA gathers per layer).
+
+    Raises:
+        ConfigError: a ``placement_policy`` other than static/auto, or fractions outside [0, 1]
+            (when the booster validates the config).
+    """
+    if placement_policy not in ("static", "auto"):
+        raise ConfigError(f"GeminiPlugin(placement_policy={placement_policy!r}): allowed values are ['static', 'auto']")
+    off = OffloadConfig(placement_policy=placement_policy, offload_optim_frac=float(offload_optim_frac),
+                        offload_param_frac=float(offload_param_frac), device_memory_limit=str(device_memory_limit))
+    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=3), _precision(precision, initial_scale), max_norm,
+                  off)
 
 
 TorchFSDPPlugin = GeminiPlugin
@@ -78,8 +98,9 @@ TorchFSDPPlugin = GeminiPlugin
 
 def HybridParallelPlugin(tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp16",
                          num_microbatches: int = 0, pp_style: str = "1f1b", num_model_chunks: int = 1,
-                         initial_scale: float = 2.0**16, max_norm: float = 0.0) -> Plugin:
+                         initial_scale: float = 2.0**16, max_norm: float = 0.0, cpu_offload: bool = False) -> Plugin:
     """Tensor × pipeline × data parallelism with ZeRO over the data group; dp = world / (tp·pp).
+    ``cpu_offload``: the optimizer state in pinned host memory (``offload.offload_optim_frac=1``).
 
     Raises:
         ConfigError: an unknown ``pp_style`` or ``zero_stage``.
@@ -91,7 +112,8 @@ def HybridParallelPlugin(tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0
     par = ParallelConfig(data_parallel_size=-1, tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
                          zero_stage=zero_stage, num_microbatches=num_microbatches, pipeline_schedule=pp_style,
                          num_model_chunks=num_model_chunks)
-    return Plugin(par, _precision(precision, initial_scale), max_norm)
+    return Plugin(par, _precision(precision, initial_scale), max_norm,
+                  OffloadConfig(offload_optim_frac=1.0 if cpu_offload else 0.0))
 
 
 class Booster:
@@ -126,7 +148,8 @@ class Booster:
                                   gradient_accumulation_steps=gradient_accumulation_steps,
                                   seq_len=min(128, model.cfg.max_position_embeddings), seed=seed,
                                   max_grad_norm=self.plugin.max_norm)
-        cfg = Config(model=model.cfg, training=training, parallel=self.plugin.parallel, precision=self.plugin.precision)
+        cfg = Config(model=model.cfg, training=training, parallel=self.plugin.parallel, precision=self.plugin.precision,
+                     offload=dataclasses.replace(self.plugin.offload, optimizer_device="device"))
         pp = self.mesh.shape["pp"]
         if batch_size is None and pp > 1:  # the smallest batch that splits into the pipeline microbatches
             training.batch_size = data * max(gradient_accumulation_steps, pipeline_microbatches(cfg, pp))

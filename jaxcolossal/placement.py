@@ -293,8 +293,8 @@ def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], li
 def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
             devices: list | None = None) -> tuple[Placement, str]:
     """The run's :class:`Placement` from the ``offload`` section, checked against the device limit
-    before anything is compiled; with ``placement_policy=auto`` the fractions are chosen here and
-    written back to ``cfg.offload``. Returns the placement and a report (``""`` when silent).
+    before anything is compiled; with ``placement_policy=auto`` the fractions are chosen here (the
+    config keeps what the user wrote; the plan holds the choice). Returns the placement and a report (``""`` when silent).
 
     Raises:
         ConfigError: the predicted need is above the limit (the shortfall in bytes and the offload
@@ -306,9 +306,7 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
         if not limit:
             raise ConfigError("offload.placement_policy=auto needs offload.device_memory_limit (e.g. 80GB): this "
                               "backend reports no device capacity")
-        pl, report = auto(cfg, shapes, specs, mesh_shape, limit)
-        o.offload_optim_frac, o.offload_param_frac = pl.asked_optim_frac, pl.asked_param_frac
-        return pl, report
+        return auto(cfg, shapes, specs, mesh_shape, limit)
     pl = make_placement(o.offload_optim_frac, o.offload_param_frac, o.optimizer_device, shapes, specs, mesh_shape)
     if limit:
         need = device_need(pl, cfg, shapes, specs, mesh_shape)

@@ -17,6 +17,7 @@ from jaxcolossal.config import Config, ConfigError, validate
 from jaxcolossal.mesh import mesh_shape
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
+from jaxcolossal.placement import device_need, gib, resolve
 from jaxcolossal.sharding import RULES, shard_bytes, state_specs
 from jaxcolossal.train.state import BYTES_PER_PARAM
 
@@ -68,6 +69,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"{t.gradient_accumulation_steps} accumulation microbatches",
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
+    lines += _offload_lines(cfg, shapes, specs, shape)
     if p.zero_stage > 0 and rp.data_parallel_size == 1:
         lines.append(f"note       zero_stage {p.zero_stage} with data_parallel_size 1 shards nothing: "
                      "ZeRO splits state over the data-parallel group")
@@ -77,3 +79,24 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
                      f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
     return "\n".join(lines)
+
+
+def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
+    """The offload plan (:mod:`jaxcolossal.placement`): device and host bytes per device and per
+    8-device node, and whether the run fits ``offload.device_memory_limit`` when one is given."""
+    o = cfg.offload
+    limit = o.device_memory_limit
+    try:
+        pl, report = resolve(cfg, shapes, specs, shape)
+    except ConfigError as e:
+        return [f"offload    does not fit: {e}"]
+    need = device_need(pl, cfg, shapes, specs, shape)
+    lines = [report] if report else []
+    lines.append(f"offload    optim {pl.asked_optim_frac:g} (reached {pl.optim_frac:.3f}), params {pl.asked_param_frac:g} "
+                 f"(reached {pl.param_frac:.3f}), update on the {pl.optimizer_device}, activations {o.activations}")
+    lines.append(f"memory     per device: device {gib(need['total'])} (state {gib(need['state'])}, fp32 grads "
+                 f"{gib(need['grads'])}, activations ≈{gib(need['activations'])}"
+                 + (f", optimizer stream {gib(need['stream'])}" if need["stream"] else "")
+                 + f"); pinned host {gib(need['host'])} per device, {gib(8 * need['host'])} per 8-device node"
+                 + (f"; fits offload.device_memory_limit={limit}" if limit else ""))
+    return lines

@@ -39,6 +39,7 @@ from jaxcolossal.generate import printable, sample_tokens
 from jaxcolossal.launch import collective_timeout
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.models.hf import check_init_from, init_params_from
+from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind, formula_bytes
 from jaxcolossal.sharding import DATA_AXES, describe, shard_bytes
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
@@ -84,7 +85,19 @@ def memory_report(plan: TrainPlan, state: Any) -> tuple[str, dict]:
     for k in ("params", "grads", "optimizer"):
         lines.append(f"  {k:<10} {got[k] / 2**20:10.3f} MiB   formula {want[k] / 2**20:10.3f} MiB")
     lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
-    return "\n".join(lines), {"measured": got, "formula": want}
+    out = {"measured": got, "formula": want}
+    pl = plan.placement
+    if pl is not None and pl.active:  # by memory kind, read from each shard's sharding.memory_kind
+        kinds = bytes_by_kind([state.params, state.master, state.opt_state])
+        f = formula_bytes(psi_local, n, plan.cfg.parallel.zero_stage, plan.precision, pl.optim_frac, pl.param_frac)
+        lines.append(f"  by memory kind (params + optimizer state; offload_optim_frac {pl.asked_optim_frac:g} reached "
+                     f"{pl.optim_frac:.4f}, offload_param_frac {pl.asked_param_frac:g} reached {pl.param_frac:.4f}, "
+                     f"optimizer_device {pl.optimizer_device}):")
+        lines.append(f"  {'device':<10} {kinds[DEVICE] / 2**20:10.3f} MiB   formula {f['device'] / 2**20:10.3f} MiB "
+                     "(+ the fp32 grads inside the step)")
+        lines.append(f"  {'host':<10} {kinds[HOST] / 2**20:10.3f} MiB   formula {f['host'] / 2**20:10.3f} MiB (pinned)")
+        out.update(kinds=kinds, kinds_formula=f)
+    return "\n".join(lines), out
 
 
 # ----------------------------------------------------------------------------- preflight
@@ -234,6 +247,8 @@ def _start(cfg: Config) -> Run:
     log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} device(s), "
              f"{jax.process_count()} process(es); precision {plan.precision}; "
              f"zero_stage {cfg.parallel.zero_stage}", ranks=[0])
+    if plan.placement_report:
+        log.info(plan.placement_report, ranks=[0])
     loader, evals = _data(cfg, mesh)
 
     tx = build_optimizer(t, plan)

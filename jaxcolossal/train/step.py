@@ -210,7 +210,8 @@ def make_host_update(plan: TrainPlan, shardings: TrainState) -> Callable:
         g_h = jax.device_put(_split(grads, off), host_sh(_split(master_sh, off)))
         s_h = optax.tree_map_params(adam_host, lambda x, w: x if w else None, adam_state, off,
                                     transform_non_params=lambda x: jax.device_put(x, repl))
-        p_h_new, c_h_new, s_h_new = on_host(g_h, s_h, _split(master, off), jax.device_put(finite, repl))
+        p_h = jax.device_put(_split(master, off), host_sh(_split(master_sh, off)))  # fp32: the params, on the device
+        p_h_new, c_h_new, s_h_new = on_host(g_h, s_h, p_h, jax.device_put(finite, repl))
         c_h_new = jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)), c_h_new,
                                _split(master_sh, off))
         new_master = jax.tree.map(lambda w, a, b: b if w else a, off, p_d_new, p_h_new)
