@@ -21,12 +21,12 @@ from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind, formula_bytes
 from jaxcolossal.sharding import shard_bytes
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
-from jaxcolossal.train.state import init_state, make_plan
+from jaxcolossal.train.state import init_state, make_plan, state_shardings
 from jaxcolossal.train.step import make_train_step
 from tiny import assert_params_match, random_batches, run_steps, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 5
+STEPS = 3
 
 
 def _cfg(parallel, precision="bf16", offload=None, model=None, training=None):
@@ -48,11 +48,9 @@ def _kinds(tree):
 Z3 = {"data_parallel_size": 8, "zero_stage": 3}
 MODES = [
     dict(offload_optim_frac=0.5),
-    dict(offload_optim_frac=1.0),
     dict(offload_optim_frac=0.5, optimizer_device="host"),
-    dict(offload_optim_frac=1.0, optimizer_device="host"),
-    dict(offload_param_frac=1.0),
-    dict(offload_param_frac=1.0, offload_optim_frac=1.0, optimizer_device="host"),
+    dict(offload_optim_frac=1.0, offload_param_frac=1.0),
+    dict(offload_optim_frac=1.0, offload_param_frac=1.0, optimizer_device="host"),
 ]
 
 
@@ -77,11 +75,11 @@ def test_every_offload_setting_equals_no_offload_zero3_bf16():
 ], ids=["tp2_zero2_fp32", "pp2_zero1_bf16"])
 def test_optimizer_offload_with_tp_and_pp(parallel, precision):
     base, mb, _ = run_steps(_cfg(parallel, precision), steps=STEPS)
-    for od in ("device", "host"):
-        state, m, _ = run_steps(_cfg(parallel, precision, dict(offload_optim_frac=1.0, optimizer_device=od)), steps=STEPS)
-        assert [r["loss"] for r in m] == [r["loss"] for r in mb], od
-        _same(state.opt_state, base.opt_state)
-        _same(state.params, base.params)
+    od = "host" if "pipeline_parallel_size" in parallel else "device"
+    state, m, _ = run_steps(_cfg(parallel, precision, dict(offload_optim_frac=1.0, optimizer_device=od)), steps=STEPS)
+    assert [r["loss"] for r in m] == [r["loss"] for r in mb], od
+    _same(state.opt_state, base.opt_state)
+    _same(state.params, base.params)
 
 
 def test_fused_adamw_updates_offloaded_leaves_on_the_host():
@@ -89,9 +87,9 @@ def test_fused_adamw_updates_offloaded_leaves_on_the_host():
     its per-shard ``shard_map`` update: XLA fuses the two differently, so the master weights agree to
     Adam's ε-amplified summation noise (``assert_params_match``), not bit for bit; losses to 1e-6."""
     t = {"optimizer": "fused_adamw"}
-    base, mb, _ = run_steps(_cfg(Z3, None, training=t), steps=3)
+    base, mb, _ = run_steps(_cfg(Z3, None, training=t), steps=2)
     state, m, _ = run_steps(_cfg(Z3, None, training=t, offload=dict(offload_optim_frac=0.5, optimizer_device="host")),
-                            steps=3)
+                            steps=2)
     np.testing.assert_allclose([r["loss"] for r in m], [r["loss"] for r in mb], rtol=1e-6)
     assert_params_match(jax.device_get(state.params), jax.device_get(base.params))
 
@@ -129,7 +127,10 @@ def test_bytes_by_memory_kind_match_the_formulas(zero):
             off["offload_param_frac"] = frac
         cfg = _cfg({"data_parallel_size": 8, "zero_stage": zero}, "bf16", off)
         plan = make_plan(cfg, make_mesh(cfg.parallel))
-        state = init_state(plan, build_optimizer(cfg.training, plan), key=jax.random.key(0))
+        tx = build_optimizer(cfg.training, plan)
+        abstract = jax.eval_shape(lambda k: init_state(plan, tx, key=k), jax.random.key(0))
+        state = jax.tree.map(lambda a, sh: jax.device_put(np.zeros(a.shape, a.dtype), sh), abstract,
+                             state_shardings(plan, tx))  # the arrays with the state's shardings, no compile
         got = bytes_by_kind([state.params, state.master, state.opt_state])
         psi = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, np.uint8, sp, plan.mesh_shape),
                                                plan.param_shapes, plan.specs.base,
@@ -188,36 +189,46 @@ def test_main_job_trains_under_auto_placement(tmp_path):
     assert out["val_loss_end"] < out["val_loss_start"] - 0.3
 
 
-@pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
-def test_resume_across_offload_settings_is_bit_exact(tmp_path, direction):
+def test_resume_across_offload_settings_is_bit_exact(tmp_path):
+    """Save with offload on, resume with it off, and the reverse: the losses and master weights of
+    the resumed steps equal the uninterrupted run's bit for bit (orbax writes and reads the
+    host-resident arrays in place)."""
     on = dict(offload_optim_frac=1.0, offload_param_frac=1.0, optimizer_device="host")
-    first, second = (on, {}) if direction == "on_to_off" else ({}, on)
     batches = random_batches(_cfg(Z3), 4)
-
-    def steps(cfg, state=None, xs=()):
+    built = {}
+    for name, off in (("off", {}), ("on", on)):
+        cfg = _cfg(Z3, offload=off)
         plan = make_plan(cfg, make_mesh(cfg.parallel))
         tx = build_optimizer(cfg.training, plan)
-        fresh = init_state(plan, tx, key=jax.random.key(0))
-        state = fresh if state is None else state(fresh)
-        fn, losses = make_train_step(plan, tx, lr_schedule(cfg.training)), []
+        built[name] = (plan, init_state(plan, tx, key=jax.random.key(0)), make_train_step(plan, tx, lr_schedule(cfg.training)))
+
+    def steps(name, state, xs):
+        plan, _, fn = built[name]
+        losses = []
         for x in xs:
-            b = {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
-                 "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
-            state, m = fn(state, b)
+            state, m = fn(state, {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
+                                  "targets": jax.device_put(x[:, 1:], plan.batch_sharding)})
             losses.append(float(m["loss"]))
         return state, losses
 
-    whole, want = steps(_cfg(Z3), xs=batches)
-    half, got1 = steps(_cfg(Z3, offload=first), xs=batches[:2])
-    cm = CheckpointManager(str(tmp_path))
-    cm.save(2, half)
-    cm.wait()
-    resumed, got2 = steps(_cfg(Z3, offload=second), state=cm.restore, xs=batches[2:])
-    cm.close()
-    assert got1 + got2 == want
-    _same(resumed.master, whole.master)
-    if second:
-        assert _kinds(resumed.master) == {HOST} and _kinds(resumed.params) == {HOST}
+    fresh = {k: jax.tree.map(lambda x: x.copy(), v[1]) for k, v in built.items()}  # restore targets
+    cm = {k: CheckpointManager(str(tmp_path / k)) for k in built}
+    half, l_half = {}, {}
+    for k in built:
+        half[k], l_half[k] = steps(k, built[k][1], batches[:2])
+        cm[k].save(2, half[k])
+        cm[k].wait()
+    assert l_half["on"] == l_half["off"]
+    whole, l_rest = steps("off", half["off"], batches[2:])  # the uninterrupted run
+    resumed_off, r_off = steps("off", cm["on"].restore(fresh["off"]), batches[2:])  # on -> off
+    resumed_on, r_on = steps("on", cm["off"].restore(fresh["on"]), batches[2:])  # off -> on
+    assert r_off == r_on == l_rest
+    _same(resumed_off.master, whole.master)
+    _same(resumed_on.master, whole.master)
+    assert _kinds(resumed_on.master) == {HOST} and _kinds(resumed_on.params) == {HOST}
+    assert _kinds(resumed_off.master) == {DEVICE}
+    for c in cm.values():
+        c.close()
 
 
 def test_plugins_offload():
@@ -226,8 +237,8 @@ def test_plugins_offload():
     import optax
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=128, max_position_embeddings=64)
-    for plugin in (LowLevelZeroPlugin(stage=2, precision="bf16", cpu_offload=True),
-                   GeminiPlugin(precision="bf16", offload_optim_frac=1.0, offload_param_frac=1.0)):
+    assert LowLevelZeroPlugin(stage=2, cpu_offload=True).offload.offload_optim_frac == 1.0
+    for plugin in (GeminiPlugin(precision="bf16", offload_optim_frac=1.0, offload_param_frac=1.0),):
         booster = Booster(plugin=plugin)
         state, step = booster.boost(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3), batch_size=8)
         assert _kinds(state.master) == {HOST}
