@@ -184,3 +184,34 @@ def dot_flops(hlo_text: str) -> dict[str, int]:
             flops += times * 2 * math.prod(_dims(m.group(2))) * math.prod(lhs[i] for i in contract)
             count += times
     return {"flops": flops, "dots": count}
+
+
+_HOST_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
+
+
+def _balanced(text: str, start: int) -> str:
+    """The text inside the parentheses that open at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    return text[start + 1:]
+
+
+def host_io_bytes(hlo_text: str) -> dict[str, int]:
+    """Per-device bytes of a compiled module's arguments and results in host memory (memory space
+    ``S(5)``, JAX's ``pinned_host``), read from its ``entry_computation_layout``:
+    ``{"host_arguments", "host_results"}``. With ``offload.optimizer_device=device`` these are the
+    bytes the step moves from host to device and back; with ``host`` the host computation reads and
+    writes them in place and only gradients and compute params cross."""
+    first = hlo_text.split("\n", 1)[0]
+    at = first.find("entry_computation_layout={(")
+    if at < 0:
+        return {"host_arguments": 0, "host_results": 0}
+    start = first.index("(", at)
+    args = _balanced(first, start)
+    rest = first[start + len(args) + 2:]
+    results = _balanced(rest, rest.index("(")) if rest.startswith("->(") else rest[2:].split("}", 1)[0]
+    size = lambda part: sum(_DTYPE_BYTES[d] * math.prod(_dims(s)) for d, s in _HOST_SHAPE.findall(part))  # noqa: E731
+    return {"host_arguments": size(args), "host_results": size(results)}

@@ -20,7 +20,8 @@
 #   4. scripts/benchmark.py: LLaMA ~1B (Llama-3.2-1B shape) without and with full remat, and with
 #      full remat on the old LM-head path (all logits materialized), LLaMA ~3B (Llama-3.2-3B shape)
 #      with full remat; seq 4096, bf16, one GPU;
-#   5. scripts/bench_optimizer.py (fused AdamW Pallas kernel vs optax, GB/s vs HBM peak).
+#   5. scripts/bench_optimizer.py (fused AdamW Pallas kernel vs optax, GB/s vs HBM peak);
+#   6. scripts/bench_offload.py (step time with each offload setting / none, host<->device GB/s).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -32,6 +33,7 @@ MODEL_1B=${MODEL_1B:-llama_1b}
 MODEL_3B=${MODEL_3B:-llama_3b}
 BENCH_ARGS=${BENCH_ARGS:---warmup 3 --steps 10}  # e.g. a CPU rehearsal (docs/performance.md):
 OPT_ARGS=${OPT_ARGS:-}                           # SEQ=64 MODEL_1B=tiny MODEL_3B=tiny OPT_ARGS="--scale 0.001"
+OFFLOAD_ARGS=${OFFLOAD_ARGS:-}                   # e.g. "--hidden 128 --layers 2 --seq 64" (CPU rehearsal)
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 START=$SECONDS
@@ -150,6 +152,11 @@ bench llama_3b_remat_full 200 --model "$MODEL_3B" --remat full --batch-per-dp "$
 # ---------------------------------------------------------------- 5. fused AdamW vs optax
 # shellcheck disable=SC2086
 step bench_optimizer 120 "$PY" scripts/bench_optimizer.py $OPT_ARGS
+
+# ---------------------------------------------------------------- 6. offload: step-time ratios and host<->device GB/s
+# shellcheck disable=SC2086
+step bench_offload 150 "$PY" scripts/bench_offload.py --devices 1 --layers 4 --hidden 2048 --seq 1024 --batch 4 \
+     --steps 3 --rounds 2 $OFFLOAD_ARGS
 
 # ---------------------------------------------------------------- summary
 "$PY" - "$OUT" <<'EOF' | tee "$OUT/summary.md"
