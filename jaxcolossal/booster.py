@@ -163,7 +163,7 @@ class Booster:
                 f"the model was built with a vocabulary of {params['embed_tokens'].shape[0]} rows but this plugin "
                 f"needs {self.plan.vocab} (padded for tp); build it with tp={self.mesh.shape['tp']}")
         state = init_state(self.plan, tx, params=params)
-        step = make_train_step(self.plan, tx)
+        step = make_train_step(self.plan, tx, tx_from_config=False)
         want = self.plan.cfg.training.batch_size
 
         def train_step(state: TrainState, batch: dict):

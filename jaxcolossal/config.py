@@ -297,7 +297,9 @@ class OffloadConfig:
     Colossal-AI's CPU Adam). ``activations``: ``host`` saves the layer projections to host memory
     instead of device memory (``model.remat=offload``). ``device_memory_limit``: the device bytes a
     run may plan for (``"80GB"``; ``""``: the device's reported capacity × 0.9, none on the CPU).
-    ``nvme_path``: ZeRO-Infinity's NVMe tier (not supported yet: refused)."""
+    ``host_memory_limit``: the pinned host memory one process (node) may use for the offloaded
+    state (``""``: unchecked); ``devices_per_host``: the devices that share it in ``--dry-run``
+    (a real run uses its local device count). ``nvme_path``: ZeRO-Infinity's NVMe tier (not supported yet: refused)."""
 
     placement_policy: Literal["static", "auto"] = "static"
     offload_optim_frac: float = 0.0
@@ -305,6 +307,8 @@ class OffloadConfig:
     optimizer_device: Literal["device", "host"] = "device"
     activations: Literal["none", "host"] = "none"
     device_memory_limit: Bytes = ""
+    host_memory_limit: Bytes = ""
+    devices_per_host: int = 8
     nvme_path: str = ""
 
 
@@ -394,6 +398,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.save_every": Range(0, note="0: only at evaluations and the end"), "checkpoint.max_to_keep": _POS,
     "logging.log_every": _POS,
     "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
+    "offload.devices_per_host": _POS,
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
@@ -723,6 +728,7 @@ def _check_offload(cfg: Config) -> None:
     """The ``offload`` section against the rest (see :class:`OffloadConfig`)."""
     o, m = cfg.offload, cfg.model
     parse_bytes(o.device_memory_limit, "offload.device_memory_limit")
+    parse_bytes(o.host_memory_limit, "offload.host_memory_limit")
     if o.offload_param_frac > 0 and cfg.parallel.zero_stage != 3:
         raise ConfigError(f"offload.offload_param_frac={o.offload_param_frac:g} needs parallel.zero_stage=3 "
                           f"(got {cfg.parallel.zero_stage}): below ZeRO-3 every device keeps the whole compute "

@@ -290,6 +290,25 @@ def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], li
     return pl, "\n".join(lines)
 
 
+def check_host(cfg: Config, placement: Placement, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
+               local_devices: int) -> int:
+    """The pinned host bytes one process needs (``local_devices`` × the host bytes per device),
+    checked against ``offload.host_memory_limit`` when it is given.
+
+    Raises:
+        ConfigError: above the limit, with the shortfall in bytes.
+    """
+    host = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode)["host"] * local_devices
+    limit = parse_bytes(cfg.offload.host_memory_limit, "offload.host_memory_limit")
+    if limit and host > limit:
+        raise ConfigError(
+            f"the offloaded state needs {gib(host)} of pinned host memory per process ({local_devices} devices × "
+            f"{gib(host / local_devices)}) but offload.host_memory_limit allows {gib(limit)}: short by "
+            f"{host - limit:,} bytes; offload less (offload_optim_frac/offload_param_frac), raise zero_stage or "
+            "use more nodes")
+    return host
+
+
 def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
             devices: list | None = None) -> tuple[Placement, str]:
     """The run's :class:`Placement` from the ``offload`` section, checked against the device limit
@@ -306,8 +325,13 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
         if not limit:
             raise ConfigError("offload.placement_policy=auto needs offload.device_memory_limit (e.g. 80GB): this "
                               "backend reports no device capacity")
-        return auto(cfg, shapes, specs, mesh_shape, limit)
+        pl, report = auto(cfg, shapes, specs, mesh_shape, limit)
+        check_host(cfg, pl, shapes, specs, mesh_shape, cfg.offload.devices_per_host if devices is None else
+                   sum(1 for d in devices if d.process_index == jax.process_index()))
+        return pl, report
     pl = make_placement(o.offload_optim_frac, o.offload_param_frac, o.optimizer_device, shapes, specs, mesh_shape)
+    check_host(cfg, pl, shapes, specs, mesh_shape, cfg.offload.devices_per_host if devices is None else
+               sum(1 for d in devices if d.process_index == jax.process_index()))
     if limit:
         need = device_need(pl, cfg, shapes, specs, mesh_shape)
         if need["total"] > limit:

@@ -97,6 +97,8 @@ def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
     lines.append(f"memory     per device: device {gib(need['total'])} (state {gib(need['state'])}, fp32 grads "
                  f"{gib(need['grads'])}, activations ≈{gib(need['activations'])}"
                  + (f", optimizer stream {gib(need['stream'])}" if need["stream"] else "")
-                 + f"); pinned host {gib(need['host'])} per device, {gib(8 * need['host'])} per 8-device node"
-                 + (f"; fits offload.device_memory_limit={limit}" if limit else ""))
+                 + f"); pinned host {gib(need['host'])} per device, {gib(o.devices_per_host * need['host'])} per "
+                 f"{o.devices_per_host}-device host"
+                 + (f"; fits offload.device_memory_limit={limit}" if limit else "")
+                 + (f" and offload.host_memory_limit={o.host_memory_limit}" if o.host_memory_limit else ""))
     return lines
