@@ -209,17 +209,25 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
 
 
 def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int]) -> dict:
-    """Predicted per-device peak: persistent state on the device + the fp32 gradients + activations
-    (:func:`activation_bytes`) + with ``optimizer_device=device`` one offloaded leaf's optimizer
-    state streamed in (the largest). Returns the parts and ``"total"``."""
+    """Predicted per-device peak: the state on the device during the step (the device-resident
+    part, plus offloaded compute params, which move in whole at the step's start) + the fp32
+    gradients + activations (:func:`activation_bytes`) + with ``optimizer_device=device`` one
+    offloaded leaf's optimizer state streamed in (the largest). Returns the parts, ``"total"`` and
+    ``"host"`` (the pinned host bytes per device)."""
     from jaxcolossal.train.state import BYTES_PER_PARAM
     sb = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode)
     opt = jax.tree.leaves(local_elements(shapes, specs.opt, mesh_shape))
     offl = [s for s, w in zip(opt, jax.tree.leaves(placement.optim)) if w]
     stream = max(offl, default=0) * BYTES_PER_PARAM[cfg.precision.mode]["K"] if placement.optimizer_device == "device" else 0
+    # offloaded compute params move in whole at the start of the step (not per layer yet): the
+    # step's peak holds them
+    par = jax.tree.leaves(local_elements(shapes, specs.params, mesh_shape))
+    params_in = sum(e for e, w in zip(par, jax.tree.leaves(placement.params)) if w) * \
+        BYTES_PER_PARAM[cfg.precision.mode]["p"]
     acts = activation_bytes(cfg, mesh_shape)
-    parts = {"state": sb["device"], "grads": sb["grads"], "activations": acts, "stream": stream, "host": sb["host"]}
-    parts["total"] = sb["device"] + sb["grads"] + acts + stream
+    parts = {"state": sb["device"] + params_in, "grads": sb["grads"], "activations": acts, "stream": stream,
+             "host": sb["host"]}
+    parts["total"] = parts["state"] + sb["grads"] + acts + stream
     return parts
 
 
@@ -262,7 +270,9 @@ def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], li
         ConfigError: nothing fits, with the smallest need found.
     """
     od = cfg.offload.optimizer_device
-    param_grid = GRID if cfg.parallel.zero_stage == 3 and mesh_shape["pp"] == 1 else (0.0,)
+    # compute params move in whole at the step's start, so offloading them cannot lower the peak:
+    # auto searches the optimizer fraction only (offload_param_frac stays static)
+    param_grid = (cfg.offload.offload_param_frac,)
     rows = []
     for fo in GRID:
         for fp in param_grid:
