@@ -27,6 +27,11 @@
    the new master shard is cast to the compute dtype, and only then re-sharded to the params'
    spec — for ZeRO 1/2 the all-gather moves compute-dtype (2-byte) values, not fp32.
 
+5. **Offload** (``offload`` section): leaves whose sharding lives in pinned host memory
+   (:mod:`jaxcolossal.placement`) are moved in where they are used, and the optimizer update of
+   the offloaded leaves runs on the host or streams through the device one leaf at a time
+   (:mod:`jaxcolossal.train.offload`).
+
 The state buffers are donated.
 """
 
@@ -40,7 +45,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcolossal.optim.loss_scale import scaler_update
-from jaxcolossal.placement import DEVICE, HOST
+from jaxcolossal.train.offload import make_offload_update, to_device
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
 
@@ -137,142 +142,6 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
         return loss_sum, grads
 
     return grad_fn
-
-
-def to_device(tree: Any, shardings: Any) -> Any:
-    """Inside the step: move each leaf whose target sharding is in pinned host memory into device
-    memory (same spec); device-resident leaves pass through. ``tree`` may be ``None``."""
-    if tree is None:
-        return None
-    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)) if s.memory_kind == HOST else x,
-                        tree, shardings, is_leaf=lambda x: x is None)
-
-
-def _split(tree: Any, where: Any) -> Any:
-    """``tree`` (param-shaped) with the leaves where ``where`` is False replaced by ``None``."""
-    return jax.tree.map(lambda w, x: x if w else None, where, tree)
-
-
-def _first_present(*trees: Any) -> Any:
-    """One tree from several of the same structure in which each leaf is present (not ``None``) in
-    at least one; the first present value wins (optimizer states split by placement share their
-    step count, so the first part's is taken)."""
-    none = lambda x: x is None  # noqa: E731
-    flat, treedef = jax.tree.flatten(trees[0], is_leaf=none)
-    rest = [jax.tree.leaves(t, is_leaf=none) for t in trees[1:]]
-    return jax.tree.unflatten(treedef, [next((x for x in (a, *others) if x is not None), None)
-                                        for a, *others in zip(flat, *rest)])
-
-
-def make_offload_update(plan: TrainPlan, shardings: TrainState) -> Callable:
-    """``update(grads, opt_state, master, finite) -> (new_master, new_params, opt_state)`` for a state
-    with offloaded optimizer leaves (``plan.placement.optim``), from the config's optimizer parts
-    (:func:`jaxcolossal.train.optimizer.optimizer_parts`).
-
-    The global-norm clipping runs first, on the device, over all gradients; the leaves in device
-    memory are updated as usual. Then, by ``offload.optimizer_device``:
-
-    * ``host``: the offloaded leaves' fp32 gradients move down (4 B/param), AdamW updates master and
-      moments in place in host memory (``compute_on("device_host")``, Colossal-AI's CPU Adam in
-      HybridAdam), and the new compute-dtype params move up (p B/param).
-    * ``device``: the offloaded leaves are **streamed one at a time**: leaf i's master and moments
-      move in, are updated by the (fused) AdamW, and move out; an ``optimization_barrier`` makes leaf
-      i+1's move-in wait for leaf i's results, so that device memory holds about one leaf's optimizer
-      state at a time, never the whole offloaded state (ZeRO-Offload's streamed update; the
-      largest leaf's K bytes/param is what :func:`jaxcolossal.placement.device_need` reserves).
-
-    A non-finite step keeps the old values on both sides. Raises nothing beyond the optimizer's own
-    errors.
-    """
-    from jax.experimental.compute_on import compute_on
-    from jaxcolossal.train.optimizer import optimizer_parts
-
-    t, mesh, specs = plan.cfg.training, plan.mesh, plan.specs
-    off = plan.placement.optim
-    on_dev = jax.tree.map(lambda w: not w, off)
-    parts = optimizer_parts(t, plan, param_specs=_split(specs.opt, on_dev))
-    adam_dev = parts[-1]
-    clip = parts[0] if len(parts) == 2 else None
-    master_sh = shardings.master if plan.mixed else shardings.params
-    host_sh = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(HOST), tree)  # noqa: E731
-    dev_sh = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(DEVICE), tree)  # noqa: E731
-    dtype = plan.compute_dtype
-    cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
-    repl_host = NamedSharding(mesh, P()).with_memory_kind(HOST)
-
-    def keep_if(finite):
-        return lambda new, old: jax.tree.map(lambda x, y: jnp.where(finite, x, y), new, old)
-
-    def adam_step(adam, g, s, p, finite):
-        upd, s_new = adam.update(g, s, p)
-        keep = keep_if(finite)
-        p_new = keep(optax.apply_updates(p, upd), p)
-        return p_new, keep(s_new, s)
-
-    if plan.placement.optimizer_device == "host":
-        adam_host = optimizer_parts(t, None, on_host=True)[-1]
-
-        def host_fn(g, s, p, finite):
-            p_new, s_new = adam_step(adam_host, g, s, p, finite)
-            return p_new, cast(p_new), s_new
-
-        on_host = compute_on("device_host")(jax.jit(host_fn))
-
-        def offloaded(grads, adam_state, master, finite):  # -> (new master part, new compute part, state part)
-            g_h = jax.device_put(_split(grads, off), host_sh(_split(master_sh, off)))
-            s_h = optax.tree_map_params(adam_host, lambda x, w: x if w else None, adam_state, off,
-                                        transform_non_params=lambda x: jax.device_put(x, repl_host))
-            p_h = jax.device_put(_split(master, off), host_sh(_split(master_sh, off)))  # fp32: params on the device
-            p_new, c_new, s_new = on_host(g_h, s_h, p_h, jax.device_put(finite, repl_host))
-            return p_new, jax.device_put(c_new, dev_sh(_split(master_sh, off))), s_new
-    else:
-        flat_off, treedef = jax.tree.flatten(off)
-        groups = [jax.tree.unflatten(treedef, [j == i for j in range(len(flat_off))])
-                  for i, w in enumerate(flat_off) if w]
-        adams = [optimizer_parts(t, plan, param_specs=_split(specs.opt, sel))[-1] for sel in groups]
-        none = lambda x: x is None  # noqa: E731
-
-        def move(tree, shardings, kind):  # leaves with a sharding go to memory ``kind``; None passes
-            return jax.tree.map(lambda x, s: x if s is None or x is None else
-                                jax.device_put(x, s.with_memory_kind(kind)), tree, shardings, is_leaf=none)
-
-        def offloaded(grads, adam_state, master, finite):
-            new_p, new_c, new_s, prev = [], [], [], None
-            for sel, adam in zip(groups, adams):
-                p_in = _split(master, sel)
-                s_in = optax.tree_map_params(adam, lambda x, w: x if w else None, adam_state, sel,
-                                             transform_non_params=lambda _: None)  # this leaf's m, v
-                s_sh = optax.tree_map_params(adam, lambda x, w, sh: sh if w else None, adam_state, sel, master_sh,
-                                             transform_non_params=lambda _: None)
-                if prev is not None:  # leaf i+1 comes in only once leaf i's results exist
-                    (p_in, s_in), _ = jax.lax.optimization_barrier(((p_in, s_in), prev))
-                # the step count (shared, on the device) rejoins after the barrier
-                s_in = _first_present(s_in, optax.tree_map_params(adam, lambda x: None, adam_state))
-                p_sh = _split(master_sh, sel)
-                p_new, s_new = adam_step(adam, _split(grads, sel), move(s_in, s_sh, DEVICE),
-                                         move(p_in, p_sh, DEVICE), finite)
-                new_c.append(cast(p_new))
-                new_p.append(move(p_new, p_sh, HOST))
-                new_s.append(move(s_new, s_sh, HOST))
-                prev = (new_p[-1], new_s[-1])
-            return _first_present(*new_p), _first_present(*new_c), _first_present(*new_s)
-
-    def update(grads, opt_state, master, finite):
-        if clip is not None:
-            grads, _ = clip.update(grads, opt_state[0])
-        adam_state = opt_state[-1]
-        # the leaves that stay in device memory
-        s_d = optax.tree_map_params(adam_dev, lambda x, w: x if w else None, adam_state, on_dev)
-        p_d_new, s_d_new = adam_step(adam_dev, _split(grads, on_dev), s_d, _split(master, on_dev), finite)
-        c_d_new = constrain(cast(p_d_new), mesh, _split(specs.opt, on_dev))
-        p_o_new, c_o_new, s_o_new = offloaded(grads, adam_state, master, finite)
-        new_master = jax.tree.map(lambda w, a, b: b if w else a, off, p_d_new, p_o_new)
-        new_params = jax.tree.map(lambda w, a, b: b if w else a, off, c_d_new, c_o_new)
-        new_state = _first_present(s_d_new, s_o_new)
-        new_state = (opt_state[0], new_state) if clip is not None else (new_state,)
-        return new_master, new_params, new_state
-
-    return update
 
 
 def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
