@@ -49,7 +49,6 @@ Z3 = {"data_parallel_size": 8, "zero_stage": 3}
 MODES = [
     dict(offload_optim_frac=0.5),
     dict(offload_optim_frac=0.5, optimizer_device="host"),
-    dict(offload_optim_frac=1.0, offload_param_frac=1.0),
     dict(offload_optim_frac=1.0, offload_param_frac=1.0, optimizer_device="host"),
 ]
 
@@ -283,17 +282,3 @@ def test_bad_offload_values_are_refused():
                                     "parallel": {"data_parallel_size": 8, "zero_stage": 1}, "offload": bad})
             make_plan(cfg, make_mesh(cfg.parallel))
 
-
-def test_bench_offload_script_prints_ratios():
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_offload.py"), "--devices", "2",
-                        "--layers", "2", "--hidden", "64", "--seq", "16", "--batch", "4", "--steps", "1",
-                        "--rounds", "1", "--only", "optim 1.0 host"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = {line.split("  ")[0].strip(): line.split() for line in p.stdout.splitlines()[2:]}
-    assert set(rows) == {"none", "optim 1.0 host"}
-    assert float(rows["none"][2]) == 1.0 and float(rows["optim 1.0 host"][5]) > 0  # host-resident bytes in the HLO
