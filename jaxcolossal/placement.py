@@ -34,7 +34,6 @@ limit, the least traffic wins.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -150,12 +149,6 @@ def make_placement(optim_frac: float, param_frac: float, optimizer_device: str, 
     optim, fo = choose(local_elements(shapes, specs.opt, mesh_shape), optim_frac)
     params, fp = choose(local_elements(shapes, specs.params, mesh_shape), param_frac)
     return Placement(optim, params, optimizer_device, fo, fp, optim_frac, param_frac)
-
-
-def no_offload(shapes: Any) -> Placement:
-    """Everything in device memory."""
-    none = jax.tree.map(lambda _: False, shapes, is_leaf=_is_shape)
-    return Placement(none, none)
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -396,7 +389,3 @@ def bytes_by_kind(tree: Any) -> dict[str, int]:
                 out[HOST if kind == HOST else DEVICE] += s.data.nbytes
     return out
 
-
-def total_psi(shapes: Any) -> int:
-    """Ψ, the total parameter count of a shapes tree."""
-    return sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=_is_shape))
