@@ -299,7 +299,10 @@ class OffloadConfig:
     run may plan for (``"80GB"``; ``""``: the device's reported capacity × 0.9, none on the CPU).
     ``host_memory_limit``: the pinned host memory one process (node) may use for the offloaded
     state (``""``: unchecked); ``devices_per_host``: the devices that share it in ``--dry-run``
-    (a real run uses its local device count). ``nvme_path``: ZeRO-Infinity's NVMe tier (not supported yet: refused)."""
+    (a real run uses its local device count). ``nvme_path``: ZeRO-Infinity's NVMe tier: a folder
+    (a fast local disk) where the offloaded optimizer state lives instead of host memory, read and
+    written leaf by leaf inside each step (:mod:`jaxcolossal.train.nvme`); needs
+    ``optimizer_device=device``."""
 
     placement_policy: Literal["static", "auto"] = "static"
     offload_optim_frac: float = 0.0
@@ -737,8 +740,15 @@ def _check_offload(cfg: Config) -> None:
         raise ConfigError("offload.offload_param_frac > 0 is not supported with pipeline parallelism yet: set "
                           "parallel.pipeline_parallel_size=1 or offload only the optimizer state")
     if o.nvme_path:
-        raise ConfigError(f"offload.nvme_path={o.nvme_path!r}: the NVMe tier (ZeRO-Infinity) is not supported yet; "
-                          "offload to host memory with offload.offload_optim_frac and leave nvme_path empty")
+        if o.optimizer_device != "device":
+            raise ConfigError(f"offload.nvme_path={o.nvme_path!r} streams each leaf's optimizer state from its files "
+                              "through the device: set offload.optimizer_device=device (got "
+                              f"{o.optimizer_device!r})")
+        if o.placement_policy == "static" and not o.offload_optim_frac:
+            raise ConfigError(f"offload.nvme_path={o.nvme_path!r} holds the offloaded optimizer state, but "
+                              "offload.offload_optim_frac is 0: set the fraction to put there (e.g. 1.0)")
+        if os.path.exists(o.nvme_path) and not os.path.isdir(o.nvme_path):
+            raise ConfigError(f"offload.nvme_path={o.nvme_path!r} is a file, not a folder")
     if o.activations == "host":
         if m.remat not in ("none", "offload"):
             raise ConfigError(f"offload.activations=host saves the layer projections in host memory "

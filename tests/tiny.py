@@ -7,6 +7,7 @@ import numpy as np
 
 from jaxcolossal.config import Config, config_from_dict
 from jaxcolossal.mesh import make_mesh
+from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import init_state, make_plan
 from jaxcolossal.train.step import make_train_step
@@ -38,6 +39,9 @@ def setup(cfg: Config, devices=None):
     plan = make_plan(cfg, mesh)
     tx = build_optimizer(cfg.training, plan)
     state = init_state(plan, tx, key=jax.random.key(0))
+    tier = nvme_tier(plan, tx)
+    if tier is not None:  # offload.nvme_path: the NVMe leaves go to their files, tokens take their places
+        state = tier.spill(state)
     return plan, tx, state, make_train_step(plan, tx, lr_schedule(cfg.training))
 
 

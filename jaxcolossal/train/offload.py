@@ -45,10 +45,12 @@ def _first_present(*trees: Any) -> Any:
                                         for a, *others in zip(flat, *rest)])
 
 
-def make_offload_update(plan: Any, shardings: Any) -> Callable:
-    """``update(grads, opt_state, master, finite) -> (new_master, new_params, opt_state)`` for a state
-    with offloaded optimizer leaves (``plan.placement.optim``), from the config's optimizer parts
-    (:func:`jaxcolossal.train.optimizer.optimizer_parts`).
+def make_offload_update(plan: Any, shardings: Any, tier: Any = None) -> Callable:
+    """``update(grads, opt_state, master, finite, step) -> (new_master, new_params, opt_state)`` for a
+    state with offloaded optimizer leaves (``plan.placement.optim``), from the config's optimizer
+    parts (:func:`jaxcolossal.train.optimizer.optimizer_parts`). ``tier``: the
+    :class:`~jaxcolossal.train.nvme.NvmeTier` when the offloaded leaves live on NVMe (then their
+    places in ``opt_state``/``master`` hold tokens, and ``step`` is the state's step count).
 
     The global-norm clipping runs first, on the device, over all gradients; the leaves in device
     memory are updated as usual. Then, by ``offload.optimizer_device``:
@@ -61,6 +63,11 @@ def make_offload_update(plan: Any, shardings: Any) -> Callable:
       i+1's move-in wait for leaf i's results, so that device memory holds about one leaf's optimizer
       state at a time, never the whole offloaded state (ZeRO-Offload's streamed update; the
       largest leaf's K bytes/param is what :func:`jaxcolossal.placement.device_need` reserves).
+
+    * ``device`` with the NVMe tier: the same stream, but leaf i's master and moments are read from
+      their files (``io_callback``, each device its shard) and written back to the other
+      generation; the read of leaf i+1 waits only for leaf i−1's write (one leaf of prefetch), and
+      the first read waits for the commit of the previous step's files.
 
     A non-finite step keeps the old values on both sides. Raises nothing beyond the optimizer's own
     errors.
@@ -117,28 +124,59 @@ def make_offload_update(plan: Any, shardings: Any) -> Callable:
             return jax.tree.map(lambda x, s: x if s is None or x is None else
                                 jax.device_put(x, s.with_memory_kind(kind)), tree, shardings, is_leaf=none)
 
-        def offloaded(grads, adam_state, master, finite):
+        param_index = [i for i, w in enumerate(flat_off) if w]
+        mixed = plan.mixed
+
+        def nvme_parts(p, s):  # the tree of one leaf's NVMe-resident parts: master (mixed), then m, v
+            return (p, s) if mixed else s
+
+        def offloaded(grads, adam_state, master, finite, step=None):
             new_p, new_c, new_s, prev = [], [], [], None
-            for sel, adam in zip(groups, adams):
-                p_in = _split(master, sel)
-                s_in = optax.tree_map_params(adam, lambda x, w: x if w else None, adam_state, sel,
-                                             transform_non_params=lambda _: None)  # this leaf's m, v
+            ins = [(_split(master, sel), optax.tree_map_params(adam, lambda x, w: x if w else None, adam_state, sel,
+                                                               transform_non_params=lambda _: None))  # m, v
+                   for sel, adam in zip(groups, adams)]
+            if tier is not None:  # the previous step's files are complete: commit them first
+                written = [tier.commit_tokens(step, [x for p, s in ins for x in jax.tree.leaves(nvme_parts(p, s))])]
+            for n, (sel, adam) in enumerate(zip(groups, adams)):
+                p_in, s_in = ins[n]
                 s_sh = optax.tree_map_params(adam, lambda x, w, sh: sh if w else None, adam_state, sel, master_sh,
                                              transform_non_params=lambda _: None)
-                if prev is not None:  # leaf i+1 comes in only once leaf i's results exist
+                p_sh = _split(master_sh, sel)
+                if tier is not None:  # read leaf i once leaf i-1's write is done (leaf i-1 overlaps it)
+                    slots = tier.by_param[param_index[n]]
+                    flat, td = jax.tree.flatten(nvme_parts(p_in, s_in))
+                    assert len(flat) == len(slots), (len(flat), len(slots))
+                    read = tier.read(slots, step, written[max(len(written) - 2, 0)])
+                    parts_in = jax.tree.unflatten(td, read)
+                    p_in, s_in = parts_in if mixed else (p_in, parts_in)
+                elif prev is not None:  # leaf i+1 comes in only once leaf i's results exist
                     (p_in, s_in), _ = jax.lax.optimization_barrier(((p_in, s_in), prev))
                 # the step count (shared, on the device) rejoins after the barrier
                 s_in = _first_present(s_in, optax.tree_map_params(adam, lambda x: None, adam_state))
-                p_sh = _split(master_sh, sel)
                 p_new, s_new = adam_step(adam, _split(grads, sel), move(s_in, s_sh, DEVICE),
                                          move(p_in, p_sh, DEVICE), finite)
                 new_c.append(cast(p_new))
-                new_p.append(move(p_new, p_sh, HOST))
-                new_s.append(move(s_new, s_sh, HOST))
-                prev = (new_p[-1], new_s[-1])
+                if tier is not None:  # write to the other generation; tokens take the leaves' places
+                    s_parts = jax.tree.map(lambda x, sh: None if sh is None else x, s_new, s_sh, is_leaf=none)
+                    flat, td = jax.tree.flatten(nvme_parts(p_new, s_parts))
+                    tokens = tier.write(slots, step, flat)
+                    written.append(tokens[0])
+                    parts_out = jax.tree.unflatten(td, tokens)
+                    p_out, s_out = parts_out if mixed else (p_new, parts_out)
+                    new_p.append(p_out)
+                    # m, v -> tokens; the count stays
+                    new_s.append(_first_present(s_out, jax.tree.map(lambda x, sh: x if sh is None else None,
+                                                                    s_new, s_sh, is_leaf=none)))
+                else:
+                    new_p.append(move(p_new, p_sh, HOST))
+                    new_s.append(move(s_new, s_sh, HOST))
+                    prev = (new_p[-1], new_s[-1])
             return _first_present(*new_p), _first_present(*new_c), _first_present(*new_s)
 
-    def update(grads, opt_state, master, finite):
+    if tier is not None and plan.placement.optimizer_device != "device":
+        raise ValueError("the NVMe tier is updated by streaming through the device: offload.optimizer_device=device")
+
+    def update(grads, opt_state, master, finite, step=None):
         if clip is not None:
             grads, _ = clip.update(grads, opt_state[0])
         adam_state = opt_state[-1]
@@ -146,7 +184,8 @@ def make_offload_update(plan: Any, shardings: Any) -> Callable:
         s_d = optax.tree_map_params(adam_dev, lambda x, w: x if w else None, adam_state, on_dev)
         p_d_new, s_d_new = adam_step(adam_dev, _split(grads, on_dev), s_d, _split(master, on_dev), finite)
         c_d_new = constrain(cast(p_d_new), mesh, _split(specs.opt, on_dev))
-        p_o_new, c_o_new, s_o_new = offloaded(grads, adam_state, master, finite)
+        p_o_new, c_o_new, s_o_new = (offloaded(grads, adam_state, master, finite, step) if tier is not None
+                                     else offloaded(grads, adam_state, master, finite))
         new_master = jax.tree.map(lambda w, a, b: b if w else a, off, p_d_new, p_o_new)
         new_params = jax.tree.map(lambda w, a, b: b if w else a, off, c_d_new, c_o_new)
         new_state = _first_present(s_d_new, s_o_new)

@@ -45,6 +45,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcolossal.optim.loss_scale import scaler_update
+from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.offload import make_offload_update, to_device
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
@@ -158,12 +159,14 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
             (another optax transformation, as the Booster's) moves them into device memory whole.
 
     Raises:
-        ValueError: ``offload.optimizer_device=host`` with ``tx_from_config=False``.
+        ValueError: ``offload.optimizer_device=host`` or ``offload.nvme_path`` with ``tx_from_config=False``.
 
     ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``, and
     optionally ``"loss_mask"`` ``[B, t]`` (1 = trained on, 0 = prompt or padding; any dtype): the
     loss is then the mean over the masked-in tokens of the whole global batch; and optionally
     ``"segment_ids"``/``"positions"`` int32 ``[B, t]`` for packed documents (``data.packing_mask``).
+    With ``offload.nvme_path`` the state is the *runtime* one (:meth:`jaxcolossal.train.nvme.NvmeTier.spill`:
+    tokens in place of the NVMe-resident leaves).
     ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
     ``lr``; int32 ``nonfinite`` (1: the step was not applied); in fp16 also ``loss_scale``,
     ``skipped`` and ``consecutive_skips``.
@@ -176,7 +179,11 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     if pl is not None and pl.any_optim and pl.optimizer_device == "host" and not tx_from_config:
         raise ValueError("offload.optimizer_device=host needs the config's optimizer (tx_from_config=True)")
     split_update = pl is not None and pl.any_optim and tx_from_config
-    offload_update = make_offload_update(plan, shardings) if split_update else None
+    tier = nvme_tier(plan, tx)
+    if tier is not None and not tx_from_config:
+        raise ValueError("offload.nvme_path needs the config's optimizer (tx_from_config=True)")
+    offload_update = make_offload_update(plan, shardings, tier) if split_update else None
+    runtime = tier.shardings if tier is not None else shardings  # NVMe leaves: tokens in the state
 
     def step(state: TrainState, batch: dict):
         scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
@@ -196,7 +203,7 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         master_sh = shardings.master if plan.mixed else shardings.params
         grads = constrain(grads, mesh, specs.opt)  # ZeRO-1: each rank keeps its slice
         if split_update:  # offloaded leaves: updated on the host, or streamed through the device one by one
-            new_master, new_params, opt_state = offload_update(grads, state.opt_state, master, finite)
+            new_master, new_params, opt_state = offload_update(grads, state.opt_state, master, finite, state.step)
         else:  # any offloaded leaves (another optax tx) are moved in whole, and out by out_shardings
             master = constrain(to_device(master, master_sh), mesh, specs.opt)
             updates, opt_state = tx.update(grads, to_device(state.opt_state, shardings.opt_state), master)
@@ -221,7 +228,7 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         return new, metrics
 
     # one sharding for every leaf of the batch dict (inputs, targets and the optional loss_mask)
-    return jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=(shardings, None),
+    return jax.jit(step, in_shardings=(runtime, plan.batch_sharding), out_shardings=(runtime, None),
                    donate_argnums=(0,))
 
 
