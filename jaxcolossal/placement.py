@@ -173,13 +173,15 @@ def state_bytes(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mappi
 def formula_bytes(psi_local: int, n: int, zero_stage: int, precision: str, optim_frac: float,
                   param_frac: float) -> dict[str, float]:
     """docs/offload.md's formulas: ``{"device", "host"}`` bytes per device of params + optimizer
-    state for Ψ = ``psi_local`` parameters per model-parallel rank over a ZeRO group of ``n``."""
+    state for Ψ = ``psi_local`` parameters per model-parallel rank over a ZeRO group of ``n``, and
+    ``"optim_host"``, the optimizer state's share of ``host`` (what the NVMe tier holds instead)."""
     from jaxcolossal.train.state import BYTES_PER_PARAM
     b = BYTES_PER_PARAM[precision]
     n3 = n if zero_stage >= 3 else 1
     n1 = n if zero_stage >= 1 else 1
+    optim_host = b["K"] * psi_local * optim_frac / n1
     return {"device": b["p"] * psi_local * (1 - param_frac) / n3 + b["K"] * psi_local * (1 - optim_frac) / n1,
-            "host": b["p"] * psi_local * param_frac / n3 + b["K"] * psi_local * optim_frac / n1}
+            "host": b["p"] * psi_local * param_frac / n3 + optim_host, "optim_host": optim_host}
 
 
 def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:

@@ -44,6 +44,7 @@ from jaxcolossal.sharding import DATA_AXES, describe, shard_bytes
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
+from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.step import make_eval_step, make_train_step
 
 
@@ -65,8 +66,11 @@ def param_table(plan: TrainPlan) -> str:
     return "\n".join(rows)
 
 
-def memory_report(plan: TrainPlan, state: Any) -> tuple[str, dict]:
+def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> tuple[str, dict]:
     """Per-device model-state bytes, measured from the arrays, next to the ZeRO paper's (docs/zero.md) formula.
+
+    ``state`` is the whole state; with the NVMe ``tier``, the leaves bound for it are reported as
+    ``nvme`` (they are in pinned host memory until :meth:`NvmeTier.spill` writes them out).
 
     The formula's Ψ is the parameters of one model-parallel rank: what tensor and pipeline
     parallelism leave on a device before ZeRO (``plan.specs.base``).
@@ -95,7 +99,14 @@ def memory_report(plan: TrainPlan, state: Any) -> tuple[str, dict]:
                      f"optimizer_device {pl.optimizer_device}):")
         lines.append(f"  {'device':<10} {kinds[DEVICE] / 2**20:10.3f} MiB   formula {f['device'] / 2**20:10.3f} MiB "
                      "(+ the fp32 grads inside the step)")
+        if tier is not None:  # the offloaded optimizer state is bound for the NVMe files
+            kinds[NVME] = tier.bytes_per_device()
+            kinds[HOST] -= kinds[NVME]
+            f = {**f, NVME: f["optim_host"], "host": f["host"] - f["optim_host"]}
         lines.append(f"  {'host':<10} {kinds[HOST] / 2**20:10.3f} MiB   formula {f['host'] / 2**20:10.3f} MiB (pinned)")
+        if tier is not None:
+            lines.append(f"  {'nvme':<10} {kinds[NVME] / 2**20:10.3f} MiB   formula {f[NVME] / 2**20:10.3f} MiB "
+                         f"(files in {tier.path})")
         out.update(kinds=kinds, kinds_formula=f)
     return "\n".join(lines), out
 
@@ -156,6 +167,11 @@ class Run:
     compile_s: float
     compiled_peak: int
     metrics: mx.MetricsWriter
+    nvme: NvmeTier | None = None
+
+    def full(self, state: Any) -> Any:
+        """``state`` whole: with the NVMe tier, its leaves read back from their files (for a save)."""
+        return self.nvme.fill(state) if self.nvme is not None else state
 
     @property
     def is_main(self) -> bool:
@@ -257,11 +273,16 @@ def _start(cfg: Config) -> Run:
                        params=init_params_from(cfg.model, plan.mesh_shape["tp"]))
     if cfg.model.init_from:
         log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
+    tier = nvme_tier(plan, tx)
     if is_main:
         print(param_table(plan))
-        print(memory_report(plan, state)[0])
+        print(memory_report(plan, state, tier)[0])
     ckpt = _open_checkpoints(cfg)
     state = _restore(cfg, ckpt, state)
+    if tier is not None:  # the offloaded optimizer state goes to its files; tokens take its places
+        state = tier.spill(state)
+        log.info(f"NVMe tier: {len(tier.slots)} optimizer-state leaves, {tier.bytes_per_device() / 2**20:.3f} MiB "
+                 f"per device, in {tier.path}", ranks=[0])
 
     step_fn = make_train_step(plan, tx, lr_schedule(t))
     t0 = time.time()
@@ -276,7 +297,7 @@ def _start(cfg: Config) -> Run:
              f"{(getattr(mem, 'temp_size_in_bytes', 0) or 0) / 2**20:.1f} MiB", ranks=[0])
     metrics = mx.MetricsWriter(run_dir, cfg.logging.tensorboard, enabled=is_main)
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
-               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics)
+               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier)
 
 
 # ----------------------------------------------------------------------------- evaluate, save
@@ -297,7 +318,7 @@ def _save(run: Run, state: Any, val_loss: float | None = None, final: bool = Fal
         run.ckpt.wait()
         if step in run.ckpt.all_steps():
             return
-    run.ckpt.save(step, state, val_loss=val_loss, force=final)
+    run.ckpt.save(step, run.full(state), val_loss=val_loss, force=final)
 
 
 class _StepClock:
@@ -494,6 +515,8 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     _save(run, state, val_loss=out["val_loss_end"], final=True)
     if run.ckpt:
         run.ckpt.close()
+    if run.nvme is not None:  # the returned state is whole
+        out["state"] = state = run.full(state)
     if not stop:
         out["sample"] = _sample(run, state)
         if run.is_main and out["sample"]:

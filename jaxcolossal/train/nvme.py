@@ -49,6 +49,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxcolossal.placement import HOST
 
 GENERATIONS = 2
+"""The state after ``s`` steps is in ``gen{s % 2}``."""
+NVME = "nvme"
+"""The memory-report key of the NVMe tier (next to ``device`` and ``pinned_host``)."""
 
 
 class NvmeError(RuntimeError):
