@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from jaxcolossal.config import ConfigError, load_config, validate
+from jaxcolossal.mesh import make_mesh
 from jaxcolossal.placement import formula_bytes
 from jaxcolossal.sharding import shard_bytes
 from jaxcolossal.train.loop import train
-from jaxcolossal.train.nvme import NvmeTier, nvme_tier
+from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer
-from tiny import random_batches, run_steps, setup, tiny_config
+from jaxcolossal.train.state import make_plan
+from tiny import run_steps, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,40 +59,52 @@ def test_nvme_tier_equals_no_offload_bit_for_bit(tmp_path, parallel, precision, 
     assert {tier.committed_step(d) for d in range(plan.mesh.size)} == {3}
 
 
-def test_a_crash_in_the_middle_of_the_writes_leaves_the_previous_step_whole(tmp_path, monkeypatch):
-    z3 = {"data_parallel_size": 8, "zero_stage": 3}
-    base, _, _ = run_steps(_cfg(z3, "bf16"), steps=2)
-    plan, tx, state, step = setup(_cfg(z3, "bf16", offload_optim_frac=1.0, nvme_path=str(tmp_path)))
-    xs = random_batches(plan.cfg, 3)
+CRASH_WORKER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import conftest  # noqa: F401  (8 simulated devices)
+import jax, numpy as np
+from tiny import random_batches, setup, tiny_config
+from jaxcolossal.train.nvme import NvmeTier, nvme_tier
+cfg = tiny_config({{"data_parallel_size": 8, "zero_stage": 2}}, None, training={{"max_grad_norm": 1.0}})
+cfg.offload.offload_optim_frac, cfg.offload.nvme_path = 1.0, {path!r}
+plan, tx, state, step = setup(cfg)
+xs = random_batches(cfg, 3)
+batch = lambda x: {{"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
+                    "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}}
+for x in xs[:2]:
+    state, _ = step(state, batch(x))
+flat = jax.tree.leaves(jax.device_get(nvme_tier(plan, tx).fill(state)))  # step 2, committed
+np.savez({want!r}, *[np.asarray(a) for a in flat])
+calls, write = [0], NvmeTier._write
+def killed_after_five(self, *args):
+    calls[0] += 1
+    if calls[0] > 5:
+        os.kill(os.getpid(), signal.SIGKILL)  # the power goes out in the middle of step 3's writes
+    write(self, *args)
+NvmeTier._write = killed_after_five
+jax.block_until_ready(step(state, batch(xs[2])))
+print("step 3 finished: the crash did not happen")
+"""
 
-    def batch(x):
-        return {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
-                "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
 
-    for x in xs[:2]:
-        state, _ = step(state, batch(x))
-    jax.block_until_ready(state)
-    before = {p: open(p, "rb").read() for p in glob.glob(str(tmp_path / "gen0" / "*.bin"))}  # step 2's state
-    calls, write = [0], NvmeTier._write
-
-    def dies_after_five(self, gen, slot, device_index, x):
-        calls[0] += 1
-        if calls[0] > 5:
-            raise OSError("disk full (simulated)")
-        write(self, gen, slot, device_index, x)
-
-    monkeypatch.setattr(NvmeTier, "_write", dies_after_five)
-    with pytest.raises(Exception, match="disk full"):
-        jax.block_until_ready(step(state, batch(xs[2])))
-    assert calls[0] > 5  # some of step 3's files were written before the crash
-    monkeypatch.setattr(NvmeTier, "_write", write)
-    # step 2's generation is untouched, still committed, and holds exactly the run's state at step 2
-    assert {p: open(p, "rb").read() for p in before} == before
-    tier = nvme_tier(plan, tx)
+def test_a_crash_in_the_middle_of_the_writes_leaves_the_previous_step_whole(tmp_path):
+    """A process killed (SIGKILL) after five of step 3's shard files are written: step 2's
+    generation is untouched, still the committed one, and reads back as the state at step 2."""
+    import subprocess
+    import sys
+    nvme, want = tmp_path / "nvme", tmp_path / "step2.npz"
+    code = CRASH_WORKER.format(tests=os.path.join(ROOT, "tests"), path=str(nvme), want=str(want))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, (r.returncode, r.stdout, r.stderr[-2000:])
+    cfg = _cfg({"data_parallel_size": 8, "zero_stage": 2}, None, offload_optim_frac=1.0, nvme_path=str(nvme))
+    plan = make_plan(cfg, make_mesh(cfg.parallel))  # the killed run's plan (nothing compiled here)
+    tier = nvme_tier(plan, build_optimizer(plan.cfg.training, plan))
     assert {tier.committed_step(d) for d in range(8)} == {2}
-    flat_base = jax.tree.leaves(base)
+    saved = np.load(want)
+    flat = [saved[f"arr_{i}"] for i in range(len(saved.files))]
     for i, arr in tier.load(2).items():
-        np.testing.assert_array_equal(np.asarray(jax.device_get(arr)), np.asarray(jax.device_get(flat_base[i])))
+        np.testing.assert_array_equal(np.asarray(jax.device_get(arr)), flat[i])
 
 
 def test_damaged_file_and_wrong_step_are_named(tmp_path):
