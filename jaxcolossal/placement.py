@@ -205,19 +205,25 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
 
 def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int]) -> dict:
     """Predicted per-device peak: the state on the device during the step (the device-resident
-    part, plus offloaded compute params, which move in whole at the step's start) + the fp32
-    gradients + activations (:func:`activation_bytes`) + with ``optimizer_device=device`` one
-    offloaded leaf's optimizer state streamed in (the largest). Returns the parts, ``"total"`` and
-    ``"host"`` (the pinned host bytes per device)."""
+    part, plus the offloaded compute params that are in device memory during the step: see
+    below) + the fp32 gradients + activations (:func:`activation_bytes`) + with
+    ``optimizer_device=device`` one offloaded leaf's optimizer state streamed in (the largest).
+    Returns the parts, ``"total"`` and ``"host"`` (the pinned host bytes per device).
+
+    Offloaded compute params: a leaf stacked over ``layers`` streams in one layer at a time inside
+    the layer scan (two layers counted: the one in use and the next), except with
+    ``model.remat=none``, where the backward pass keeps every layer's fetched weights (then the
+    whole leaf counts); the other leaves (embedding, head, final norm) move in whole."""
     from jaxcolossal.train.state import BYTES_PER_PARAM
     sb = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode)
     opt = jax.tree.leaves(local_elements(shapes, specs.opt, mesh_shape))
     offl = [s for s, w in zip(opt, jax.tree.leaves(placement.optim)) if w]
     stream = max(offl, default=0) * BYTES_PER_PARAM[cfg.precision.mode]["K"] if placement.optimizer_device == "device" else 0
-    # offloaded compute params move in whole at the start of the step (not per layer yet): the
-    # step's peak holds them
     par = jax.tree.leaves(local_elements(shapes, specs.params, mesh_shape))
-    params_in = sum(e for e, w in zip(par, jax.tree.leaves(placement.params)) if w) * \
+    layers = [n for n, _ in _stacked(shapes)]
+    streamed = cfg.model.remat != "none"
+    params_in = sum((min(2, n) * e // n if n and streamed else e)
+                    for e, w, n in zip(par, jax.tree.leaves(placement.params), layers) if w) * \
         BYTES_PER_PARAM[cfg.precision.mode]["p"]
     acts = activation_bytes(cfg, mesh_shape)
     parts = {"state": sb["device"] + params_in, "grads": sb["grads"], "activations": acts, "stream": stream,
@@ -226,17 +232,27 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     return parts
 
 
+def _stacked(shapes: Any) -> list[tuple[int, Any]]:
+    """Per param leaf (flatten order): ``(L, shape)`` for a leaf under ``layers`` (stacked ``[L, ...]``,
+    streamed by the layer scan), ``(0, shape)`` for the others."""
+    flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)[0]
+    return [((s[0] if any(getattr(k, "key", None) == "layers" for k in path) else 0), s) for path, s in flat]
+
+
 def traffic(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], precision: str) -> int:
     """Host↔device bytes per step per device: an offloaded optimizer leaf moves its state in and out
     (``2·K``/param, ``optimizer_device=device``) or its fp32 gradient down and its new compute
-    params up (``4 + p``, ``host``); an offloaded compute leaf moves in and out (``2·p``)."""
+    params up (``4 + p``, ``host``); an offloaded compute leaf moves in (twice when stacked: the
+    forward and the backward's recomputation fetch each layer), its compute-dtype gradient down
+    and up, and its new values out (``5·p``, or ``4·p`` unstacked)."""
     from jaxcolossal.train.state import BYTES_PER_PARAM
     b = BYTES_PER_PARAM[precision]
     opt = jax.tree.leaves(local_elements(shapes, specs.opt, mesh_shape))
     par = jax.tree.leaves(local_elements(shapes, specs.params, mesh_shape))
     per_opt = 2 * b["K"] if placement.optimizer_device == "device" else b["g"] + b["p"]
+    per_par = [(5 if n else 4) * b["p"] for n, _ in _stacked(shapes)]
     return int(sum(s for s, w in zip(opt, jax.tree.leaves(placement.optim)) if w) * per_opt
-               + sum(s for s, w in zip(par, jax.tree.leaves(placement.params)) if w) * 2 * b["p"])
+               + sum(s * k for s, w, k in zip(par, jax.tree.leaves(placement.params), per_par) if w))
 
 
 def device_limit(cfg: Config, devices: list | None = None) -> int:
@@ -265,9 +281,10 @@ def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], li
         ConfigError: nothing fits, with the smallest need found.
     """
     od = cfg.offload.optimizer_device
-    # compute params move in whole at the step's start, so offloading them cannot lower the peak:
-    # auto searches the optimizer fraction only (offload_param_frac stays static)
-    param_grid = (cfg.offload.offload_param_frac,)
+    # compute params can be offloaded under ZeRO-3 without pipeline parallelism (they lower the peak
+    # only with a remat policy: see device_need)
+    can_params = cfg.parallel.zero_stage == 3 and mesh_shape.get("pp", 1) == 1 and cfg.model.remat != "none"
+    param_grid = GRID if can_params else (cfg.offload.offload_param_frac,)
     rows = []
     for fo in GRID:
         for fp in param_grid:

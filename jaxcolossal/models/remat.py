@@ -23,7 +23,7 @@ Model code tags the tensors with :func:`jax.ad_checkpoint.checkpoint_name` using
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -50,14 +50,28 @@ def tag(x: jax.Array, name: str) -> jax.Array:
     return checkpoint_name(x, name)
 
 
+def _on_host(x: jax.Array) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def fetch_layer(p: Any) -> Any:
+    """``p`` with the leaves that live in host memory moved into device memory; device-resident
+    leaves pass through. The scan body calls it on one layer's params (``offload.offload_param_frac``
+    under ZeRO-3), so that device memory holds one layer's offloaded weights at a time; their
+    gradients go back to host memory layer by layer in the backward pass (the transpose of the
+    move), and the step fetches those the same way."""
+    return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device) if _on_host(a) else a, p)
+
+
 def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str) -> jax.Array:
     """``x = layer(x, params_i)`` for each layer's params in ``stacked`` (leading dim ``[L]``), as one
-    ``lax.scan`` whose body is checkpointed with the ``remat`` policy.
+    ``lax.scan`` whose body is checkpointed with the ``remat`` policy. Stacked leaves in host
+    memory are streamed in one layer at a time (:func:`fetch_layer`).
 
     Raises:
         KeyError: an unknown policy name (the config validates it first).
     """
-    body = lambda carry, p: (layer(carry, p), None)
+    body = lambda carry, p: (layer(carry, fetch_layer(p)), None)
     policy = POLICIES[remat]
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)

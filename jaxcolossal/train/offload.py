@@ -20,13 +20,25 @@ from jaxcolossal.placement import DEVICE, HOST
 from jaxcolossal.sharding import constrain
 
 
-def to_device(tree: Any, shardings: Any) -> Any:
+def to_device(tree: Any, shardings: Any, keep: Any = None) -> Any:
     """Inside the step: move each leaf whose target sharding is in pinned host memory into device
-    memory (same spec); device-resident leaves pass through. ``tree`` may be ``None``."""
+    memory (same spec); device-resident leaves pass through. ``tree`` may be ``None``. ``keep``:
+    an optional same-structure tree of bool, True for leaves that stay in host memory (the stacked
+    layers, which the layer scan streams in one layer at a time:
+    :func:`jaxcolossal.models.remat.fetch_layer`)."""
     if tree is None:
         return None
-    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)) if s.memory_kind == HOST else x,
-                        tree, shardings, is_leaf=lambda x: x is None)
+    keep = keep if keep is not None else jax.tree.map(lambda _: False, shardings)
+    return jax.tree.map(lambda x, s, k: jax.device_put(x, s.with_memory_kind(DEVICE))
+                        if s.memory_kind == HOST and not k else x, tree, shardings, keep, is_leaf=lambda x: x is None)
+
+
+def streamed_in_scan(plan: Any) -> Any:
+    """Param-shaped tree of bool: True for the leaves stacked over ``layers`` (the layer scan's
+    inputs), which offloaded compute params keep in host memory until the scan body fetches one
+    layer (without pipeline parallelism, where offloaded params are refused anyway)."""
+    return jax.tree.map(lambda axes: bool(axes) and axes[0] == "layers", plan.param_axes,
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _split(tree: Any, where: Any) -> Any:

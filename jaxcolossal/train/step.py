@@ -44,9 +44,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.train.nvme import nvme_tier
-from jaxcolossal.train.offload import make_offload_update, to_device
+from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
 
@@ -112,7 +113,8 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
 
         def micro(j):
             (_, loss), g = per_shard(params, xs[:, j], ys[:, j], {name: a[:, j] for name, a in aux.items()}, coef)
-            g = jax.tree.map(lambda a: a.astype(jnp.float32), g)  # fp32 before any reduction
+            # offloaded layers' gradients come back from host memory; fp32 before any reduction
+            g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
             return jnp.sum(loss), constrain(g, mesh, per_shard_specs)
 
         def reduce(g, specs=grad_specs):  # [N, ...] per-shard fp32 -> summed over the data group
@@ -184,11 +186,13 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         raise ValueError("offload.nvme_path needs the config's optimizer (tx_from_config=True)")
     offload_update = make_offload_update(plan, shardings, tier) if split_update else None
     runtime = tier.shardings if tier is not None else shardings  # NVMe leaves: tokens in the state
+    streamed = streamed_in_scan(plan)
 
     def step(state: TrainState, batch: dict):
         scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
         mask = batch.get("loss_mask")
-        params = to_device(state.params, shardings.params)  # offloaded compute params come in first
+        # offloaded compute params: the stacked layers stream in inside the layer scan, the rest come in first
+        params = to_device(state.params, shardings.params, streamed)
         loss_sum, grads = grad_fn(params, batch["inputs"], batch["targets"], scale, mask,
                                   batch.get("segment_ids"), batch.get("positions"))
         n_tok = token_count(batch["inputs"], mask)
