@@ -155,9 +155,11 @@ def make_placement(optim_frac: float, param_frac: float, optimizer_device: str, 
 
 
 def state_bytes(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
-                precision: str) -> dict[str, int]:
+                precision: str, nvme: bool = False) -> dict[str, int]:
     """Per-device bytes of the persistent model state by memory kind (the formulas above), plus
-    the fp32 gradient buffer that the step holds on the device: ``{"device", "host", "grads"}``."""
+    the fp32 gradient buffer that the step holds on the device: ``{"device", "host", "grads",
+    "nvme"}``. ``nvme``: the offloaded optimizer state lives in the NVMe tier's files
+    (``offload.nvme_path``), not in host memory."""
     from jaxcolossal.train.state import BYTES_PER_PARAM
     b = BYTES_PER_PARAM[precision]
     opt = local_elements(shapes, specs.opt, mesh_shape)
@@ -167,7 +169,9 @@ def state_bytes(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mappi
                                   sum(s for s, w in zip(jax.tree.leaves(sizes), jax.tree.leaves(where)) if w))
     od, oh = split(opt, placement.optim)
     pd, ph = split(par, placement.params)
-    return {"device": b["p"] * pd + b["K"] * od, "host": b["p"] * ph + b["K"] * oh, "grads": grads}
+    opt_host = b["K"] * oh
+    return {"device": b["p"] * pd + b["K"] * od, "host": b["p"] * ph + (0 if nvme else opt_host), "grads": grads,
+            "nvme": opt_host if nvme else 0}
 
 
 def formula_bytes(psi_local: int, n: int, zero_stage: int, precision: str, optim_frac: float,
@@ -215,7 +219,7 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     ``model.remat=none``, where the backward pass keeps every layer's fetched weights (then the
     whole leaf counts); the other leaves (embedding, head, final norm) move in whole."""
     from jaxcolossal.train.state import BYTES_PER_PARAM
-    sb = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode)
+    sb = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode, bool(cfg.offload.nvme_path))
     opt = jax.tree.leaves(local_elements(shapes, specs.opt, mesh_shape))
     offl = [s for s, w in zip(opt, jax.tree.leaves(placement.optim)) if w]
     stream = max(offl, default=0) * BYTES_PER_PARAM[cfg.precision.mode]["K"] if placement.optimizer_device == "device" else 0
@@ -227,7 +231,7 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
         BYTES_PER_PARAM[cfg.precision.mode]["p"]
     acts = activation_bytes(cfg, mesh_shape)
     parts = {"state": sb["device"] + params_in, "grads": sb["grads"], "activations": acts, "stream": stream,
-             "host": sb["host"]}
+             "host": sb["host"], "nvme": sb["nvme"]}
     parts["total"] = parts["state"] + sb["grads"] + acts + stream
     return parts
 
@@ -320,7 +324,8 @@ def check_host(cfg: Config, placement: Placement, shapes: Any, specs: Any, mesh_
     Raises:
         ConfigError: above the limit, with the shortfall in bytes.
     """
-    host = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode)["host"] * local_devices
+    host = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode,
+                       bool(cfg.offload.nvme_path))["host"] * local_devices
     limit = parse_bytes(cfg.offload.host_memory_limit, "offload.host_memory_limit")
     if limit and host > limit:
         raise ConfigError(

@@ -99,6 +99,7 @@ def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
                  + (f", optimizer stream {gib(need['stream'])}" if need["stream"] else "")
                  + f"); pinned host {gib(need['host'])} per device, {gib(o.devices_per_host * need['host'])} per "
                  f"{o.devices_per_host}-device host"
+                 + (f"; NVMe tier {gib(need['nvme'])} per device in {o.nvme_path}" if need["nvme"] else "")
                  + (f"; fits offload.device_memory_limit={limit}" if limit else "")
                  + (f" and offload.host_memory_limit={o.host_memory_limit}" if o.host_memory_limit else ""))
     return lines
