@@ -20,6 +20,7 @@ from jaxcolossal.models import LlamaForCausalLM
 from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind, formula_bytes
 from jaxcolossal.sharding import shard_bytes
 from jaxcolossal.train.loop import train
+from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import init_state, make_plan, state_shardings
 from jaxcolossal.train.step import make_train_step
@@ -47,16 +48,24 @@ def _kinds(tree):
 
 Z3 = {"data_parallel_size": 8, "zero_stage": 3}
 MODES = [
-    dict(offload_optim_frac=0.5),
+    dict(offload_optim_frac=0.5, offload_param_frac=1.0),  # params streamed layer by layer in the scan
     dict(offload_optim_frac=0.5, optimizer_device="host"),
-    dict(offload_optim_frac=1.0, offload_param_frac=1.0, optimizer_device="host"),
+    dict(offload_optim_frac=1.0, nvme_path="{tmp}"),  # the NVMe tier (tests/integration/test_nvme.py)
 ]
 
 
-def test_every_offload_setting_equals_no_offload_zero3_bf16():
+def test_every_offload_setting_equals_no_offload_zero3_bf16(tmp_path):
     base, mb, _ = run_steps(_cfg(Z3), steps=STEPS)
     for off in MODES:
+        off = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in off.items()}
         state, m, plan = run_steps(_cfg(Z3, offload=off), steps=STEPS)
+        tier = nvme_tier(plan, build_optimizer(plan.cfg.training, plan))
+        if tier is not None:  # the files' bytes per device: K·Ψ/N, what host memory holds without the tier
+            psi = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, np.uint8, sp, plan.mesh_shape),
+                                                   plan.param_shapes, plan.specs.base,
+                                                   is_leaf=lambda x: isinstance(x, tuple))))
+            assert tier.bytes_per_device() == formula_bytes(psi, 8, 3, "bf16", 1.0, 0.0)["optim_host"]
+            state = tier.fill(state)  # the whole state, read back from the files
         assert [r["loss"] for r in m] == [r["loss"] for r in mb], off
         _same(state.master, base.master)
         _same(state.opt_state, base.opt_state)
@@ -71,12 +80,18 @@ def test_every_offload_setting_equals_no_offload_zero3_bf16():
 @pytest.mark.parametrize("parallel,precision", [
     ({"tensor_parallel_size": 2, "data_parallel_size": 4, "zero_stage": 2}, None),
     ({"pipeline_parallel_size": 2, "data_parallel_size": 4, "zero_stage": 1}, "bf16"),
-], ids=["tp2_zero2_fp32", "pp2_zero1_bf16"])
-def test_optimizer_offload_with_tp_and_pp(parallel, precision):
+], ids=["tp2_zero2_fp32_nvme", "pp2_zero1_bf16_host"])
+def test_optimizer_offload_with_tp_and_pp(parallel, precision, tmp_path):
+    """tp 2 with the NVMe tier (the device-streamed update reading and writing files), pp 2 with the
+    update on the host."""
     base, mb, _ = run_steps(_cfg(parallel, precision), steps=STEPS)
-    od = "host" if "pipeline_parallel_size" in parallel else "device"
-    state, m, _ = run_steps(_cfg(parallel, precision, dict(offload_optim_frac=1.0, optimizer_device=od)), steps=STEPS)
-    assert [r["loss"] for r in m] == [r["loss"] for r in mb], od
+    pp = "pipeline_parallel_size" in parallel
+    off = dict(offload_optim_frac=1.0, optimizer_device="host") if pp else dict(offload_optim_frac=1.0,
+                                                                                nvme_path=str(tmp_path))
+    state, m, plan = run_steps(_cfg(parallel, precision, off), steps=STEPS)
+    if not pp:
+        state = nvme_tier(plan, build_optimizer(plan.cfg.training, plan)).fill(state)
+    assert [r["loss"] for r in m] == [r["loss"] for r in mb], off
     _same(state.opt_state, base.opt_state)
     _same(state.params, base.params)
 
