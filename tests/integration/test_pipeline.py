@@ -192,12 +192,14 @@ def _temp(schedule, m):
 
 
 def test_activation_memory_1f1b_flat_gpipe_grows():
-    """Fixed microbatch (2 sequences per data shard), p = 2: m = 2p -> 8p."""
-    f4, f16 = _temp("1f1b", 4), _temp("1f1b", 16)
-    g4, g16 = _temp("gpipe", 4), _temp("gpipe", 16)
-    assert f16 <= 1.2 * f4, (f4, f16)
-    assert g16 > 1.5 * g4, (g4, g16)
-    assert f16 < g16
+    """Fixed microbatch (2 sequences per data shard), p = 2: m = 2p -> 4p. Measured: 1F1B 2,207,224
+    -> 2,207,352 bytes; GPipe 9,119,984 -> 14,462,448 (≈ 3.78 MB + 1.34 MB per microbatch; at
+    m = 16, 25,147,824)."""
+    f4, f8 = _temp("1f1b", 4), _temp("1f1b", 8)
+    g4, g8 = _temp("gpipe", 4), _temp("gpipe", 8)
+    assert f8 <= 1.05 * f4, (f4, f8)
+    assert g8 > 1.4 * g4, (g4, g8)
+    assert f8 < g8
 
 
 def _collectives_by_loop_nesting(hlo: str) -> tuple[dict, dict]:
