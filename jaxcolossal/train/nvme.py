@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+import shutil
 from typing import Any
 
 import jax
@@ -116,10 +116,34 @@ class NvmeTier:
                                                            for i, s in enumerate(flat_sh)])
         # device -> row-major position in the mesh (the same number ``_device_index`` computes inside)
         self.position = {d.id: int(i) for i, d in enumerate(mesh.devices.flat)}
-        self._lock = threading.Lock()
-        os.makedirs(self.path, exist_ok=True)
-        for g in range(GENERATIONS):
-            os.makedirs(os.path.join(self.path, f"gen{g}"), exist_ok=True)
+        self._check_disk(plan)
+
+    def _check_disk(self, plan: Any) -> None:
+        """Create the folders, and check that the disk holds both generations of this process's
+        shards (files already there from an earlier run are overwritten, so they count as free).
+
+        Raises:
+            ConfigError: the folder cannot be created or written, or the disk is too small.
+        """
+        from jaxcolossal.config import ConfigError
+        key = f"offload.nvme_path={plan.cfg.offload.nvme_path!r}"
+        try:
+            for g in range(GENERATIONS):
+                os.makedirs(os.path.join(self.path, f"gen{g}"), exist_ok=True)
+            probe = os.path.join(self.path, f".probe.{os.getpid()}")
+            _fsync_write(probe, b"x")
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot create or write the NVMe tier's folder: {e}") from None
+        local = len(self._local_positions())
+        need = GENERATIONS * self.bytes_per_device() * local
+        existing = sum(os.path.getsize(os.path.join(root, f)) for g in range(GENERATIONS)
+                       for root, _, files in os.walk(os.path.join(self.path, f"gen{g}")) for f in files)
+        free = shutil.disk_usage(self.path).free + existing
+        if need > free:
+            raise ConfigError(f"{key}: the NVMe tier needs {need:,} bytes on that disk (2 generations × "
+                              f"{self.bytes_per_device():,} bytes × {local} local devices) but {free:,} are free; "
+                              "free space, choose another folder or offload less (offload.offload_optim_frac)")
 
     # ------------------------------------------------------------------ files
 

@@ -108,6 +108,19 @@ def test_nvme_settings_are_checked_before_compiling(tmp_path):
                       nvme_path=str(tmp_path)))
     with pytest.raises(ConfigError, match="offload_optim_frac is 0"):
         validate(_cfg({"data_parallel_size": 8}, None, nvme_path=str(tmp_path)))
+    # a disk too small for both generations: refused with the bytes, before anything compiles
+    import collections
+    import jaxcolossal.train.nvme as nvme
+    cfg = _cfg({"data_parallel_size": 8, "zero_stage": 3}, "bf16", offload_optim_frac=1.0, nvme_path=str(tmp_path / "n"))
+    plan = make_plan(cfg, make_mesh(cfg.parallel))
+    Usage = collections.namedtuple("Usage", "total used free")
+    orig = nvme.shutil.disk_usage
+    nvme.shutil.disk_usage = lambda p: Usage(10**6, 10**6 - 1000, 1000)
+    try:
+        with pytest.raises(ConfigError, match=r"needs 2,563,584 bytes on that disk \(2 generations × 160,224 bytes × 8"):
+            nvme_tier(plan, build_optimizer(cfg.training, plan))
+    finally:
+        nvme.shutil.disk_usage = orig
     (tmp_path / "f").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         validate(_cfg({"data_parallel_size": 8}, None, offload_optim_frac=1.0, nvme_path=str(tmp_path / "f")))
