@@ -44,6 +44,7 @@ from jaxcolossal.sharding import DATA_AXES, describe, shard_bytes
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
+from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.step import make_eval_step, make_train_step
 
@@ -432,7 +433,7 @@ def _sample(run: Run, state: Any) -> str:
         return ""
     from jaxcolossal.sharding import Sharder  # the unconstrained forward for a batch of one
     tok = get_tokenizer(run.cfg.data.tokenizer)
-    fn = jax.jit(lambda p, x: run.plan.family.forward(p, x, cfg, Sharder(None))[..., : tok.vocab_size])
+    fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, Sharder(None))[..., : tok.vocab_size])
     out = sample_tokens(fn, state.params, tok.encode(t.sample_prompt), t.sample_tokens, t.seq_len,
                         jax.random.key(t.seed + 1))
     return t.sample_prompt + tok.decode(out)

@@ -242,8 +242,11 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
     sharder = plan.sharder
     vp = sharder.is_sharded("vocab")
     cfg, family = plan.cfg.model, plan.family
+    streamed = streamed_in_scan(plan)
 
     def ev(params, x, y, mask=None, segment_ids=None, positions=None):
+        # offloaded params: the stacked layers stream in inside the layer scan, the rest come in now
+        params = jax.tree.map(lambda p, s: p if s else fetch_layer(p), params, streamed)
         x = sharder(x, ("batch", "seq"))
         m = None if mask is None else mask.astype(jnp.float32)
         return family.loss_sum(params, x, y, cfg, sharder, vp, m, segment_ids, positions) / token_count(x, mask)
@@ -257,6 +260,7 @@ def make_logits_fn(plan: TrainPlan) -> Callable[[Any, jax.Array], jax.Array]:
     sharder = plan.sharder
 
     def fn(params, tokens):
+        params = fetch_layer(params)  # offloaded params come into device memory
         return family.forward(params, tokens, cfg, sharder, sharder.is_sharded("vocab"))[..., : cfg.vocab_size]
 
     return jax.jit(fn)

@@ -23,7 +23,7 @@ from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import init_state, make_plan, state_shardings
-from jaxcolossal.train.step import make_train_step
+from jaxcolossal.train.step import make_eval_step, make_train_step
 from tiny import assert_params_match, random_batches, run_steps, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,6 +74,10 @@ def test_every_offload_setting_equals_no_offload_zero3_bf16(tmp_path):
             assert _kinds(state.master) == {HOST}
         if off.get("offload_param_frac") == 1.0:
             assert _kinds(state.params) == {HOST}
+            # evaluation reads the host-resident params too (the main job's validation)
+            x = random_batches(plan.cfg, 1, seed=7)[0]
+            xs = (jax.device_put(x[:, :-1], plan.batch_sharding), jax.device_put(x[:, 1:], plan.batch_sharding))
+            assert float(make_eval_step(plan)(state.params, *xs)) == float(make_eval_step(plan)(base.params, *xs))
         assert abs(plan.placement.optim_frac - off.get("offload_optim_frac", 0)) < 0.01
 
 
