@@ -103,3 +103,104 @@ def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
                  + (f"; fits offload.device_memory_limit={limit}" if limit else "")
                  + (f" and offload.host_memory_limit={o.host_memory_limit}" if o.host_memory_limit else ""))
     return lines
+
+
+# ----------------------------------------------------------------------------- out of memory
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating")
+"""Substrings by which XLA's runtime and compiler report an allocation that did not fit."""
+
+
+def is_oom(error: BaseException) -> bool:
+    """True when ``error`` is XLA reporting device memory exhausted (at compile time or in a step)."""
+    return any(m in str(error) for m in OOM_MARKERS)
+
+
+def _need(cfg: Config, num_devices: int) -> dict:
+    """:func:`jaxcolossal.placement.device_need` for ``cfg`` on ``num_devices`` (the mesh as the
+    config resolves it; static fractions; no limit checked)."""
+    from jaxcolossal.placement import make_placement
+    shape = mesh_shape(cfg.parallel.resolve(num_devices))
+    _, shapes, axes = param_layout(cfg.model, shape["tp"])
+    rules = {**RULES, "layers": "pp"} if shape["pp"] > 1 else RULES
+    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
+    o = cfg.offload
+    pl = make_placement(o.offload_optim_frac, o.offload_param_frac, o.optimizer_device, shapes, specs, shape)
+    return device_need(pl, cfg, shapes, specs, shape)
+
+
+def oom_changes(cfg: Config, run_mesh: dict) -> list[tuple[str, dict]]:
+    """Single-key changes that lower the per-device need, each with its predicted need, cheapest
+    first (on the run's devices; a change of zero_stage re-splits the data group into dp/fsdp;
+    the seed's "systematic OOM troubleshooting", as a program): a higher ``zero_stage``,
+    ``model.remat=full``, twice the gradient accumulation (half the microbatch), the optimizer
+    state (then the ZeRO-3 params) in host memory. Changes that do not apply (ZeRO-3 already,
+    an odd microbatch, ...) are left out."""
+    import copy
+    t, p, o = cfg.training, cfg.parallel, cfg.offload
+    n = run_mesh["dp"] * run_mesh["fsdp"]
+    tries = []
+    if p.zero_stage < 3 and n > 1:
+        tries.append((f"parallel.zero_stage={p.zero_stage + 1}", lambda c: setattr(c.parallel, "zero_stage",
+                                                                                   p.zero_stage + 1)))
+    if cfg.model.remat != "full":
+        tries.append(("model.remat=full", lambda c: setattr(c.model, "remat", "full")))
+    micro = t.batch_size // t.gradient_accumulation_steps
+    if run_mesh["pp"] == 1 and micro % (2 * n) == 0:
+        tries.append((f"training.gradient_accumulation_steps={2 * t.gradient_accumulation_steps}",
+                      lambda c: setattr(c.training, "gradient_accumulation_steps", 2 * t.gradient_accumulation_steps)))
+    if o.offload_optim_frac < 1:
+        tries.append(("offload.offload_optim_frac=1", lambda c: setattr(c.offload, "offload_optim_frac", 1.0)))
+    if p.zero_stage == 3 and run_mesh["pp"] == 1 and o.offload_param_frac < 1:
+        def params_out(c):
+            c.offload.offload_param_frac = 1.0
+            if c.model.remat == "none":  # streamed params lower the peak only with a remat policy
+                c.model.remat = "full"
+        tries.append(("offload.offload_param_frac=1" + (" model.remat=full" if cfg.model.remat == "none" else ""),
+                      params_out))
+    out = []
+    for name, change in tries:
+        c = copy.deepcopy(cfg)
+        change(c)
+        try:
+            out.append((name, _need(c, math.prod(run_mesh.values()))))
+        except ConfigError:  # the change does not fit this model (a dimension its axis does not divide)
+            continue
+    return sorted(out, key=lambda r: r[1]["total"])
+
+
+def explain_oom(plan, error: BaseException, compiled: object = None, capacity: int = 0) -> str:
+    """What to print when a run runs out of device memory: the predicted per-device breakdown of
+    the current layout next to what XLA reported (the error's figure, and the compiled step's
+    ``memory_analysis()`` when there is one), and the cheapest single changes by predicted need,
+    marked ``fits`` when below ``capacity`` (bytes; 0 = unknown).
+
+    ``plan``: the run's :class:`~jaxcolossal.train.state.TrainPlan`. Raises nothing.
+    """
+    import re
+    cfg, shape = plan.cfg, plan.mesh_shape
+    need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, shape)
+    msg = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lines = [f"out of device memory: {msg[:300]}",
+             f"predicted per device for this layout (mesh {shape}, zero_stage {cfg.parallel.zero_stage}, "
+             f"{cfg.precision.mode}, remat {cfg.model.remat}): {gib(need['total'])} = state {gib(need['state'])} + "
+             f"fp32 grads {gib(need['grads'])} + activations ≈{gib(need['activations'])}"
+             + (f" + optimizer stream {gib(need['stream'])}" if need["stream"] else "")]
+    asked = re.search(r"allocat\w* (\d[\d,]*) ?bytes", str(error)) or re.search(r"(\d[\d,]*) ?bytes", str(error))
+    if asked:
+        lines.append(f"XLA reported:  {int(asked.group(1).replace(',', '')):,} bytes in the failing allocation")
+    mem = getattr(compiled, "memory_analysis", lambda: None)() if compiled is not None else None
+    if mem is not None:
+        parts = {k: getattr(mem, f"{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp", "alias")}
+        total = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
+        lines.append(f"compiled step: {gib(total)} = arguments {gib(parts['argument'])} + outputs "
+                     f"{gib(parts['output'])} + temporaries {gib(parts['temp'])} - donated {gib(parts['alias'])}")
+    if capacity:
+        lines.append(f"device memory: {gib(capacity)} usable (offload.device_memory_limit, or the device's "
+                     "capacity × 0.9)")
+    lines.append("cheapest changes (one key each; predicted per-device need):")
+    for name, n in oom_changes(cfg, shape):
+        mark = ("fits" if n["total"] <= capacity else "over") if capacity else f"{n['total'] / need['total']:.0%}"
+        lines.append(f"  {name:<48} {gib(n['total']):>12}  {mark}")
+    lines.append("(the activation term is an estimate that runs low on XLA's CPU backend: docs/offload.md)")
+    return "\n".join(lines)

@@ -11,6 +11,9 @@
   ``max_consecutive_skips`` steps in a row overflow with the scale at ``min_scale``.
 * :class:`StepWatchdog` — in a multi-process job, aborts a process that makes no progress for
   the collective timeout (a peer died or left the loop; NCCL has no timeout of its own).
+* :func:`explain_oom` — XLA out of device memory, at compile time or in a step: log the
+  planner's explanation (the predicted breakdown next to what XLA reported, and the cheapest
+  changes: :func:`jaxcolossal.plan.explain_oom`), then the caller re-raises.
 """
 
 from __future__ import annotations
@@ -233,3 +236,20 @@ class StepWatchdog:
                 os._exit(WATCHDOG_EXIT_CODE)
 
 
+
+
+def explain_oom(error: BaseException, plan, compiled=None) -> bool:
+    """If ``error`` is XLA reporting device memory exhausted, log (rank 0) why and what would fit
+    (:func:`jaxcolossal.plan.explain_oom`) and return True; otherwise return False. Never raises
+    (a failure to explain must not hide the out-of-memory error itself)."""
+    from jaxcolossal.dist_logger import get_dist_logger
+    from jaxcolossal.plan import explain_oom as explain, is_oom
+    if not is_oom(error):
+        return False
+    try:
+        from jaxcolossal.placement import device_limit
+        text = explain(plan, error, compiled, device_limit(plan.cfg, list(plan.mesh.devices.flat)))
+    except Exception as e:  # noqa: BLE001
+        text = f"out of device memory ({error}); the planner could not explain it: {e!r}"
+    get_dist_logger().error(text, ranks=[0])
+    return True

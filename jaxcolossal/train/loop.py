@@ -41,7 +41,7 @@ from jaxcolossal.mesh import make_mesh
 from jaxcolossal.models.hf import check_init_from, init_params_from
 from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind, formula_bytes
 from jaxcolossal.sharding import DATA_AXES, describe, shard_bytes
-from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals
+from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals, explain_oom
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
 from jaxcolossal.models.remat import fetch_layer
@@ -287,7 +287,11 @@ def _start(cfg: Config) -> Run:
 
     step_fn = make_train_step(plan, tx, lr_schedule(t))
     t0 = time.time()
-    compiled = step_fn.lower(state, loader.batch(int(state.step))).compile()
+    try:
+        compiled = step_fn.lower(state, loader.batch(int(state.step))).compile()
+    except Exception as e:
+        explain_oom(e, plan)  # an out-of-memory error: the predicted breakdown and what would fit
+        raise
     compile_s = time.time() - t0
     mem = compiled.memory_analysis()
     # per-device bytes the step needs (arguments + outputs + temporaries - donated aliases), for
@@ -398,7 +402,10 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
             if stop:
                 break
         guard.flush()
-    except NonFiniteError as e:
+    except Exception as e:
+        if not isinstance(e, NonFiniteError):
+            explain_oom(e, run.plan, run.compiled)  # out of memory in a step: why, and what would fit
+            raise
         if e.step % cfg.logging.log_every and e.step != t.max_steps:  # not logged yet: its values matter
             run.write({"step": e.step, **{k: float(v) for k, v in e.metrics.items()}})
         get_dist_logger().error(str(e), ranks=[0])
