@@ -128,6 +128,14 @@ class ParallelConfig:
     ``data_parallel_size`` is ``dp × fsdp``: with ``zero_stage > 0`` ZeRO shards over the whole
     group (``fsdp = data_parallel_size``, ``dp = 1``); with ``zero_stage == 0`` it is plain DDP
     (``dp = data_parallel_size``).
+
+    ``gradient_compression``: ``none`` or ``topk``: each data-parallel shard sends only the
+    ``compression_ratio`` fraction of its gradient's elements largest in magnitude (values and
+    int32 indices, all-gathered; every rank sums them densely) instead of an all-reduce of the
+    whole gradient (Lin et al., 2018, Deep Gradient Compression). With ``error_feedback`` (default)
+    what a shard did not send is added to its next step's gradient (a per-shard fp32 residual in
+    the train state, saved in checkpoints). Data-parallel traffic only; ``topk`` needs
+    ``zero_stage`` ≤ 1, no tensor or pipeline parallelism (for now).
     """
 
     data_parallel_size: int = -1
@@ -137,6 +145,9 @@ class ParallelConfig:
     num_microbatches: int = 0
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     num_model_chunks: int = 1
+    gradient_compression: Literal["none", "topk"] = "none"
+    compression_ratio: float = 0.01
+    error_feedback: bool = True
 
     def resolve(self, num_devices: int) -> "ParallelConfig":
         """Return a copy with ``-1`` filled so that dp·tp·pp == ``num_devices``.
@@ -697,6 +708,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"training.resume={_yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
                           "resume from)")
     _check_offload(cfg)
+    _check_compression(p)
     tp = p.tensor_parallel_size
     if tp != -1:
         _check_tp(m, tp)
@@ -725,6 +737,21 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(
                 f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
                 f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
+
+
+def _check_compression(p: ParallelConfig) -> None:
+    """``parallel.gradient_compression`` against the rest (see :class:`ParallelConfig`)."""
+    if not 0 < p.compression_ratio <= 1:
+        raise ConfigError(f"parallel.compression_ratio={p.compression_ratio:g}: the fraction of each gradient's "
+                          "elements a shard sends must be in (0, 1]")
+    if p.gradient_compression == "topk":
+        if p.zero_stage > 1:
+            raise ConfigError(f"parallel.gradient_compression=topk is supported with zero_stage 0 or 1 (got "
+                              f"{p.zero_stage}): it replaces the one gradient reduction per step, which ZeRO-2/3 "
+                              "split over the microbatches")
+        if p.tensor_parallel_size not in (1,) or p.pipeline_parallel_size not in (1,):
+            raise ConfigError("parallel.gradient_compression=topk is supported without tensor or pipeline "
+                              "parallelism yet: set tensor_parallel_size=1 and pipeline_parallel_size=1")
 
 
 def _check_offload(cfg: Config) -> None:

@@ -94,14 +94,17 @@ class NvmeTier:
             master=index if plan.mixed else None,
             opt_state=optax.tree_map_params(tx, lambda _, k: k, full.opt_state, index,
                                             transform_non_params=lambda _: -1, is_leaf=is_sh),
-            scaler=jax.tree.map(lambda _: -1, full.scaler, is_leaf=is_sh))
+            scaler=jax.tree.map(lambda _: -1, full.scaler, is_leaf=is_sh),
+            residual=jax.tree.map(lambda _: -1, full.residual, is_leaf=is_sh))
         flat_sh, self.treedef = jax.tree.flatten(full, is_leaf=is_sh)
         flat_owner = jax.tree.leaves(owner)
         assert len(flat_sh) == len(flat_owner)
-        first_offloadable = 1 + len(jax.tree.leaves(full.params, is_leaf=is_sh))  # master, then opt_state
+        count = lambda t: len(jax.tree.leaves(t, is_leaf=is_sh))  # noqa: E731
+        first = 1 + count(full.params)  # the flatten order: step, params, master, opt_state, scaler, residual
+        end = first + count(full.master) + count(full.opt_state)
         self.slots, parts = {}, {}
         for i, (sh, k) in enumerate(zip(flat_sh, flat_owner)):
-            in_state = first_offloadable <= i < len(flat_sh) - len(jax.tree.leaves(full.scaler, is_leaf=is_sh))
+            in_state = first <= i < end
             if in_state and k >= 0 and sh.memory_kind == HOST:
                 self.slots[i] = (k, parts.get(k, 0))
                 parts[k] = parts.get(k, 0) + 1

@@ -51,6 +51,9 @@ class TrainState:
             (then ``params`` are the master copy).
         opt_state: optax state; moments sharded by ``specs.opt``.
         scaler: :class:`LossScaleState` in fp16 mode, else ``None``.
+        residual: with ``parallel.gradient_compression=topk`` and ``error_feedback``, each data
+            shard's fp32 gradient not yet sent: param-shaped leaves with a leading ``[N]`` (the
+            data group), sharded ``P(("dp", "fsdp"), ...)`` (each device its own); else ``None``.
     """
 
     step: jax.Array
@@ -58,6 +61,7 @@ class TrainState:
     master: Any
     opt_state: Any
     scaler: Any
+    residual: Any = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,19 @@ def opt_state_specs(tx: optax.GradientTransformation, params_abstract: Any, para
                                  transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
 
+def keeps_residual(plan: TrainPlan) -> bool:
+    """True when the state carries top-k compression's error-feedback residual."""
+    p = plan.cfg.parallel
+    return p.gradient_compression == "topk" and p.error_feedback
+
+
+def residual_specs(plan: TrainPlan) -> Any:
+    """Specs of :attr:`TrainState.residual` (``None`` without one): ``[N, ...]`` per data shard."""
+    if not keeps_residual(plan):
+        return None
+    return jax.tree.map(lambda s: P(DATA_AXES, *s), plan.specs.base, is_leaf=lambda x: isinstance(x, P))
+
+
 def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:
     """A :class:`TrainState` whose leaves are the target ``NamedSharding`` of each array, in the
     memory kind (device or pinned host) that ``plan.placement`` gives each leaf."""
@@ -152,6 +169,7 @@ def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainS
         master=plan.specs.opt if plan.mixed else None,
         opt_state=opt_state_specs(tx, abstract, plan.specs.opt),
         scaler=LossScaleState(P(), P(), P(), P()) if plan.precision == "fp16" else None,
+        residual=residual_specs(plan),
     )
     shardings = named(plan.mesh, specs)
     if plan.placement is not None and plan.placement.active:
@@ -180,6 +198,8 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
             master=master,
             opt_state=tx.init(params),
             scaler=scaler_init(pc.initial_scale) if plan.precision == "fp16" else None,
+            residual=(jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)
+                      if keeps_residual(plan) else None),
         )
 
     if key is None and params is None:

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.train.nvme import nvme_tier
+from jaxcolossal.train.compression import topk_reduce
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
@@ -101,7 +102,10 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True), in_axes=(None, 0, 0, 0, None),
                          spmd_axis_name=DATA_AXES)
 
-    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None):
+    p = cfg.parallel
+    topk = p.gradient_compression == "topk"
+
+    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None):
         B, t = inputs.shape
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
         split = lambda a: jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),
@@ -140,9 +144,13 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
             (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jnp.arange(k))
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
-        grads = acc if zero >= 2 else reduce(acc, plan.specs.opt if zero == 1 else grad_specs)
+        if topk:  # parallel.gradient_compression: each shard sends its largest elements (+ error feedback)
+            summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh)
+            grads = constrain(summed, mesh, plan.specs.opt if zero == 1 else grad_specs)
+        else:
+            grads = acc if zero >= 2 else reduce(acc, plan.specs.opt if zero == 1 else grad_specs)
         grads = jax.tree.map(lambda g: g / scale, grads)
-        return loss_sum, grads
+        return (loss_sum, grads, residual) if topk else (loss_sum, grads)
 
     return grad_fn
 
@@ -175,6 +183,7 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     """
     grad_fn = make_grad_fn(plan)
     mesh, specs, pc = plan.mesh, plan.specs, plan.cfg.precision
+    compress = plan.cfg.parallel.gradient_compression == "topk"
     fp16 = plan.precision == "fp16"
     shardings = state_shardings(plan, tx)
     pl = plan.placement
@@ -193,8 +202,10 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         mask = batch.get("loss_mask")
         # offloaded compute params: the stacked layers stream in inside the layer scan, the rest come in first
         params = to_device(state.params, shardings.params, streamed)
-        loss_sum, grads = grad_fn(params, batch["inputs"], batch["targets"], scale, mask,
-                                  batch.get("segment_ids"), batch.get("positions"))
+        out = grad_fn(params, batch["inputs"], batch["targets"], scale, mask, batch.get("segment_ids"),
+                      batch.get("positions"), **({"residual": state.residual} if compress else {}))
+        loss_sum, grads = out[:2]
+        residual = out[2] if compress else None
         n_tok = token_count(batch["inputs"], mask)
         grad_norm = optax.tree.norm(grads)
 
@@ -221,8 +232,10 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
             scaler = scaler_update(state.scaler, finite, growth_factor=pc.growth_factor,
                                    backoff_factor=pc.backoff_factor, growth_interval=pc.growth_interval,
                                    hysteresis=pc.hysteresis, min_scale=pc.min_scale, max_scale=pc.max_scale)
+        if residual is not None:  # error feedback: a skipped (non-finite) step keeps the old residual
+            residual = keep(residual, state.residual)
         new = TrainState(step=state.step + 1, params=new_params, master=new_master if plan.mixed else None,
-                         opt_state=opt_state, scaler=scaler)
+                         opt_state=opt_state, scaler=scaler, residual=residual)
         metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
