@@ -25,6 +25,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -36,8 +37,50 @@ SETTINGS = {
     "optim 0.5 host": dict(offload_optim_frac=0.5, optimizer_device="host"),
     "optim 1.0 host": dict(offload_optim_frac=1.0, optimizer_device="host"),
     "params 1.0": dict(offload_param_frac=1.0),
+    "optim 1.0 nvme": dict(offload_optim_frac=1.0, nvme_path="{tmp}"),  # ZeRO-Infinity: files in a temp folder
     "activations host": dict(activations="host"),
 }
+
+
+def _setup(name, args, n, h, tmp):
+    """Build, compile and warm up the train step for one setting."""
+    import jax
+    import numpy as np
+
+    from jaxcolossal.config import config_from_dict
+    from jaxcolossal.hlo import host_io_bytes
+    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.placement import traffic
+    from jaxcolossal.train.nvme import nvme_tier
+    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
+    from jaxcolossal.train.state import init_state, make_plan
+    from jaxcolossal.train.step import make_train_step
+
+    cfg = config_from_dict({
+        "model": dict(num_layers=args.layers, hidden_size=h, num_attention_heads=max(4, h // 64),
+                      num_key_value_heads=max(2, h // 128), intermediate_size=int(8 * h / 3) // 8 * 8,
+                      max_position_embeddings=args.seq, vocab_size=256),
+        "training": dict(batch_size=args.batch, seq_len=args.seq, warmup_steps=1, max_steps=1000),
+        "parallel": dict(data_parallel_size=n, zero_stage=3),
+        "precision": {"bf16": True},
+        "offload": {k: v.format(tmp=tmp) if isinstance(v, str) else v for k, v in SETTINGS[name].items()},
+    })
+    plan = make_plan(cfg, make_mesh(cfg.parallel))
+    tx = build_optimizer(cfg.training, plan)
+    state = init_state(plan, tx, key=jax.random.key(0))
+    tier = nvme_tier(plan, tx)
+    if tier is not None:  # the NVMe leaves go to their files
+        state = tier.spill(state)
+    x = np.random.default_rng(0).integers(0, 256, (args.batch, args.seq + 1)).astype(np.int32)
+    batch = {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
+             "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
+    t0 = time.time()
+    compiled = make_train_step(plan, tx, lr_schedule(cfg.training)).lower(state, batch).compile()
+    state, m = compiled(state, batch)  # warm-up
+    jax.block_until_ready(m)
+    return dict(compiled=compiled, state=state, batch=batch, times=[], compile_s=time.time() - t0,
+                io=host_io_bytes(compiled.as_text()),
+                predicted=traffic(plan.placement, plan.param_shapes, plan.specs, plan.mesh_shape, "bf16"))
 
 
 def main(argv=None) -> int:
@@ -54,15 +97,6 @@ def main(argv=None) -> int:
     if "XLA_FLAGS" not in os.environ and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     import jax
-    import numpy as np
-
-    from jaxcolossal.config import config_from_dict
-    from jaxcolossal.hlo import host_io_bytes
-    from jaxcolossal.mesh import make_mesh
-    from jaxcolossal.placement import traffic
-    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
 
     n = jax.device_count()
     names = [s for s in SETTINGS if not args.only or s in args.only.split(",")]
@@ -70,29 +104,16 @@ def main(argv=None) -> int:
         names.insert(0, "none")
     h = args.hidden
     runs = {}
-    for name in names:
-        cfg = config_from_dict({
-            "model": dict(num_layers=args.layers, hidden_size=h, num_attention_heads=max(4, h // 64),
-                          num_key_value_heads=max(2, h // 128), intermediate_size=int(8 * h / 3) // 8 * 8,
-                          max_position_embeddings=args.seq, vocab_size=256),
-            "training": dict(batch_size=args.batch, seq_len=args.seq, warmup_steps=1, max_steps=1000),
-            "parallel": dict(data_parallel_size=n, zero_stage=3),
-            "precision": {"bf16": True},
-            "offload": SETTINGS[name],
-        })
-        plan = make_plan(cfg, make_mesh(cfg.parallel))
-        tx = build_optimizer(cfg.training, plan)
-        state = init_state(plan, tx, key=jax.random.key(0))
-        x = np.random.default_rng(0).integers(0, 256, (args.batch, args.seq + 1)).astype(np.int32)
-        batch = {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
-                 "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
-        t0 = time.time()
-        compiled = make_train_step(plan, tx, lr_schedule(cfg.training)).lower(state, batch).compile()
-        state, m = compiled(state, batch)  # warm-up
-        jax.block_until_ready(m)
-        runs[name] = dict(compiled=compiled, state=state, batch=batch, times=[], compile_s=time.time() - t0,
-                          io=host_io_bytes(compiled.as_text()),
-                          predicted=traffic(plan.placement, plan.param_shapes, plan.specs, plan.mesh_shape, "bf16"))
+    tmp = tempfile.mkdtemp(prefix="bench_offload_nvme_")
+    failed = {}
+    for name in list(names):
+        try:
+            runs[name] = _setup(name, args, n, h, tmp)
+        except Exception as e:  # one setting that fails (say, host callbacks on a backend) must not hide the rest
+            if name == "none":
+                raise
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            names.remove(name)
     for _ in range(args.rounds):
         for name in names:
             r = runs[name]
@@ -113,7 +134,9 @@ def main(argv=None) -> int:
         bw = f"{r['predicted'] / extra / 1e9:8.2f}" if r["predicted"] and extra > 0 else f"{'-':>8}"
         print(f"{name:<18} {t * 1e3:9.2f} {t / base:7.3f} {r['io']['host_arguments'] / 2**20:12.3f} "
               f"{r['io']['host_results'] / 2**20:13.3f} {r['predicted'] / 2**20:14.3f} {bw}")
-    return 0
+    for name, why in failed.items():
+        print(f"{name:<18} FAILED {why}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
