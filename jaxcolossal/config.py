@@ -404,6 +404,7 @@ RANGES: dict[str, Range] = {
     "parallel.data_parallel_size": _MESH, "parallel.tensor_parallel_size": _MESH,
     "parallel.pipeline_parallel_size": _MESH,
     "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
+    "parallel.compression_ratio": Range(0, 1, lo_open=True),
     "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
     "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,
     "precision.hysteresis": _POS, "precision.min_scale": _GT0, "precision.max_scale": _GT0,
@@ -740,10 +741,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
 
 
 def _check_compression(p: ParallelConfig) -> None:
-    """``parallel.gradient_compression`` against the rest (see :class:`ParallelConfig`)."""
-    if not 0 < p.compression_ratio <= 1:
-        raise ConfigError(f"parallel.compression_ratio={p.compression_ratio:g}: the fraction of each gradient's "
-                          "elements a shard sends must be in (0, 1]")
+    """``parallel.gradient_compression`` against the rest (see :class:`ParallelConfig`; the ratio's
+    range is in :data:`RANGES`)."""
     if p.gradient_compression == "topk":
         if p.zero_stage > 1:
             raise ConfigError(f"parallel.gradient_compression=topk is supported with zero_stage 0 or 1 (got "
