@@ -37,10 +37,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         num_devices = math.prod(sizes)
     validate(cfg, num_devices=num_devices)
     rp = p.resolve(num_devices)
-    shape = mesh_shape(rp)
-    vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
-    rules = {**RULES, "layers": "pp"}
-    specs = state_specs(axes, shapes, p.zero_stage, shape, rules)
+    shape, vocab, shapes, specs = _layout(cfg, num_devices)
     b = BYTES_PER_PARAM[cfg.precision.mode]
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
@@ -116,14 +113,20 @@ def is_oom(error: BaseException) -> bool:
     return any(m in str(error) for m in OOM_MARKERS)
 
 
+def _layout(cfg: Config, num_devices: int) -> tuple[dict, int, object, object]:
+    """``(mesh shape, padded vocab, param shapes, ZeRO specs)`` of ``cfg`` on ``num_devices``, by the
+    same rules as the train step (the stacked ``layers`` dimension split over ``pp``)."""
+    shape = mesh_shape(cfg.parallel.resolve(num_devices))
+    vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
+    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, {**RULES, "layers": "pp"})
+    return shape, vocab, shapes, specs
+
+
 def _need(cfg: Config, num_devices: int) -> dict:
     """:func:`jaxcolossal.placement.device_need` for ``cfg`` on ``num_devices`` (the mesh as the
     config resolves it; static fractions; no limit checked)."""
     from jaxcolossal.placement import make_placement
-    shape = mesh_shape(cfg.parallel.resolve(num_devices))
-    _, shapes, axes = param_layout(cfg.model, shape["tp"])
-    rules = {**RULES, "layers": "pp"} if shape["pp"] > 1 else RULES
-    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
+    shape, _, shapes, specs = _layout(cfg, num_devices)
     o = cfg.offload
     pl = make_placement(o.offload_optim_frac, o.offload_param_frac, o.optimizer_device, shapes, specs, shape)
     return device_need(pl, cfg, shapes, specs, shape)

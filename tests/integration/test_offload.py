@@ -42,6 +42,13 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _psi(plan):
+    """Ψ: the parameters of one model-parallel rank (the formulas' unit), from the base specs."""
+    return sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, np.uint8, sp, plan.mesh_shape),
+                                            plan.param_shapes, plan.specs.base,
+                                            is_leaf=lambda x: isinstance(x, tuple))))
+
+
 def _kinds(tree):
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
@@ -61,10 +68,7 @@ def test_every_offload_setting_equals_no_offload_zero3_bf16(tmp_path):
         state, m, plan = run_steps(_cfg(Z3, offload=off), steps=STEPS)
         tier = nvme_tier(plan, build_optimizer(plan.cfg.training, plan))
         if tier is not None:  # the files' bytes per device: K·Ψ/N, what host memory holds without the tier
-            psi = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, np.uint8, sp, plan.mesh_shape),
-                                                   plan.param_shapes, plan.specs.base,
-                                                   is_leaf=lambda x: isinstance(x, tuple))))
-            assert tier.bytes_per_device() == formula_bytes(psi, 8, 3, "bf16", 1.0, 0.0)["optim_host"]
+            assert tier.bytes_per_device() == formula_bytes(_psi(plan), 8, 3, "bf16", 1.0, 0.0)["optim_host"]
             state = tier.fill(state)  # the whole state, read back from the files
         assert [r["loss"] for r in m] == [r["loss"] for r in mb], off
         _same(state.master, base.master)
@@ -197,9 +201,7 @@ def test_bytes_by_memory_kind_match_the_formulas(zero):
         state = jax.tree.map(lambda a, sh: jax.device_put(np.zeros(a.shape, a.dtype), sh), abstract,
                              state_shardings(plan, tx))  # the arrays with the state's shardings, no compile
         got = bytes_by_kind([state.params, state.master, state.opt_state])
-        psi = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, np.uint8, sp, plan.mesh_shape),
-                                               plan.param_shapes, plan.specs.base,
-                                               is_leaf=lambda x: isinstance(x, tuple))))
+        psi = _psi(plan)
         want = formula_bytes(psi, 8, zero, "bf16", frac, off.get("offload_param_frac", 0.0))
         for kind, key in ((DEVICE, "device"), (HOST, "host")):
             if want[key] == 0:
