@@ -105,6 +105,22 @@ def launcher(nproc: int, program: str, *args: str, timeout_s: int = 60, extra: t
     return cmd + [program, *args]
 
 
+def tagged_json(text: str, tag: str = "RESULT ") -> list:
+    """Every JSON value printed after ``tag`` in ``text``, in order.
+
+    Native libraries in the child (gloo's "Rank 0 is connected to 1 peer ranks") write to the same
+    stdout from C++, without Python's line buffering, so their text can land on the same line right
+    after ours. The value is decoded up to its own end and what follows it is ignored.
+    """
+    dec = json.JSONDecoder()
+    out = []
+    for line in text.splitlines():
+        at = line.find(tag)
+        if at >= 0:
+            out.append(dec.raw_decode(line, at + len(tag))[0])
+    return out
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]

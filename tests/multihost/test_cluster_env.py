@@ -9,14 +9,13 @@ device ids as JAX does; the last one runs real 2-process jobs on this machine wi
 detections and with our launchers.
 """
 import importlib
-import json
 import sys
 
 import jax
 import pytest
 from jax._src import clusters
 
-from mh import REPO, clean_env, free_port
+from mh import REPO, clean_env, free_port, tagged_json
 
 L = importlib.import_module("jaxcolossal.launch")  # the module (jaxcolossal.launch is the function)
 
@@ -213,5 +212,5 @@ def test_real_two_process_job_under_simulated_cluster(mode, tmp_path):
                 p.wait()
     for r, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"{mode} rank {r}: status {rc}\n{err[-3000:]}"
-        res = json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
+        res = tagged_json(out)[0]
         assert res == dict(index=r, count=2, devices=4, gathered=[0, 1])

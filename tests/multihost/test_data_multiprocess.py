@@ -4,11 +4,10 @@ Each process must build only its own rows of the global batch, and the global ``
 must equal the concatenation of the processes' rows in process order, i.e. the batch a single
 process would build. A batch that does not split evenly must fail with a clear error.
 """
-import json
 
 import pytest
 
-from mh import clean_env, launcher, run
+from mh import clean_env, launcher, run, tagged_json
 
 WORKER = r"""
 import json
@@ -88,7 +87,7 @@ def test_each_process_builds_its_rows_and_the_global_batch_is_their_concatenatio
     results = []
     for r in range(2):
         text = (logs / f"rank{r}.log").read_text()
-        results.append(json.loads(next(line[7:] for line in text.splitlines() if line.startswith("RESULT "))))
+        results.append(tagged_json(text)[0])
 
     for r, out in enumerate(results):
         assert (out["rank"], out["nproc"], out["local_devices"]) == (r, 2, 4)

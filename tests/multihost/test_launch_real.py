@@ -4,7 +4,6 @@ Each process simulates 2 CPU devices, so the job has 4 devices. The processes ru
 allgather of their rank and a jitted sum over a global array built from per-process
 data, and print the results; the test checks both processes agree on the right values.
 """
-import json
 import os
 import socket
 import subprocess
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mh import tagged_json
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,9 +88,9 @@ def test_two_process_launch_from_env():
     results = []
     for rank, (rc, out, err) in enumerate(outputs):
         assert rc == 0, f"process {rank} exited with {rc}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert len(lines) == 1, f"process {rank} printed no result:\n{out}\n{err[-4000:]}"
-        results.append(json.loads(lines[0][len("RESULT "):]))
+        found = tagged_json(out)
+        assert len(found) == 1, f"process {rank} printed no result:\n{out}\n{err[-4000:]}"
+        results.append(found[0])
 
     for rank, r in enumerate(results):
         assert r["rank"] == rank

@@ -3,13 +3,12 @@
 The programs here do not import JAX, so these tests take seconds. The real training job under
 the launcher is in test_train_multiprocess.py, the JAX failure cases in test_failures.py.
 """
-import json
 import textwrap
 
 import pytest
 
 from jaxcolossal import run as R
-from mh import clean_env, launcher, run
+from mh import clean_env, launcher, run, tagged_json
 
 ENV_DUMP = textwrap.dedent("""
     import json, os, sys
@@ -38,14 +37,14 @@ def test_launcher_environment_and_logs(tmp_path):
     assert res.returncode == 0, res.describe()
 
     # Rank 0 is streamed to the launcher's stdout/stderr; every rank has its own log file.
-    streamed = [json.loads(line[4:]) for line in res.stdout.splitlines() if line.startswith("ENV ")]
+    streamed = tagged_json(res.stdout, "ENV ")
     assert [e["RANK"] for e in streamed] == ["0"]
     assert "to-stderr rank 0" in res.stderr and "to-stderr rank 1" not in res.stderr
     per_rank = {}
     for r in range(4):
         text = (logs / f"rank{r}.log").read_text()
         assert f"to-stderr rank {r}" in text
-        per_rank[r] = json.loads(next(line[4:] for line in text.splitlines() if line.startswith("ENV ")))
+        per_rank[r] = tagged_json(text, "ENV ")[0]
 
     ports = {e["MASTER_PORT"] for e in per_rank.values()}
     assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
@@ -119,7 +118,7 @@ def test_launcher_two_nodes_on_one_machine(tmp_path):
     for node in range(2):
         for rank in (2 * node, 2 * node + 1):
             text = (tmp_path / f"node{node}" / f"rank{rank}.log").read_text()
-            e = json.loads(next(line[4:] for line in text.splitlines() if line.startswith("ENV ")))
+            e = tagged_json(text, "ENV ")[0]
             seen[rank] = (e["LOCAL_RANK"], e["NODE_RANK"], e["WORLD_SIZE"], e["MASTER_PORT"], e["XLA_FLAGS"])
     flags = "--xla_force_host_platform_device_count=3"
     assert seen == {0: ("0", "0", "4", str(port), flags), 1: ("1", "0", "4", str(port), flags),
