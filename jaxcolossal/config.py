@@ -136,6 +136,14 @@ class ParallelConfig:
     what a shard did not send is added to its next step's gradient (a per-shard fp32 residual in
     the train state, saved in checkpoints). Data-parallel traffic only; ``topk`` needs
     ``zero_stage`` ≤ 1, no tensor or pipeline parallelism (for now).
+
+    Sequence (context) parallelism, Colossal-AI's ``HybridParallelPlugin`` modes
+    (:mod:`jaxcolossal.sequence`): ``sequence_parallel_size`` is the mesh axis ``sp`` (the
+    sequence of every activation is split over it) and ``sequence_parallelism_mode`` is
+    ``none``, ``split_gather`` (Megatron-SP: the residual stream's sequence split over the ``tp``
+    group; needs ``tensor_parallel_size`` > 1 and ``sequence_parallel_size`` 1), ``all_to_all``
+    (DeepSpeed-Ulysses: q/k/v swapped from sequence- to head-sharded around attention) or
+    ``ring_attn`` (ring attention: k/v blocks passed around the ``sp`` ring, zig-zag order).
     """
 
     data_parallel_size: int = -1
@@ -148,9 +156,11 @@ class ParallelConfig:
     gradient_compression: Literal["none", "topk"] = "none"
     compression_ratio: float = 0.01
     error_feedback: bool = True
+    sequence_parallel_size: int = 1
+    sequence_parallelism_mode: Literal["none", "split_gather", "all_to_all", "ring_attn"] = "none"
 
     def resolve(self, num_devices: int) -> "ParallelConfig":
-        """Return a copy with ``-1`` filled so that dp·tp·pp == ``num_devices``.
+        """Return a copy with ``-1`` filled so that dp·sp·tp·pp == ``num_devices``.
 
         Raises:
             ConfigError: if the sizes cannot multiply to ``num_devices``.
@@ -159,6 +169,7 @@ class ParallelConfig:
             "data_parallel_size": self.data_parallel_size,
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
+            "sequence_parallel_size": self.sequence_parallel_size,
         }
         unknown = [k for k, v in sizes.items() if v == -1]
         for k, v in sizes.items():
@@ -176,10 +187,13 @@ class ParallelConfig:
             sizes[unknown[0]] = num_devices // known
         product = math.prod(sizes.values())
         if product != num_devices:
+            sp = sizes["sequence_parallel_size"]
             raise ConfigError(
-                "parallel: data_parallel_size × tensor_parallel_size × pipeline_parallel_size = "
+                "parallel: data_parallel_size × tensor_parallel_size × pipeline_parallel_size"
+                + (" × sequence_parallel_size" if sp != 1 else "") + " = "
                 f"{sizes['data_parallel_size']}×{sizes['tensor_parallel_size']}×"
-                f"{sizes['pipeline_parallel_size']} = {product}, but there are {num_devices} devices; set "
+                f"{sizes['pipeline_parallel_size']}" + (f"×{sp}" if sp != 1 else "")
+                + f" = {product}, but there are {num_devices} devices; set "
                 f"parallel.data_parallel_size=-1 to use them all, or (simulated CPU devices) run scripts/train.py "
                 f"with --devices {product}")
         return dataclasses.replace(self, **sizes)
@@ -402,7 +416,7 @@ RANGES: dict[str, Range] = {
     "training.eval_every": Range(0, note="0: only at the start and the end"),
     "training.eval_batches": _POS, "training.sample_tokens": Range(0, note="0: no sample"),
     "parallel.data_parallel_size": _MESH, "parallel.tensor_parallel_size": _MESH,
-    "parallel.pipeline_parallel_size": _MESH,
+    "parallel.pipeline_parallel_size": _MESH, "parallel.sequence_parallel_size": _MESH,
     "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
     "parallel.compression_ratio": Range(0, 1, lo_open=True),
     "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
@@ -480,6 +494,8 @@ ALIASES = {
     "tp": "parallel.tensor_parallel_size", "tp_size": "parallel.tensor_parallel_size",
     "pp": "parallel.pipeline_parallel_size", "pp_size": "parallel.pipeline_parallel_size",
     "dp": "parallel.data_parallel_size", "dp_size": "parallel.data_parallel_size",
+    "sp": "parallel.sequence_parallel_size", "sp_size": "parallel.sequence_parallel_size",
+    "context_parallel_size": "parallel.sequence_parallel_size", "ici_context_parallelism": "parallel.sequence_parallel_size",
     "zero": "parallel.zero_stage", "stage": "parallel.zero_stage", "lr": "training.learning_rate",
     "microbatch_size": "training.micro_batch_size", "grad_accum": "training.gradient_accumulation_steps",
     "accumulation_steps": "training.gradient_accumulation_steps", "max_norm": "training.max_grad_norm",
@@ -710,6 +726,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           "resume from)")
     _check_offload(cfg)
     _check_compression(p)
+    _check_sequence(cfg, p)
     tp = p.tensor_parallel_size
     if tp != -1:
         _check_tp(m, tp)
@@ -718,6 +735,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if num_devices is not None:
         rp = p.resolve(num_devices)
         _check_tp(m, rp.tensor_parallel_size)
+        _check_sequence(cfg, rp)
         dp = rp.data_parallel_size
         if t.micro_batch_size:
             t.batch_size = t.micro_batch_size * t.gradient_accumulation_steps * dp
@@ -738,6 +756,57 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(
                 f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
                 f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
+
+
+def _check_sequence(cfg: Config, p: ParallelConfig) -> None:
+    """Sequence parallelism against the model and the other sizes (:mod:`jaxcolossal.sequence`).
+    Sizes still ``-1`` are checked again once resolved."""
+    m, t = cfg.model, cfg.training
+    mode, sp, tp = p.sequence_parallelism_mode, p.sequence_parallel_size, p.tensor_parallel_size
+    if sp == -1 or tp == -1:
+        return
+    if sp < 1:
+        raise ConfigError(f"parallel.sequence_parallel_size={sp}: must be a positive integer or -1")
+    if mode == "none":
+        if sp > 1:
+            raise ConfigError(f"parallel.sequence_parallel_size={sp} needs parallel.sequence_parallelism_mode: "
+                              "all_to_all (DeepSpeed-Ulysses) or ring_attn (ring attention)")
+        return
+    if mode == "split_gather":
+        if sp != 1:
+            raise ConfigError("parallel.sequence_parallelism_mode=split_gather (Megatron-SP) splits the sequence "
+                              f"over the tensor-parallel group: set sequence_parallel_size=1 (got {sp}), or use "
+                              "all_to_all / ring_attn for a separate sp axis")
+        if tp < 2:
+            raise ConfigError("parallel.sequence_parallelism_mode=split_gather (Megatron-SP) needs "
+                              f"tensor_parallel_size > 1 (got {tp}): it splits the sequence over the tp group")
+        if t.seq_len % tp:
+            raise ConfigError(f"training.seq_len={t.seq_len} is not divisible by tensor_parallel_size={tp} "
+                              "(split_gather splits the sequence over the tp group)")
+        return
+    if sp < 2:
+        raise ConfigError(f"parallel.sequence_parallelism_mode={mode} needs sequence_parallel_size > 1 (got {sp})")
+    if p.pipeline_parallel_size not in (1,):
+        raise ConfigError(f"parallel.sequence_parallelism_mode={mode} is not supported with pipeline parallelism "
+                          "yet: set pipeline_parallel_size=1")
+    if p.gradient_compression != "none":
+        raise ConfigError("parallel.gradient_compression is not supported with sequence parallelism yet: set "
+                          "sequence_parallel_size=1 or gradient_compression=none")
+    blocks = 2 * sp if mode == "ring_attn" else sp
+    if t.seq_len % blocks:
+        why = "2·sp blocks, the zig-zag split" if mode == "ring_attn" else "sp blocks"
+        raise ConfigError(f"training.seq_len={t.seq_len} is not divisible by {blocks} "
+                          f"(sequence_parallelism_mode={mode} splits it into {why})")
+    if mode == "all_to_all":
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(m, key) % (sp * tp):
+                raise ConfigError(
+                    f"parallel.sequence_parallelism_mode=all_to_all (Ulysses) splits the heads over "
+                    f"sequence_parallel_size × tensor_parallel_size = {sp} × {tp} = {sp * tp}, which does not "
+                    f"divide model.{key}={getattr(m, key)}; use ring_attn, or sizes that divide")
+    if mode == "ring_attn" and m.attention_impl == "cudnn":
+        raise ConfigError("parallel.sequence_parallelism_mode=ring_attn runs its own blockwise attention: set "
+                          "model.attention_impl=xla")
 
 
 def _check_compression(p: ParallelConfig) -> None:

@@ -1,7 +1,7 @@
 """Build the device mesh from the parallel config.
 
-One ``jax.sharding.Mesh`` with named axes ``(pp, dp, fsdp, tp)`` (torchtitan's ParallelDims,
-MaxText's mesh axes). ``tp`` is innermost so that tensor-parallel peers are neighbouring devices
+One ``jax.sharding.Mesh`` with named axes ``(pp, dp, fsdp, sp, tp)`` (torchtitan's ParallelDims,
+MaxText's mesh axes). ``tp`` is innermost, ``sp`` (sequence parallelism) next so that tensor-parallel peers are neighbouring devices
 (the fastest links); ``pp`` is outermost. All axes are ``AxisType.Auto``: the train step uses
 sharding constraints and lets XLA's SPMD partitioner place the collectives.
 """
@@ -19,7 +19,7 @@ from jaxcolossal.sharding import MESH_AXES
 
 
 def mesh_shape(parallel: ParallelConfig) -> dict[str, int]:
-    """``{pp, dp, fsdp, tp: size}`` for a *resolved* parallel config (no ``-1``).
+    """``{pp, dp, fsdp, sp, tp: size}`` for a *resolved* parallel config (no ``-1``).
 
     The data-parallel group ``data_parallel_size`` becomes ``fsdp`` when ``zero_stage > 0``
     (ZeRO shards over it) and ``dp`` otherwise (plain replication, DDP).
@@ -32,6 +32,7 @@ def mesh_shape(parallel: ParallelConfig) -> dict[str, int]:
         "pp": parallel.pipeline_parallel_size,
         "dp": 1 if zero else d,
         "fsdp": d if zero else 1,
+        "sp": parallel.sequence_parallel_size,
         "tp": parallel.tensor_parallel_size,
     }
 

@@ -83,7 +83,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcolossal.config import Config, ConfigError, pipeline_microbatches
-from jaxcolossal.sharding import RULES, Sharder
+from jaxcolossal.sharding import Sharder
 
 PP_AXIS = "pp"
 DATA_AXES = ("dp", "fsdp")
@@ -422,7 +422,8 @@ def make_pipeline_grad_fn(plan) -> Callable:
     def body(layers, others, xs, ys, coef):
         # layers: leaves [1, v, Lc, ...] (this device's chunks); others: embedding / head leaves.
         # xs, ys: int32 [B/N, t] (this data shard); coef: scale / (B·t).
-        shard = Sharder(jax.sharding.get_abstract_mesh(), {**RULES, "batch": None})
+        shard = Sharder(jax.sharding.get_abstract_mesh(), {**plan.rules, "batch": None, "layers": None},
+                        plan.cfg.parallel.sequence_parallelism_mode)
         embed, chunk, head_loss = _stage_fns(cfg, shard, shard.is_sharded("vocab"))
         layers = jax.tree.map(lambda a, s: _vary(gather(a, s)[0]), layers, lay_param_specs, is_leaf=None)
         others = jax.tree.map(lambda a, s: _vary(gather(a, s)), others, oth_param_specs)

@@ -192,7 +192,9 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     """An estimate of one microbatch's activation bytes per device, from Korthikanti et al. 2022
     (Table 2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer at 2-byte activations, ``t`` = tp),
     scaled to the compute dtype; ``full`` remat keeps ``2·s·b·h`` per layer plus one layer's
-    worth, the other policies the whole. Plus one chunk of fp32 LM-head logits. An estimate for
+    worth, the other policies the whole. Plus one chunk of fp32 LM-head logits. Sequence
+    parallelism: Megatron-SP (``split_gather``) divides the ``10`` term by ``t`` too (Table 2's
+    ``34/t``); ``all_to_all`` and ``ring_attn`` divide the whole by ``sp``. An estimate for
     placement; the compiled ``memory_analysis()`` is the truth."""
     m, t = cfg.model, cfg.training
     n = mesh_shape["dp"] * mesh_shape["fsdp"]
@@ -200,7 +202,9 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     b = max(1, t.batch_size // (t.gradient_accumulation_steps * n))
     s, h, a = t.seq_len, m.hidden_size, m.num_attention_heads
     scale = 2 if cfg.precision.mode == "fp32" else 1
-    layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
+    mode = cfg.parallel.sequence_parallelism_mode
+    sp = mesh_shape.get("sp", 1)
+    layer = s * b * h * ((10 / tp if mode == "split_gather" else 10) + 24 / tp + 5 * a * s / (h * tp)) * scale / sp
     layers = max(1, m.num_layers // pp)
     acts = (2 * s * b * h * scale * layers + layer) if m.remat == "full" else layer * layers
     chunk = min(m.loss_chunk_tokens or s * b, s * b)

@@ -18,7 +18,7 @@ from jaxcolossal.mesh import mesh_shape
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
 from jaxcolossal.placement import device_need, gib, resolve
-from jaxcolossal.sharding import RULES, shard_bytes, state_specs
+from jaxcolossal.sharding import rules_for, shard_bytes, state_specs
 from jaxcolossal.train.state import BYTES_PER_PARAM
 
 
@@ -118,7 +118,7 @@ def _layout(cfg: Config, num_devices: int) -> tuple[dict, int, object, object]:
     same rules as the train step (the stacked ``layers`` dimension split over ``pp``)."""
     shape = mesh_shape(cfg.parallel.resolve(num_devices))
     vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
-    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, {**RULES, "layers": "pp"})
+    specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules_for(cfg.parallel, pipeline=True))
     return shape, vocab, shapes, specs
 
 

@@ -19,6 +19,12 @@ Switching ZeRO stage or turning on tensor parallelism changes these tables, neve
 Tensor parallelism follows Megatron-LM (Shoeybi et al., 2019): q/k/v and gate/up are
 column-parallel (output dim on ``tp``), o and down are row-parallel (input dim on ``tp``), and the
 embedding and LM head are vocab-parallel.
+
+Sequence parallelism (``parallel.sequence_parallelism_mode``, :mod:`jaxcolossal.sequence`) is a
+change of rules too (:func:`rules_for`): ``seq`` goes to ``tp`` (``split_gather``, Megatron-SP) or
+to ``sp`` (``all_to_all``, ``ring_attn``; attention itself is then a ``shard_map`` over ``sp``,
+:mod:`jaxcolossal.sequence`). ``seq`` yields: in an array where another dimension already uses a mesh
+axis (the heads of q under Megatron-SP), ``seq`` drops it, so XLA gathers the sequence there.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
 
-MESH_AXES = ("pp", "dp", "fsdp", "tp")
-"""Mesh axis names, outermost first (``tp`` innermost so it maps to the fastest links)."""
+MESH_AXES = ("pp", "dp", "fsdp", "sp", "tp")
+"""Mesh axis names, outermost first (``tp`` innermost so it maps to the fastest links, then ``sp``,
+whose all-to-alls and ring passes come next in volume; MaxText's data, fsdp, context, tensor)."""
 
 DATA_AXES = ("dp", "fsdp")
 """The data-parallel group: the batch is split over both; ZeRO shards over ``fsdp``."""
@@ -56,6 +63,37 @@ RULES: dict[str, Any] = {
 }
 """Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)."""
 
+YIELDING = ("seq",)
+"""Logical axes that give up a mesh axis that another dimension of the same array uses."""
+
+
+def rules_for(parallel, pipeline: bool = False) -> dict[str, Any]:
+    """The rules table for a (resolved) ``ParallelConfig``: :data:`RULES` with the sequence-parallel
+    mode's changes, and ``layers`` on ``pp`` when ``pipeline``.
+
+    ==============  ==============  ==========================================
+    mode            ``seq``         attention inside
+    ==============  ==============  ==========================================
+    none            replicated      as outside
+    split_gather    ``tp``          full sequence, heads on ``tp`` (XLA gathers)
+    all_to_all      ``sp``          full sequence, heads on ``tp`` × ``sp`` (explicit all-to-all)
+    ring_attn       ``sp``          blocks of the sequence, k/v passed around (explicit ppermute)
+    ==============  ==============  ==========================================
+    """
+    rules = dict(RULES)
+    mode = getattr(parallel, "sequence_parallelism_mode", "none")
+    if mode == "split_gather":
+        rules["seq"] = "tp"
+    elif mode in ("all_to_all", "ring_attn"):
+        rules["seq"] = "sp"
+    if pipeline:
+        rules["layers"] = "pp"
+    return rules
+
+
+def _names(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
 LogicalAxes = tuple  # tuple[str | None, ...], one name per array dimension
 
 
@@ -73,6 +111,11 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] = RULES
             raise KeyError(f"logical axis {a!r} is not in the rules table {sorted(rules)}")
         else:
             out.append(rules[a])
+    for i, a in enumerate(axes):  # a yielding axis drops the mesh axes that another dimension uses
+        if a in YIELDING and out[i] is not None:
+            used = {m for j, e in enumerate(out) if j != i for m in _names(e)}
+            kept = tuple(m for m in _names(out[i]) if m not in used)
+            out[i] = None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*out)
 
 
@@ -189,9 +232,13 @@ class Sharder:
     is already split by ``vmap(spmd_axis_name=DATA_AXES)`` and so maps to nothing.
     """
 
-    def __init__(self, mesh: Mesh | None, rules: Mapping[str, Any] = RULES):
+    def __init__(self, mesh: Mesh | None, rules: Mapping[str, Any] = RULES, sequence_mode: str = "none"):
         self.mesh = mesh
         self.rules = dict(rules)
+        self.sequence_mode = sequence_mode
+        """``parallel.sequence_parallelism_mode``: how attention runs (:func:`jaxcolossal.sequence.attend`)."""
+        self.zigzag = False
+        """The sequence is in :func:`jaxcolossal.sequence.zigzag_order` (ring attention's balanced split)."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         if self.mesh is None:
@@ -210,7 +257,23 @@ class Sharder:
 
     def inner(self) -> "Sharder":
         """This sharder with ``batch`` mapped to nothing (inside the per-data-shard vmap)."""
-        return Sharder(self.mesh, {**self.rules, "batch": None})
+        out = Sharder(self.mesh, {**self.rules, "batch": None}, self.sequence_mode)
+        out.zigzag = self.zigzag
+        return out
+
+    def zigzagged(self) -> "Sharder":
+        """This sharder, for a batch that :func:`jaxcolossal.sequence.zigzag_batch` has reordered."""
+        out = Sharder(self.mesh, self.rules, self.sequence_mode)
+        out.zigzag = True
+        return out
+
+    @property
+    def ring(self) -> int:
+        """The ``sp`` size when attention runs as ring attention (the batch should be zig-zag
+        ordered, :func:`jaxcolossal.sequence.zigzag_batch`), else 1."""
+        if self.mesh is None or self.sequence_mode != "ring_attn":
+            return 1
+        return int(dict(self.mesh.shape).get("sp", 1))
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

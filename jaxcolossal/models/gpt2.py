@@ -167,15 +167,16 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no_shard,
-                  segment_ids: jax.Array | None = None) -> jax.Array:
-    """One pre-LN GPT-2 block. x ``[b, t, d]`` in the compute dtype."""
+                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """One pre-LN GPT-2 block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
+    positions, for sequence-parallel attention's mask)."""
     eps = cfg.layer_norm_eps
     h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], eps)
     qkv_axes = ("batch", "seq", "heads", "head_dim")
     q = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]) + lp["bq"], qkv_axes), "query_proj")
     k = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wk"]) + lp["bk"], qkv_axes), "key_proj")
     v = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wv"]) + lp["bv"], qkv_axes), "value_proj")
-    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids), qkv_axes)
+    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), qkv_axes)
     x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]) + lp["bo"], "out_proj"), ("batch", "seq", "embed"))
     h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], eps)
     u = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_fc"]) + lp["b_fc"], ("batch", "seq", "mlp")), "mlp_up")
@@ -197,7 +198,8 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
         raise ValueError(f"sequence length {t} exceeds max_position_embeddings={params['wpe'].shape[0]}")
     wpe = params["wpe"][:t][None] if positions is None else jnp.take(params["wpe"], positions, axis=0)
     x = shard(x + wpe.astype(x.dtype), ("batch", "seq", "embed"))
-    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, shard, segment_ids), x, params["layers"], cfg.remat)
+    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, shard, segment_ids, positions), x, params["layers"],
+                    cfg.remat)
     return layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
 
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxcolossal import sequence
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import vocab
 from jaxcolossal.models.remat import scan_layers, tag
@@ -186,8 +187,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * c + rot.astype(jnp.float32) * s).astype(x.dtype)
 
 
-def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None) -> jax.Array:
+def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None, shard: Sharder = _no_shard,
+              positions: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention. q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` -> ``[b, t, h, q]``.
+
+    :func:`local_attention` on whole sequences, or, when ``shard``'s rules split the sequence
+    (``parallel.sequence_parallelism_mode`` all_to_all / ring_attn), the sequence-parallel form of
+    it (:func:`jaxcolossal.sequence.attend`; ring attention masks by ``positions`` int ``[b, t]``).
+    """
+    return sequence.attend(q, k, v, shard, local_attention, impl, segment_ids, positions)
+
+
+def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal grouped-query attention on whole sequences (shapes as :func:`attention`).
 
     ``impl="cudnn"`` uses ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16);
     ``"xla"`` is an explicit einsum with an fp32 softmax that works everywhere. ``segment_ids``
@@ -212,15 +224,16 @@ def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None) 
 
 
 def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
-                  segment_ids: jax.Array | None = None) -> jax.Array:
-    """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype."""
+                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
+    positions, for sequence-parallel attention's mask)."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps)
     q = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]), ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids), ("batch", "seq", "heads", "head_dim"))
+    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), ("batch", "seq", "heads", "head_dim"))
     x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]), "out_proj"), ("batch", "seq", "embed"))
     h = rms_norm(x, lp["mlp_norm"], eps)
     g = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp")), "mlp_gate")
@@ -243,8 +256,8 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
-    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids), x, params["layers"],
-                    cfg.remat)
+    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions), x,
+                    params["layers"], cfg.remat)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 

@@ -34,7 +34,7 @@ from jaxcolossal.config import Config, validate
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.placement import Placement, place_state, resolve
-from jaxcolossal.sharding import DATA_AXES, RULES, Sharder, StateSpecs, named, state_specs
+from jaxcolossal.sharding import DATA_AXES, Sharder, StateSpecs, named, rules_for, state_specs
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 BYTES_PER_PARAM = {"fp32": dict(p=4, g=4, K=8), "bf16": dict(p=2, g=4, K=12), "fp16": dict(p=2, g=4, K=12)}
@@ -97,7 +97,12 @@ class TrainPlan:
     @property
     def sharder(self) -> Sharder:
         """Activation-constraint helper for this mesh and the rules table."""
-        return Sharder(self.mesh, RULES)
+        return Sharder(self.mesh, self.rules, self.cfg.parallel.sequence_parallelism_mode)
+
+    @property
+    def rules(self) -> dict:
+        """The rules table of this run (:func:`jaxcolossal.sharding.rules_for`)."""
+        return rules_for(self.cfg.parallel, self.mesh_shape["pp"] > 1)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -128,7 +133,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     shape = {k: int(v) for k, v in mesh.shape.items()}
     vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
     # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
-    rules = {**RULES, "layers": "pp"} if shape["pp"] > 1 else RULES
+    rules = rules_for(cfg.parallel, shape["pp"] > 1)
     specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
     # which shards live in host memory (offload section), checked against the device limit
     placement, report = resolve(cfg, shapes, specs, shape, list(mesh.devices.flat))

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
+from jaxcolossal.sequence import zigzag_batch
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.compression import topk_reduce
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
@@ -90,6 +91,9 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     n = plan.data_size
     zero = cfg.parallel.zero_stage
     inner = plan.sharder.inner()
+    ring = inner.ring  # ring attention: the batch goes in zig-zag order (jaxcolossal.sequence)
+    if ring > 1:
+        inner = inner.zigzagged()
     vocab_parallel = inner.is_sharded("vocab")
     grad_specs = plan.specs.grads
     per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,
@@ -108,6 +112,8 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None):
         B, t = inputs.shape
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
+        inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
+                                                                     ring)
         split = lambda a: jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),
                                                            NamedSharding(mesh, P(DATA_AXES)))
         xs, ys = split(inputs), split(targets)
@@ -253,6 +259,9 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
     """Jitted ``eval_step(params, inputs, targets, mask=None, segment_ids=None, positions=None) -> mean
     loss`` (fp32 nats/token; over the masked-in tokens when a loss ``mask [B, t]`` is given)."""
     sharder = plan.sharder
+    ring = sharder.ring
+    if ring > 1:
+        sharder = sharder.zigzagged()
     vp = sharder.is_sharded("vocab")
     cfg, family = plan.cfg.model, plan.family
     streamed = streamed_in_scan(plan)
@@ -260,6 +269,7 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
     def ev(params, x, y, mask=None, segment_ids=None, positions=None):
         # offloaded params: the stacked layers stream in inside the layer scan, the rest come in now
         params = jax.tree.map(lambda p, s: p if s else fetch_layer(p), params, streamed)
+        x, y, mask, segment_ids, positions = zigzag_batch(x, y, mask, segment_ids, positions, ring)
         x = sharder(x, ("batch", "seq"))
         m = None if mask is None else mask.astype(jnp.float32)
         return family.loss_sum(params, x, y, cfg, sharder, vp, m, segment_ids, positions) / token_count(x, mask)

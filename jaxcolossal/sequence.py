@@ -1,0 +1,215 @@
+"""Sequence (context) parallelism: how attention runs when the sequence is split over devices.
+
+``parallel.sequence_parallelism_mode`` (Colossal-AI's ``HybridParallelPlugin`` names); the rules
+table does the rest (:func:`jaxcolossal.sharding.rules_for`), so model code is the same in
+every mode: it calls :func:`attend` through the model's ``attention``.
+
+* ``split_gather`` (Megatron-SP, Korthikanti et al., 2022): the residual stream (norms,
+  residual adds, dropout) is split along the sequence over the ``tp`` group. Only rules change:
+  XLA all-gathers the sequence before the column-parallel q/k/v and gate/up matmuls and turns
+  the all-reduce after the row-parallel o/down matmuls into a reduce-scatter. Attention itself
+  sees the full sequence, with its heads on ``tp``, as without SP.
+* ``all_to_all`` (DeepSpeed-Ulysses, Jacobs et al., 2023): every activation is split along the
+  sequence over ``sp``. Around attention, q/k/v are resharded from sequence-split to
+  head-split over ``sp`` (an all-to-all each), attention runs on the full sequence for
+  ``h/(tp·sp)`` heads, and the output goes back (one more all-to-all): 4 per layer forward.
+  The heads and the kv heads must divide by ``tp·sp``.
+* ``ring_attn`` (Ring Attention, Liu et al., 2023): every activation is split along the sequence
+  over ``sp``; each device keeps its block of queries and the k/v blocks travel around the ``sp``
+  ring (``ppermute``, ``sp − 1`` hops per layer forward, k and v in one array), and the partial
+  softmax results are combined online (the FlashAttention recurrence: running max ``m``,
+  normaliser ``l``, unnormalised output ``o``). For causal balance the step puts the sequence in
+  **zig-zag order** first (:func:`zigzag_order`, as in the zig-zag ring of Brandon et al., 2023 and
+  Llama 3's context parallelism): device ``i`` holds the chunks ``i`` and ``2·sp − 1 − i`` of
+  ``2·sp``, so that on every hop after the first each device computes exactly half of the
+  block pair (the other half is entirely in the future) and no device idles. RoPE and the causal
+  mask use the tokens' original positions; the loss is a sum over tokens, so the order does not
+  change it.
+
+The backward of every mode is JAX's autodiff of the forward (the ``ppermute`` transposes to
+the reverse ring, the all-to-alls to all-to-alls).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+SP_AXIS = "sp"
+MODES = ("none", "split_gather", "all_to_all", "ring_attn")
+
+
+def zigzag_order(t: int, sp: int) -> np.ndarray:
+    """The permutation of ``range(t)`` that gives device ``i`` (contiguous block ``i`` of ``t/sp``)
+    the chunks ``i`` and ``2·sp − 1 − i`` of ``2·sp`` equal chunks. int32 ``[t]``.
+
+    Raises:
+        ValueError: ``t`` not divisible by ``2·sp``.
+    """
+    if t % (2 * sp):
+        raise ValueError(f"a zig-zag split of {t} tokens over sp={sp} needs a multiple of {2 * sp}")
+    chunks = np.arange(t, dtype=np.int32).reshape(2 * sp, t // (2 * sp))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * sp - 1 - i]]) for i in range(sp)])
+
+
+def zigzag_batch(inputs, targets, mask=None, segment_ids=None, positions=None, sp: int = 1):
+    """``(inputs, targets, mask, segment_ids, positions)`` (``[B, t]`` each) put in zig-zag order
+    along the sequence; ``positions`` (the RoPE positions; ``arange(t)`` when ``None``) travel with
+    the tokens, so the model sees every token at its original position. Identity for ``sp == 1``."""
+    if sp == 1:
+        return inputs, targets, mask, segment_ids, positions
+    B, t = inputs.shape
+    order = jnp.asarray(zigzag_order(t, sp))
+    take = lambda a: None if a is None else jnp.take(a, order, axis=1)
+    if positions is None:
+        positions = jnp.broadcast_to(order, (B, t))
+    else:
+        positions = take(positions)
+    return take(inputs), take(targets), take(mask), take(segment_ids), positions
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,
+           segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """Causal attention of q ``[b, t, h, d]``, k/v ``[b, t, kv, d]`` -> ``[b, t, h, d]`` under the
+    sharder's sequence-parallel mode; ``local(q, k, v, impl, segment_ids)`` is the attention on
+    whole sequences (the model's). Falls back to ``local`` when the sequence is not split (no
+    mesh, mode ``none``/``split_gather``) or does not divide (sampling one token at a time)."""
+    mode = getattr(shard, "sequence_mode", "none")
+    mesh = getattr(shard, "mesh", None)
+    if mesh is None or mode not in ("all_to_all", "ring_attn") or not shard.is_sharded("seq"):
+        return local(q, k, v, impl, segment_ids)
+    sp = int(mesh.shape[SP_AXIS])
+    t = q.shape[1]
+    if mode == "all_to_all":
+        if t % sp:
+            return local(q, k, v, impl, segment_ids)
+        return ulysses_attention(q, k, v, shard, local, impl, segment_ids)
+    zigzag = bool(getattr(shard, "zigzag", False))
+    if t % (2 * sp if zigzag else sp):
+        return local(q, k, v, impl, segment_ids)
+    return ring_attention(q, k, v, shard, segment_ids, positions, zigzag)
+
+
+def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+    """DeepSpeed-Ulysses attention over the mesh axis ``sp`` (module doc). q ``[b, t, h, d]``, k/v
+    ``[b, t, kv, d]`` sharded ``("batch", "seq", "heads", "head_dim")`` with ``seq`` on ``sp``;
+    returns ``[b, t, h, d]`` sharded the same way.
+
+    Inside, each device swaps its sequence block of all its (``tp``-local) heads for the whole
+    sequence of ``1/sp`` of those heads: one ``all_to_all`` for each of q, k, v, then
+    ``local(q, k, v, impl, segment_ids)`` on the full sequence, then one ``all_to_all`` back. Head
+    block ``r`` of q and kv block ``r`` go to the same device, so grouped-query heads stay with their
+    kv head (``h`` and ``kv`` divisible by ``tp·sp``, checked by the config).
+    """
+    mesh, rules = shard.mesh, shard.rules
+    batch = rules["batch"]
+    qspec, kvspec = P(batch, SP_AXIS, rules["heads"], None), P(batch, SP_AXIS, rules["kv_heads"], None)
+    swap = lambda a: jax.lax.all_to_all(a, SP_AXIS, split_axis=2, concat_axis=1, tiled=True)
+    back = lambda a: jax.lax.all_to_all(a, SP_AXIS, split_axis=1, concat_axis=2, tiled=True)
+
+    def body(q, k, v, *seg):
+        return back(local(swap(q), swap(k), swap(v), impl, seg[0] if seg else None))
+
+    segs = (segment_ids,) if segment_ids is not None else ()
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(qspec, kvspec, kvspec) + (P(batch, None),) * len(segs),
+                       out_specs=qspec, check_vma=False)
+    return fn(q, k, v, *segs)
+
+
+def _block_update(carry, q, k, v, q_pos, k_pos, q_seg, k_seg):
+    """One step of the online softmax: fold the block ``k/v [b, s, kv, d]`` into the running
+    ``(m, l, o)`` of the queries ``q [b, tq, kv, g, d]`` (all fp32 ``[b, kv, g, tq]``, ``o`` with
+    a trailing ``d``). Masked entries (future positions, other segments) count as −inf; a row
+    with no valid key in the block keeps its running values."""
+    m, l, o = carry
+    d = q.shape[-1]
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    valid = q_pos[:, :, None] >= k_pos[:, None, :]                        # [b, tq, s]
+    if q_seg is not None:
+        valid = valid & (q_seg[:, :, None] == k_seg[:, None, :])
+    valid = valid[:, None, None]                                           # [b, 1, 1, tq, s]
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)                     # rows with nothing valid yet
+    p = jnp.where(valid, jnp.exp(s - safe[..., None]), 0.0)
+    corr = jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0)
+    l_new = l * corr + jnp.sum(p, axis=-1)
+    o_new = o * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l_new, o_new
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None, zigzag: bool = False) -> jax.Array:
+    """Ring attention over the mesh axis ``sp`` (module doc). q ``[b, t, h, d]``, k/v
+    ``[b, t, kv, d]`` sharded ``("batch", "seq", "heads", "head_dim")`` with ``seq`` on ``sp``;
+    returns ``[b, t, h, d]`` in ``v.dtype``, sharded the same way.
+
+    ``positions`` (int ``[b, t]``, default ``arange(t)``) give the causal order (a query sees the
+    keys at positions ``<=`` its own, within its segment when ``segment_ids`` are given). With
+    ``zigzag`` the sequence is in :func:`zigzag_order` and the hops after the first skip the
+    half of the block pair that is entirely in the future (an exact saving: those entries are
+    masked anyway).
+    """
+    mesh, rules = shard.mesh, shard.rules
+    sp = int(mesh.shape[SP_AXIS])
+    b, t, h, d = q.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    batch, heads, kv_heads = rules["batch"], rules["heads"], rules["kv_heads"]
+    qspec, kvspec = P(batch, SP_AXIS, heads, None), P(batch, SP_AXIS, kv_heads, None)
+    ring = [(r, (r + 1) % sp) for r in range(sp)]
+    has_seg = segment_ids is not None
+
+    def body(q, k, v, pos, *seg):
+        i = jax.lax.axis_index(SP_AXIS)
+        bl, tl, hl, _ = q.shape
+        kl = k.shape[2]
+        qg = q.reshape(bl, tl, kl, hl // kl, d)
+        block = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * tl, tl, axis=1)
+        q_pos = block(pos, i)
+        q_seg = block(seg[0], i) if has_seg else None
+        shape = (bl, kl, hl // kl, tl)
+        carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+                 jnp.zeros(shape + (d,), jnp.float32))
+        kv = jnp.stack([k, v])
+        half = tl // 2
+        for s in range(sp):
+            if s:
+                kv = jax.lax.ppermute(kv, SP_AXIS, ring)
+            j = (i - s) % sp
+            kb, vb = kv[0], kv[1]
+            k_pos, k_seg = block(pos, j), (block(seg[0], j) if has_seg else None)
+            if not zigzag or s == 0:
+                carry = _block_update(carry, qg, kb, vb, q_pos, k_pos, q_seg, k_seg)
+                continue
+            # zig-zag, j != i: if j < i every query sees only the block's early half; if j > i only
+            # the late half of the queries sees anything (the whole block)
+            lo = lambda a: None if a is None else a[:, :half]
+            hi = lambda a: None if a is None else a[:, half:]
+
+            def early_keys(c):
+                return _block_update(c, qg, lo(kb), lo(vb), q_pos, lo(k_pos), q_seg, lo(k_seg))
+
+            def late_queries(c):
+                m, l, o = c
+                part = tuple(x[:, :, :, half:] for x in c)
+                m2, l2, o2 = _block_update(part, qg[:, half:], kb, vb, hi(q_pos), k_pos, hi(q_seg), k_seg)
+                return (m.at[:, :, :, half:].set(m2), l.at[:, :, :, half:].set(l2),
+                        o.at[:, :, :, half:].set(o2))
+
+            carry = jax.lax.cond(j < i, early_keys, late_queries, carry)
+        m, l, o = carry
+        out = o / l[..., None]                                              # [b, kv, g, tq, d]
+        return jnp.moveaxis(out.reshape(bl, hl, tl, d), 2, 1).astype(v.dtype)
+
+    segs = (segment_ids,) if has_seg else ()
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(qspec, kvspec, kvspec, P(batch, None)) + (P(batch, None),) * len(segs),
+                       out_specs=qspec, check_vma=False)
+    return fn(q, k, v, positions.astype(jnp.int32), *segs)
