@@ -68,7 +68,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     vocab_pad_multiple: int = 1
     remat: Literal["none", "save_qkv_proj", "selective", "dots", "full", "offload"] = "none"
-    attention_impl: Literal["xla", "cudnn"] = "xla"
+    attention_impl: Literal["xla", "cudnn", "flash"] = "xla"
     embedding_impl: Literal["gather", "one_hot"] = "gather"
     loss_chunk_tokens: int = 1024
     init_from: str = ""
@@ -713,8 +713,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.format in ("parquet", "datasets", "jsonl") and cfg.data.corpus == "stdlib":
         raise ConfigError(f"data.format={cfg.data.format} needs data.corpus: the files (or, for datasets, "
                           "the saved folder) to read")
-    if cfg.data.packing_mask and m.attention_impl != "xla":
-        raise ConfigError(f"data.packing_mask=true needs model.attention_impl=xla (segment ids), not {m.attention_impl!r}")
+    if cfg.data.packing_mask and m.attention_impl == "cudnn":
+        raise ConfigError("data.packing_mask=true needs model.attention_impl xla or flash (segment ids), not 'cudnn'")
     if cfg.data.packing_mask and p.pipeline_parallel_size not in (1,):
         raise ConfigError("data.packing_mask=true is not supported with pipeline parallelism yet: "
                           "set parallel.pipeline_parallel_size=1")
@@ -804,9 +804,9 @@ def _check_sequence(cfg: Config, p: ParallelConfig) -> None:
                     f"parallel.sequence_parallelism_mode=all_to_all (Ulysses) splits the heads over "
                     f"sequence_parallel_size × tensor_parallel_size = {sp} × {tp} = {sp * tp}, which does not "
                     f"divide model.{key}={getattr(m, key)}; use ring_attn, or sizes that divide")
-    if mode == "ring_attn" and m.attention_impl == "cudnn":
-        raise ConfigError("parallel.sequence_parallelism_mode=ring_attn runs its own blockwise attention: set "
-                          "model.attention_impl=xla")
+    if mode == "ring_attn" and m.attention_impl != "xla":
+        raise ConfigError("parallel.sequence_parallelism_mode=ring_attn runs its own blockwise attention (the "
+                          f"ring's online softmax): set model.attention_impl=xla, not {m.attention_impl!r}")
 
 
 def _check_compression(p: ParallelConfig) -> None:

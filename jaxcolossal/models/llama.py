@@ -41,6 +41,7 @@ from flax import nnx
 from jaxcolossal import sequence
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import vocab
+from jaxcolossal.models.flash_attention import flash_attention
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
 
@@ -202,9 +203,13 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
     """Causal grouped-query attention on whole sequences (shapes as :func:`attention`).
 
     ``impl="cudnn"`` uses ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16);
-    ``"xla"`` is an explicit einsum with an fp32 softmax that works everywhere. ``segment_ids``
-    (int ``[b, t]``, packed documents): a query attends only to keys of its own segment.
+    ``"flash"`` the Pallas flash-attention kernels (:mod:`jaxcolossal.models.flash_attention`:
+    Triton on GPU, the Pallas interpreter elsewhere; memory linear in ``t``); ``"xla"`` is an
+    explicit einsum with an fp32 softmax that works everywhere. ``segment_ids`` (int ``[b, t]``,
+    packed documents): a query attends only to keys of its own segment.
     """
+    if impl == "flash":
+        return flash_attention(q, k, v, segment_ids, causal=True)
     if impl == "cudnn":
         if segment_ids is not None:
             raise ValueError("segment_ids (data.packing_mask) need model.attention_impl=xla")

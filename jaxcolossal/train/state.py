@@ -182,6 +182,14 @@ def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainS
     return shardings
 
 
+def abstract_state(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:
+    """The train state as ``jax.ShapeDtypeStruct`` leaves with their shardings: what
+    :func:`init_state` would build, without building it (to lower or compile a step)."""
+    abstract = jax.eval_shape(lambda k: init_state(plan, tx, key=k), jax.random.key(0))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                        state_shardings(plan, tx))
+
+
 def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array | None = None,
                params: Any = None) -> TrainState:
     """Build the sharded train state, from ``params`` (fp32 pure dict) or fresh from ``key``.

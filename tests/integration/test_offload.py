@@ -22,7 +22,7 @@ from jaxcolossal.sharding import shard_bytes
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
-from jaxcolossal.train.state import init_state, make_plan, state_shardings
+from jaxcolossal.train.state import abstract_state, init_state, make_plan
 from jaxcolossal.train.step import make_eval_step, make_train_step
 from tiny import assert_params_match, random_batches, run_steps, tiny_config
 
@@ -129,9 +129,7 @@ def _abstract_step(off):
     cfg = _cfg(Z3, offload=off)
     plan = make_plan(cfg, make_mesh(cfg.parallel))
     tx = build_optimizer(cfg.training, plan)
-    abstract = jax.eval_shape(lambda k: init_state(plan, tx, key=k), jax.random.key(0))
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                         state_shardings(plan, tx))
+    state = abstract_state(plan, tx)
     t = cfg.training
     batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), np.int32, sharding=plan.batch_sharding)
              for k in ("inputs", "targets")}
@@ -197,9 +195,8 @@ def test_bytes_by_memory_kind_match_the_formulas(zero):
         cfg = _cfg({"data_parallel_size": 8, "zero_stage": zero}, "bf16", off)
         plan = make_plan(cfg, make_mesh(cfg.parallel))
         tx = build_optimizer(cfg.training, plan)
-        abstract = jax.eval_shape(lambda k: init_state(plan, tx, key=k), jax.random.key(0))
-        state = jax.tree.map(lambda a, sh: jax.device_put(np.zeros(a.shape, a.dtype), sh), abstract,
-                             state_shardings(plan, tx))  # the arrays with the state's shardings, no compile
+        state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
+                             abstract_state(plan, tx))  # the arrays with the state's shardings, no compile
         got = bytes_by_kind([state.params, state.master, state.opt_state])
         psi = _psi(plan)
         want = formula_bytes(psi, 8, zero, "bf16", frac, off.get("offload_param_frac", 0.0))
