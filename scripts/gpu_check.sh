@@ -21,7 +21,8 @@
 #      full remat on the old LM-head path (all logits materialized), LLaMA ~3B (Llama-3.2-3B shape)
 #      with full remat; seq 4096, bf16, one GPU;
 #   5. scripts/bench_optimizer.py (fused AdamW Pallas kernel vs optax, GB/s vs HBM peak);
-#   6. scripts/bench_offload.py (step time with each offload setting / none, host<->device GB/s).
+#   6. scripts/bench_offload.py (step time with each offload setting / none, host<->device GB/s);
+#   4b (after the benchmarks): flash attention's Triton kernels vs cuDNN at seq 8k and 32k, TFLOPS.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -148,6 +149,37 @@ bench llama_1b_remat_full 150 --model "$MODEL_1B" --remat full --batch-per-dp "$
 bench llama_1b_remat_full_full_logits 150 --model "$MODEL_1B" --remat full --batch-per-dp "$B1_FULL" \
       --set model.loss_chunk_tokens=0 model.embedding_impl=one_hot
 bench llama_3b_remat_full 200 --model "$MODEL_3B" --remat full --batch-per-dp "$B3_FULL"
+
+# ---------------------------------------------------------------- 4b. flash attention (Pallas/Triton) vs cuDNN
+# causal, GQA 32/8 heads, head dim 128, bf16, batch 1, seq 8k and 32k: forward+backward time, TFLOPS
+# (causal FLOPs: 2·2·b·h·t²·d/2 forward, ×3.5 with the backward), and the output difference
+step flash_attention 100 env ATTN="$ATTN" "$PY" - <<'EOF'
+import os, time
+import jax, jax.numpy as jnp
+from jaxcolossal.models.flash_attention import flash_attention
+impls = {"flash": lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=64, block_k=64)}
+if os.environ.get("ATTN") == "cudnn":
+    impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+for t in (8192, 32768):
+    b, h, kv, d = 1, 32, 8, 128
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (b, t, h, d), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (b, t, kv, d), jnp.bfloat16) for x in ks[1:])
+    flops = 3.5 * 2 * b * h * t * t * d
+    outs = {}
+    for name, f in impls.items():
+        g = jax.jit(jax.value_and_grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+        jax.block_until_ready(g(q, k, v))
+        t0 = time.perf_counter()
+        for _ in range(3):
+            jax.block_until_ready(g(q, k, v))
+        dt = (time.perf_counter() - t0) / 3
+        outs[name] = jax.jit(f)(q, k, v)
+        print(f"seq {t}: {name}: fwd+bwd {dt * 1e3:.1f} ms, {flops / dt / 1e12:.1f} TFLOPS", flush=True)
+    if len(outs) == 2:
+        diff = float(jnp.max(jnp.abs(outs["flash"].astype(jnp.float32) - outs["cudnn"].astype(jnp.float32))))
+        print(f"seq {t}: max |flash - cudnn| = {diff:.3e}")
+EOF
 
 # ---------------------------------------------------------------- 5. fused AdamW vs optax
 # shellcheck disable=SC2086
