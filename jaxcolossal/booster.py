@@ -98,20 +98,39 @@ TorchFSDPPlugin = GeminiPlugin
 
 def HybridParallelPlugin(tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp16",
                          num_microbatches: int = 0, pp_style: str = "1f1b", num_model_chunks: int = 1,
-                         initial_scale: float = 2.0**16, max_norm: float = 0.0, cpu_offload: bool = False) -> Plugin:
-    """Tensor × pipeline × data parallelism with ZeRO over the data group; dp = world / (tp·pp).
-    ``cpu_offload``: the optimizer state in pinned host memory (``offload.offload_optim_frac=1``).
+                         initial_scale: float = 2.0**16, max_norm: float = 0.0, cpu_offload: bool = False,
+                         sp_size: int = 1, enable_sequence_parallelism: bool = False,
+                         sequence_parallelism_mode: str | None = None) -> Plugin:
+    """Tensor × pipeline × sequence × data parallelism with ZeRO over the data group; dp = world /
+    (tp·pp·sp). ``cpu_offload``: the optimizer state in pinned host memory
+    (``offload.offload_optim_frac=1``). Sequence parallelism as Colossal-AI's: with
+    ``enable_sequence_parallelism``, ``sequence_parallelism_mode`` is ``split_gather`` (over the tp
+    group, ``sp_size`` 1), ``all_to_all`` (the default) or ``ring_attn`` (over ``sp_size``);
+    docs/long_context.md.
 
     Raises:
-        ConfigError: an unknown ``pp_style`` or ``zero_stage``.
+        ConfigError: an unknown ``pp_style``, ``zero_stage`` or ``sequence_parallelism_mode``
+            (Colossal-AI's ``ring``, Megatron-SP with a ring all-gather, is not offered: use
+            ``split_gather`` or ``ring_attn``), or ``sp_size`` > 1 without
+            ``enable_sequence_parallelism``.
     """
+    modes = ("split_gather", "all_to_all", "ring_attn")
+    mode = "none"
+    if enable_sequence_parallelism:
+        mode = sequence_parallelism_mode or "all_to_all"
+        if mode not in modes:
+            raise ConfigError(f"HybridParallelPlugin(sequence_parallelism_mode={mode!r}): allowed values are "
+                              f"{list(modes)}")
+    elif sp_size != 1:
+        raise ConfigError(f"HybridParallelPlugin(sp_size={sp_size}) needs enable_sequence_parallelism=True")
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"HybridParallelPlugin(zero_stage={zero_stage}): allowed values are [0, 1, 2, 3]")
     if pp_style not in ("gpipe", "1f1b", "interleaved"):
         raise ConfigError(f"HybridParallelPlugin(pp_style={pp_style!r}): allowed values are ['gpipe', '1f1b', 'interleaved']")
     par = ParallelConfig(data_parallel_size=-1, tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
                          zero_stage=zero_stage, num_microbatches=num_microbatches, pipeline_schedule=pp_style,
-                         num_model_chunks=num_model_chunks)
+                         num_model_chunks=num_model_chunks, sequence_parallel_size=sp_size,
+                         sequence_parallelism_mode=mode)
     return Plugin(par, _precision(precision, initial_scale), max_norm,
                   OffloadConfig(offload_optim_frac=1.0 if cpu_offload else 0.0))
 

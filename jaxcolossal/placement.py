@@ -194,12 +194,17 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     scaled to the compute dtype; ``full`` remat keeps ``2·s·b·h`` per layer plus one layer's
     worth, the other policies the whole. Plus one chunk of fp32 LM-head logits. Sequence
     parallelism: Megatron-SP (``split_gather``) divides the ``10`` term by ``t`` too (Table 2's
-    ``34/t``); ``all_to_all`` and ``ring_attn`` divide the whole by ``sp``. An estimate for
-    placement; the compiled ``memory_analysis()`` is the truth."""
+    ``34/t``); ``all_to_all`` and ``ring_attn`` divide the whole by ``sp``. Pipelines
+    (docs/pipeline.md): the microbatch is the pipeline's; ``gpipe`` keeps every microbatch's
+    activations of the stage, the lock-step schedules one microbatch's (recomputed in its backward
+    slot) plus their stash of ``2p − 1`` stage inputs ``[b, s, h]``. An estimate for placement;
+    the compiled ``memory_analysis()`` is the truth."""
+    from jaxcolossal.config import pipeline_microbatches
     m, t = cfg.model, cfg.training
     n = mesh_shape["dp"] * mesh_shape["fsdp"]
     tp, pp = mesh_shape["tp"], mesh_shape["pp"]
-    b = max(1, t.batch_size // (t.gradient_accumulation_steps * n))
+    micro = pipeline_microbatches(cfg, pp) if pp > 1 else t.gradient_accumulation_steps
+    b = max(1, t.batch_size // (micro * n))
     s, h, a = t.seq_len, m.hidden_size, m.num_attention_heads
     scale = 2 if cfg.precision.mode == "fp32" else 1
     mode = cfg.parallel.sequence_parallelism_mode
@@ -207,6 +212,8 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     layer = s * b * h * ((10 / tp if mode == "split_gather" else 10) + 24 / tp + 5 * a * s / (h * tp)) * scale / sp
     layers = max(1, m.num_layers // pp)
     acts = (2 * s * b * h * scale * layers + layer) if m.remat == "full" else layer * layers
+    if pp > 1:
+        acts = acts * micro if cfg.parallel.pipeline_schedule == "gpipe" else acts + (2 * pp - 1) * s * b * h * scale
     chunk = min(m.loss_chunk_tokens or s * b, s * b)
     return int(acts + chunk * (m.vocab_size / tp) * 4)
 

@@ -1,4 +1,8 @@
-"""Dry-run planning: parameter count, mesh and per-device model-state memory, with no devices.
+"""Planning with no devices: the dry run of one config, the layout planner, and out-of-memory help.
+
+``python -m jaxcolossal.plan --model llama3_70b --devices 16 --device h200 --seq 4096 --global-batch 512``
+searches the layouts (dp/tp/pp sizes, ZeRO stage, remat, accumulation) for a model on a cluster
+and prints the fastest that fit (:func:`report`, docs/planner.md).
 
 ``python scripts/train.py --config configs/llama_80l_example.yaml --dry-run`` prints this for a
 config far too large to train here. Everything is arithmetic over the same sharding rules the
@@ -8,7 +12,9 @@ stacked ``layers`` dimension is split over ``pp``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +37,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
     """
     p = cfg.parallel
     if num_devices is None:
-        sizes = (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
+        sizes = (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.sequence_parallel_size)
         if -1 in sizes:
             raise ConfigError("--dry-run needs explicit parallel sizes (no -1) to know the device count")
         num_devices = math.prod(sizes)
@@ -58,7 +64,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "
         f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
         f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)",
-        f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × tp)",
+        f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × sp × tp)",
         f"precision  {cfg.precision.mode}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
         f"total {gib(params + grads + opt)}",
@@ -207,3 +213,280 @@ def explain_oom(plan, error: BaseException, compiled: object = None, capacity: i
         lines.append(f"  {name:<48} {gib(n['total']):>12}  {mark}")
     lines.append("(the activation term is an estimate that runs low on XLA's CPU backend: docs/offload.md)")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the layout planner
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator kind: memory (bytes), dense bf16 peak (FLOP/s), and the bandwidths
+    (bytes/s, per device, one direction) inside a node (NVLink) and between nodes (InfiniBand)."""
+
+    name: str
+    memory: float
+    peak: float
+    intra_bw: float
+    inter_bw: float
+    per_node: int = 8
+
+
+DEVICES = {  # NVIDIA datasheets; inter-node: one 400 Gb/s NIC per GPU (200 Gb/s for A100)
+    "a100-40": Device("A100 40GB", 40e9, 312e12, 300e9, 25e9),
+    "a100-80": Device("A100 80GB", 80e9, 312e12, 300e9, 25e9),
+    "h100": Device("H100 80GB", 80e9, 989e12, 450e9, 50e9),
+    "h200": Device("H200 141GB", 141e9, 989e12, 450e9, 50e9),
+    "b200": Device("B200 192GB", 192e9, 2250e12, 900e9, 50e9),
+}
+"""``--device`` names. NVLink bandwidths are per direction (H100/H200: 900 GB/s bidirectional)."""
+
+
+@dataclass
+class Layout:
+    """One candidate: the config overrides, the predicted per-device memory and step time."""
+
+    overrides: dict
+    need: dict
+    fits: bool
+    step_s: float
+    compute_s: float
+    comm_s: float
+    bubble: float
+    tokens_per_s: float
+    tflops: float
+    mfu: float
+
+    def strategy(self) -> str:
+        o = self.overrides
+        parts = [f"zero{o['parallel.zero_stage']}", f"dp{o['parallel.data_parallel_size']}"]
+        if o["parallel.tensor_parallel_size"] > 1:
+            parts.append(f"tp{o['parallel.tensor_parallel_size']}")
+        if o["parallel.pipeline_parallel_size"] > 1:
+            parts.append(f"pp{o['parallel.pipeline_parallel_size']}")
+        return " ".join(parts) + f" remat {o['model.remat']}"
+
+
+def _ring(n: int) -> float:
+    """Bytes each device sends per byte of a ring all-gather / reduce-scatter over ``n`` devices."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45) -> Layout:
+    """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
+
+    * memory: :func:`jaxcolossal.placement.device_need` (the state by the ZeRO formulas, fp32
+      gradients, the activation estimate of Korthikanti et al. 2022 Table 2), against 90% of
+      the device's memory;
+    * compute: the step's model FLOPs (6N + attention per token, plus one more forward with
+      recomputation) at ``efficiency`` × the bf16 peak, divided by ``1 − bubble`` for a pipeline;
+    * communication, not overlapped: the data-parallel gradient reduction and ZeRO parameter
+      gathers (ring volumes; ZeRO-2/3 per microbatch), Megatron's 4 activation all-reduces per
+      layer and microbatch over ``tp``, the pipeline's activation sends; each at the intra-node
+      bandwidth when its group fits in one node (the mesh puts ``tp`` innermost), else inter-node.
+
+    Raises:
+        ConfigError: an impossible layout (the config's own checks).
+    """
+    validate(cfg, num_devices=num_devices)
+    rp = cfg.parallel.resolve(num_devices)
+    need = _need(cfg, num_devices)
+    m, t = cfg.model, cfg.training
+    dp, tp, pp = rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size
+    remat = m.remat != "none"
+    tokens = t.batch_size * t.seq_len
+    fpt = flops_per_token(m, t.seq_len)["6N+attn"]
+    step_flops = fpt * tokens * (4 / 3 if remat else 1.0) / num_devices
+    compute = step_flops / (device.peak * efficiency)
+    bubble = 0.0
+    k = t.gradient_accumulation_steps
+    if pp > 1:
+        from jaxcolossal.pipeline import pipeline_schedule_for
+        sched = pipeline_schedule_for(cfg, pp)
+        bubble, k = sched.bubble_fraction, sched.m
+        compute /= 1 - bubble
+    psi = param_count(m)["total"] / (tp * pp)  # parameters per model-parallel shard
+    p_bytes = BYTES_PER_PARAM[cfg.precision.mode]["p"]
+    bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw
+    zero = cfg.parallel.zero_stage
+    if zero == 0:
+        dp_bytes = 2 * _ring(dp) * 4 * psi                            # fp32 all-reduce
+    else:
+        dp_bytes = _ring(dp) * 4 * psi * (k if zero >= 2 else 1)      # fp32 reduce-scatter(s)
+        dp_bytes += _ring(dp) * p_bytes * psi * (2 * k if zero == 3 else 1)  # param all-gathers
+    act = (t.batch_size // (dp * k)) * t.seq_len * m.hidden_size * p_bytes  # one microbatch's [b, s, d]
+    tp_bytes = 4 * m.num_layers // pp * k * 2 * _ring(tp) * act
+    pp_bytes = 2 * k * act if pp > 1 else 0.0
+    comm = dp_bytes / bw(dp * tp) + tp_bytes / bw(tp) + pp_bytes / bw(num_devices)
+    step = compute + comm
+    model_flops = fpt * tokens / num_devices
+    return Layout(overrides={}, need=need, fits=need["total"] <= 0.9 * device.memory, step_s=step, compute_s=compute,
+                  comm_s=comm, bubble=bubble, tokens_per_s=tokens / step, tflops=model_flops / step / 1e12,
+                  mfu=model_flops / step / device.peak)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45) -> tuple[list[Layout], dict]:
+    """Every layout of ``cfg``'s model on ``num_devices``: tp (within a node) × pp × dp, ZeRO 0–3
+    (0–1 with a pipeline), remat none/full, gradient accumulation (pipeline microbatches) 1, 2, 4,
+    … up to the per-replica batch. Returns the layouts sorted fastest first, and for each
+    (zero, tp, pp) family the smallest predicted memory among its layouts (bytes), for the
+    families where none fits."""
+    import copy
+    m, t = cfg.model, cfg.training
+    out, smallest = [], {}
+    for tp in (d for d in _divisors(num_devices) if d <= device.per_node):
+        for pp in (d for d in _divisors(num_devices // tp) if m.num_layers % d == 0):
+            dp = num_devices // (tp * pp)
+            if t.batch_size % dp:
+                continue
+            per_replica = t.batch_size // dp
+            for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                if zero and dp == 1:
+                    continue
+                for remat in ("none", "full"):
+                    for k in (d for d in _divisors(per_replica) if d & (d - 1) == 0):
+                        if pp > 1 and k < pp:
+                            continue
+                        ov = {"parallel.data_parallel_size": dp, "parallel.tensor_parallel_size": tp,
+                              "parallel.pipeline_parallel_size": pp, "parallel.zero_stage": zero,
+                              "model.remat": remat}
+                        c = copy.deepcopy(cfg)
+                        c.parallel = dataclasses.replace(c.parallel, data_parallel_size=dp, tensor_parallel_size=tp,
+                                                         pipeline_parallel_size=pp, zero_stage=zero,
+                                                         sequence_parallel_size=1, sequence_parallelism_mode="none")
+                        c.model.remat = remat
+                        c.training.micro_batch_size = 0
+                        if pp > 1:
+                            c.parallel.num_microbatches = k
+                            c.training.gradient_accumulation_steps = 1
+                            ov["parallel.num_microbatches"] = k
+                        else:
+                            c.training.gradient_accumulation_steps = k
+                            ov["training.gradient_accumulation_steps"] = k
+                        try:
+                            lay = predict(c, num_devices, device, efficiency)
+                        except ConfigError:
+                            continue
+                        lay.overrides = ov
+                        out.append(lay)
+                        fam = (zero, tp, pp, dp)
+                        smallest[fam] = min(smallest.get(fam, math.inf), lay.need["total"])
+    fitting = {(lay.overrides["parallel.zero_stage"], lay.overrides["parallel.tensor_parallel_size"],
+                lay.overrides["parallel.pipeline_parallel_size"], lay.overrides["parallel.data_parallel_size"])
+               for lay in out if lay.fits}
+    rejected = {f: b for f, b in smallest.items() if f not in fitting}
+    return sorted(out, key=lambda lay: (not lay.fits, lay.step_s)), rejected
+
+
+def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, top: int = 8,
+           source: str = "--config CONFIG") -> str:
+    """The planner's printout: the fastest fitting layouts as Colossal-AI's benchmark table
+    (strategy, batch per DP, samples/s, TFLOPS per device, memory), why each other family failed,
+    and the command line that runs the best."""
+    layouts, rejected = search(cfg, num_devices, device, efficiency)
+    t = cfg.training
+    n = param_count(cfg.model)["total"]
+    lines = [f"model {cfg.model.type} {n / 1e9:.2f} B parameters, seq {t.seq_len}, global batch {t.batch_size}; "
+             f"{num_devices} × {device.name} ({device.memory / 1e9:.0f} GB, {device.peak / 1e12:.0f} TFLOP/s bf16, "
+             f"{device.per_node} per node); {cfg.precision.mode}; efficiency {efficiency:g} of peak",
+             f"{len(layouts)} layouts considered, {sum(lay.fits for lay in layouts)} fit in 90% of the memory",
+             "",
+             "| strategy | accumulation / microbatches | batch per DP | samples/s | tokens/s | TFLOPS/device | MFU | "
+             "memory/device | step (compute + comm) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    best = [lay for lay in layouts if lay.fits][:top]
+    for lay in best:
+        o = lay.overrides
+        k = o.get("parallel.num_microbatches", o.get("training.gradient_accumulation_steps", 1))
+        lines.append(f"| {lay.strategy()} | {k} | {t.batch_size // o['parallel.data_parallel_size']} | "
+                     f"{lay.tokens_per_s / t.seq_len:,.2f} | {lay.tokens_per_s:,.0f} | {lay.tflops:,.1f} | "
+                     f"{lay.mfu:.1%} | {lay.need['total'] / 1e9:,.1f} GB | {lay.step_s:.2f} s "
+                     f"({lay.compute_s:.2f} + {lay.comm_s:.2f}"
+                     + (f", bubble {lay.bubble:.0%}" if lay.bubble else "") + ") |")
+    if not best:
+        lines.append("| (no layout fits: see below) | | | | | | | | |")
+    if rejected:
+        lines.append("")
+        lines.append("rejected (the smallest predicted memory of each family, over remat and accumulation):")
+        for (zero, tp, pp, dp), need in sorted(rejected.items(), key=lambda kv: kv[1]):
+            fam = f"ZeRO-{zero} dp{dp}" + (f" tp{tp}" if tp > 1 else "") + (f" pp{pp}" if pp > 1 else "")
+            lines.append(f"  {fam}: {need / 1e9:,.1f} GB > {0.9 * device.memory / 1e9:,.1f} GB")
+    if best:
+        ov = " ".join(f"{k}={v}" for k, v in best[0].overrides.items())
+        lines += ["", f"run the best: python scripts/train.py {source} {ov}"]
+    lines.append("(predictions: memory by the ZeRO formulas and an activation estimate, time by FLOPs at the "
+                 "efficiency and ring volumes at the link bandwidths, no overlap; docs/planner.md)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxcolossal.plan``: pick a layout for a model on a cluster before renting it."""
+    import argparse
+    import os
+    import sys
+
+    from jaxcolossal.config import config_from_dict, load_config
+    ap = argparse.ArgumentParser(prog="python -m jaxcolossal.plan", description=main.__doc__)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a benchmark preset: configs/bench/<name>.yaml (llama_1b, llama3_8b, llama3_70b, ...)")
+    src.add_argument("--config", help="a config file")
+    src.add_argument("--hf-config", help="a Hugging Face config.json, or its folder (LLaMA or GPT-2)")
+    ap.add_argument("--devices", type=int, required=True, help="number of accelerators")
+    ap.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)} (default h100)")
+    ap.add_argument("--memory-gb", type=float, help="override the device memory (GB)")
+    ap.add_argument("--peak-tflops", type=float, help="override the bf16 peak (TFLOP/s)")
+    ap.add_argument("--devices-per-node", type=int, help="default 8")
+    ap.add_argument("--intra-gbps", type=float, help="intra-node bandwidth per device, GB/s")
+    ap.add_argument("--inter-gbps", type=float, help="inter-node bandwidth per device, GB/s")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the config's)")
+    ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
+    ap.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the matmuls reach (0.45)")
+    ap.add_argument("--top", type=int, default=8)
+    a = ap.parse_args(argv)
+    try:
+        if a.device not in DEVICES:
+            raise ConfigError(f"--device {a.device!r}: known devices are {sorted(DEVICES)}; or give --memory-gb and "
+                              "--peak-tflops with the closest one")
+        dev = DEVICES[a.device]
+        dev = dataclasses.replace(
+            dev, memory=a.memory_gb * 1e9 if a.memory_gb else dev.memory,
+            peak=a.peak_tflops * 1e12 if a.peak_tflops else dev.peak,
+            per_node=a.devices_per_node or dev.per_node,
+            intra_bw=a.intra_gbps * 1e9 if a.intra_gbps else dev.intra_bw,
+            inter_bw=a.inter_gbps * 1e9 if a.inter_gbps else dev.inter_bw)
+        if a.devices < 1:
+            raise ConfigError(f"--devices {a.devices}: must be at least 1")
+        training = {k: v for k, v in (("seq_len", a.seq), ("batch_size", a.global_batch)) if v is not None}
+        if a.model or a.config:
+            path = a.config or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                                            "bench", f"{a.model}.yaml")
+            if not os.path.exists(path):
+                raise ConfigError(f"no such config: {path}")
+            cfg = load_config(path, overrides=[f"training.{k}={v}" for k, v in training.items()])
+            source = f"--config {path if a.config else f'configs/bench/{a.model}.yaml'}"
+        else:
+            from jaxcolossal.models.hf import config_from_hf, read_hf_config
+            folder = a.hf_config if os.path.isdir(a.hf_config) else os.path.dirname(os.path.abspath(a.hf_config))
+            model = dataclasses.asdict(config_from_hf(read_hf_config(folder)))
+            cfg = config_from_dict({"model": model, "training": training, "precision": {"bf16": True}})
+            source = "--config YOUR_CONFIG"
+        if not a.global_batch and cfg.training.micro_batch_size:
+            cfg.training.batch_size = cfg.training.micro_batch_size * a.devices
+        cfg.training.micro_batch_size = 0
+        text = report(cfg, a.devices, dev, a.efficiency, a.top, source)
+        print(text)
+        if "run the best:" not in text:
+            print(f"error: no layout of this model fits {a.devices} × {dev.name}: more devices, a shorter sequence, "
+                  "a smaller batch, or the offload section (docs/offload.md)", file=sys.stderr)
+            return 1
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

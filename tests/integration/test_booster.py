@@ -31,7 +31,8 @@ def _train(plugin, devices, steps=2):
 def test_plugins_match_single_device():
     ref_state, ref = _train(jc.DDPPlugin(), jax.devices()[:1])
     for plugin in (jc.LowLevelZeroPlugin(stage=2, precision="fp32"), jc.GeminiPlugin(precision="fp32"),
-                   jc.HybridParallelPlugin(tp_size=2, zero_stage=1, precision="fp32")):
+                   jc.HybridParallelPlugin(tp_size=2, sp_size=2, enable_sequence_parallelism=True,
+                                           sequence_parallelism_mode="ring_attn", zero_stage=1, precision="fp32")):
         state, losses = _train(plugin, jax.devices())
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
@@ -62,6 +63,10 @@ def test_plugin_errors():
         jc.LowLevelZeroPlugin(stage=3)
     with pytest.raises(ConfigError, match="precision='int8'"):
         jc.GeminiPlugin(precision="int8")
+    with pytest.raises(ConfigError, match="needs enable_sequence_parallelism=True"):
+        jc.HybridParallelPlugin(sp_size=2)
+    with pytest.raises(ConfigError, match=r"sequence_parallelism_mode='ring'\): allowed values"):
+        jc.HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="ring")
     cfg = tiny_config()
     model = jc.models.LlamaForCausalLM(cfg.model, rngs=nnx.Rngs(0))
     booster = jc.Booster(plugin=jc.DDPPlugin())

@@ -1,0 +1,79 @@
+"""The layout planner (``python -m jaxcolossal.plan``): it runs on presets, config files and Hugging
+Face config.json files, its best layout is one the config accepts and that fits, its memory
+model orders the ZeRO stages as the formulas do, and bad input gets a clear error."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxcolossal.config import load_config, validate
+from jaxcolossal.plan import DEVICES, main, predict, search
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_cli_plans_llama3_70b_on_16_h200(capsys):
+    assert main(["--model", "llama3_70b", "--devices", "16", "--device", "h200", "--seq", "4096",
+                 "--global-batch", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "| strategy | accumulation / microbatches | batch per DP | samples/s |" in out
+    # ZeRO-2 without tp keeps the 141 GB of bf16 parameters on every device: refused with the figure
+    assert re.search(r"ZeRO-2 dp16: [\d,.]+ GB > 126.9 GB", out)
+    best = re.search(r"run the best: python scripts/train.py --config (\S+) (.*)", out)
+    assert best, out
+    cfg = load_config(os.path.join(ROOT, best.group(1)), overrides=best.group(2).split()
+                      + ["training.seq_len=4096", "training.batch_size=512", "training.micro_batch_size=0"])
+    validate(cfg, num_devices=16)
+    lay = predict(cfg, 16, DEVICES["h200"])
+    assert lay.fits and lay.need["total"] <= 0.9 * 141e9
+
+
+def test_zero_stages_order_memory_and_layouts_are_sorted():
+    cfg = load_config(os.path.join(ROOT, "configs/bench/llama3_8b.yaml"),
+                      overrides=["training.micro_batch_size=0", "training.batch_size=64", "model.remat=full"])
+    need = []
+    for zero in (0, 1, 2, 3):
+        cfg.parallel.zero_stage = zero
+        cfg.parallel.data_parallel_size = 8
+        need.append(predict(cfg, 8, DEVICES["h100"]).need["total"])
+    assert need[0] > need[1] > need[2] > need[3]
+    layouts, rejected = search(cfg, 8, DEVICES["h100"])
+    fitting = [lay for lay in layouts if lay.fits]
+    assert fitting and [lay.step_s for lay in fitting] == sorted(lay.step_s for lay in fitting)
+    assert all(not lay.fits for lay in layouts[len(fitting):])
+    assert (0, 1, 1, 8) in rejected  # ZeRO-0 over 8: 16 bytes/param × 8 B parameters is 128 GB
+
+
+def test_hf_config_and_config_file(tmp_path):
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+          "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 16, "vocab_size": 128256,
+          "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    res = subprocess.run([sys.executable, "-m", "jaxcolossal.plan", "--hf-config", str(path), "--devices", "8",
+                          "--device", "a100-80", "--seq", "2048", "--global-batch", "64"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "1.24 B parameters" in res.stdout and "run the best:" in res.stdout
+    assert main(["--config", os.path.join(ROOT, "configs/llama_tiny.yaml"), "--devices", "4", "--device", "h100"]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3_70b", "--devices", "16", "--device", "tpu9"], "known devices are"),
+    (["--model", "no_such_model", "--devices", "8"], "no such config"),
+    (["--model", "llama3_70b", "--devices", "0"], "must be at least 1"),
+    (["--model", "llama3_8b", "--devices", "8", "--seq", "0"], "training.seq_len=0"),
+])
+def test_bad_input_is_refused_with_a_message(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_nothing_fits_exits_1_with_the_reasons(capsys):
+    assert main(["--model", "llama3_70b", "--devices", "2", "--device", "a100-40", "--global-batch", "8"]) == 1
+    out = capsys.readouterr()
+    assert "no layout fits" in out.out and "rejected" in out.out and "no layout of this model fits" in out.err
