@@ -59,7 +59,7 @@ def test_packed_documents_equal_documents_alone(family_name):
 
 
 def test_packing_mask_config_checks():
-    with pytest.raises(ConfigError, match="packing_mask=true needs model.attention_impl=xla"):
+    with pytest.raises(ConfigError, match="packing_mask=true needs model.attention_impl xla or flash"):
         config_from_dict({"data": {"packing_mask": True}, "model": {"attention_impl": "cudnn"}})
 
 
