@@ -82,6 +82,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, imp
     mode = getattr(shard, "sequence_mode", "none")
     mesh = getattr(shard, "mesh", None)
     if mesh is None or mode not in ("all_to_all", "ring_attn") or not shard.is_sharded("seq"):
+        if mesh is not None and impl == "flash":
+            return per_device_attention(q, k, v, shard, local, impl, segment_ids)
         return local(q, k, v, impl, segment_ids)
     sp = int(mesh.shape[SP_AXIS])
     t = q.shape[1]
@@ -93,6 +95,27 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, imp
     if t % (2 * sp if zigzag else sp):
         return local(q, k, v, impl, segment_ids)
     return ring_attention(q, k, v, shard, segment_ids, positions, zigzag)
+
+
+def per_device_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,
+                         segment_ids: jax.Array | None = None) -> jax.Array:
+    """``local(q, k, v, impl, segment_ids)`` on each device's own rows and heads (a ``shard_map``
+    with the batch on the rules' ``batch`` axes and the heads on ``heads``/``kv_heads``; the
+    sequence whole). A Pallas kernel is opaque to XLA's partitioner, which would otherwise gather
+    its inputs and run it on the whole batch on every device. Falls back to ``local`` when the
+    batch or heads do not divide (sampling one row)."""
+    mesh, rules = shard.mesh, shard.rules
+    sizes = {"batch": shard.axis_size("batch"), "heads": shard.axis_size("heads"),
+             "kv_heads": shard.axis_size("kv_heads")}
+    if q.shape[0] % sizes["batch"] or q.shape[2] % sizes["heads"] or k.shape[2] % sizes["kv_heads"]:
+        return local(q, k, v, impl, segment_ids)
+    batch = rules["batch"]
+    qspec, kvspec = P(batch, None, rules["heads"], None), P(batch, None, rules["kv_heads"], None)
+    segs = (segment_ids,) if segment_ids is not None else ()
+    fn = jax.shard_map(lambda q, k, v, *seg: local(q, k, v, impl, seg[0] if seg else None), mesh=mesh,
+                       in_specs=(qspec, kvspec, kvspec) + (P(batch, None),) * len(segs), out_specs=qspec,
+                       check_vma=False)
+    return fn(q, k, v, *segs)
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,

@@ -263,7 +263,10 @@ def _start(cfg: Config) -> Run:
     plan = make_plan(cfg, mesh)
     log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} device(s), "
              f"{jax.process_count()} process(es); precision {plan.precision}; "
-             f"zero_stage {cfg.parallel.zero_stage}", ranks=[0])
+             f"zero_stage {cfg.parallel.zero_stage}"
+             + (f"; sequence parallelism {cfg.parallel.sequence_parallelism_mode}"
+                if cfg.parallel.sequence_parallelism_mode != "none" else "")
+             + (f"; attention {cfg.model.attention_impl}" if cfg.model.attention_impl != "xla" else ""), ranks=[0])
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
     loader, evals = _data(cfg, mesh)

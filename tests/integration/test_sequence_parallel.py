@@ -23,8 +23,8 @@ from jaxcolossal.train.state import make_plan
 from jaxcolossal.train.step import make_eval_step
 from tiny import assert_params_match, run_steps, setup, tiny_config
 
-# 8 heads over 4 kv heads (GQA), so Ulysses can split them over tp·sp up to 4
-MODEL = dict(num_attention_heads=8, num_key_value_heads=4)
+# 16 heads over 8 kv heads (GQA, head dim 4), so Ulysses and Megatron-SP can split them over up to 8 devices
+MODEL = dict(num_attention_heads=16, num_key_value_heads=8)
 TRAIN = dict(seq_len=32, batch_size=4)
 
 CASES = {
@@ -33,12 +33,16 @@ CASES = {
                                zero_stage=1),
     "ring_sp2_tp2_dp2_zero3": dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=2,
                                    tensor_parallel_size=2, data_parallel_size=2, zero_stage=3),
+    "ulysses_sp8": dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=8, data_parallel_size=1),
     "ulysses_sp4_dp2_zero1": dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=4,
                                   data_parallel_size=2, zero_stage=1),
     "ulysses_sp2_tp2_dp2_zero3": dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=2,
                                       tensor_parallel_size=2, data_parallel_size=2, zero_stage=3),
+    "megatron_sp_tp8": dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=8, data_parallel_size=1),
     "megatron_sp_tp4_dp2_zero3": dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=4,
                                       data_parallel_size=2, zero_stage=3),
+    # model.attention_impl=flash: the kernel runs per device on its rows and heads (no gathered inputs)
+    "flash_dp4_tp2_zero1": dict(tensor_parallel_size=2, data_parallel_size=4, zero_stage=1),
 }
 
 
@@ -50,7 +54,8 @@ def reference():
 @pytest.mark.parametrize("name", list(CASES))
 def test_mode_equals_one_device(name, reference):
     ref_state, ref_metrics, _ = reference
-    cfg = tiny_config(parallel=CASES[name], model=MODEL, training=TRAIN)
+    model = dict(MODEL, attention_impl="flash") if name.startswith("flash") else MODEL
+    cfg = tiny_config(parallel=CASES[name], model=model, training=TRAIN)
     state, metrics, plan = run_steps(cfg, jax.devices(), steps=3)
     assert plan.mesh.size == 8
     for got, want in zip(metrics, ref_metrics):
@@ -84,8 +89,9 @@ def test_zigzag_order():
     assert sorted(order) == list(range(16))
 
 
-def _eval_hlo(par: dict, layers: int = 3, t: int = 64) -> str:
-    cfg = tiny_config(parallel=par, model={**MODEL, "num_layers": layers}, training=dict(TRAIN, seq_len=t))
+def _eval_hlo(par: dict, layers: int = 3, t: int = 64, impl: str = "xla") -> str:
+    cfg = tiny_config(parallel=par, model={**MODEL, "num_layers": layers, "attention_impl": impl},
+                      training=dict(TRAIN, seq_len=t))
     plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()))
     params = jax.eval_shape(lambda: plan.init_model(jax.random.key(0)))
     x = jax.ShapeDtypeStruct((4, t), jnp.int32)
@@ -96,7 +102,8 @@ def test_collectives_per_layer_forward():
     """In the forward (the eval step, 3 layers): Ulysses has 4 all-to-alls per layer (q, k, v in,
     the output back), ring attention sp − 1 collective-permutes per layer (k and v travel as one
     array) and nothing else; Megatron-SP gathers the sequence before the two column-parallel
-    blocks of each layer and its layer scan carries the residual stream split over tp."""
+    blocks of each layer and its layer scan carries the residual stream split over tp. The flash
+    kernel, opaque to XLA, runs per device: its forward has the all-gathers of XLA attention's."""
     L = 3
     counts = lambda hlo: {k: v["count"] for k, v in collective_totals(hlo).items()}
     assert counts(_eval_hlo(dict(CASES["ulysses_sp4_dp2_zero1"], zero_stage=0), L)) == {"all-to-all": 4 * L}
@@ -110,6 +117,9 @@ def test_collectives_per_layer_forward():
     # the layer scan's carry: the residual stream [b/N, t/tp, d] = [1, 32, 64] per device
     loops = [ln for ln in hlo.splitlines() if " while(" in ln]
     assert loops and all("f32[1,32,64]" in ln and "f32[1,64,64]" not in ln for ln in loops), loops
+    par = dict(tensor_parallel_size=2, data_parallel_size=4, zero_stage=1)
+    gathers = [counts(_eval_hlo(par, 1, impl=impl)).get("all-gather", 0) for impl in ("xla", "flash")]
+    assert gathers[1] == gathers[0], gathers
 
 
 @pytest.mark.parametrize("par, match", [
@@ -117,7 +127,8 @@ def test_collectives_per_layer_forward():
     (dict(sequence_parallelism_mode="split_gather"), "needs tensor_parallel_size > 1"),
     (dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=2, sequence_parallel_size=2),
      "set sequence_parallel_size=1"),
-    (dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=8), "does not divide model.num_key_value_heads=4"),
+    (dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=8, tensor_parallel_size=2),
+     "8 × 2 = 16, which does not divide model.num_key_value_heads=8"),
     (dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=2, pipeline_parallel_size=2),
      "not supported with pipeline"),
     (dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=1), "needs sequence_parallel_size > 1"),
