@@ -278,7 +278,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
       gradients, the activation estimate of Korthikanti et al. 2022 Table 2), against 90% of
       the device's memory;
     * compute: the step's model FLOPs (6N + attention per token, plus one more forward with
-      recomputation) at ``efficiency`` × the bf16 peak, divided by ``1 − bubble`` for a pipeline;
+      recomputation) at ``efficiency`` × the bf16 peak (half of it in fp32: TF32 tensor cores),
+      divided by ``1 − bubble`` for a pipeline; MFU against the same peak;
     * communication, not overlapped: the data-parallel gradient reduction and ZeRO parameter
       gathers (ring volumes; ZeRO-2/3 per microbatch), Megatron's 4 activation all-reduces per
       layer and microbatch over ``tp``, the pipeline's activation sends; each at the intra-node
@@ -296,7 +297,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     tokens = t.batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)["6N+attn"]
     step_flops = fpt * tokens * (4 / 3 if remat else 1.0) / num_devices
-    compute = step_flops / (device.peak * efficiency)
+    peak = device.peak if cfg.precision.mode != "fp32" else device.peak / 2  # fp32 matmuls on TF32 tensor cores
+    compute = step_flops / (peak * efficiency)
     bubble = 0.0
     k = t.gradient_accumulation_steps
     if pp > 1:
@@ -321,7 +323,7 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     model_flops = fpt * tokens / num_devices
     return Layout(overrides={}, need=need, fits=need["total"] <= 0.9 * device.memory, step_s=step, compute_s=compute,
                   comm_s=comm, bubble=bubble, tokens_per_s=tokens / step, tflops=model_flops / step / 1e12,
-                  mfu=model_flops / step / device.peak)
+                  mfu=model_flops / step / peak)
 
 
 def _divisors(n: int) -> list[int]:
@@ -381,15 +383,37 @@ def search(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
     return sorted(out, key=lambda lay: (not lay.fits, lay.step_s)), rejected
 
 
+def run_overrides(cfg: Config, layout: Layout, model: dict | None = None) -> dict:
+    """The ``key=value`` overrides that make ``scripts/train.py`` run ``layout`` exactly as planned:
+    the layout's own keys, the planned sequence length and global batch (``micro_batch_size=0``,
+    so a preset's per-device batch does not override it), the precision, and ``model`` (the model
+    section's keys when the model came from a Hugging Face ``config.json``)."""
+    t = cfg.training
+    out = dict(model or {})
+    out.update(layout.overrides)
+    out.update({"training.seq_len": t.seq_len, "training.batch_size": t.batch_size, "training.micro_batch_size": 0,
+                "precision.bf16": str(cfg.precision.mode == "bf16").lower(),
+                "precision.fp16": str(cfg.precision.mode == "fp16").lower()})
+    return out
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
 def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, top: int = 8,
-           source: str = "--config CONFIG") -> str:
+           source: str = "--config CONFIG", model_overrides: dict | None = None) -> str:
     """The planner's printout: the fastest fitting layouts as Colossal-AI's benchmark table
     (strategy, batch per DP, samples/s, TFLOPS per device, memory), why each other family failed,
     and the command line that runs the best."""
     layouts, rejected = search(cfg, num_devices, device, efficiency)
     t = cfg.training
     n = param_count(cfg.model)["total"]
-    lines = [f"model {cfg.model.type} {n / 1e9:.2f} B parameters, seq {t.seq_len}, global batch {t.batch_size}; "
+    lines = [f"model {cfg.model.type} {_count(n)} parameters, seq {t.seq_len}, global batch {t.batch_size}; "
              f"{num_devices} × {device.name} ({device.memory / 1e9:.0f} GB, {device.peak / 1e12:.0f} TFLOP/s bf16, "
              f"{device.per_node} per node); {cfg.precision.mode}; efficiency {efficiency:g} of peak",
              f"{len(layouts)} layouts considered, {sum(lay.fits for lay in layouts)} fit in 90% of the memory",
@@ -403,7 +427,7 @@ def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
         k = o.get("parallel.num_microbatches", o.get("training.gradient_accumulation_steps", 1))
         lines.append(f"| {lay.strategy()} | {k} | {t.batch_size // o['parallel.data_parallel_size']} | "
                      f"{lay.tokens_per_s / t.seq_len:,.2f} | {lay.tokens_per_s:,.0f} | {lay.tflops:,.1f} | "
-                     f"{lay.mfu:.1%} | {lay.need['total'] / 1e9:,.1f} GB | {lay.step_s:.2f} s "
+                     f"{lay.mfu:.1%} | {_bytes(lay.need['total'])} | {lay.step_s:.2f} s "
                      f"({lay.compute_s:.2f} + {lay.comm_s:.2f}"
                      + (f", bubble {lay.bubble:.0%}" if lay.bubble else "") + ") |")
     if not best:
@@ -413,10 +437,12 @@ def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
         lines.append("rejected (the smallest predicted memory of each family, over remat and accumulation):")
         for (zero, tp, pp, dp), need in sorted(rejected.items(), key=lambda kv: kv[1]):
             fam = f"ZeRO-{zero} dp{dp}" + (f" tp{tp}" if tp > 1 else "") + (f" pp{pp}" if pp > 1 else "")
-            lines.append(f"  {fam}: {need / 1e9:,.1f} GB > {0.9 * device.memory / 1e9:,.1f} GB")
+            lines.append(f"  {fam}: {_bytes(need)} > {_bytes(0.9 * device.memory)}")
     if best:
-        ov = " ".join(f"{k}={v}" for k, v in best[0].overrides.items())
-        lines += ["", f"run the best: python scripts/train.py {source} {ov}"]
+        ov = " ".join(f"{k}={v}" for k, v in run_overrides(cfg, best[0], model_overrides).items())
+        lines += ["", f"run the best: python scripts/train.py {source + ' ' if source else ''}{ov}"]
+        if model_overrides:
+            lines.append("(add model.init_from=<the Hugging Face folder> to start from its weights)")
     lines.append("(predictions: memory by the ZeRO formulas and an activation estimate, time by FLOPs at the "
                  "efficiency and ring volumes at the link bandwidths, no overlap; docs/planner.md)")
     return "\n".join(lines)
@@ -447,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=8)
     a = ap.parse_args(argv)
     try:
+        a.device = a.device.lower()
         if a.device not in DEVICES:
             raise ConfigError(f"--device {a.device!r}: known devices are {sorted(DEVICES)}; or give --memory-gb and "
                               "--peak-tflops with the closest one")
@@ -460,11 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.devices < 1:
             raise ConfigError(f"--devices {a.devices}: must be at least 1")
         training = {k: v for k, v in (("seq_len", a.seq), ("batch_size", a.global_batch)) if v is not None}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        model_overrides = None
         if a.model or a.config:
-            path = a.config or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                                            "bench", f"{a.model}.yaml")
+            path = a.config or os.path.join(root, "configs", "bench", f"{a.model}.yaml")
             if not os.path.exists(path):
-                raise ConfigError(f"no such config: {path}")
+                presets = sorted(f[:-5] for f in os.listdir(os.path.join(root, "configs", "bench")) if f.endswith(".yaml"))
+                raise ConfigError(f"no such config: {path}" + (f"; the presets are {presets}" if a.model else ""))
             cfg = load_config(path, overrides=[f"training.{k}={v}" for k, v in training.items()])
             source = f"--config {path if a.config else f'configs/bench/{a.model}.yaml'}"
         else:
@@ -472,11 +501,13 @@ def main(argv: list[str] | None = None) -> int:
             folder = a.hf_config if os.path.isdir(a.hf_config) else os.path.dirname(os.path.abspath(a.hf_config))
             model = dataclasses.asdict(config_from_hf(read_hf_config(folder)))
             cfg = config_from_dict({"model": model, "training": training, "precision": {"bf16": True}})
-            source = "--config YOUR_CONFIG"
+            default = dataclasses.asdict(load_config(os.path.join(root, "configs", "llama_tiny.yaml")).model)
+            model_overrides = {f"model.{k}": v for k, v in model.items() if v != default.get(k) and k != "remat"}
+            source = ""
         if not a.global_batch and cfg.training.micro_batch_size:
             cfg.training.batch_size = cfg.training.micro_batch_size * a.devices
         cfg.training.micro_batch_size = 0
-        text = report(cfg, a.devices, dev, a.efficiency, a.top, source)
+        text = report(cfg, a.devices, dev, a.efficiency, a.top, source, model_overrides)
         print(text)
         if "run the best:" not in text:
             print(f"error: no layout of this model fits {a.devices} × {dev.name}: more devices, a shorter sequence, "

@@ -25,11 +25,14 @@ def test_cli_plans_llama3_70b_on_16_h200(capsys):
     assert re.search(r"ZeRO-2 dp16: [\d,.]+ GB > 126.9 GB", out)
     best = re.search(r"run the best: python scripts/train.py --config (\S+) (.*)", out)
     assert best, out
-    cfg = load_config(os.path.join(ROOT, best.group(1)), overrides=best.group(2).split()
-                      + ["training.seq_len=4096", "training.batch_size=512", "training.micro_batch_size=0"])
+    # the printed command runs the planned layout as planned (sequence, global batch, precision)
+    cfg = load_config(os.path.join(ROOT, best.group(1)), overrides=best.group(2).split())
     validate(cfg, num_devices=16)
+    assert (cfg.training.seq_len, cfg.training.batch_size, cfg.precision.mode) == (4096, 512, "bf16")
     lay = predict(cfg, 16, DEVICES["h200"])
     assert lay.fits and lay.need["total"] <= 0.9 * 141e9
+    planned = re.search(r"^\| [^|]+ \| \d+ \| \d+ \| [\d.,]+ \| [\d,]+ \| [\d.,]+ \| [\d.]+% \| ([\d.,]+) GB", out, re.M)
+    assert planned and float(planned.group(1).replace(",", "")) == pytest.approx(lay.need["total"] / 1e9, abs=0.06)
 
 
 def test_zero_stages_order_memory_and_layouts_are_sorted():
@@ -59,12 +62,18 @@ def test_hf_config_and_config_file(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "1.24 B parameters" in res.stdout and "run the best:" in res.stdout
+    # its command (the model as overrides of the default config) is accepted by the dry run
+    cmd = re.search(r"run the best: python scripts/train.py (.*)", res.stdout).group(1).split()
+    dry = subprocess.run([sys.executable, "scripts/train.py", *cmd, "--dry-run"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "parameters 1,235,814,400" in dry.stdout and "bf16" in dry.stdout
     assert main(["--config", os.path.join(ROOT, "configs/llama_tiny.yaml"), "--devices", "4", "--device", "h100"]) == 0
 
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "llama3_70b", "--devices", "16", "--device", "tpu9"], "known devices are"),
-    (["--model", "no_such_model", "--devices", "8"], "no such config"),
+    (["--model", "no_such_model", "--devices", "8"], "the presets are ["),
     (["--model", "llama3_70b", "--devices", "0"], "must be at least 1"),
     (["--model", "llama3_8b", "--devices", "8", "--seq", "0"], "training.seq_len=0"),
 ])
