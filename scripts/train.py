@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                          "already in XLA_FLAGS, as set by python -m jaxcolossal.run, else 8)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (params, memory, mesh) and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before and after the flags
 
     import jaxcolossal as jc
     from jaxcolossal.config import ConfigError, load_config

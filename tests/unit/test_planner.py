@@ -86,3 +86,10 @@ def test_nothing_fits_exits_1_with_the_reasons(capsys):
     assert main(["--model", "llama3_70b", "--devices", "2", "--device", "a100-40", "--global-batch", "8"]) == 1
     out = capsys.readouterr()
     assert "no layout fits" in out.out and "rejected" in out.out and "no layout of this model fits" in out.err
+
+
+def test_dry_run_takes_overrides_before_and_after_the_flags():
+    res = subprocess.run([sys.executable, "scripts/train.py", "training.max_steps=4", "--dry-run", "training.seq_len=64"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "16 sequences × 64 tokens per step" in res.stdout
