@@ -266,6 +266,34 @@ class Layout:
         return " ".join(parts) + f" remat {o['model.remat']}"
 
 
+def compiled_flops(cfg: Config, num_devices: int) -> float:
+    """Matmul FLOPs per device of one train step, as XLA compiles it (``jaxcolossal.hlo.dot_flops``).
+
+    Per token: ``6·N_matmul`` (forward 2, backward 4, for every matrix parameter: the layers, the
+    LM head, a tied embedding) plus ``12·L·s·h`` for attention, which XLA computes dense (the
+    causal mask halves the useful work, not the matmuls), plus the remat policy's recomputed
+    forward matmuls: ``full`` the layers' projections but the MLP's down projection (whose output
+    the backward never needs) and attention (``2·N_redone + 4·L·s·h``), ``save_qkv_proj`` those
+    but q/k/v, ``dots``/``selective``/``offload`` attention
+    only, ``none`` nothing. Divided over the data group and ``tp`` (every matmul and the
+    vocabulary are split over tp). Pipelines: divided over ``pp`` too (the idle ticks' work is
+    skipped); only ``pp = 1`` is checked against the compiler.
+    """
+    from jaxcolossal.models import get_family
+    m, t = cfg.model, cfg.training
+    n = param_count(m)
+    table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
+    matrix = lambda names: sum(math.prod(sh) for k, (sh, ax) in table.items()
+                               if k in names and len([a for a in ax if a != "layers"]) >= 2)
+    # the MLP's down projection ends the layer: the backward never needs its output, so it is not recomputed
+    redone = matrix(table) - matrix(("w_down", "w_proj"))
+    qkv = matrix(("wq", "wk", "wv"))
+    attn = 4 * m.num_layers * t.seq_len * m.hidden_size  # q·kᵀ and p·v, forward, per token
+    extra = {"none": 0, "full": 2 * redone + attn, "save_qkv_proj": 2 * (redone - qkv) + attn}.get(m.remat, attn)
+    per_token = 6 * n["matmul"] + 3 * attn + extra
+    return per_token * t.batch_size * t.seq_len / num_devices
+
+
 def _ring(n: int) -> float:
     """Bytes each device sends per byte of a ring all-gather / reduce-scatter over ``n`` devices."""
     return (n - 1) / n if n > 1 else 0.0
@@ -277,8 +305,9 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     * memory: :func:`jaxcolossal.placement.device_need` (the state by the ZeRO formulas, fp32
       gradients, the activation estimate of Korthikanti et al. 2022 Table 2), against 90% of
       the device's memory;
-    * compute: the step's model FLOPs (6N + attention per token, plus one more forward with
-      recomputation) at ``efficiency`` × the bf16 peak (half of it in fp32: TF32 tensor cores),
+    * compute: the matmul FLOPs the compiled step does (:func:`compiled_flops`: dense attention
+      and the remat policy's recomputation) at ``efficiency`` × the bf16 peak (half of it in
+      fp32: TF32 tensor cores),
       divided by ``1 − bubble`` for a pipeline; MFU against the same peak;
     * communication, not overlapped: the data-parallel gradient reduction and ZeRO parameter
       gathers (ring volumes; ZeRO-2/3 per microbatch), Megatron's 4 activation all-reduces per
@@ -293,10 +322,9 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     need = _need(cfg, num_devices)
     m, t = cfg.model, cfg.training
     dp, tp, pp = rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size
-    remat = m.remat != "none"
     tokens = t.batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)["6N+attn"]
-    step_flops = fpt * tokens * (4 / 3 if remat else 1.0) / num_devices
+    step_flops = compiled_flops(cfg, num_devices)
     peak = device.peak if cfg.precision.mode != "fp32" else device.peak / 2  # fp32 matmuls on TF32 tensor cores
     compute = step_flops / (peak * efficiency)
     bubble = 0.0

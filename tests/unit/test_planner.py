@@ -93,3 +93,41 @@ def test_dry_run_takes_overrides_before_and_after_the_flags():
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "16 sequences × 64 tokens per step" in res.stdout
+
+
+FLOP_CASES = [  # (parallel, model, training): every remat policy, tp 1–8, ZeRO 0–3, accumulation, GPT-2
+    (dict(data_parallel_size=8, zero_stage=1), dict(remat="none"), dict()),
+    (dict(data_parallel_size=4, tensor_parallel_size=2, zero_stage=2), dict(remat="full"),
+     dict(gradient_accumulation_steps=2)),
+    (dict(data_parallel_size=2, tensor_parallel_size=4, zero_stage=3),
+     dict(remat="dots", num_attention_heads=8, num_key_value_heads=4), dict()),
+    (dict(data_parallel_size=8, zero_stage=0), dict(remat="save_qkv_proj", tie_word_embeddings=True), dict()),
+    (dict(data_parallel_size=1, tensor_parallel_size=8),
+     dict(remat="selective", num_attention_heads=8, num_key_value_heads=8), dict(gradient_accumulation_steps=4)),
+    (dict(data_parallel_size=8, zero_stage=3), dict(type="gpt2", num_key_value_heads=4, remat="full"), dict()),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FLOP_CASES)))
+def test_predicted_flops_equal_the_compiled_step(case):
+    """The planner's compute model (:func:`jaxcolossal.plan.compiled_flops`) against the matmul FLOPs
+    of the compiled train step per device, loops multiplied out (``hlo.dot_flops``): within 1%
+    (measured: LLaMA exact under every remat policy, GPT-2 with full remat 0.42% high)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcolossal import hlo
+    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.plan import compiled_flops
+    from jaxcolossal.train.optimizer import build_optimizer
+    from jaxcolossal.train.state import abstract_state, make_plan
+    from jaxcolossal.train.step import make_train_step
+    from tiny import tiny_config
+
+    par, model, training = FLOP_CASES[case]
+    cfg = tiny_config(parallel=par, model=model, training=dict(seq_len=64, batch_size=16, **training))
+    plan = make_plan(cfg, make_mesh(cfg.parallel))
+    tx = build_optimizer(cfg.training, plan)
+    x = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=plan.batch_sharding)
+    text = make_train_step(plan, tx).lower(abstract_state(plan, tx), {"inputs": x, "targets": x}).compile().as_text()
+    assert hlo.dot_flops(text)["flops"] == pytest.approx(compiled_flops(cfg, 8), rel=0.01)
