@@ -259,6 +259,8 @@ class Layout:
     def strategy(self) -> str:
         o = self.overrides
         parts = [f"zero{o['parallel.zero_stage']}", f"dp{o['parallel.data_parallel_size']}"]
+        if o.get("parallel.sequence_parallel_size", 1) > 1:
+            parts.append(f"sp{o['parallel.sequence_parallel_size']} ring")
         if o["parallel.tensor_parallel_size"] > 1:
             parts.append(f"tp{o['parallel.tensor_parallel_size']}")
         if o["parallel.pipeline_parallel_size"] > 1:
@@ -322,6 +324,7 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     need = _need(cfg, num_devices)
     m, t = cfg.model, cfg.training
     dp, tp, pp = rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size
+    sp = rp.sequence_parallel_size
     tokens = t.batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)["6N+attn"]
     step_flops = compiled_flops(cfg, num_devices)
@@ -344,9 +347,14 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
         dp_bytes = _ring(dp) * 4 * psi * (k if zero >= 2 else 1)      # fp32 reduce-scatter(s)
         dp_bytes += _ring(dp) * p_bytes * psi * (2 * k if zero == 3 else 1)  # param all-gathers
     act = (t.batch_size // (dp * k)) * t.seq_len * m.hidden_size * p_bytes  # one microbatch's [b, s, d]
-    tp_bytes = 4 * m.num_layers // pp * k * 2 * _ring(tp) * act
+    tp_bytes = 4 * m.num_layers // pp * k * 2 * _ring(tp) * act / sp
     pp_bytes = 2 * k * act if pp > 1 else 0.0
-    comm = dp_bytes / bw(dp * tp) + tp_bytes / bw(tp) + pp_bytes / bw(num_devices)
+    comm = dp_bytes / bw(dp * sp * tp) + tp_bytes / bw(tp) + pp_bytes / bw(num_devices)
+    if sp > 1:  # ring attention: k/v blocks around the ring (forward, and twice in the backward), and
+        # the gradients summed over the sp replicas of the state (an fp32 all-reduce)
+        kv = act / m.hidden_size * m.num_key_value_heads * m.head_dim / sp * 2
+        sp_bytes = 3 * m.num_layers * k * (sp - 1) * kv / tp + 2 * _ring(sp) * 4 * psi
+        comm += sp_bytes / bw(sp * tp)
     step = compute + comm
     model_flops = fpt * tokens / num_devices
     return Layout(overrides={}, need=need, fits=need["total"] <= 0.9 * device.memory, step_s=step, compute_s=compute,
@@ -361,15 +369,18 @@ def _divisors(n: int) -> list[int]:
 def search(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45) -> tuple[list[Layout], dict]:
     """Every layout of ``cfg``'s model on ``num_devices``: tp (within a node) × pp × dp, ZeRO 0–3
     (0–1 with a pipeline), remat none/full, gradient accumulation (pipeline microbatches) 1, 2, 4,
-    … up to the per-replica batch. Returns the layouts sorted fastest first, and for each
-    (zero, tp, pp) family the smallest predicted memory among its layouts (bytes), for the
-    families where none fits."""
+    … up to the per-replica batch; from 8k tokens on, also ring attention over sp (tp·sp within a
+    node, no pipeline). Returns the layouts sorted fastest first, and for each (zero, tp, pp, dp,
+    sp) family the smallest predicted memory among its layouts (bytes), for the families where
+    none fits."""
     import copy
     m, t = cfg.model, cfg.training
     out, smallest = [], {}
-    for tp in (d for d in _divisors(num_devices) if d <= device.per_node):
-        for pp in (d for d in _divisors(num_devices // tp) if m.num_layers % d == 0):
-            dp = num_devices // (tp * pp)
+    sps = [1] + ([d for d in (2, 4, 8) if d <= device.per_node] if t.seq_len >= 8192 else [])
+    for tp, sp in ((tp, sp) for tp in _divisors(num_devices) for sp in sps
+                   if tp * sp <= device.per_node and num_devices % (tp * sp) == 0):
+        for pp in (d for d in _divisors(num_devices // (tp * sp)) if m.num_layers % d == 0 and (sp == 1 or d == 1)):
+            dp = num_devices // (tp * pp * sp)
             if t.batch_size % dp:
                 continue
             per_replica = t.batch_size // dp
@@ -384,9 +395,14 @@ def search(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
                               "parallel.pipeline_parallel_size": pp, "parallel.zero_stage": zero,
                               "model.remat": remat}
                         c = copy.deepcopy(cfg)
-                        c.parallel = dataclasses.replace(c.parallel, data_parallel_size=dp, tensor_parallel_size=tp,
-                                                         pipeline_parallel_size=pp, zero_stage=zero,
-                                                         sequence_parallel_size=1, sequence_parallelism_mode="none")
+                        c.parallel = dataclasses.replace(
+                            c.parallel, data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            zero_stage=zero, sequence_parallel_size=sp,
+                            sequence_parallelism_mode="ring_attn" if sp > 1 else "none")
+                        if sp > 1:
+                            ov.update({"parallel.sequence_parallel_size": sp,
+                                       "parallel.sequence_parallelism_mode": "ring_attn", "model.attention_impl": "xla"})
+                            c.model.attention_impl = "xla"
                         c.model.remat = remat
                         c.training.micro_batch_size = 0
                         if pp > 1:
@@ -402,10 +418,11 @@ def search(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
                             continue
                         lay.overrides = ov
                         out.append(lay)
-                        fam = (zero, tp, pp, dp)
+                        fam = (zero, tp, pp, dp, sp)
                         smallest[fam] = min(smallest.get(fam, math.inf), lay.need["total"])
     fitting = {(lay.overrides["parallel.zero_stage"], lay.overrides["parallel.tensor_parallel_size"],
-                lay.overrides["parallel.pipeline_parallel_size"], lay.overrides["parallel.data_parallel_size"])
+                lay.overrides["parallel.pipeline_parallel_size"], lay.overrides["parallel.data_parallel_size"],
+                lay.overrides.get("parallel.sequence_parallel_size", 1))
                for lay in out if lay.fits}
     rejected = {f: b for f, b in smallest.items() if f not in fitting}
     return sorted(out, key=lambda lay: (not lay.fits, lay.step_s)), rejected
@@ -463,8 +480,9 @@ def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
     if rejected:
         lines.append("")
         lines.append("rejected (the smallest predicted memory of each family, over remat and accumulation):")
-        for (zero, tp, pp, dp), need in sorted(rejected.items(), key=lambda kv: kv[1]):
-            fam = f"ZeRO-{zero} dp{dp}" + (f" tp{tp}" if tp > 1 else "") + (f" pp{pp}" if pp > 1 else "")
+        for (zero, tp, pp, dp, sp), need in sorted(rejected.items(), key=lambda kv: kv[1]):
+            fam = (f"ZeRO-{zero} dp{dp}" + (f" sp{sp} ring" if sp > 1 else "") + (f" tp{tp}" if tp > 1 else "")
+                   + (f" pp{pp}" if pp > 1 else ""))
             lines.append(f"  {fam}: {_bytes(need)} > {_bytes(0.9 * device.memory)}")
     if best:
         ov = " ".join(f"{k}={v}" for k, v in run_overrides(cfg, best[0], model_overrides).items())

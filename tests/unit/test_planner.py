@@ -48,7 +48,7 @@ def test_zero_stages_order_memory_and_layouts_are_sorted():
     fitting = [lay for lay in layouts if lay.fits]
     assert fitting and [lay.step_s for lay in fitting] == sorted(lay.step_s for lay in fitting)
     assert all(not lay.fits for lay in layouts[len(fitting):])
-    assert (0, 1, 1, 8) in rejected  # ZeRO-0 over 8: 16 bytes/param × 8 B parameters is 128 GB
+    assert (0, 1, 1, 8, 1) in rejected  # ZeRO-0 over 8: 16 bytes/param × 8 B parameters is 128 GB
 
 
 def test_hf_config_and_config_file(tmp_path):
@@ -131,3 +131,20 @@ def test_predicted_flops_equal_the_compiled_step(case):
     x = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=plan.batch_sharding)
     text = make_train_step(plan, tx).lower(abstract_state(plan, tx), {"inputs": x, "targets": x}).compile().as_text()
     assert hlo.dot_flops(text)["flops"] == pytest.approx(compiled_flops(cfg, 8), rel=0.01)
+
+
+def test_long_sequences_consider_ring_attention():
+    """From 8k tokens the search adds ring attention over sp (no pipeline), and its layouts are ones
+    the config accepts, with the sequence-parallel keys in their command line."""
+    from jaxcolossal.plan import run_overrides
+    cfg = load_config(os.path.join(ROOT, "configs/bench/llama_1b.yaml"),
+                      overrides=["training.micro_batch_size=0", "training.batch_size=8", "training.seq_len=8192"])
+    layouts, _ = search(cfg, 8, DEVICES["h200"])
+    ring = [lay for lay in layouts if lay.overrides.get("parallel.sequence_parallel_size", 1) > 1]
+    assert ring and all(lay.overrides["parallel.pipeline_parallel_size"] == 1 for lay in ring)
+    best = min((lay for lay in ring if lay.fits), key=lambda lay: lay.step_s)
+    ov = run_overrides(cfg, best)
+    assert ov["parallel.sequence_parallelism_mode"] == "ring_attn"
+    c = load_config(os.path.join(ROOT, "configs/bench/llama_1b.yaml"), overrides=[f"{k}={v}" for k, v in ov.items()])
+    validate(c, num_devices=8)
+    assert predict(c, 8, DEVICES["h200"]).need["total"] == pytest.approx(best.need["total"])
