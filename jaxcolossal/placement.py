@@ -194,7 +194,9 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     scaled to the compute dtype; ``full`` remat keeps ``2·s·b·h`` per layer plus one layer's
     worth, the other policies the whole. Plus one chunk of fp32 LM-head logits. Sequence
     parallelism: Megatron-SP (``split_gather``) divides the ``10`` term by ``t`` too (Table 2's
-    ``34/t``); ``all_to_all`` and ``ring_attn`` divide the whole by ``sp``. Pipelines
+    ``34/t``); ``all_to_all`` and ``ring_attn`` divide the whole by ``sp``. With
+    ``attention_impl`` flash or cudnn the ``5·a·s/(h·t)`` term (the stored attention
+    probabilities) is left out: those kernels recompute them. Pipelines
     (docs/pipeline.md): the microbatch is the pipeline's; ``gpipe`` keeps every microbatch's
     activations of the stage, the lock-step schedules one microbatch's (recomputed in its backward
     slot) plus their stash of ``2p − 1`` stage inputs ``[b, s, h]``. An estimate for placement;
@@ -209,7 +211,8 @@ def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     scale = 2 if cfg.precision.mode == "fp32" else 1
     mode = cfg.parallel.sequence_parallelism_mode
     sp = mesh_shape.get("sp", 1)
-    layer = s * b * h * ((10 / tp if mode == "split_gather" else 10) + 24 / tp + 5 * a * s / (h * tp)) * scale / sp
+    scores = 0 if m.attention_impl in ("flash", "cudnn") else 5 * a * s / (h * tp)  # fused kernels keep no [s, s]
+    layer = s * b * h * ((10 / tp if mode == "split_gather" else 10) + 24 / tp + scores) * scale / sp
     layers = max(1, m.num_layers // pp)
     acts = (2 * s * b * h * scale * layers + layer) if m.remat == "full" else layer * layers
     if pp > 1:
