@@ -713,6 +713,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.format in ("parquet", "datasets", "jsonl") and cfg.data.corpus == "stdlib":
         raise ConfigError(f"data.format={cfg.data.format} needs data.corpus: the files (or, for datasets, "
                           "the saved folder) to read")
+    if m.attention_impl == "flash" and p.pipeline_parallel_size not in (1,):
+        raise ConfigError("model.attention_impl=flash is not supported with pipeline parallelism yet (the Pallas "
+                          "kernel inside the pipeline's shard_map): use xla or cudnn, or pipeline_parallel_size=1")
     if cfg.data.packing_mask and m.attention_impl == "cudnn":
         raise ConfigError("data.packing_mask=true needs model.attention_impl xla or flash (segment ids), not 'cudnn'")
     if cfg.data.packing_mask and p.pipeline_parallel_size not in (1,):

@@ -103,11 +103,14 @@ def per_device_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local:
     with the batch on the rules' ``batch`` axes and the heads on ``heads``/``kv_heads``; the
     sequence whole). A Pallas kernel is opaque to XLA's partitioner, which would otherwise gather
     its inputs and run it on the whole batch on every device. Falls back to ``local`` when the
-    batch or heads do not divide (sampling one row)."""
+    batch or heads do not divide (sampling one row), and inside another ``shard_map``."""
     mesh, rules = shard.mesh, shard.rules
     sizes = {"batch": shard.axis_size("batch"), "heads": shard.axis_size("heads"),
              "kv_heads": shard.axis_size("kv_heads")}
-    if q.shape[0] % sizes["batch"] or q.shape[2] % sizes["heads"] or k.shape[2] % sizes["kv_heads"]:
+    manual = any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ()))
+    if manual or q.shape[0] % sizes["batch"] or q.shape[2] % sizes["heads"] or k.shape[2] % sizes["kv_heads"]:
+        # inside the pipeline's shard_map (manual over pp and the data axes) each device already
+        # holds its own rows; only tp stays with the partitioner there
         return local(q, k, v, impl, segment_ids)
     batch = rules["batch"]
     qspec, kvspec = P(batch, None, rules["heads"], None), P(batch, None, rules["kv_heads"], None)

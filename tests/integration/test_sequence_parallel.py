@@ -139,6 +139,12 @@ def test_bad_sequence_settings_are_refused(par, match):
         validate(tiny_config(parallel=par, model=MODEL, training=TRAIN), num_devices=8)
 
 
+def test_flash_with_a_pipeline_is_refused():
+    with pytest.raises(ConfigError, match="attention_impl=flash is not supported with pipeline parallelism"):
+        validate(tiny_config(parallel=dict(pipeline_parallel_size=2), model=dict(MODEL, attention_impl="flash"),
+                             training=TRAIN), num_devices=8)
+
+
 def test_seq_len_must_split_into_blocks():
     with pytest.raises(ConfigError, match="not divisible by 8.*zig-zag"):
         validate(tiny_config(parallel=dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=4),
