@@ -73,6 +73,18 @@ def zigzag_batch(inputs, targets, mask=None, segment_ids=None, positions=None, s
     return take(inputs), take(targets), take(mask), take(segment_ids), positions
 
 
+def _per_shard(body: Callable, shard, seq, q, k, v, *rows) -> jax.Array:
+    """``body(q, k, v, *rows)`` in a ``shard_map`` over the sharder's mesh: q/k/v ``[b, t, heads,
+    d]`` with the batch on the rules' ``batch`` axes, the sequence on ``seq`` (``None`` or ``sp``)
+    and the heads on ``heads``/``kv_heads``; each of ``rows`` (int ``[b, t]``: positions, segment
+    ids) with its batch split and its sequence whole. Returns q's layout."""
+    rules, batch = shard.rules, shard.rules["batch"]
+    qspec, kvspec = P(batch, seq, rules["heads"], None), P(batch, seq, rules["kv_heads"], None)
+    fn = jax.shard_map(body, mesh=shard.mesh, in_specs=(qspec, kvspec, kvspec) + (P(batch, None),) * len(rows),
+                       out_specs=qspec, check_vma=False)
+    return fn(q, k, v, *rows)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,
            segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     """Causal attention of q ``[b, t, h, d]``, k/v ``[b, t, kv, d]`` -> ``[b, t, h, d]`` under the
@@ -104,21 +116,16 @@ def per_device_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local:
     sequence whole). A Pallas kernel is opaque to XLA's partitioner, which would otherwise gather
     its inputs and run it on the whole batch on every device. Falls back to ``local`` when the
     batch or heads do not divide (sampling one row), and inside another ``shard_map``."""
-    mesh, rules = shard.mesh, shard.rules
     sizes = {"batch": shard.axis_size("batch"), "heads": shard.axis_size("heads"),
              "kv_heads": shard.axis_size("kv_heads")}
-    manual = any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ()))
+    manual = any(t == jax.sharding.AxisType.Manual for t in getattr(shard.mesh, "axis_types", ()))
     if manual or q.shape[0] % sizes["batch"] or q.shape[2] % sizes["heads"] or k.shape[2] % sizes["kv_heads"]:
         # inside the pipeline's shard_map (manual over pp and the data axes) each device already
         # holds its own rows; only tp stays with the partitioner there
         return local(q, k, v, impl, segment_ids)
-    batch = rules["batch"]
-    qspec, kvspec = P(batch, None, rules["heads"], None), P(batch, None, rules["kv_heads"], None)
     segs = (segment_ids,) if segment_ids is not None else ()
-    fn = jax.shard_map(lambda q, k, v, *seg: local(q, k, v, impl, seg[0] if seg else None), mesh=mesh,
-                       in_specs=(qspec, kvspec, kvspec) + (P(batch, None),) * len(segs), out_specs=qspec,
-                       check_vma=False)
-    return fn(q, k, v, *segs)
+    return _per_shard(lambda q, k, v, *seg: local(q, k, v, impl, seg[0] if seg else None), shard, None, q, k, v,
+                      *segs)
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,
@@ -133,9 +140,6 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Ca
     block ``r`` of q and kv block ``r`` go to the same device, so grouped-query heads stay with their
     kv head (``h`` and ``kv`` divisible by ``tp·sp``, checked by the config).
     """
-    mesh, rules = shard.mesh, shard.rules
-    batch = rules["batch"]
-    qspec, kvspec = P(batch, SP_AXIS, rules["heads"], None), P(batch, SP_AXIS, rules["kv_heads"], None)
     swap = lambda a: jax.lax.all_to_all(a, SP_AXIS, split_axis=2, concat_axis=1, tiled=True)
     back = lambda a: jax.lax.all_to_all(a, SP_AXIS, split_axis=1, concat_axis=2, tiled=True)
 
@@ -143,9 +147,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Ca
         return back(local(swap(q), swap(k), swap(v), impl, seg[0] if seg else None))
 
     segs = (segment_ids,) if segment_ids is not None else ()
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(qspec, kvspec, kvspec) + (P(batch, None),) * len(segs),
-                       out_specs=qspec, check_vma=False)
-    return fn(q, k, v, *segs)
+    return _per_shard(body, shard, SP_AXIS, q, k, v, *segs)
 
 
 def _block_update(carry, q, k, v, q_pos, k_pos, q_seg, k_seg):
@@ -183,13 +185,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, segment_ids:
     half of the block pair that is entirely in the future (an exact saving: those entries are
     masked anyway).
     """
-    mesh, rules = shard.mesh, shard.rules
+    mesh = shard.mesh
     sp = int(mesh.shape[SP_AXIS])
     b, t, h, d = q.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    batch, heads, kv_heads = rules["batch"], rules["heads"], rules["kv_heads"]
-    qspec, kvspec = P(batch, SP_AXIS, heads, None), P(batch, SP_AXIS, kv_heads, None)
     ring = [(r, (r + 1) % sp) for r in range(sp)]
     has_seg = segment_ids is not None
 
@@ -236,6 +236,4 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, segment_ids:
         return jnp.moveaxis(out.reshape(bl, hl, tl, d), 2, 1).astype(v.dtype)
 
     segs = (segment_ids,) if has_seg else ()
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(qspec, kvspec, kvspec, P(batch, None)) + (P(batch, None),) * len(segs),
-                       out_specs=qspec, check_vma=False)
-    return fn(q, k, v, positions.astype(jnp.int32), *segs)
+    return _per_shard(body, shard, SP_AXIS, q, k, v, positions.astype(jnp.int32), *segs)
