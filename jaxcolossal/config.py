@@ -129,13 +129,20 @@ class ParallelConfig:
     group (``fsdp = data_parallel_size``, ``dp = 1``); with ``zero_stage == 0`` it is plain DDP
     (``dp = data_parallel_size``).
 
-    ``gradient_compression``: ``none`` or ``topk``: each data-parallel shard sends only the
+    ``gradient_compression``: ``none``, ``topk``: each data-parallel shard sends only the
     ``compression_ratio`` fraction of its gradient's elements largest in magnitude (values and
     int32 indices, all-gathered; every rank sums them densely) instead of an all-reduce of the
-    whole gradient (Lin et al., 2018, Deep Gradient Compression). With ``error_feedback`` (default)
-    what a shard did not send is added to its next step's gradient (a per-shard fp32 residual in
-    the train state, saved in checkpoints). Data-parallel traffic only; ``topk`` needs
-    ``zero_stage`` ≤ 1, no tensor or pipeline parallelism (for now).
+    whole gradient (Lin et al., 2018, Deep Gradient Compression); or ``powersgd``: each weight
+    matrix's gradient is sent as rank-``powersgd_rank`` factors (Vogels et al., 2019). With
+    ``error_feedback`` (default) what a shard did not send is added to its next step's gradient
+    (a per-shard fp32 residual in the train state, saved in checkpoints). Data-parallel traffic
+    only; both need ``zero_stage`` ≤ 1, no tensor, pipeline or sequence parallelism (for now).
+
+    ``communication_dtype``: ``fp32`` (default), ``bf16`` or ``fp8`` (e4m3, per-tensor scale):
+    the dtype the data-parallel gradient reduction moves (an all-to-all and a local fp32 sum, then
+    an all-gather where every rank needs the whole sum; ZeRO++'s qgZ, Colossal-AI's
+    ``fp8_communication``). Any ZeRO stage and tensor parallelism; not with pipeline or sequence
+    parallelism or gradient compression (:mod:`jaxcolossal.train.compression`).
 
     Sequence (context) parallelism, Colossal-AI's ``HybridParallelPlugin`` modes
     (:mod:`jaxcolossal.sequence`): ``sequence_parallel_size`` is the mesh axis ``sp`` (the
@@ -153,9 +160,11 @@ class ParallelConfig:
     num_microbatches: int = 0
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     num_model_chunks: int = 1
-    gradient_compression: Literal["none", "topk"] = "none"
+    gradient_compression: Literal["none", "topk", "powersgd"] = "none"
     compression_ratio: float = 0.01
+    powersgd_rank: int = 4
     error_feedback: bool = True
+    communication_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     sequence_parallel_size: int = 1
     sequence_parallelism_mode: Literal["none", "split_gather", "all_to_all", "ring_attn"] = "none"
 
@@ -418,7 +427,7 @@ RANGES: dict[str, Range] = {
     "parallel.data_parallel_size": _MESH, "parallel.tensor_parallel_size": _MESH,
     "parallel.pipeline_parallel_size": _MESH, "parallel.sequence_parallel_size": _MESH,
     "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
-    "parallel.compression_ratio": Range(0, 1, lo_open=True),
+    "parallel.compression_ratio": Range(0, 1, lo_open=True), "parallel.powersgd_rank": _POS,
     "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
     "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,
     "precision.hysteresis": _POS, "precision.min_scale": _GT0, "precision.max_scale": _GT0,
@@ -813,16 +822,27 @@ def _check_sequence(cfg: Config, p: ParallelConfig) -> None:
 
 
 def _check_compression(p: ParallelConfig) -> None:
-    """``parallel.gradient_compression`` against the rest (see :class:`ParallelConfig`; the ratio's
-    range is in :data:`RANGES`)."""
-    if p.gradient_compression == "topk":
+    """``parallel.gradient_compression`` and ``communication_dtype`` against the rest (see
+    :class:`ParallelConfig`; the ratio's and rank's ranges are in :data:`RANGES`)."""
+    c = p.gradient_compression
+    if c != "none":
         if p.zero_stage > 1:
-            raise ConfigError(f"parallel.gradient_compression=topk is supported with zero_stage 0 or 1 (got "
+            raise ConfigError(f"parallel.gradient_compression={c} is supported with zero_stage 0 or 1 (got "
                               f"{p.zero_stage}): it replaces the one gradient reduction per step, which ZeRO-2/3 "
                               "split over the microbatches")
         if p.tensor_parallel_size not in (1,) or p.pipeline_parallel_size not in (1,):
-            raise ConfigError("parallel.gradient_compression=topk is supported without tensor or pipeline "
+            raise ConfigError(f"parallel.gradient_compression={c} is supported without tensor or pipeline "
                               "parallelism yet: set tensor_parallel_size=1 and pipeline_parallel_size=1")
+    if p.communication_dtype != "fp32":
+        if c != "none":
+            raise ConfigError(f"parallel.communication_dtype={p.communication_dtype} applies to the plain gradient "
+                              f"reduction, not with gradient_compression={c}: set one of them")
+        if p.pipeline_parallel_size not in (1,):
+            raise ConfigError(f"parallel.communication_dtype={p.communication_dtype} is not supported with pipeline "
+                              "parallelism yet: set pipeline_parallel_size=1 or communication_dtype=fp32")
+        if p.sequence_parallel_size not in (1,):
+            raise ConfigError(f"parallel.communication_dtype={p.communication_dtype} is not supported with sequence "
+                              "parallelism yet: set sequence_parallel_size=1 or communication_dtype=fp32")
 
 
 def _check_offload(cfg: Config) -> None:

@@ -12,9 +12,10 @@ import re
 from dataclasses import dataclass
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8,
+                "u16": 2, "s16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]*)\]")
+_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64|u16|s16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation|branch_computations)=\{?%?([\w.\-]+)")
 
 
@@ -34,6 +35,43 @@ class Collective:
     @property
     def max_elements(self) -> int:
         return max((math.prod(s) for _, s in self.shapes), default=0)
+
+    @property
+    def group(self) -> int | None:
+        """Devices in each replica group (None when the line does not say)."""
+        return group_size(self.line)
+
+    @property
+    def sent(self) -> float:
+        """Bytes each device sends, with the ring algorithms' counts (result ``S`` bytes, group
+        ``n``): all-reduce ``2(n−1)/n·S``, all-gather and all-to-all ``(n−1)/n·S``,
+        reduce-scatter ``(n−1)·S``, collective-permute ``S``. Unknown group: ``S``."""
+        n, b = self.group, self.bytes
+        if n is None or self.kind == "collective-permute":
+            return float(b)
+        return {"all-reduce": 2 * (n - 1) / n * b, "all-gather": (n - 1) / n * b, "all-to-all": (n - 1) / n * b,
+                "reduce-scatter": (n - 1) * b}[self.kind]
+
+
+_RG_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_RG_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_RG_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def group_size(line: str) -> int | None:
+    """The replica-group size of a collective's HLO line, in each of XLA's three spellings:
+    ``{{0,1,2,3},...}``, ``[groups,size]<=[...]`` and ``mesh['a'=8,'b'=1] {'a'}``."""
+    m = _RG_LIST.search(line)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    m = _RG_IOTA.search(line)
+    if m:
+        return int(m.group(2))
+    m = _RG_MESH.search(line)
+    if m:
+        sizes = {k.strip("' "): int(v) for k, v in (kv.split("=") for kv in m.group(1).split(","))}
+        return math.prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip())
+    return None
 
 
 def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
@@ -130,7 +168,8 @@ def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[s
     """Per-step totals by collective kind, loops multiplied out by their known trip counts.
 
     Returns ``{kind: {"count": executions per step, "elements": result elements moved per step,
-    "bytes": result bytes per step}}``, ignoring collectives smaller than ``min_elements``
+    "bytes": result bytes per step, "sent": bytes each device sends per step}}`` (``sent``:
+    :attr:`Collective.sent`, rounded), ignoring collectives smaller than ``min_elements``
     (scalars such as the loss). A loop without a known trip count counts once.
     """
     totals: dict[str, dict[str, int]] = {}
@@ -140,10 +179,13 @@ def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[s
                 if f" {kind}(" in line or f" {kind}-start(" in line:
                     c = Collective(kind, _result_shapes(line), name, line.strip())
                     if c.max_elements >= min_elements:
-                        t = totals.setdefault(kind, {"count": 0, "elements": 0, "bytes": 0})
+                        t = totals.setdefault(kind, {"count": 0, "elements": 0, "bytes": 0, "sent": 0.0})
                         t["count"] += times
                         t["elements"] += times * sum(math.prod(s) for _, s in c.shapes)
                         t["bytes"] += times * c.bytes
+                        t["sent"] += times * c.sent
+    for t in totals.values():
+        t["sent"] = round(t["sent"])
     return totals
 
 
@@ -186,7 +228,7 @@ def dot_flops(hlo_text: str) -> dict[str, int]:
     return {"flops": flops, "dots": count}
 
 
-_HOST_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
+_HOST_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64|u16|s16|f8e4m3fn|f8e5m2)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
 
 
 def _balanced(text: str, start: int) -> str:

@@ -35,6 +35,7 @@ from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.placement import Placement, place_state, resolve
 from jaxcolossal.sharding import DATA_AXES, Sharder, StateSpecs, named, rules_for, state_specs
+from jaxcolossal.train.compression import powersgd_init, powersgd_specs, powersgd_views
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 BYTES_PER_PARAM = {"fp32": dict(p=4, g=4, K=8), "bf16": dict(p=2, g=4, K=12), "fp16": dict(p=2, g=4, K=12)}
@@ -53,7 +54,10 @@ class TrainState:
         scaler: :class:`LossScaleState` in fp16 mode, else ``None``.
         residual: with ``parallel.gradient_compression=topk`` and ``error_feedback``, each data
             shard's fp32 gradient not yet sent: param-shaped leaves with a leading ``[N]`` (the
-            data group), sharded ``P(("dp", "fsdp"), ...)`` (each device its own); else ``None``.
+            data group), sharded ``P(("dp", "fsdp"), ...)`` (each device its own); with
+            ``powersgd``, ``{"q": {leaf: fp32 [*layers, m, r]} (replicated), "error": {leaf: fp32
+            [N, ...]}}`` for the compressed leaves (:func:`jaxcolossal.train.compression.powersgd_init`);
+            else ``None``.
     """
 
     step: jax.Array
@@ -151,16 +155,35 @@ def opt_state_specs(tx: optax.GradientTransformation, params_abstract: Any, para
 
 
 def keeps_residual(plan: TrainPlan) -> bool:
-    """True when the state carries top-k compression's error-feedback residual."""
+    """True when the state carries compression state: top-k's error-feedback residual, or
+    PowerSGD's ``Q`` (and errors)."""
     p = plan.cfg.parallel
-    return p.gradient_compression == "topk" and p.error_feedback
+    return (p.gradient_compression == "topk" and p.error_feedback) or p.gradient_compression == "powersgd"
+
+
+def powersgd_views_of(plan: TrainPlan) -> dict:
+    """The leaves PowerSGD compresses in this plan (:func:`jaxcolossal.train.compression.powersgd_views`)."""
+    return powersgd_views(plan.param_shapes, plan.param_axes, plan.cfg.parallel.powersgd_rank)
 
 
 def residual_specs(plan: TrainPlan) -> Any:
     """Specs of :attr:`TrainState.residual` (``None`` without one): ``[N, ...]`` per data shard."""
     if not keeps_residual(plan):
         return None
+    if plan.cfg.parallel.gradient_compression == "powersgd":
+        return powersgd_specs(powersgd_views_of(plan), plan.cfg.parallel.error_feedback)
     return jax.tree.map(lambda s: P(DATA_AXES, *s), plan.specs.base, is_leaf=lambda x: isinstance(x, P))
+
+
+def init_residual(plan: TrainPlan, params: Any) -> Any:
+    """The compression state at step 0 (zeros; PowerSGD's seeded ``Q``), or ``None``."""
+    if not keeps_residual(plan):
+        return None
+    p = plan.cfg.parallel
+    if p.gradient_compression == "powersgd":
+        return powersgd_init(powersgd_views_of(plan), p.powersgd_rank, plan.data_size, p.error_feedback,
+                             seed=plan.cfg.training.seed)
+    return jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)
 
 
 def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:
@@ -211,8 +234,7 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
             master=master,
             opt_state=tx.init(params),
             scaler=scaler_init(pc.initial_scale) if plan.precision == "fp16" else None,
-            residual=(jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)
-                      if keeps_residual(plan) else None),
+            residual=init_residual(plan, params),
         )
 
     if key is None and params is None:

@@ -48,10 +48,10 @@ from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.sequence import zigzag_batch
 from jaxcolossal.train.nvme import nvme_tier
-from jaxcolossal.train.compression import topk_reduce
+from jaxcolossal.train.compression import lowp_reduce, powersgd_reduce, topk_reduce
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
 from jaxcolossal.sharding import DATA_AXES, constrain
-from jaxcolossal.train.state import TrainPlan, TrainState, state_shardings
+from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
 
 Metrics = dict
 
@@ -108,6 +108,10 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
 
     p = cfg.parallel
     topk = p.gradient_compression == "topk"
+    psgd = p.gradient_compression == "powersgd"
+    views = powersgd_views_of(plan) if psgd else None
+    compress = topk or psgd
+    lowp = p.communication_dtype  # fp32, or the dtype the reduction moves (compression.lowp_reduce)
 
     def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None):
         B, t = inputs.shape
@@ -128,6 +132,8 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
             return jnp.sum(loss), constrain(g, mesh, per_shard_specs)
 
         def reduce(g, specs=grad_specs):  # [N, ...] per-shard fp32 -> summed over the data group
+            if lowp != "fp32":  # all-to-all (+ all-gather) in bf16/fp8, summed in fp32
+                return lowp_reduce(g, per_shard_specs, specs, lowp, mesh)
             return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), mesh, specs)
 
         if zero >= 2:  # sharded persistent buffer: reduce(-scatter) each microbatch into it
@@ -150,13 +156,16 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
             (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jnp.arange(k))
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
-        if topk:  # parallel.gradient_compression: each shard sends its largest elements (+ error feedback)
-            summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh)
+        if compress:  # parallel.gradient_compression (+ error feedback)
+            if topk:  # each shard sends its largest elements
+                summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh)
+            else:  # rank-r factors of each weight matrix
+                summed, residual = powersgd_reduce(acc, residual, views, mesh)
             grads = constrain(summed, mesh, plan.specs.opt if zero == 1 else grad_specs)
         else:
             grads = acc if zero >= 2 else reduce(acc, plan.specs.opt if zero == 1 else grad_specs)
         grads = jax.tree.map(lambda g: g / scale, grads)
-        return (loss_sum, grads, residual) if topk else (loss_sum, grads)
+        return (loss_sum, grads, residual) if compress else (loss_sum, grads)
 
     return grad_fn
 
@@ -189,7 +198,7 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     """
     grad_fn = make_grad_fn(plan)
     mesh, specs, pc = plan.mesh, plan.specs, plan.cfg.precision
-    compress = plan.cfg.parallel.gradient_compression == "topk"
+    compress = plan.cfg.parallel.gradient_compression != "none"
     fp16 = plan.precision == "fp16"
     shardings = state_shardings(plan, tx)
     pl = plan.placement
