@@ -144,6 +144,11 @@ class ParallelConfig:
     ``fp8_communication``). Any ZeRO stage and tensor parallelism; not with pipeline or sequence
     parallelism or gradient compression (:mod:`jaxcolossal.train.compression`).
 
+    ``overlap`` (default true; Colossal-AI's ``overlap_communication``) and ``bucket_size_mb``
+    (``reduce_bucket_size_in_m``; 0: XLA's default) set XLA's GPU flags for the latency-hiding
+    scheduler, collective pipelining and combine thresholds before the backend starts
+    (:mod:`jaxcolossal.xla_flags`; only on GPUs, only the flags the jaxlib accepts).
+
     Sequence (context) parallelism, Colossal-AI's ``HybridParallelPlugin`` modes
     (:mod:`jaxcolossal.sequence`): ``sequence_parallel_size`` is the mesh axis ``sp`` (the
     sequence of every activation is split over it) and ``sequence_parallelism_mode`` is
@@ -165,6 +170,8 @@ class ParallelConfig:
     powersgd_rank: int = 4
     error_feedback: bool = True
     communication_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    overlap: bool = True
+    bucket_size_mb: float = 0.0
     sequence_parallel_size: int = 1
     sequence_parallelism_mode: Literal["none", "split_gather", "all_to_all", "ring_attn"] = "none"
 
@@ -428,6 +435,7 @@ RANGES: dict[str, Range] = {
     "parallel.pipeline_parallel_size": _MESH, "parallel.sequence_parallel_size": _MESH,
     "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
     "parallel.compression_ratio": Range(0, 1, lo_open=True), "parallel.powersgd_rank": _POS,
+    "parallel.bucket_size_mb": Range(0, note="0: XLA's default thresholds"),
     "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
     "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,
     "precision.hysteresis": _POS, "precision.min_scale": _GT0, "precision.max_scale": _GT0,

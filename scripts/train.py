@@ -65,6 +65,10 @@ def main(argv=None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         return 0
+    from jaxcolossal import xla_flags
+    added = xla_flags.apply(cfg.parallel.overlap, cfg.parallel.bucket_size_mb)  # GPUs only; before the backend
+    if added:
+        print(f"XLA flags for parallel.overlap / bucket_size_mb: {' '.join(added)}", file=sys.stderr)
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)
     from jaxcolossal.checkpoint import CheckpointError

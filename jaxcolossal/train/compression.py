@@ -62,11 +62,13 @@ WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 
 def encode(x: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
     """fp32 ``x`` -> (its ``kind`` encoding bit-cast to uint16/uint8, the fp32 scale). bf16: scale 1;
-    fp8 e4m3: ``scale = max|x| / 448`` (a non-finite ``x`` gives a non-finite scale, so a NaN is
+    fp8 e4m3: ``scale = max|x| / 448``, 1 for an all-zero (or denormal) ``x`` (a non-finite ``x`` gives a non-finite scale, so a NaN is
     never hidden: the step's non-finite check sees it after decoding)."""
     dt, it = WIRE[kind]
     if kind == "fp8":
-        scale = jnp.maximum(jnp.max(jnp.abs(x)), jnp.finfo(jnp.float32).tiny) / FP8_MAX
+        amax = jnp.max(jnp.abs(x))
+        # an all-zero (or denormal) block, e.g. unseen tokens' embedding rows: scale 1, not 0/0
+        scale = jnp.where(amax >= FP8_MAX * jnp.finfo(jnp.float32).tiny, amax / FP8_MAX, 1.0)
         q = jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(dt)
         q = jnp.where(jnp.isfinite(scale), q, jnp.asarray(jnp.nan, dt))
     else:

@@ -1,0 +1,156 @@
+"""XLA's GPU flags for communication: overlap (``parallel.overlap``) and collective buckets
+(``parallel.bucket_size_mb``), set in ``XLA_FLAGS`` before the backend starts, and only the
+ones this jaxlib accepts.
+
+Colossal-AI exposes ``overlap_communication`` and ``reduce_bucket_size_in_m``; in JAX the
+collectives are XLA's, so these map to its flags:
+
+* ``overlap=true``: the latency-hiding scheduler (collectives issued early, on their own
+  stream, so they run under independent compute), while-loop double buffering, and the
+  collective pipeliner (the all-gather of a scanned layer's ZeRO-3 shards moved into the
+  previous iteration, the reduce-scatter of its gradient into the next) — the flags MaxText
+  sets for the same purpose.
+* ``bucket_size_mb=B`` (> 0): XLA combines small all-reduces, all-gathers and reduce-scatters
+  into one up to ``B`` MiB (``--xla_gpu_*_combine_threshold_bytes``), as Colossal-AI's buckets
+  do. 0 keeps XLA's defaults.
+
+A flag name XLA does not know makes the process abort when the backend starts, and the names
+change across jaxlib versions, so each group lists alternative spellings and the first one that
+a probe process accepts is kept (:func:`resolve`); the answers are cached per jaxlib version in
+``~/.cache/jaxcolossal/xla_flags.json``. Flags already in ``XLA_FLAGS`` are never replaced.
+The flags only matter on GPUs: :func:`apply` does nothing where no CUDA plugin is installed or
+``JAX_PLATFORMS`` excludes it (the CPU runs of the tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+OVERLAP_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("--xla_gpu_enable_latency_hiding_scheduler=true",),
+    ("--xla_gpu_enable_while_loop_double_buffering=true",),
+    ("--xla_gpu_enable_pipelined_all_gather=true", "--xla_gpu_pipeline_all_gather=on"),
+    ("--xla_gpu_enable_pipelined_reduce_scatter=true", "--xla_gpu_pipeline_reduce_scatter=on"),
+    ("--xla_gpu_enable_pipelined_all_reduce=true", "--xla_gpu_pipeline_all_reduce=on"),
+)
+"""``parallel.overlap``: each tuple lists alternative spellings of one setting, newest first."""
+
+BUCKET_FLAGS = ("--xla_gpu_all_reduce_combine_threshold_bytes", "--xla_gpu_all_gather_combine_threshold_bytes",
+                "--xla_gpu_reduce_scatter_combine_threshold_bytes")
+"""``parallel.bucket_size_mb``: XLA's combine thresholds, in bytes."""
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxcolossal" / "xla_flags.json"
+
+
+def groups_for(overlap: bool, bucket_size_mb: float) -> list[tuple[str, ...]]:
+    """The flag groups a ``parallel`` section asks for (each: alternatives, first accepted wins)."""
+    groups = list(OVERLAP_GROUPS) if overlap else []
+    if bucket_size_mb > 0:
+        groups += [(f"{name}={int(bucket_size_mb * 2**20)}",) for name in BUCKET_FLAGS]
+    return groups
+
+
+def probe(flags: str, timeout_s: float = 120.0) -> bool:
+    """Whether a fresh Python process starts JAX's (CPU) backend with ``XLA_FLAGS=flags``: XLA
+    parses every flag name on every platform, and an unknown name aborts the process."""
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    try:
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, timeout=timeout_s,
+                              capture_output=True).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _jaxlib_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("jaxlib")
+    except Exception:  # noqa: BLE001 - an unknown version only disables the cache's reuse
+        return "unknown"
+
+
+def resolve(groups: list[tuple[str, ...]], accepts: Callable[[str], bool] = probe,
+            cache: Path | None = CACHE) -> tuple[list[str], list[str]]:
+    """Pick, per group, the first spelling this jaxlib accepts.
+
+    Returns ``(kept, rejected)``: the accepted flags, and every spelling tried and refused (a
+    group with none accepted is left out, not fatal). ``accepts`` probes one flag on top of the
+    ones kept so far; its answers are cached in ``cache`` per jaxlib version (``None``: no cache).
+    """
+    version = _jaxlib_version()
+    known: dict = {}
+    if cache is not None and cache.exists():
+        try:
+            known = json.loads(cache.read_text()).get(version, {})
+        except (OSError, ValueError):
+            known = {}
+    kept, rejected = [], []
+    for group in groups:
+        for flag in group:
+            name = flag.split("=", 1)[0]
+            ok = known.get(name)
+            if ok is None:
+                ok = known[name] = accepts(" ".join(kept + [flag]))
+            if ok:
+                kept.append(flag)
+                break
+            rejected.append(flag)
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            data = json.loads(cache.read_text()) if cache.exists() else {}
+            data[version] = known
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            tmp.replace(cache)
+        except (OSError, ValueError):
+            pass  # a read-only home: probe again next time
+    return kept, rejected
+
+
+def gpu_expected() -> bool:
+    """Whether JAX will run on a CUDA GPU, decided without starting a backend: a CUDA plugin is
+    installed and ``JAX_PLATFORMS`` is unset or names ``cuda``/``gpu``."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def merge(xla_flags: str, flags: list[str]) -> str:
+    """``xla_flags`` plus each of ``flags`` whose name it does not already set (the user's wins)."""
+    have = {tok.split("=", 1)[0] for tok in xla_flags.split()}
+    return " ".join(xla_flags.split() + [f for f in flags if f.split("=", 1)[0] not in have])
+
+
+def apply(overlap: bool, bucket_size_mb: float, force: bool = False) -> list[str]:
+    """Add the communication flags for ``parallel.overlap`` / ``bucket_size_mb`` to
+    ``os.environ["XLA_FLAGS"]``; call before JAX's backend starts (as :func:`jaxcolossal.launch.simulate_devices`).
+
+    Args:
+        overlap, bucket_size_mb: the config's values.
+        force: set them even where no GPU is expected (they are inert on the CPU).
+
+    Returns:
+        The flags added (empty off GPUs, or when nothing is asked or accepted).
+    """
+    groups = groups_for(overlap, bucket_size_mb)
+    if not groups or not (force or gpu_expected()):
+        return []
+    kept, _ = resolve(groups)
+    before = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = merge(before, kept)
+    return [f for f in kept if f.split("=", 1)[0] not in {t.split("=", 1)[0] for t in before.split()}]
