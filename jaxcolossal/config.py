@@ -135,8 +135,9 @@ class ParallelConfig:
     whole gradient (Lin et al., 2018, Deep Gradient Compression); or ``powersgd``: each weight
     matrix's gradient is sent as rank-``powersgd_rank`` factors (Vogels et al., 2019). With
     ``error_feedback`` (default) what a shard did not send is added to its next step's gradient
-    (a per-shard fp32 residual in the train state, saved in checkpoints). Data-parallel traffic
-    only; both need ``zero_stage`` ≤ 1, no tensor, pipeline or sequence parallelism (for now).
+    (a per-shard fp32 residual in the train state, saved in checkpoints). The first
+    ``compression_warmup_steps`` steps reduce densely (PyTorch's ``start_powerSGD_iter``, DGC's
+    warm-up). Data-parallel traffic only; both need ``zero_stage`` ≤ 1, no tensor, pipeline or sequence parallelism (for now).
 
     ``communication_dtype``: ``fp32`` (default), ``bf16`` or ``fp8`` (e4m3, per-tensor scale):
     the dtype the data-parallel gradient reduction moves (an all-to-all and a local fp32 sum, then
@@ -168,6 +169,7 @@ class ParallelConfig:
     gradient_compression: Literal["none", "topk", "powersgd"] = "none"
     compression_ratio: float = 0.01
     powersgd_rank: int = 4
+    compression_warmup_steps: int = 0
     error_feedback: bool = True
     communication_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     overlap: bool = True
@@ -435,6 +437,7 @@ RANGES: dict[str, Range] = {
     "parallel.pipeline_parallel_size": _MESH, "parallel.sequence_parallel_size": _MESH,
     "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
     "parallel.compression_ratio": Range(0, 1, lo_open=True), "parallel.powersgd_rank": _POS,
+    "parallel.compression_warmup_steps": Range(0, note="0: compress from the first step"),
     "parallel.bucket_size_mb": Range(0, note="0: XLA's default thresholds"),
     "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
     "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,

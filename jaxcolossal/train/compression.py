@@ -262,6 +262,20 @@ def powersgd_specs(views: dict, error_feedback: bool) -> dict:
 _HI = jax.lax.Precision.HIGHEST
 
 
+def orthonormalize(p: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """Orthonormal columns spanning ``p [..., n, r]``'s, by modified Gram–Schmidt (PyTorch's
+    PowerSGD hook does the same; a zero column stays zero instead of dividing by 0). Pure matmuls
+    and elementwise ops, unrolled over the r ≤ a few dozen columns: no LAPACK call (on XLA's CPU
+    backend a batched QR custom call inside the step deadlocked the 8 simulated devices)."""
+    cols = []
+    for j in range(p.shape[-1]):
+        c = p[..., j]
+        for prev in cols:
+            c = c - jnp.sum(prev * c, axis=-1, keepdims=True) * prev
+        cols.append(c / (jnp.linalg.norm(c, axis=-1, keepdims=True) + eps))
+    return jnp.stack(cols, axis=-1)
+
+
 def _powersgd_block(g: jax.Array, q: jax.Array, lead: int, n: int, m: int, n_data: int):
     """Inside ``shard_map``: one shard's fp32 ``g [1, *shape]`` (error already added), the shared
     ``q [*batch, m, r]``. Returns (the approximate sum over shards ``[*shape]``, this shard's new
@@ -269,7 +283,7 @@ def _powersgd_block(g: jax.Array, q: jax.Array, lead: int, n: int, m: int, n_dat
     shape = g.shape[1:]
     mat = g.reshape(shape[:lead] + (n, m))
     p = jax.lax.psum(jnp.matmul(mat, q, precision=_HI), DATA_AXES)            # all-reduce n·r
-    p = jnp.linalg.qr(p)[0]                                                   # orthonormal columns
+    p = orthonormalize(p)                                                     # orthonormal columns
     q_new = jax.lax.psum(jnp.matmul(jnp.swapaxes(mat, -1, -2), p, precision=_HI), DATA_AXES)  # m·r
     approx = jnp.matmul(p, jnp.swapaxes(q_new, -1, -2), precision=_HI)       # ≈ Σ_i M_i
     return approx.reshape(shape), (mat - approx / n_data).reshape(g.shape), q_new

@@ -113,7 +113,8 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     compress = topk or psgd
     lowp = p.communication_dtype  # fp32, or the dtype the reduction moves (compression.lowp_reduce)
 
-    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None):
+    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
+                step=None):
         B, t = inputs.shape
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
@@ -157,10 +158,20 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
         if compress:  # parallel.gradient_compression (+ error feedback)
-            if topk:  # each shard sends its largest elements
-                summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh)
-            else:  # rank-r factors of each weight matrix
-                summed, residual = powersgd_reduce(acc, residual, views, mesh)
+            def compressed(acc, residual):
+                if topk:  # each shard sends its largest elements
+                    summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh)
+                else:  # rank-r factors of each weight matrix
+                    summed, residual = powersgd_reduce(acc, residual, views, mesh)
+                return constrain(summed, mesh, plan.specs.base), residual
+
+            def dense(acc, residual):  # the warm-up: a plain all-reduce, the residual untouched
+                return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), acc), mesh, plan.specs.base), residual
+
+            if p.compression_warmup_steps > 0 and step is not None:
+                summed, residual = jax.lax.cond(step < p.compression_warmup_steps, dense, compressed, acc, residual)
+            else:
+                summed, residual = compressed(acc, residual)
             grads = constrain(summed, mesh, plan.specs.opt if zero == 1 else grad_specs)
         else:
             grads = acc if zero >= 2 else reduce(acc, plan.specs.opt if zero == 1 else grad_specs)
@@ -218,7 +229,7 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         # offloaded compute params: the stacked layers stream in inside the layer scan, the rest come in first
         params = to_device(state.params, shardings.params, streamed)
         out = grad_fn(params, batch["inputs"], batch["targets"], scale, mask, batch.get("segment_ids"),
-                      batch.get("positions"), **({"residual": state.residual} if compress else {}))
+                      batch.get("positions"), **({"residual": state.residual, "step": state.step} if compress else {}))
         loss_sum, grads = out[:2]
         residual = out[2] if compress else None
         n_tok = token_count(batch["inputs"], mask)

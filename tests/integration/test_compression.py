@@ -20,7 +20,8 @@ from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.sharding import DATA_AXES
-from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, lowp_reduce, powersgd_reduce, powersgd_wire,
+from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, lowp_reduce, orthonormalize, powersgd_reduce,
+                                           powersgd_wire,
                                            topk_count, topk_reduce, wire_bytes)
 from jaxcolossal.train.state import powersgd_views_of
 from tiny import random_batches, run_steps, setup, tiny_config
@@ -215,3 +216,29 @@ def test_powersgd_is_exact_on_low_rank_gradients_and_keeps_what_it_did_not_send(
     np.testing.assert_allclose(np.asarray(summed["w"]) + np.asarray(st["error"]["w"]).sum(0), (full + old).sum(0),
                                rtol=1e-4, atol=1e-4)
     assert np.linalg.matrix_rank(np.asarray(summed["w"]), tol=1e-3) == 2
+
+
+def test_warmup_steps_reduce_densely_then_compress():
+    """``compression_warmup_steps=2``: the first two updates are the uncompressed run's (so the
+    losses of steps 1–3 equal it), the third is PowerSGD's."""
+    base, mb, _ = run_steps(_cfg(zero_stage=0), steps=3)
+    state, m, _ = run_steps(_cfg(zero_stage=0, gradient_compression="powersgd", powersgd_rank=1,
+                                 compression_warmup_steps=2), steps=3)
+    np.testing.assert_allclose([r["loss"] for r in m], [r["loss"] for r in mb], rtol=1e-6)
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(base.params))) > 1e-4
+    assert any(float(jnp.max(jnp.abs(e))) > 0 for e in jax.tree.leaves(state.residual["error"]))
+
+
+def test_orthonormalize_spans_the_same_columns():
+    """Modified Gram–Schmidt (no LAPACK call in the step): QᵀQ = I on a batch of [n, r], the same
+    column space as the input, a zero column stays zero (no 0/0)."""
+    rng = np.random.default_rng(3)
+    p = rng.normal(size=(3, 40, 6)).astype(np.float32)
+    q = np.asarray(orthonormalize(jnp.asarray(p)))
+    np.testing.assert_allclose(np.einsum("bnr,bns->brs", q, q), np.broadcast_to(np.eye(6), (3, 6, 6)), atol=1e-5)
+    proj = np.einsum("bnr,bmr,bms->bns", q, q, p)  # projecting p onto q's span changes nothing
+    np.testing.assert_allclose(proj, p, atol=1e-4)
+    p[0, :, 2] = 0.0
+    q = np.asarray(orthonormalize(jnp.asarray(p)))
+    assert np.all(np.isfinite(q)) and not np.any(q[0, :, 2])
