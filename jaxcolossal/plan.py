@@ -301,6 +301,42 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | None = None) -> float:
+    """Bytes each device sends per step for the data-parallel gradient reduction (ring counts, as
+    :attr:`jaxcolossal.hlo.Collective.sent`), with the ``parallel`` section's communication
+    settings (docs/communication.md):
+
+    * fp32: ZeRO-0 an all-reduce ``2(N−1)/N·4Ψ``; ZeRO-1 a reduce-scatter ``(N−1)/N·4Ψ``, ZeRO-2/3
+      one per microbatch (``k``);
+    * ``communication_dtype`` bf16/fp8: the same with 2 / 1 bytes per element (an all-to-all, plus
+      the all-gather under ZeRO-0; fp8's per-shard scales are left out);
+    * ``powersgd``: all-reduces of the rank-r factors, plus the leaves sent whole;
+    * ``topk``: all-gathers of ``N·k`` values and int32 indices per leaf.
+
+    ``Ψ`` is per model-parallel shard (``/(tp·pp)``); ``k`` defaults to the accumulation steps.
+    """
+    from jaxcolossal.train.compression import WIRE_BYTES, powersgd_views, topk_count
+    p = cfg.parallel
+    k = cfg.training.gradient_accumulation_steps if k is None else k
+    ring = _ring(dp)
+    if p.gradient_compression == "powersgd":
+        _, shapes, axes = param_layout(cfg.model, 1)
+        views = powersgd_views(shapes, axes, p.powersgd_rank)
+        total = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+        whole = total - sum(math.prod(v[0]) for v in views.values())
+        factors = sum(math.prod(sh[:lead]) * (n + m) * p.powersgd_rank for sh, lead, n, m in views.values())
+        return 2 * ring * 4 * (whole + factors)
+    if p.gradient_compression == "topk":
+        _, shapes, _ = param_layout(cfg.model, 1)
+        sizes = [math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))]
+        return ring * 8 * dp * sum(topk_count(m, p.compression_ratio) for m in sizes)
+    psi = param_count(cfg.model)["total"] / (tp * pp)
+    b = WIRE_BYTES[p.communication_dtype]
+    if p.zero_stage == 0:
+        return 2 * ring * b * psi
+    return ring * b * psi * (k if p.zero_stage >= 2 else 1)
+
+
 def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45) -> Layout:
     """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
 
@@ -311,8 +347,9 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
       and the remat policy's recomputation) at ``efficiency`` × the bf16 peak (half of it in
       fp32: TF32 tensor cores),
       divided by ``1 − bubble`` for a pipeline; MFU against the same peak;
-    * communication, not overlapped: the data-parallel gradient reduction and ZeRO parameter
-      gathers (ring volumes; ZeRO-2/3 per microbatch), Megatron's 4 activation all-reduces per
+    * communication, not overlapped: the data-parallel gradient reduction
+      (:func:`dp_gradient_bytes`, with the config's ``communication_dtype`` or compression) and
+      ZeRO parameter gathers (ring volumes; ZeRO-2/3 per microbatch), Megatron's 4 activation all-reduces per
       layer and microbatch over ``tp``, the pipeline's activation sends; each at the intra-node
       bandwidth when its group fits in one node (the mesh puts ``tp`` innermost), else inter-node.
 
@@ -341,10 +378,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     p_bytes = BYTES_PER_PARAM[cfg.precision.mode]["p"]
     bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw
     zero = cfg.parallel.zero_stage
-    if zero == 0:
-        dp_bytes = 2 * _ring(dp) * 4 * psi                            # fp32 all-reduce
-    else:
-        dp_bytes = _ring(dp) * 4 * psi * (k if zero >= 2 else 1)      # fp32 reduce-scatter(s)
+    dp_bytes = dp_gradient_bytes(cfg, dp, tp, pp, k)                 # the gradient reduction(s)
+    if zero > 0:
         dp_bytes += _ring(dp) * p_bytes * psi * (2 * k if zero == 3 else 1)  # param all-gathers
     act = (t.batch_size // (dp * k)) * t.seq_len * m.hidden_size * p_bytes  # one microbatch's [b, s, d]
     tp_bytes = 4 * m.num_layers // pp * k * 2 * _ring(tp) * act / sp
@@ -494,6 +529,67 @@ def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
     return "\n".join(lines)
 
 
+SEED_TABLE = (
+    # (row, preset, device, devices, global batch, parallel overrides or None, published figure)
+    ("7B, 8×H200, ZeRO-2 dp8, 36 per DP", "llama2_7b", "h200", 8, 288,
+     dict(data_parallel_size=8, tensor_parallel_size=1, pipeline_parallel_size=1, zero_stage=2),
+     (17.13, 534.18)),
+    ("70B, 16×H200, ZeRO-2 dp16, 2 per DP (batch assumed)", "llama3_70b", "h200", 16, 32,
+     dict(data_parallel_size=16, tensor_parallel_size=1, pipeline_parallel_size=1, zero_stage=2),
+     (3.27, 469.1)),
+    ("7B, B200, ZeRO-1 dp2 tp2 pp4 (2·2·4 = 16 devices), 36 per DP (batch assumed)", "llama2_7b", "b200", 16, 72,
+     dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=4, zero_stage=1), None),
+    ("70B, 16×B200, 2 per DP (batch assumed)", "llama3_70b", "b200", 16, 32, None, None),
+)
+"""Colossal-AI's published benchmark rows (its README; docs/planner.md): seq 4096, bf16, activation
+checkpointing. The published figures are (samples/s, TFLOPS/GPU in Colossal-AI's ``8N`` convention,
+which counts the recomputation); ``None`` where we have no figure. The 70B rows use the
+``llama3_70b`` preset (Colossal-AI's 70B runs were LLaMA-2 70B: 128k vs 32k vocabulary)."""
+
+
+def seed_table(efficiency: float = 0.45) -> str:
+    """The planner's prediction for each row of :data:`SEED_TABLE` beside the published figure, and
+    the layout it prefers on the same model and devices with its own prediction (markdown)."""
+    import copy
+    import os
+    from jaxcolossal.config import load_config
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lines = ["| row | published | predicted for the row's layout | planner's choice |",
+             "|---|---|---|---|"]
+    for row, preset, dev_name, n, batch, par, published in SEED_TABLE:
+        device = DEVICES[dev_name]
+        cfg = load_config(os.path.join(root, "configs", "bench", f"{preset}.yaml"),
+                          overrides=["training.seq_len=4096", f"training.batch_size={batch}", "training.micro_batch_size=0",
+                                     "model.remat=full", "training.gradient_accumulation_steps=1"])
+
+        def show(lay: Layout) -> str:
+            fit = "" if lay.fits else f"; **does not fit**: {_bytes(lay.need['total'])} > {_bytes(0.9 * device.memory)}"
+            return (f"{lay.tokens_per_s / 4096:,.2f} samples/s, {lay.tflops:,.0f} TFLOPS, MFU {lay.mfu:.1%}, "
+                    f"{_bytes(lay.need['total'])}{fit}")
+
+        mine = "—"
+        if par is not None:
+            c = copy.deepcopy(cfg)
+            c.parallel = dataclasses.replace(c.parallel, **par)
+            if par["pipeline_parallel_size"] > 1:
+                c.parallel.num_microbatches = max(par["pipeline_parallel_size"],
+                                                  batch // par["data_parallel_size"] // 2)
+            try:
+                mine = show(predict(c, n, device, efficiency))
+            except ConfigError as e:
+                mine = f"refused: {e}"
+        layouts, _ = search(cfg, n, device, efficiency)
+        best = next((lay for lay in layouts if lay.fits), None)
+        choice = f"{best.strategy()}: {show(best)}" if best else "no layout fits"
+        pub = (f"{published[0]:g} samples/s, {published[1]:g} TFLOPS (8N) = {published[1] * 6 / 8:,.0f} (6N)"
+               if published else "(no figure in our references)")
+        lines.append(f"| {row} | {pub} | {mine} | {choice} |")
+    lines.append(f"(TFLOPS per device in the 6N + attention convention, MFU against the bf16 peak; Colossal-AI's "
+                 f"8N convention counts the recomputation, so its figures are shown converted to 6N too; efficiency "
+                 f"{efficiency:g} of the peak; predictions as in docs/planner.md)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxcolossal.plan``: pick a layout for a model on a cluster before renting it."""
     import argparse
@@ -502,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxcolossal.config import config_from_dict, load_config
     ap = argparse.ArgumentParser(prog="python -m jaxcolossal.plan", description=main.__doc__)
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--seed-table" in argv:  # Colossal-AI's published rows beside the planner's predictions
+        print(seed_table())
+        return 0
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a benchmark preset: configs/bench/<name>.yaml (llama_1b, llama3_8b, llama3_70b, ...)")
     src.add_argument("--config", help="a config file")

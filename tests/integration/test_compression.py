@@ -19,6 +19,7 @@ from jaxcolossal import hlo
 from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.mesh import make_mesh
+from jaxcolossal.plan import dp_gradient_bytes
 from jaxcolossal.sharding import DATA_AXES
 from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, lowp_reduce, orthonormalize, powersgd_reduce,
                                            powersgd_wire,
@@ -192,6 +193,12 @@ def test_bytes_on_the_wire_per_setting():
     assert totals["fp32"]["all-reduce"]["bytes"] - 4 == want["dense"]  # (+ the loss scalar)
     assert totals["powersgd"]["all-reduce"]["bytes"] - 4 == want["powersgd"]
     assert sent["fp32"] / sent["powersgd"] > 5
+    # the planner's model of the same traffic (jaxcolossal.plan.dp_gradient_bytes): within 1%
+    # (fp8's per-shard scales are left out of it; the loss's scalar all-reduce is 7 bytes)
+    for name, extra in (("fp32", {}), ("bf16", {"communication_dtype": "bf16"}), ("fp8", {"communication_dtype": "fp8"}),
+                        ("powersgd", {"gradient_compression": "powersgd", "powersgd_rank": 2})):
+        predicted = dp_gradient_bytes(_cfg(zero_stage=0, **extra), 8)
+        assert abs(sent[name] - 7 - predicted) <= 0.01 * predicted, (name, sent[name], predicted)
 
 
 def test_powersgd_is_exact_on_low_rank_gradients_and_keeps_what_it_did_not_send():

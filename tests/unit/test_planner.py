@@ -148,3 +148,19 @@ def test_long_sequences_consider_ring_attention():
     c = load_config(os.path.join(ROOT, "configs/bench/llama_1b.yaml"), overrides=[f"{k}={v}" for k, v in ov.items()])
     validate(c, num_devices=8)
     assert predict(c, 8, DEVICES["h200"]).need["total"] == pytest.approx(best.need["total"])
+
+
+def test_seed_table_prints_each_published_row_beside_the_prediction():
+    """``python -m jaxcolossal.plan --seed-table``: Colossal-AI's rows, each with the planner's
+    prediction for that layout and its own choice; 70B ZeRO-2 on 16 H200 is predicted not to fit
+    (2Ψ of bf16 params alone is 140 GB per device)."""
+    from jaxcolossal.plan import SEED_TABLE, main, seed_table
+    text = seed_table()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(SEED_TABLE) == 4
+    assert "17.13 samples/s, 534.18 TFLOPS (8N) = 401 (6N)" in rows[0]
+    assert "**does not fit**" in rows[1] and "3.27 samples/s" in rows[1]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert "samples/s" in cells[3] and "no layout fits" not in cells[3], row
+    assert main(["--seed-table"]) == 0
