@@ -59,17 +59,21 @@ TorchDDPPlugin = DDPPlugin
 
 
 def LowLevelZeroPlugin(stage: int = 1, precision: str = "fp16", initial_scale: float = 2.0**32,
-                       max_norm: float = 0.0, cpu_offload: bool = False) -> Plugin:
+                       max_norm: float = 0.0, cpu_offload: bool = False, fp8_communication: bool = False) -> Plugin:
     """ZeRO-1 (optimizer state sharded) or ZeRO-2 (and gradients) over every device.
     ``cpu_offload``: the whole optimizer state (moments and fp32 master) in pinned host memory
-    (``offload.offload_optim_frac=1``; ZeRO-Offload).
+    (``offload.offload_optim_frac=1``; ZeRO-Offload). ``fp8_communication``: the gradient
+    reduction moved in fp8 e4m3, summed in fp32 (``parallel.communication_dtype=fp8``,
+    docs/communication.md).
 
     Raises:
         ConfigError: ``stage`` not in {1, 2}.
     """
     if stage not in (1, 2):
         raise ConfigError(f"LowLevelZeroPlugin(stage={stage}): allowed values are [1, 2]; use GeminiPlugin for ZeRO-3")
-    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=stage), _precision(precision, initial_scale), max_norm,
+    return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=stage,
+                                 communication_dtype="fp8" if fp8_communication else "fp32"),
+                  _precision(precision, initial_scale), max_norm,
                   OffloadConfig(offload_optim_frac=1.0 if cpu_offload else 0.0))
 
 
@@ -100,10 +104,11 @@ def HybridParallelPlugin(tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0
                          num_microbatches: int = 0, pp_style: str = "1f1b", num_model_chunks: int = 1,
                          initial_scale: float = 2.0**16, max_norm: float = 0.0, cpu_offload: bool = False,
                          sp_size: int = 1, enable_sequence_parallelism: bool = False,
-                         sequence_parallelism_mode: str | None = None) -> Plugin:
+                         sequence_parallelism_mode: str | None = None, fp8_communication: bool = False) -> Plugin:
     """Tensor × pipeline × sequence × data parallelism with ZeRO over the data group; dp = world /
     (tp·pp·sp). ``cpu_offload``: the optimizer state in pinned host memory
-    (``offload.offload_optim_frac=1``). Sequence parallelism as Colossal-AI's: with
+    (``offload.offload_optim_frac=1``). ``fp8_communication``: the data-parallel gradient
+    reduction in fp8 (``parallel.communication_dtype=fp8``; not with pp or sp, refused). Sequence parallelism as Colossal-AI's: with
     ``enable_sequence_parallelism``, ``sequence_parallelism_mode`` is ``split_gather`` (over the tp
     group, ``sp_size`` 1), ``all_to_all`` (the default) or ``ring_attn`` (over ``sp_size``);
     docs/long_context.md.
@@ -130,7 +135,7 @@ def HybridParallelPlugin(tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0
     par = ParallelConfig(data_parallel_size=-1, tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
                          zero_stage=zero_stage, num_microbatches=num_microbatches, pipeline_schedule=pp_style,
                          num_model_chunks=num_model_chunks, sequence_parallel_size=sp_size,
-                         sequence_parallelism_mode=mode)
+                         sequence_parallelism_mode=mode, communication_dtype="fp8" if fp8_communication else "fp32")
     return Plugin(par, _precision(precision, initial_scale), max_norm,
                   OffloadConfig(offload_optim_frac=1.0 if cpu_offload else 0.0))
 

@@ -52,7 +52,10 @@ def test_pipeline_plugin_with_default_batch():
 
 
 def test_bf16_plugin_keeps_fp32_master():
-    state, losses = _train(jc.LowLevelZeroPlugin(stage=1, precision="bf16"), jax.devices())
+    """(with Colossal-AI's ``fp8_communication``: the gradient reduction in fp8, trained on)"""
+    plugin = jc.LowLevelZeroPlugin(stage=1, precision="bf16", fp8_communication=True)
+    assert plugin.parallel.communication_dtype == "fp8"
+    state, losses = _train(plugin, jax.devices())
     assert state.params["layers"]["wq"].dtype == jax.numpy.bfloat16
     assert state.master["layers"]["wq"].dtype == jax.numpy.float32
     assert losses[1] < losses[0] + 0.1
