@@ -58,6 +58,16 @@ def DDPPlugin(precision: str = "fp32", max_norm: float = 0.0) -> Plugin:
 TorchDDPPlugin = DDPPlugin
 
 
+def _check_bool(plugin: str, **flags) -> None:
+    """A plugin's on/off arguments must be bools: ``"false"`` would otherwise turn a feature on.
+
+    Raises:
+        ConfigError: naming the argument and the value."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ConfigError(f"{plugin}({name}={v!r}): expected True or False")
+
+
 def LowLevelZeroPlugin(stage: int = 1, precision: str = "fp16", initial_scale: float = 2.0**32,
                        max_norm: float = 0.0, cpu_offload: bool = False, fp8_communication: bool = False) -> Plugin:
     """ZeRO-1 (optimizer state sharded) or ZeRO-2 (and gradients) over every device.
@@ -71,6 +81,7 @@ def LowLevelZeroPlugin(stage: int = 1, precision: str = "fp16", initial_scale: f
     """
     if stage not in (1, 2):
         raise ConfigError(f"LowLevelZeroPlugin(stage={stage}): allowed values are [1, 2]; use GeminiPlugin for ZeRO-3")
+    _check_bool("LowLevelZeroPlugin", fp8_communication=fp8_communication, cpu_offload=cpu_offload)
     return Plugin(ParallelConfig(data_parallel_size=-1, zero_stage=stage,
                                  communication_dtype="fp8" if fp8_communication else "fp32"),
                   _precision(precision, initial_scale), max_norm,
@@ -119,6 +130,11 @@ def HybridParallelPlugin(tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0
             ``split_gather`` or ``ring_attn``), or ``sp_size`` > 1 without
             ``enable_sequence_parallelism``.
     """
+    _check_bool("HybridParallelPlugin", fp8_communication=fp8_communication, cpu_offload=cpu_offload,
+                enable_sequence_parallelism=enable_sequence_parallelism)
+    if fp8_communication and (pp_size != 1 or sp_size != 1):
+        raise ConfigError(f"HybridParallelPlugin(fp8_communication=True) is not supported with pp_size={pp_size} / "
+                          f"sp_size={sp_size} yet: the fp8 gradient reduction needs pp_size=1 and sp_size=1")
     modes = ("split_gather", "all_to_all", "ring_attn")
     mode = "none"
     if enable_sequence_parallelism:

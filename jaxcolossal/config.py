@@ -837,13 +837,15 @@ def _check_compression(p: ParallelConfig) -> None:
     :class:`ParallelConfig`; the ratio's and rank's ranges are in :data:`RANGES`)."""
     c = p.gradient_compression
     if c != "none":
+        fixes = []  # every change it needs, in one message
         if p.zero_stage > 1:
-            raise ConfigError(f"parallel.gradient_compression={c} is supported with zero_stage 0 or 1 (got "
-                              f"{p.zero_stage}): it replaces the one gradient reduction per step, which ZeRO-2/3 "
-                              "split over the microbatches")
+            fixes.append(f"zero_stage 0 or 1 (got {p.zero_stage}: ZeRO-2/3 split the one gradient reduction per "
+                         "step over the microbatches)")
         if p.tensor_parallel_size not in (1,) or p.pipeline_parallel_size not in (1,):
-            raise ConfigError(f"parallel.gradient_compression={c} is supported without tensor or pipeline "
-                              "parallelism yet: set tensor_parallel_size=1 and pipeline_parallel_size=1")
+            fixes.append("no tensor or pipeline parallelism yet (set tensor_parallel_size=1 and "
+                         "pipeline_parallel_size=1)")
+        if fixes:
+            raise ConfigError(f"parallel.gradient_compression={c} is supported with " + "; and ".join(fixes))
     if p.communication_dtype != "fp32":
         if c != "none":
             raise ConfigError(f"parallel.communication_dtype={p.communication_dtype} applies to the plain gradient "

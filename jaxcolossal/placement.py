@@ -226,7 +226,9 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     part, plus the offloaded compute params that are in device memory during the step: see
     below) + the fp32 gradients + activations (:func:`activation_bytes`) + with
     ``optimizer_device=device`` one offloaded leaf's optimizer state streamed in (the largest).
-    Returns the parts, ``"total"`` and ``"host"`` (the pinned host bytes per device).
+    Returns the parts, ``"total"`` and ``"host"`` (the pinned host bytes per device); ``"state"``
+    includes ``"compression"``, the gradient-compression state (error-feedback residuals, PowerSGD's
+    ``Q``: :func:`jaxcolossal.train.compression.state_bytes`).
 
     Offloaded compute params: a leaf stacked over ``layers`` streams in one layer at a time inside
     the layer scan (two layers counted: the one in use and the next), except with
@@ -244,8 +246,12 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
                     for e, w, n in zip(par, jax.tree.leaves(placement.params), layers) if w) * \
         BYTES_PER_PARAM[cfg.precision.mode]["p"]
     acts = activation_bytes(cfg, mesh_shape)
-    parts = {"state": sb["device"] + params_in, "grads": sb["grads"], "activations": acts, "stream": stream,
-             "host": sb["host"], "nvme": sb["nvme"]}
+    from jaxcolossal.models import param_layout
+    from jaxcolossal.train.compression import state_bytes as compression_bytes
+    comp = compression_bytes(cfg.parallel, shapes, param_layout(cfg.model, mesh_shape["tp"])[2]) \
+        if cfg.parallel.gradient_compression != "none" else 0
+    parts = {"state": sb["device"] + params_in + comp, "grads": sb["grads"], "activations": acts, "stream": stream,
+             "host": sb["host"], "nvme": sb["nvme"], "compression": comp}
     parts["total"] = parts["state"] + sb["grads"] + acts + stream
     return parts
 

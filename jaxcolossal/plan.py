@@ -44,6 +44,8 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
     validate(cfg, num_devices=num_devices)
     rp = p.resolve(num_devices)
     shape, vocab, shapes, specs = _layout(cfg, num_devices)
+    from jaxcolossal.train.compression import check_powersgd
+    check_powersgd(cfg.parallel, shapes, param_layout(cfg.model, shape["tp"])[2])
     b = BYTES_PER_PARAM[cfg.precision.mode]
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
@@ -97,7 +99,9 @@ def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
     lines = [report] if report else []
     lines.append(f"offload    optim {pl.asked_optim_frac:g} (reached {pl.optim_frac:.3f}), params {pl.asked_param_frac:g} "
                  f"(reached {pl.param_frac:.3f}), update on the {pl.optimizer_device}, activations {o.activations}")
-    lines.append(f"memory     per device: device {gib(need['total'])} (state {gib(need['state'])}, fp32 grads "
+    lines.append(f"memory     per device: device {gib(need['total'])} (state {gib(need['state'])}"
+                 + (f" incl. {cfg.parallel.gradient_compression} state {gib(need['compression'])}"
+                    if need["compression"] else "") + ", fp32 grads "
                  f"{gib(need['grads'])}, activations ≈{gib(need['activations'])}"
                  + (f", optimizer stream {gib(need['stream'])}" if need["stream"] else "")
                  + f"); pinned host {gib(need['host'])} per device, {gib(o.devices_per_host * need['host'])} per "

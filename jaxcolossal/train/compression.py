@@ -329,3 +329,36 @@ def powersgd_wire(views: dict, param_shapes: Any, rank: int) -> dict[str, int]:
     comp = sum(math.prod(shape) for shape, *_ in views.values())
     factors = sum(math.prod(shape[:lead]) * (n + m) * rank for shape, lead, n, m in views.values())
     return {"dense": 4 * sum(sizes), "powersgd": 4 * (sum(sizes) - comp + factors)}
+
+
+def state_bytes(parallel: Any, param_shapes: Any, param_axes: Any) -> int:
+    """Per-device bytes of the compression state (:attr:`TrainState.residual`): top-k's
+    error-feedback residual, 4 bytes per parameter (each device its own shard's); PowerSGD's
+    errors for the compressed leaves (4 bytes per parameter, with error feedback) plus its
+    replicated ``Q`` factors. 0 without compression. Compression runs without tp/pp, so every
+    device holds whole leaves."""
+    sizes = [math.prod(s) for s in jax.tree.leaves(param_shapes, is_leaf=lambda x: isinstance(x, tuple))]
+    if parallel.gradient_compression == "topk":
+        return 4 * sum(sizes) if parallel.error_feedback else 0
+    if parallel.gradient_compression == "powersgd":
+        views = powersgd_views(param_shapes, param_axes, parallel.powersgd_rank)
+        q = sum(math.prod(shape[:lead]) * m * parallel.powersgd_rank for shape, lead, _, m in views.values())
+        err = sum(math.prod(v[0]) for v in views.values()) if parallel.error_feedback else 0
+        return 4 * (q + err)
+    return 0
+
+
+def check_powersgd(parallel: Any, param_shapes: Any, param_axes: Any) -> None:
+    """Refuse a ``powersgd_rank`` that compresses no leaf of the model (it would silently send
+    every gradient whole).
+
+    Raises:
+        ConfigError: naming the rank and the largest one that would compress something."""
+    from jaxcolossal.config import ConfigError
+    if parallel.gradient_compression != "powersgd" or powersgd_views(param_shapes, param_axes, parallel.powersgd_rank):
+        return
+    ones = powersgd_views(param_shapes, param_axes, 1)
+    best = max((n * m / (2 * (n + m)) for _, _, n, m in ones.values()), default=0)
+    raise ConfigError(f"parallel.powersgd_rank={parallel.powersgd_rank} compresses no parameter of this model (a "
+                      "matrix n × m is compressed only where rank·(n+m) < n·m/2)"
+                      + (f": use a rank below {best:.0f}" if best > 1 else ": use gradient_compression=none"))

@@ -91,6 +91,16 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
         lines.append(f"  {k:<10} {got[k] / 2**20:10.3f} MiB   formula {want[k] / 2**20:10.3f} MiB")
     lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
     out = {"measured": got, "formula": want}
+    if state.residual is not None:  # gradient compression's state, read from the arrays on device 0
+        from jaxcolossal.train.compression import state_bytes as compression_bytes
+        dev0 = jax.devices()[0]
+        held = sum(s.data.nbytes for a in jax.tree.leaves(state.residual) for s in a.addressable_shards
+                   if s.device == dev0)
+        predicted = compression_bytes(plan.cfg.parallel, plan.param_shapes, plan.param_axes)
+        lines.append(f"  {'compression':<10} {held / 2**20:10.3f} MiB   formula {predicted / 2**20:10.3f} MiB "
+                     f"({plan.cfg.parallel.gradient_compression} state: error feedback"
+                     + (", Q" if plan.cfg.parallel.gradient_compression == "powersgd" else "") + ")")
+        out["compression"] = {"measured": held, "formula": predicted}
     pl = plan.placement
     if pl is not None and pl.active:  # by memory kind, read from each shard's sharding.memory_kind
         kinds = bytes_by_kind([state.params, state.master, state.opt_state])
@@ -266,7 +276,19 @@ def _start(cfg: Config) -> Run:
              f"zero_stage {cfg.parallel.zero_stage}"
              + (f"; sequence parallelism {cfg.parallel.sequence_parallelism_mode}"
                 if cfg.parallel.sequence_parallelism_mode != "none" else "")
-             + (f"; attention {cfg.model.attention_impl}" if cfg.model.attention_impl != "xla" else ""), ranks=[0])
+             + (f"; attention {cfg.model.attention_impl}" if cfg.model.attention_impl != "xla" else "")
+             + (f"; gradient communication {cfg.parallel.communication_dtype}"
+                if cfg.parallel.communication_dtype != "fp32" else "")
+             + (f"; gradient compression {cfg.parallel.gradient_compression}"
+                + (f" rank {cfg.parallel.powersgd_rank}" if cfg.parallel.gradient_compression == "powersgd"
+                   else f" ratio {cfg.parallel.compression_ratio:g}")
+                + ("" if cfg.parallel.error_feedback else " without error feedback")
+                + (f" after {cfg.parallel.compression_warmup_steps} dense steps"
+                   if cfg.parallel.compression_warmup_steps else "")
+                if cfg.parallel.gradient_compression != "none" else ""), ranks=[0])
+    if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
+        log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
+                    f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
     loader, evals = _data(cfg, mesh)

@@ -35,7 +35,7 @@ from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.placement import Placement, place_state, resolve
 from jaxcolossal.sharding import DATA_AXES, Sharder, StateSpecs, named, rules_for, state_specs
-from jaxcolossal.train.compression import powersgd_init, powersgd_specs, powersgd_views
+from jaxcolossal.train.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 BYTES_PER_PARAM = {"fp32": dict(p=4, g=4, K=8), "bf16": dict(p=2, g=4, K=12), "fp16": dict(p=2, g=4, K=12)}
@@ -139,6 +139,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
     rules = rules_for(cfg.parallel, shape["pp"] > 1)
     specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
+    check_powersgd(cfg.parallel, shapes, axes)
     # which shards live in host memory (offload section), checked against the device limit
     placement, report = resolve(cfg, shapes, specs, shape, list(mesh.devices.flat))
     return TrainPlan(cfg=cfg, mesh=mesh, mesh_shape=shape, vocab=vocab, param_axes=axes,

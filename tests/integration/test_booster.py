@@ -61,6 +61,13 @@ def test_bf16_plugin_keeps_fp32_master():
     assert losses[1] < losses[0] + 0.1
 
 
+def test_plugin_switches_are_bools_and_fp8_is_refused_where_unsupported():
+    with pytest.raises(ConfigError, match=r"fp8_communication='false'\): expected True or False"):
+        jc.LowLevelZeroPlugin(stage=2, fp8_communication="false")
+    with pytest.raises(ConfigError, match="fp8_communication=True\\) is not supported with pp_size=2"):
+        jc.HybridParallelPlugin(pp_size=2, fp8_communication=True)
+
+
 def test_plugin_errors():
     with pytest.raises(ConfigError, match=r"allowed values are \[1, 2\]"):
         jc.LowLevelZeroPlugin(stage=3)

@@ -24,7 +24,8 @@ from jaxcolossal.sharding import DATA_AXES
 from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, lowp_reduce, orthonormalize, powersgd_reduce,
                                            powersgd_wire,
                                            topk_count, topk_reduce, wire_bytes)
-from jaxcolossal.train.state import powersgd_views_of
+from jaxcolossal.train.loop import memory_report
+from jaxcolossal.train.state import make_plan, powersgd_views_of
 from tiny import random_batches, run_steps, setup, tiny_config
 
 
@@ -90,6 +91,9 @@ def test_the_residual_is_checkpointed_and_resume_is_bit_exact(tmp_path, comp):
     fresh = jax.tree.map(lambda x: x.copy(), state)
     for x in xs[:2]:
         state, _ = step(state, _batch(plan, x))
+    # the memory table at start: the compression state read from the arrays = its formula
+    _, mem = memory_report(plan, state)
+    assert mem["compression"]["measured"] == mem["compression"]["formula"] > 0
     cm = CheckpointManager(str(tmp_path))
     cm.save(2, state)
     cm.wait()
@@ -115,8 +119,13 @@ def test_compression_settings_are_checked_before_compiling():
         validate(_cfg(gradient_compression="topk", compression_ratio=0.0))
     with pytest.raises(ConfigError, match="zero_stage 0 or 1"):
         validate(_cfg(gradient_compression="topk", zero_stage=2))
-    with pytest.raises(ConfigError, match="without tensor or pipeline parallelism"):
+    with pytest.raises(ConfigError, match="no tensor or pipeline parallelism"):
         validate(tiny_config({"data_parallel_size": 4, "tensor_parallel_size": 2, "gradient_compression": "topk"}))
+    with pytest.raises(ConfigError, match=r"zero_stage 0 or 1 \(got 2.*; and no tensor or pipeline"):  # both at once
+        validate(tiny_config({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2,
+                              "gradient_compression": "powersgd"}))
+    with pytest.raises(ConfigError, match=r"powersgd_rank=1000 compresses no parameter.*use a rank below \d+"):
+        make_plan(_cfg(gradient_compression="powersgd", powersgd_rank=1000), make_mesh(_cfg().parallel))
     with pytest.raises(ConfigError, match="powersgd is supported with zero_stage 0 or 1"):
         validate(_cfg(gradient_compression="powersgd", zero_stage=3))
     with pytest.raises(ConfigError, match=r"powersgd_rank=0: must be"):
