@@ -319,21 +319,16 @@ def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | N
 
     ``Ψ`` is per model-parallel shard (``/(tp·pp)``); ``k`` defaults to the accumulation steps.
     """
-    from jaxcolossal.train.compression import WIRE_BYTES, powersgd_views, topk_count
+    from jaxcolossal.train.compression import WIRE_BYTES, powersgd_views, powersgd_wire, wire_bytes
     p = cfg.parallel
     k = cfg.training.gradient_accumulation_steps if k is None else k
     ring = _ring(dp)
-    if p.gradient_compression == "powersgd":
+    if p.gradient_compression != "none":  # the result bytes compression.py predicts, times the ring factor
         _, shapes, axes = param_layout(cfg.model, 1)
-        views = powersgd_views(shapes, axes, p.powersgd_rank)
-        total = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
-        whole = total - sum(math.prod(v[0]) for v in views.values())
-        factors = sum(math.prod(sh[:lead]) * (n + m) * p.powersgd_rank for sh, lead, n, m in views.values())
-        return 2 * ring * 4 * (whole + factors)
-    if p.gradient_compression == "topk":
-        _, shapes, _ = param_layout(cfg.model, 1)
-        sizes = [math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))]
-        return ring * 8 * dp * sum(topk_count(m, p.compression_ratio) for m in sizes)
+        if p.gradient_compression == "powersgd":
+            return 2 * ring * powersgd_wire(powersgd_views(shapes, axes, p.powersgd_rank), shapes,
+                                            p.powersgd_rank)["powersgd"]
+        return ring * wire_bytes(shapes, p.compression_ratio, dp)["topk"]
     psi = param_count(cfg.model)["total"] / (tp * pp)
     b = WIRE_BYTES[p.communication_dtype]
     if p.zero_stage == 0:
