@@ -41,6 +41,7 @@ from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models import vocab
+from jaxcolossal.models.linear import project
 from jaxcolossal.models.llama import attention, init_vocab_padded, padded_vocab_size
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, embed_lookup
@@ -173,14 +174,14 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no
     eps = cfg.layer_norm_eps
     h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], eps)
     qkv_axes = ("batch", "seq", "heads", "head_dim")
-    q = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]) + lp["bq"], qkv_axes), "query_proj")
-    k = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wk"]) + lp["bk"], qkv_axes), "key_proj")
-    v = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wv"]) + lp["bv"], qkv_axes), "value_proj")
+    q = tag(shard(project("btd,dhq->bthq", h, lp["wq"], lp["bq"]), qkv_axes), "query_proj")
+    k = tag(shard(project("btd,dhq->bthq", h, lp["wk"], lp["bk"]), qkv_axes), "key_proj")
+    v = tag(shard(project("btd,dhq->bthq", h, lp["wv"], lp["bv"]), qkv_axes), "value_proj")
     a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), qkv_axes)
-    x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]) + lp["bo"], "out_proj"), ("batch", "seq", "embed"))
+    x = shard(x + tag(project("bthq,hqd->btd", a, lp["wo"], lp["bo"]), "out_proj"), ("batch", "seq", "embed"))
     h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], eps)
-    u = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_fc"]) + lp["b_fc"], ("batch", "seq", "mlp")), "mlp_up")
-    y = tag(jnp.einsum("btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"]) + lp["b_proj"], "mlp_down")
+    u = tag(shard(project("btd,df->btf", h, lp["w_fc"], lp["b_fc"]), ("batch", "seq", "mlp")), "mlp_up")
+    y = tag(project("btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"], lp["b_proj"]), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
 
 
@@ -197,7 +198,8 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
     if t > params["wpe"].shape[0]:
         raise ValueError(f"sequence length {t} exceeds max_position_embeddings={params['wpe'].shape[0]}")
     wpe = params["wpe"][:t][None] if positions is None else jnp.take(params["wpe"], positions, axis=0)
-    x = shard(x + wpe.astype(x.dtype), ("batch", "seq", "embed"))
+    # summed in fp32 (as bf16 + bf16 rounds), so that wpe's gradient is reduced over the batch in fp32
+    x = shard((x.astype(jnp.float32) + wpe.astype(jnp.float32)).astype(x.dtype), ("batch", "seq", "embed"))
     x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, shard, segment_ids, positions), x, params["layers"],
                     cfg.remat)
     return layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)

@@ -42,6 +42,7 @@ from jaxcolossal import sequence
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import vocab
 from jaxcolossal.models.flash_attention import flash_attention
+from jaxcolossal.models.linear import project
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
 
@@ -234,16 +235,16 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
     positions, for sequence-parallel attention's mask)."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps)
-    q = tag(shard(jnp.einsum("btd,dhq->bthq", h, lp["wq"]), ("batch", "seq", "heads", "head_dim")), "query_proj")
-    k = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
-    v = tag(shard(jnp.einsum("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
+    q = tag(shard(project("btd,dhq->bthq", h, lp["wq"]), ("batch", "seq", "heads", "head_dim")), "query_proj")
+    k = tag(shard(project("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
+    v = tag(shard(project("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), ("batch", "seq", "heads", "head_dim"))
-    x = shard(x + tag(jnp.einsum("bthq,hqd->btd", a, lp["wo"]), "out_proj"), ("batch", "seq", "embed"))
+    x = shard(x + tag(project("bthq,hqd->btd", a, lp["wo"]), "out_proj"), ("batch", "seq", "embed"))
     h = rms_norm(x, lp["mlp_norm"], eps)
-    g = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp")), "mlp_gate")
-    u = tag(shard(jnp.einsum("btd,df->btf", h, lp["w_up"]), ("batch", "seq", "mlp")), "mlp_up")
-    y = tag(jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"]), "mlp_down")
+    g = tag(shard(project("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp")), "mlp_gate")
+    u = tag(shard(project("btd,df->btf", h, lp["w_up"]), ("batch", "seq", "mlp")), "mlp_up")
+    y = tag(project("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"]), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
 
 

@@ -28,6 +28,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxcolossal.models.linear import project, take_rows
+
 Sharder = Callable[[jax.Array, tuple], jax.Array]
 
 PAD_LOGIT = -1e30
@@ -65,10 +67,10 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, shard: Sharder = _no_shard
     sum over ``n`` is the all-reduce over tp.
     """
     if not vocab_parallel:
-        return jnp.take(table, tokens, axis=0)
+        return take_rows(table, tokens)
     if impl == "one_hot":
         onehot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
-        return jnp.einsum("btv,vd->btd", shard(onehot, ("batch", "seq", "vocab")), table)
+        return project("btv,vd->btd", shard(onehot, ("batch", "seq", "vocab")), table)
     n = vocab_shards(shard)
     v, d = table.shape
     rows_per = v // n
@@ -76,7 +78,7 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, shard: Sharder = _no_shard
     local = tokens[None] - (jnp.arange(n, dtype=tokens.dtype) * rows_per)[:, None, None]
     local = shard(local, ("vocab", "batch", "seq"))
     hit = (local >= 0) & (local < rows_per)
-    rows = jax.vmap(lambda p, i: jnp.take(p, jnp.clip(i, 0, rows_per - 1), axis=0))(parts, local)
+    rows = jax.vmap(lambda p, i: take_rows(p, jnp.clip(i, 0, rows_per - 1)))(parts, local)
     rows = shard(jnp.where(hit[..., None], rows, jnp.zeros((), rows.dtype)), ("vocab", "batch", "seq", "embed"))
     return jnp.sum(rows, axis=0)
 

@@ -11,9 +11,14 @@
    * ZeRO 0/1: the fp32 per-shard gradients are summed locally across microbatches and reduced
      across the data group **once per step** (one all-reduce per leaf, outside the loop).
    * ZeRO 2/3: each microbatch's gradient is reduced straight into the persistent fp32
-     accumulation buffer, which is sharded over ``fsdp`` (1/N per device): a reduce-scatter per
-     microbatch, as in DeepSpeed ZeRO-2. XLA's GPU backend emits ``reduce-scatter``; its CPU
-     backend emits the equivalent ``all-reduce`` + ``dynamic-slice``.
+     accumulation buffer, which is sharded over ``fsdp`` (1/N per device), as in DeepSpeed ZeRO-2.
+     With fp32 communication the microbatch is differentiated whole (no per-shard vmap), so XLA
+     reduces each layer's weight gradient inside the backward layer scan as it is produced, and
+     the step never holds a whole unreduced gradient; the weight-gradient matmuls output fp32
+     (:mod:`jaxcolossal.models.linear`), so that reduction is fp32 in bf16 runs too. XLA's GPU
+     backend emits ``reduce-scatter``; its CPU backend the equivalent ``all-reduce`` +
+     ``dynamic-slice``. (``communication_dtype`` bf16/fp8 keep the per-shard form: those
+     reductions are written by hand, :func:`jaxcolossal.train.compression.lowp_reduce`.)
 
 2. **Mixed precision**: the forward/backward uses the compute-dtype params; gradients are cast
    to fp32 per shard *before* any reduction (fp32 reduction), and the update is applied to the
@@ -112,6 +117,16 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     views = powersgd_views_of(plan) if psgd else None
     compress = topk or psgd
     lowp = p.communication_dtype  # fp32, or the dtype the reduction moves (compression.lowp_reduce)
+    # ZeRO-2/3 with fp32 communication: the gradient of the whole microbatch, so that XLA reduces
+    # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
+    layerwise = zero >= 2 and lowp == "fp32" and not compress
+    outer = plan.sharder.zigzagged() if ring > 1 else plan.sharder
+
+    def global_loss(params, x, y, aux, coef):
+        s = family.loss_sum(params, x, y, cfg.model, outer, vocab_parallel, **aux)
+        return s * coef, s
+
+    global_grad = jax.value_and_grad(global_loss, has_aux=True)
 
     def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
                 step=None):
@@ -127,6 +142,12 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
                if a is not None}
 
         def micro(j):
+            if layerwise:  # [N, b, t] -> [N·b, t]: each device keeps its rows
+                rows = lambda a: a[:, j].reshape(-1, t)
+                (_, loss), g = global_grad(params, rows(xs), rows(ys), {name: rows(a) for name, a in aux.items()},
+                                           coef)
+                g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
+                return loss, constrain(g, mesh, grad_specs)
             (_, loss), g = per_shard(params, xs[:, j], ys[:, j], {name: a[:, j] for name, a in aux.items()}, coef)
             # offloaded layers' gradients come back from host memory; fp32 before any reduction
             g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
@@ -141,7 +162,7 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
             def body(carry, j):
                 loss_acc, acc = carry
                 loss, g = micro(j)
-                return (loss_acc + loss, jax.tree.map(jnp.add, acc, reduce(g))), None
+                return (loss_acc + loss, jax.tree.map(jnp.add, acc, g if layerwise else reduce(g))), None
             zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), mesh, grad_specs)
         else:  # unreduced per-shard buffer: one reduction per step
             def body(carry, j):

@@ -94,14 +94,66 @@ def test_zero23_sharded_persistent_buffer_and_reduction_per_microbatch(zero_stag
             "dynamic-slice" in "\n".join(v) for v in comps.values())
 
 
-def test_bf16_gradients_are_reduced_in_fp32():
-    text, _ = compiled_text(1, precision="bf16")
-    comps, entry, (body, _) = microbatch_loop(text)
-    grads = [c for c in hlo.top_level_collectives(comps, entry)
-             if c.kind in ("all-reduce", "reduce-scatter") and c.max_elements >= GRAD_ELEMENTS]
+def _defs(lines):
+    """name -> defining line, for one computation's lines."""
+    out = {}
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        if m:
+            out[m.group(1)] = line
+    return out
+
+
+def _rounded_from_bf16(comps, comp, name, depth=0):
+    """Whether value ``name`` of computation ``comp`` is a bf16 value widened to f32: a convert
+    from bf16, through bitcasts/copies/fusions whose root is one."""
+    defs = _defs(comps[comp])
+    line = defs.get(name)
+    if line is None or depth > 6:
+        return False
+    rhs = line.split(" = ", 1)[1]
+    if rhs.startswith("bf16["):
+        return True
+    m = re.search(r"\b(convert|bitcast|copy|reshape)\(%?([\w.\-]+)\)", rhs)
+    if m and rhs.split("(", 1)[0].split()[-1] in ("convert", "bitcast", "copy", "reshape"):
+        return _rounded_from_bf16(comps, comp, m.group(2), depth + 1)
+    call = re.search(r"\bfusion\(.*calls=%?([\w.\-]+)", rhs)
+    if call:
+        callee = call.group(1)
+        root = next(l for l in comps[callee] if l.strip().startswith("ROOT"))
+        rname = re.match(r"\s*ROOT %?([\w.\-]+) = ", root).group(1)
+        if re.search(r"\bparameter\(", root):
+            return False
+        inner = _rounded_from_bf16(comps, callee, rname, depth + 1)
+        if inner:
+            return True
+        m = re.search(r"= f32\[[\d,]*\]\S* convert\(%?([\w.\-]+)\)", root)
+        if m:  # the fusion's root converts one of its parameters: what came in?
+            arg = _defs(comps[callee]).get(m.group(1), "")
+            return " bf16[" in arg or "= bf16[" in arg
+    return False
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_bf16_gradients_are_reduced_in_fp32(zero_stage):
+    """Every gradient reduction moves fp32 values computed in fp32, not bf16 values widened to
+    f32: ZeRO-1 sums the per-shard fp32 gradients once per step; ZeRO-2/3 reduce each layer's
+    weight gradient inside the backward scan, right after its fp32 contraction
+    (:mod:`jaxcolossal.models.linear`). XLA's CPU backend has no bf16 collectives and widens them
+    to f32, so the test traces each operand back to its producer rather than reading the dtype."""
+    text, _ = compiled_text(zero_stage, precision="bf16")
+    comps, entry = hlo.computations(text)
+    grads = [c for name in comps for c in hlo.collectives_in(comps, name, set())
+             if c.kind in ("all-reduce", "reduce-scatter", "all-to-all") and c.max_elements >= GRAD_ELEMENTS]
     assert grads
-    for c in grads:
+    for c in {c.line: c for c in grads}.values():
         assert {d for d, _ in c.shapes} <= {"f32"}, c.line[:160]
+        args = re.search(r"(?:all-reduce|reduce-scatter|all-to-all)\((.*?)\)", c.line).group(1)
+        for arg in re.findall(r"%([\w.\-]+)", args):
+            assert not _rounded_from_bf16(comps, c.computation, arg), (zero_stage, arg, c.line[:200])
+    if zero_stage != 1:
+        return
+    comps, entry, (body, _) = microbatch_loop(text)
     # while the parameter all-gather after the ZeRO-1 update gathers bf16 values: each rank casts
     # its master shard first. (XLA's CPU backend has no bf16 collectives, so its float
     # normalization widens the gather itself to f32 around already-rounded bf16 values; on GPU

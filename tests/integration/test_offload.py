@@ -158,28 +158,36 @@ def test_offloaded_update_structure_and_cuda_export():
         assert "annotate_device_placement" in exported.mlir_module(), off
 
 
-def _device_puts(jaxpr, in_scan=False, out=None):
-    """(inside a scan?, operand shape, target) of every ``device_put`` in ``jaxpr`` and its sub-jaxprs."""
+def _device_puts(jaxpr, in_scan=False, out=None, scans=None):
+    """(inside a scan?, operand shape, target, scans seen before it) of every ``device_put`` in
+    ``jaxpr`` and its sub-jaxprs, in program order."""
     out = [] if out is None else out
+    scans = [0] if scans is None else scans
     for e in jaxpr.eqns:
         if e.primitive.name == "device_put":
-            out += [(in_scan, tuple(v.aval.shape), str(e.params["devices"])) for v in e.invars]
+            out += [(in_scan, tuple(v.aval.shape), str(e.params["devices"]), scans[0]) for v in e.invars]
         for p in e.params.values():
             for sub in p if isinstance(p, (list, tuple)) else [p]:
                 if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
-                    _device_puts(getattr(sub, "jaxpr", sub), in_scan or e.primitive.name == "scan", out)
+                    _device_puts(getattr(sub, "jaxpr", sub), in_scan or e.primitive.name == "scan", out, scans)
+        if e.primitive.name == "scan":
+            scans[0] += 1
     return out
 
 
 def test_offloaded_params_stream_in_one_layer_at_a_time():
     """``offload_param_frac=1`` under ZeRO-3: the stacked layer weights are not moved into device
-    memory whole; the layer scan's body moves one layer's slice in (and its gradient back out)."""
+    memory whole; the layer scan's body moves one layer's slice in (and its gradient back out).
+    After the backward scan the step moves the gradients (sharded, 1/N) in to accumulate them."""
     plan, step, state, batch = _abstract_step(dict(offload_param_frac=1.0))
     puts = _device_puts(jax.make_jaxpr(step)(state, batch).jaxpr)
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
     stacked = {tuple(s) for s in jax.tree.leaves(plan.param_shapes["layers"], is_leaf=is_shape)}
     layer = {s[1:] for s in stacked}
-    assert not [p for p in puts if not p[0] and p[1] in stacked]  # no whole stack comes in
+    last_scan = max(p[3] for p in puts)
+    assert last_scan >= 2  # the forward and the backward layer scans
+    # no whole stack comes in before the backward is done (the forward scan is the first)
+    assert not [p for p in puts if not p[0] and p[1] in stacked and p[3] < last_scan]
     fetched = {p[1] for p in puts if p[0] and "Device" in p[2]}
     assert layer <= fetched, (layer, fetched)  # each layer's slice does, inside the scan
 
