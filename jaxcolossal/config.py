@@ -809,9 +809,9 @@ def _check_sequence(cfg: Config, p: ParallelConfig) -> None:
         return
     if sp < 2:
         raise ConfigError(f"parallel.sequence_parallelism_mode={mode} needs sequence_parallel_size > 1 (got {sp})")
-    if p.pipeline_parallel_size not in (1,):
+    if p.pipeline_parallel_size != 1 and mode != "ring_attn":
         raise ConfigError(f"parallel.sequence_parallelism_mode={mode} is not supported with pipeline parallelism "
-                          "yet: set pipeline_parallel_size=1")
+                          "yet (ring_attn is): set pipeline_parallel_size=1 or sequence_parallelism_mode=ring_attn")
     if p.gradient_compression != "none":
         raise ConfigError("parallel.gradient_compression is not supported with sequence parallelism yet: set "
                           "sequence_parallel_size=1 or gradient_compression=none")

@@ -83,6 +83,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcolossal.config import Config, ConfigError, pipeline_microbatches
+from jaxcolossal.sequence import SP_AXIS, zigzag_batch, zigzag_order
 from jaxcolossal.sharding import Sharder
 
 PP_AXIS = "pp"
@@ -232,13 +233,14 @@ def check_schedule(s: PipelineSchedule) -> None:
 # ----------------------------------------------------------------------------- model pieces
 
 
-def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool):
+def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool, positions: jax.Array | None = None):
     """``embed(others, tokens)``, ``chunk(layer_params, x)`` and ``head_loss(others, x, targets)``
     for the configured model family: the model's forward cut at the stage boundaries.
 
     ``tokens``/``targets``: int32 ``[mb, t]``; ``x``: ``[mb, t, d]`` in the compute dtype;
     ``layer_params``: the family's layer leaves with a leading ``[Lc]``; ``head_loss`` returns
-    the summed fp32 cross-entropy of the microbatch.
+    the summed fp32 cross-entropy of the microbatch. ``positions``: int32 ``[mb, t]``, the tokens'
+    positions when they are not ``arange(t)`` (ring attention: this device's zig-zag block).
     """
     from jaxcolossal.models import get_family, llama
     from jaxcolossal.models.remat import scan_layers
@@ -256,18 +258,20 @@ def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool):
             return shard(lookup(o["embed_tokens"], tokens), ("batch", "seq", "embed"))
 
         def chunk(lp, x):
-            cos, sin = llama.rope_tables(x.shape[1], m.head_dim, m.rope_theta)
-            return scan_layers(lambda h, p: llama.decoder_layer(h, p, m, cos, sin, shard), x, lp, m.remat)
+            cos, sin = llama.rope_tables(x.shape[1], m.head_dim, m.rope_theta, positions)
+            return scan_layers(lambda h, p: llama.decoder_layer(h, p, m, cos, sin, shard, positions=positions), x, lp,
+                               m.remat)
 
         def head_loss(o, x, y):
             return llama.head_loss(o, llama.rms_norm(x, o["final_norm"], m.rms_norm_eps), y, m, shard)
     elif name == "gpt2":
         def embed(o, tokens):
             x = lookup(o["wte"], tokens)
-            return shard(x + o["wpe"][: tokens.shape[1]][None].astype(x.dtype), ("batch", "seq", "embed"))
+            wpe = o["wpe"][: tokens.shape[1]][None] if positions is None else jnp.take(o["wpe"], positions, axis=0)
+            return shard(x + wpe.astype(x.dtype), ("batch", "seq", "embed"))
 
         def chunk(lp, x):
-            return scan_layers(lambda h, p: family.decoder_layer(h, p, m, shard), x, lp, m.remat)
+            return scan_layers(lambda h, p: family.decoder_layer(h, p, m, shard, positions=positions), x, lp, m.remat)
 
         def head_loss(o, x, y):
             h = family.layer_norm(x, o["final_norm"], o["final_norm_bias"], m.layer_norm_eps)
@@ -391,6 +395,16 @@ def make_pipeline_grad_fn(plan) -> Callable:
     lockstep = sched.bwd is not None
     ring_f = [(i, (i + 1) % p) for i in range(p)]
     ring_b = [(i, (i - 1) % p) for i in range(p)]
+    # ring attention: the shard_map is manual over sp as well; each device runs its zig-zag
+    # sequence block through every op and the ring's ppermutes run inside it (no nested shard_map).
+    # The chunks then run in idle slots too, their results dropped: a collective-permute is a
+    # rendezvous of every device it names, and one run under a stage-dependent lax.cond (by one
+    # stage's devices only) is matched with the other stage's pp send; on the CPU backend the
+    # result is silently wrong (measured). The idle slots are the bubble, time the devices wait anyway.
+    sp = plan.mesh_shape.get(SP_AXIS, 1)
+    seq_ring = cfg.parallel.sequence_parallelism_mode == "ring_attn" and sp > 1
+    manual_axes = MANUAL_AXES + ((SP_AXIS,) if seq_ring else ())
+    vary = lambda x: _vary(x, manual_axes)  # noqa: E731
 
     is_spec = lambda x: isinstance(x, P)
     lay_param_specs = jax.tree.map(lambda s: P(PP_AXIS, None, None, *tuple(s)[1:]),
@@ -411,7 +425,7 @@ def make_pipeline_grad_fn(plan) -> Callable:
 
     def reduce(g, spec, over_pp):  # once per step: all-reduce (ZeRO 0/1) or reduce-scatter (2/3)
         d = _zero_dim(spec)
-        axes = ((PP_AXIS,) if over_pp else ()) + (DATA_AXES if d is None else ("dp",))
+        axes = ((PP_AXIS,) if over_pp else ()) + (DATA_AXES if d is None else ("dp",)) + manual_axes[len(MANUAL_AXES):]
         g = _psum(g, axes)
         return g if d is None else jax.lax.psum_scatter(g, ZERO_AXIS, scatter_dimension=d, tiled=True)
 
@@ -422,11 +436,19 @@ def make_pipeline_grad_fn(plan) -> Callable:
     def body(layers, others, xs, ys, coef):
         # layers: leaves [1, v, Lc, ...] (this device's chunks); others: embedding / head leaves.
         # xs, ys: int32 [B/N, t] (this data shard); coef: scale / (B·t).
-        shard = Sharder(jax.sharding.get_abstract_mesh(), {**plan.rules, "batch": None, "layers": None},
+        local = {"batch": None, "layers": None, **({"seq": None} if seq_ring else {})}  # manual: this device's part
+        shard = Sharder(jax.sharding.get_abstract_mesh(), {**plan.rules, **local},
                         plan.cfg.parallel.sequence_parallelism_mode)
-        embed, chunk, head_loss = _stage_fns(cfg, shard, shard.is_sharded("vocab"))
-        layers = jax.tree.map(lambda a, s: _vary(gather(a, s)[0]), layers, lay_param_specs, is_leaf=None)
-        others = jax.tree.map(lambda a, s: _vary(gather(a, s)), others, oth_param_specs)
+        positions = None
+        if seq_ring:  # this device's zig-zag block of the sequence, at the tokens' original positions
+            shard = shard.zigzagged()
+            tl = xs.shape[1]
+            order = jnp.asarray(zigzag_order(tl * sp, sp), jnp.int32)
+            positions = jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(SP_AXIS) * tl, tl)
+            positions = jnp.broadcast_to(positions, (xs.shape[0] // m, tl))
+        embed, chunk, head_loss = _stage_fns(cfg, shard, shard.is_sharded("vocab"), positions)
+        layers = jax.tree.map(lambda a, s: vary(gather(a, s)[0]), layers, lay_param_specs, is_leaf=None)
+        others = jax.tree.map(lambda a, s: vary(gather(a, s)), others, oth_param_specs)
         b, t = xs.shape
         xs = xs.reshape(m, b // m, t)
         ys = ys.reshape(m, b // m, t)
@@ -434,9 +456,9 @@ def make_pipeline_grad_fn(plan) -> Callable:
         f_rows = jax.lax.dynamic_index_in_dim(fwd_tab, stage, 1, keepdims=False)  # [T, 6]
         d = cfg.model.hidden_size
         act = jnp.zeros((b // m, t, d), plan.compute_dtype)
-        act = _vary(act)
+        act = vary(act)
 
-        zero_loss = lambda: _vary(jnp.zeros((), jnp.float32))
+        zero_loss = lambda: vary(jnp.zeros((), jnp.float32))
         add_f32 = lambda acc, g: jax.tree.map(lambda A, b: A + b.astype(jnp.float32), acc, g)
 
         def forward_slot(row, recv, layers, others):
@@ -444,6 +466,8 @@ def make_pipeline_grad_fn(plan) -> Callable:
             valid = row[VALID] == 1
             x = jax.lax.cond(valid & (row[FIRST] == 1), lambda: embed(others, xs[row[MB]]), lambda: recv)
             lp = jax.tree.map(lambda a: _dyn(a, row[CHUNK], v), layers)
+            if seq_ring:  # every device runs the ring's ppermutes at every tick (see below)
+                return x, jnp.where(valid, chunk(lp, x), x)
             return x, jax.lax.cond(valid, lambda: chunk(lp, x), lambda: x)
 
         if not lockstep:
@@ -467,10 +491,10 @@ def make_pipeline_grad_fn(plan) -> Callable:
                 return loss
 
             loss, vjp = jax.vjp(loss_of, *cast((layers, others), jnp.float32))
-            g_layers, g_others = vjp(_vary(coef))
+            g_layers, g_others = vjp(vary(coef))
         else:
             b_rows = jax.lax.dynamic_index_in_dim(bwd_tab, stage, 1, keepdims=False)
-            f32z = lambda a: _vary(jnp.zeros(a.shape, jnp.float32))
+            f32z = lambda a: vary(jnp.zeros(a.shape, jnp.float32))
 
             def backward_slot(br, xb, recv_b, g_lay, g_oth, loss):
                 """Recompute the chunk from its stashed input, pull back the cotangent (from the
@@ -480,7 +504,7 @@ def make_pipeline_grad_fn(plan) -> Callable:
 
                 def with_head(g_oth, loss):
                     l, head_vjp = jax.vjp(lambda o, h: head_loss(o, h, ys[br[MB]]), others, yb)
-                    g_head, dy = head_vjp(_vary(coef))
+                    g_head, dy = head_vjp(vary(coef))
                     return dy.astype(yb.dtype), add_f32(g_oth, g_head), loss + l
 
                 dy, g_oth, loss = jax.lax.cond(br[LAST] == 1, with_head,
@@ -504,30 +528,35 @@ def make_pipeline_grad_fn(plan) -> Callable:
                 # backward slot: microbatch br[MB] back through chunk br[CHUNK]
                 xb = jax.lax.dynamic_index_in_dim(stash, br[SLOT], 0, keepdims=False)
                 xb = _after(xb, y)  # the backward slot starts after the forward slot
-                dx, g_lay, g_oth, loss = jax.lax.cond(
-                    br[VALID] == 1, backward_slot, lambda br, xb, recv_b, *acc: (recv_b, *acc),
-                    br, xb, recv_b, g_lay, g_oth, loss)
+                if seq_ring:  # computed in idle slots too, and dropped (see seq_ring above)
+                    out = backward_slot(br, xb, recv_b, g_lay, g_oth, loss)
+                    dx, g_lay, g_oth, loss = jax.tree.map(lambda a, b: jnp.where(br[VALID] == 1, a, b), out,
+                                                          (recv_b, g_lay, g_oth, loss))
+                else:
+                    dx, g_lay, g_oth, loss = jax.lax.cond(
+                        br[VALID] == 1, backward_slot, lambda br, xb, recv_b, *acc: (recv_b, *acc),
+                        br, xb, recv_b, g_lay, g_oth, loss)
                 recv_f = jax.lax.ppermute(_after(y, dx), PP_AXIS, ring_f)
                 recv_b = jax.lax.ppermute(_after(dx, recv_f), PP_AXIS, ring_b)  # one send at a time
                 return (recv_f, recv_b, stash, g_lay, g_oth, loss), None
 
-            init = (act, act, _vary(jnp.zeros((S,) + act.shape, act.dtype)),
+            init = (act, act, vary(jnp.zeros((S,) + act.shape, act.dtype)),
                     jax.tree.map(f32z, layers), jax.tree.map(f32z, others), zero_loss())
             (_, _, _, g_layers, g_others, loss), _ = jax.lax.scan(tick, init, (f_rows, b_rows))
 
         # once per step, one group of collectives after the other (see _after)
-        loss = _psum(loss, MANUAL_AXES)
+        loss = _psum(loss, manual_axes)
         g_layers = jax.tree.map(lambda g, s: reduce(_after(g, loss), s, False)[None], g_layers,
                                 jax.tree.map(lambda s: P(*tuple(s)[1:]), lay_grad_specs, is_leaf=is_spec))
         done = jax.tree.leaves(g_layers)
         g_others = jax.tree.map(lambda g, s: reduce(_after(g, *done), s, True), g_others, oth_grad_specs)
         return loss, g_layers, g_others
 
-    manual = lambda tree: jax.tree.map(_manual, tree, is_leaf=is_spec)
+    manual = lambda tree: jax.tree.map(lambda s: _manual(s, manual_axes), tree, is_leaf=is_spec)
     data = tuple(a for a in DATA_AXES if plan.mesh_shape[a] > 1)
-    tok_spec = P(data if len(data) > 1 else data[0] if data else None)
+    tok_spec = P(data if len(data) > 1 else data[0] if data else None, SP_AXIS if seq_ring else None)
     smap = jax.shard_map(
-        body, mesh=mesh, axis_names=set(MANUAL_AXES),
+        body, mesh=mesh, axis_names=set(manual_axes),
         in_specs=(manual(lay_param_specs), manual(oth_param_specs), tok_spec, tok_spec, P()),
         out_specs=(P(), manual(lay_grad_specs), manual(oth_grad_specs)))
 
@@ -538,6 +567,8 @@ def make_pipeline_grad_fn(plan) -> Callable:
                 "pipeline_parallel_size > 1 yet; train such batches with parallel.pipeline_parallel_size=1")
         B, t = inputs.shape
         coef = (scale / (B * t)).astype(jnp.float32)
+        if seq_ring:  # zig-zag order, so that the causal ring keeps every device busy (sequence.py)
+            inputs, targets, *_ = zigzag_batch(inputs, targets, sp=sp)
         layers = jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(
             _to_chunks(a, p, v), NamedSharding(mesh, s)), params["layers"], lay_param_specs)
         others = {k: a for k, a in params.items() if k != "layers"}

@@ -93,6 +93,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, imp
     mesh, mode ``none``/``split_gather``) or does not divide (sampling one token at a time)."""
     mode = getattr(shard, "sequence_mode", "none")
     mesh = getattr(shard, "mesh", None)
+    if mode == "ring_attn" and _manual_over_sp(mesh):
+        return ring_attention_manual(q, k, v, positions, segment_ids, bool(getattr(shard, "zigzag", False)))
     if mesh is None or mode not in ("all_to_all", "ring_attn") or not shard.is_sharded("seq"):
         if mesh is not None and impl == "flash":
             return per_device_attention(q, k, v, shard, local, impl, segment_ids)
@@ -173,6 +175,75 @@ def _block_update(carry, q, k, v, q_pos, k_pos, q_seg, k_seg):
     return m_new, l_new, o_new
 
 
+def _ring_body(q, k, v, pos, seg, sp: int, zigzag: bool):
+    """One device's part of :func:`ring_attention`, inside a computation that is manual over ``sp``:
+    q/k/v are this device's sequence block ``[b, t/sp, heads, d]``; ``pos`` (and ``seg``, or
+    ``None``) int ``[b, t]`` are the whole sequence's positions (segment ids) in device order."""
+    i = jax.lax.axis_index(SP_AXIS)
+    d = q.shape[-1]
+    ring = [(r, (r + 1) % sp) for r in range(sp)]
+    bl, tl, hl, _ = q.shape
+    kl = k.shape[2]
+    qg = q.reshape(bl, tl, kl, hl // kl, d)
+    block = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * tl, tl, axis=1)
+    q_pos = block(pos, i)
+    q_seg = block(seg, i) if (seg is not None) else None
+    shape = (bl, kl, hl // kl, tl)
+    carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros(shape + (d,), jnp.float32))
+    kv = jnp.stack([k, v])
+    half = tl // 2
+    for s in range(sp):
+        if s:
+            kv = jax.lax.ppermute(kv, SP_AXIS, ring)
+        j = (i - s) % sp
+        kb, vb = kv[0], kv[1]
+        k_pos, k_seg = block(pos, j), (block(seg, j) if (seg is not None) else None)
+        if not zigzag or s == 0:
+            carry = _block_update(carry, qg, kb, vb, q_pos, k_pos, q_seg, k_seg)
+            continue
+        # zig-zag, j != i: if j < i every query sees only the block's early half; if j > i only
+        # the late half of the queries sees anything (the whole block)
+        lo = lambda a: None if a is None else a[:, :half]
+        hi = lambda a: None if a is None else a[:, half:]
+
+        def early_keys(c):
+            return _block_update(c, qg, lo(kb), lo(vb), q_pos, lo(k_pos), q_seg, lo(k_seg))
+
+        def late_queries(c):
+            m, l, o = c
+            part = tuple(x[:, :, :, half:] for x in c)
+            m2, l2, o2 = _block_update(part, qg[:, half:], kb, vb, hi(q_pos), k_pos, hi(q_seg), k_seg)
+            return (m.at[:, :, :, half:].set(m2), l.at[:, :, :, half:].set(l2),
+                    o.at[:, :, :, half:].set(o2))
+
+        carry = jax.lax.cond(j < i, early_keys, late_queries, carry)
+    m, l, o = carry
+    out = o / l[..., None]                                              # [b, kv, g, tq, d]
+    return jnp.moveaxis(out.reshape(bl, hl, tl, d), 2, 1).astype(v.dtype)
+
+
+def _manual_over_sp(mesh) -> bool:
+    """Whether the code runs inside a ``shard_map`` that is manual over an ``sp`` axis of size > 1
+    (the pipeline's, with ring attention): each device then holds its own sequence block."""
+    if mesh is None or SP_AXIS not in getattr(mesh, "axis_names", ()) or int(mesh.shape[SP_AXIS]) < 2:
+        return False
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    return types.get(SP_AXIS) == jax.sharding.AxisType.Manual
+
+
+def ring_attention_manual(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                          segment_ids: jax.Array | None = None, zigzag: bool = False) -> jax.Array:
+    """:func:`ring_attention` where the caller is already manual over ``sp`` (the pipeline's
+    ``shard_map``): q ``[b, t/sp, h, d]``, k/v ``[b, t/sp, kv, d]`` and ``positions`` (int
+    ``[b, t/sp]``, required: the block's original positions) are this device's sequence block.
+    The positions (and segment ids) of the whole sequence are all-gathered over ``sp`` once per
+    call (int32 ``[b, t]``), then the ring runs as in the ``shard_map`` form."""
+    sp = int(jax.sharding.get_abstract_mesh().shape[SP_AXIS])
+    gather = lambda a: None if a is None else jax.lax.all_gather(a.astype(jnp.int32), SP_AXIS, axis=1, tiled=True)
+    return _ring_body(q, k, v, gather(positions), gather(segment_ids), sp, zigzag)
+
+
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, segment_ids: jax.Array | None = None,
                    positions: jax.Array | None = None, zigzag: bool = False) -> jax.Array:
     """Ring attention over the mesh axis ``sp`` (module doc). q ``[b, t, h, d]``, k/v
@@ -190,50 +261,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, segment_ids:
     b, t, h, d = q.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    ring = [(r, (r + 1) % sp) for r in range(sp)]
-    has_seg = segment_ids is not None
-
-    def body(q, k, v, pos, *seg):
-        i = jax.lax.axis_index(SP_AXIS)
-        bl, tl, hl, _ = q.shape
-        kl = k.shape[2]
-        qg = q.reshape(bl, tl, kl, hl // kl, d)
-        block = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * tl, tl, axis=1)
-        q_pos = block(pos, i)
-        q_seg = block(seg[0], i) if has_seg else None
-        shape = (bl, kl, hl // kl, tl)
-        carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-                 jnp.zeros(shape + (d,), jnp.float32))
-        kv = jnp.stack([k, v])
-        half = tl // 2
-        for s in range(sp):
-            if s:
-                kv = jax.lax.ppermute(kv, SP_AXIS, ring)
-            j = (i - s) % sp
-            kb, vb = kv[0], kv[1]
-            k_pos, k_seg = block(pos, j), (block(seg[0], j) if has_seg else None)
-            if not zigzag or s == 0:
-                carry = _block_update(carry, qg, kb, vb, q_pos, k_pos, q_seg, k_seg)
-                continue
-            # zig-zag, j != i: if j < i every query sees only the block's early half; if j > i only
-            # the late half of the queries sees anything (the whole block)
-            lo = lambda a: None if a is None else a[:, :half]
-            hi = lambda a: None if a is None else a[:, half:]
-
-            def early_keys(c):
-                return _block_update(c, qg, lo(kb), lo(vb), q_pos, lo(k_pos), q_seg, lo(k_seg))
-
-            def late_queries(c):
-                m, l, o = c
-                part = tuple(x[:, :, :, half:] for x in c)
-                m2, l2, o2 = _block_update(part, qg[:, half:], kb, vb, hi(q_pos), k_pos, hi(q_seg), k_seg)
-                return (m.at[:, :, :, half:].set(m2), l.at[:, :, :, half:].set(l2),
-                        o.at[:, :, :, half:].set(o2))
-
-            carry = jax.lax.cond(j < i, early_keys, late_queries, carry)
-        m, l, o = carry
-        out = o / l[..., None]                                              # [b, kv, g, tq, d]
-        return jnp.moveaxis(out.reshape(bl, hl, tl, d), 2, 1).astype(v.dtype)
-
-    segs = (segment_ids,) if has_seg else ()
+    body = lambda q, k, v, pos, *seg: _ring_body(q, k, v, pos, seg[0] if seg else None, sp, zigzag)
+    segs = (segment_ids,) if segment_ids is not None else ()
     return _per_shard(body, shard, SP_AXIS, q, k, v, positions.astype(jnp.int32), *segs)

@@ -41,6 +41,12 @@ CASES = {
     "megatron_sp_tp8": dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=8, data_parallel_size=1),
     "megatron_sp_tp4_dp2_zero3": dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=4,
                                       data_parallel_size=2, zero_stage=3),
+    # ring attention inside the pipeline's shard_map (manual over pp, the data axes and sp)
+    "ring_sp2_pp2_dp2_zero1": dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=2,
+                                   pipeline_parallel_size=2, data_parallel_size=2, zero_stage=1, num_microbatches=2),
+    "ring_sp2_pp2_tp2_1f1b": dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=2,
+                                  pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1,
+                                  pipeline_schedule="1f1b"),
     # model.attention_impl=flash: the kernel runs per device on its rows and heads (no gathered inputs)
     "flash_dp4_tp2_zero1": dict(tensor_parallel_size=2, data_parallel_size=4, zero_stage=1),
 }
@@ -129,7 +135,7 @@ def test_collectives_per_layer_forward():
      "set sequence_parallel_size=1"),
     (dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=8, tensor_parallel_size=2),
      "8 × 2 = 16, which does not divide model.num_key_value_heads=8"),
-    (dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=2, pipeline_parallel_size=2),
+    (dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=2, pipeline_parallel_size=2),
      "not supported with pipeline"),
     (dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=1), "needs sequence_parallel_size > 1"),
     (dict(sequence_parallelism_mode="ring_attn", sequence_parallel_size=2, data_parallel_size=3), "= 6, but"),
@@ -152,7 +158,7 @@ def test_seq_len_must_split_into_blocks():
 
 
 @pytest.mark.parametrize("name, impl", [("ring_sp4_dp2_zero1", "xla"), ("ulysses_sp2_tp2_dp2_zero3", "flash"),
-                                        ("megatron_sp_tp4_dp2_zero3", "xla")])
+                                        ("megatron_sp_tp4_dp2_zero3", "xla"), ("ring_sp2_pp2_tp2_1f1b", "xla")])
 def test_train_step_exports_for_cuda(name, impl):
     """Each mode's bf16 train step lowers for CUDA on the CPU (``jax.export``), flash attention once
     (its Triton kernels inside Ulysses' shard_map), so a GPU lowering error shows up here.
@@ -166,5 +172,5 @@ def test_train_step_exports_for_cuda(name, impl):
     exported = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(abstract, batch)
     text = exported.mlir_module()
     assert ("all_to_all" in text) == ("ulysses" in name)
-    assert ("collective_permute" in text) == ("ring" in name)
+    assert ("collective_permute" in text) == ("ring" in name or "pp" in name)
     assert ("__gpu$xla.gpu.triton" in text) == (impl == "flash")
