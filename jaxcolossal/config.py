@@ -148,7 +148,10 @@ class ParallelConfig:
     ``overlap`` (default true; Colossal-AI's ``overlap_communication``) and ``bucket_size_mb``
     (``reduce_bucket_size_in_m``; 0: XLA's default) set XLA's GPU flags for the latency-hiding
     scheduler, collective pipelining and combine thresholds before the backend starts
-    (:mod:`jaxcolossal.xla_flags`; only on GPUs, only the flags the jaxlib accepts).
+    (:mod:`jaxcolossal.xla_flags`; only on GPUs, only the flags the jaxlib accepts). Under ZeRO-3
+    with ``model.remat=full`` (and fp32 communication, no param offload) ``overlap`` also makes the
+    layer scan gather layer i+1's weights before layer i runs, forward and backward
+    (:func:`jaxcolossal.models.remat.prefetched_scan`): one more layer's weights held per device.
 
     Sequence (context) parallelism, Colossal-AI's ``HybridParallelPlugin`` modes
     (:mod:`jaxcolossal.sequence`): ``sequence_parallel_size`` is the mesh axis ``sp`` (the

@@ -239,6 +239,10 @@ class Sharder:
         """``parallel.sequence_parallelism_mode``: how attention runs (:func:`jaxcolossal.sequence.attend`)."""
         self.zigzag = False
         """The sequence is in :func:`jaxcolossal.sequence.zigzag_order` (ring attention's balanced split)."""
+        self.layer_specs: tuple | None = None
+        """ZeRO-3 with ``parallel.overlap``: ``(gathered, sharded)``, one layer's param
+        ``PartitionSpec`` trees without and with ``fsdp``, for the layer scan's prefetch
+        (:func:`jaxcolossal.models.remat.prefetched_scan`); ``None``: XLA places the gathers."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         if self.mesh is None:
@@ -259,6 +263,21 @@ class Sharder:
         """This sharder with ``batch`` mapped to nothing (inside the per-data-shard vmap)."""
         out = Sharder(self.mesh, {**self.rules, "batch": None}, self.sequence_mode)
         out.zigzag = self.zigzag
+        return out
+
+    def with_layer_prefetch(self, layer_param_specs: Any) -> "Sharder":
+        """This sharder, with :attr:`layer_specs` from the stacked layers' param specs
+        (``P`` leaves ``[L, ...]``, sharded over ``fsdp`` under ZeRO-3)."""
+        def drop(entry):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            kept = tuple(a for a in names if a != "fsdp")
+            return kept[0] if len(kept) == 1 else (kept or None)
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        sharded = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_param_specs, is_leaf=is_spec)
+        gathered = jax.tree.map(lambda s: P(*map(drop, s)), sharded, is_leaf=is_spec)
+        out = Sharder(self.mesh, self.rules, self.sequence_mode)
+        out.zigzag = self.zigzag
+        out.layer_specs = (gathered, sharded)
         return out
 
     def zigzagged(self) -> "Sharder":

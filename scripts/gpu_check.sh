@@ -22,6 +22,7 @@
 #      with full remat; seq 4096, bf16, one GPU;
 #   5. scripts/bench_optimizer.py (fused AdamW Pallas kernel vs optax, GB/s vs HBM peak);
 #   6. scripts/bench_offload.py (step time with each offload setting / none, host<->device GB/s);
+#   7. scripts/bench_overlap.py (ZeRO-3 weight prefetch on / off: step-time ratio and memory, LLaMA ~1B);
 #   4b (after the benchmarks): flash attention's Triton kernels vs cuDNN at seq 8k and 32k, TFLOPS.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -34,6 +35,7 @@ MODEL_1B=${MODEL_1B:-llama_1b}
 MODEL_3B=${MODEL_3B:-llama_3b}
 BENCH_ARGS=${BENCH_ARGS:---warmup 3 --steps 10}  # e.g. a CPU rehearsal (docs/performance.md):
 OPT_ARGS=${OPT_ARGS:-}                           # SEQ=64 MODEL_1B=tiny MODEL_3B=tiny OPT_ARGS="--scale 0.001"
+OVERLAP_MODEL=${OVERLAP_MODEL:-llama_1b}               # tiny for a CPU rehearsal
 OFFLOAD_ARGS=${OFFLOAD_ARGS:-}                   # e.g. "--hidden 128 --layers 2 --seq 64" (CPU rehearsal)
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
@@ -189,6 +191,11 @@ step bench_optimizer 120 "$PY" scripts/bench_optimizer.py $OPT_ARGS
 # shellcheck disable=SC2086
 step bench_offload 150 "$PY" scripts/bench_offload.py --devices 1 --layers 4 --hidden 2048 --seq 1024 --batch 4 \
      --steps 3 --rounds 2 $OFFLOAD_ARGS
+
+# ---------------------------------------------------------------- 7. ZeRO-3 weight prefetch (parallel.overlap) on / off
+# one GPU gathers nothing under ZeRO-3: this records the prefetch's own cost (the ratio, the memory)
+step bench_overlap 120 "$PY" scripts/bench_overlap.py --model "$OVERLAP_MODEL" --seq "$SEQ" --batch-per-dp 2 \
+     --precision bf16 --rounds 5 --warmup 2
 
 # ---------------------------------------------------------------- summary
 "$PY" - "$OUT" <<'EOF' | tee "$OUT/summary.md"

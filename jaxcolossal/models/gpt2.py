@@ -201,7 +201,7 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
     # summed in fp32 (as bf16 + bf16 rounds), so that wpe's gradient is reduced over the batch in fp32
     x = shard((x.astype(jnp.float32) + wpe.astype(jnp.float32)).astype(x.dtype), ("batch", "seq", "embed"))
     x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, shard, segment_ids, positions), x, params["layers"],
-                    cfg.remat)
+                    cfg.remat, shard)
     return layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
 
 

@@ -263,7 +263,7 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
               ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
     x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions), x,
-                    params["layers"], cfg.remat)
+                    params["layers"], cfg.remat, shard)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 

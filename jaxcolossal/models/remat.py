@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 QKV = ("query_proj", "key_proj", "value_proj")
@@ -63,16 +64,107 @@ def fetch_layer(p: Any) -> Any:
     return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device) if _on_host(a) else a, p)
 
 
-def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str) -> jax.Array:
+def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard: Any = None) -> jax.Array:
     """``x = layer(x, params_i)`` for each layer's params in ``stacked`` (leading dim ``[L]``), as one
     ``lax.scan`` whose body is checkpointed with the ``remat`` policy. Stacked leaves in host
     memory are streamed in one layer at a time (:func:`fetch_layer`).
 
+    With ``remat=full`` and a sharder that carries ZeRO-3 layer specs (``shard.layer_specs``,
+    :meth:`jaxcolossal.sharding.Sharder.with_layer_prefetch`: ``parallel.overlap``), the scan
+    prefetches instead (:func:`prefetched_scan`).
+
     Raises:
         KeyError: an unknown policy name (the config validates it first).
     """
+    specs = getattr(shard, "layer_specs", None)
+    if specs is not None and remat == "full" and not any(_on_host(a) for a in jax.tree.leaves(stacked)):
+        return prefetched_scan(layer, x, stacked, shard.mesh, *specs)
     body = lambda carry, p: (layer(carry, fetch_layer(p)), None)
     policy = POLICIES[remat]
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, stacked)[0]
+
+
+def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gathered: dict, sharded: dict
+                    ) -> jax.Array:
+    """:func:`scan_layers` for ZeRO-3 with ``remat=full``, with the weights' all-gathers issued one
+    layer ahead (FSDP's forward/backward prefetch; DeepSpeed's ``stage3_prefetch_bucket_size``).
+
+    Forward: the scan carries layer ``i``'s gathered weights; the body gathers layer ``i+1``'s
+    from the stacked shards *before* running layer ``i`` (the gather reads only the shards and the
+    loop index, so it can overlap the layer's matmuls), and saves only the layer input ``x_i``
+    (what ``remat=full`` keeps). Backward (a ``jax.custom_vjp``): a reverse scan that carries
+    layer ``i``'s gathered weights, gathers layer ``i−1``'s, recomputes layer ``i`` from ``x_i``
+    and pulls the cotangent back; each layer's weight gradient is constrained to the shards'
+    sharding, so XLA reduce-scatters it inside the loop, while the next layer's backward runs.
+
+    Args:
+        layer: ``layer(x, params_i) -> x`` (may close over other arrays: positions, RoPE tables).
+        x: ``[b, t, d]`` activations.
+        stacked: the layers' params, each leaf ``[L, ...]`` sharded over ``fsdp``.
+        mesh: the mesh of the specs.
+        gathered: per leaf, one layer's ``PartitionSpec`` without ``fsdp`` (tp stays).
+        sharded: per leaf, one layer's ``PartitionSpec`` as stored (with ``fsdp``).
+
+    Returns:
+        ``[b, t, d]``, equal to :func:`scan_layers`'s (fp32: to rounding of the summation order).
+    """
+    from jax.sharding import NamedSharding
+
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    put = lambda tree, specs: jax.tree.map(  # noqa: E731
+        lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, specs)
+    at = lambda i: put(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked),
+                       gathered)  # noqa: E731
+    w0 = at(0)
+    fn, consts = jax.closure_convert(layer, x, w0)
+    return _prefetch(fn, n, put, gathered, sharded, x, stacked, *consts)
+
+
+def _prefetch(fn, n, put, gathered, sharded, x, stacked, *consts):
+    def at(stacked, i):
+        return put(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked), gathered)
+
+    def forward(x, stacked, consts, keep):
+        def body(carry, i):
+            h, w = carry
+            w_next = at(stacked, jnp.minimum(i + 1, n - 1))  # issued before layer i's compute
+            return (fn(h, w, *consts), w_next), (h if keep else None)
+        (y, _), xs = jax.lax.scan(body, (x, at(stacked, 0)), jnp.arange(n))
+        return y, xs
+
+    @jax.custom_vjp
+    def run(x, stacked, consts):
+        return forward(x, stacked, consts, False)[0]
+
+    def fwd(x, stacked, consts):
+        y, xs = forward(x, stacked, consts, True)
+        return y, (xs, stacked, consts)
+
+    def bwd(res, dy):
+        xs, stacked, consts = res
+        fl = [j for j, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]  # differentiable
+
+        def f(h, w, fc):
+            c = list(consts)
+            for j, v in zip(fl, fc):
+                c[j] = v
+            return fn(h, w, *c)
+
+        def body(carry, i):
+            g, w, dc = carry
+            w_prev = at(stacked, jnp.maximum(i - 1, 0))  # issued before layer i's backward
+            _, vjp = jax.vjp(f, xs[i], w, [consts[j] for j in fl])
+            dh, dw, dci = vjp(g)
+            dc = [a + b for a, b in zip(dc, dci)]
+            return (dh, w_prev, dc), put(dw, sharded)  # the layer's gradient, reduce-scattered here
+        init = (dy, at(stacked, n - 1), [jnp.zeros_like(consts[j]) for j in fl])
+        (dx, _, dc), dws = jax.lax.scan(body, init, jnp.arange(n), reverse=True)
+        out = [None] * len(consts)
+        for j, v in zip(fl, dc):
+            out[j] = v
+        return dx, dws, tuple(out)
+
+    run.defvjp(fwd, bwd)
+    return run(x, stacked, tuple(consts))

@@ -121,6 +121,9 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
     layerwise = zero >= 2 and lowp == "fp32" and not compress
     outer = plan.sharder.zigzagged() if ring > 1 else plan.sharder
+    if layerwise and zero == 3 and p.overlap and cfg.model.remat == "full":
+        # parallel.overlap: the layer scan gathers layer i+1's weights before layer i's compute
+        outer = outer.with_layer_prefetch(plan.specs.params["layers"])
 
     def global_loss(params, x, y, aux, coef):
         s = family.loss_sum(params, x, y, cfg.model, outer, vocab_parallel, **aux)
