@@ -115,16 +115,11 @@ def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gat
     n = jax.tree.leaves(stacked)[0].shape[0]
     put = lambda tree, specs: jax.tree.map(  # noqa: E731
         lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, specs)
-    at = lambda i: put(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked),
-                       gathered)  # noqa: E731
-    w0 = at(0)
-    fn, consts = jax.closure_convert(layer, x, w0)
-    return _prefetch(fn, n, put, gathered, sharded, x, stacked, *consts)
 
-
-def _prefetch(fn, n, put, gathered, sharded, x, stacked, *consts):
-    def at(stacked, i):
+    def at(stacked, i):  # layer i's weights, gathered (all-gathered over fsdp)
         return put(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked), gathered)
+
+    fn, consts = jax.closure_convert(layer, x, at(stacked, 0))  # the arrays `layer` closes over, as arguments
 
     def forward(x, stacked, consts, keep):
         def body(carry, i):
@@ -144,7 +139,7 @@ def _prefetch(fn, n, put, gathered, sharded, x, stacked, *consts):
 
     def bwd(res, dy):
         xs, stacked, consts = res
-        fl = [j for j, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]  # differentiable
+        fl = [j for j, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]  # differentiable ones
 
         def f(h, w, fc):
             c = list(consts)
@@ -152,19 +147,18 @@ def _prefetch(fn, n, put, gathered, sharded, x, stacked, *consts):
                 c[j] = v
             return fn(h, w, *c)
 
-        def body(carry, i):
-            g, w, dc = carry
+        def body(carry, ix):
+            (g, w, dc), (i, h) = carry, ix
             w_prev = at(stacked, jnp.maximum(i - 1, 0))  # issued before layer i's backward
-            _, vjp = jax.vjp(f, xs[i], w, [consts[j] for j in fl])
+            _, vjp = jax.vjp(f, h, w, [consts[j] for j in fl])  # layer i recomputed from its input
             dh, dw, dci = vjp(g)
-            dc = [a + b for a, b in zip(dc, dci)]
-            return (dh, w_prev, dc), put(dw, sharded)  # the layer's gradient, reduce-scattered here
+            return (dh, w_prev, [a + b for a, b in zip(dc, dci)]), put(dw, sharded)  # reduce-scattered here
         init = (dy, at(stacked, n - 1), [jnp.zeros_like(consts[j]) for j in fl])
-        (dx, _, dc), dws = jax.lax.scan(body, init, jnp.arange(n), reverse=True)
-        out = [None] * len(consts)
+        (dx, _, dc), dws = jax.lax.scan(body, init, (jnp.arange(n), xs), reverse=True)
+        dconsts = [None] * len(consts)
         for j, v in zip(fl, dc):
-            out[j] = v
-        return dx, dws, tuple(out)
+            dconsts[j] = v
+        return dx, dws, tuple(dconsts)
 
     run.defvjp(fwd, bwd)
     return run(x, stacked, tuple(consts))
