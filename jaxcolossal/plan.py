@@ -224,8 +224,10 @@ def explain_oom(plan, error: BaseException, compiled: object = None, capacity: i
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator kind: memory (bytes), dense bf16 peak (FLOP/s), and the bandwidths
-    (bytes/s, per device, one direction) inside a node (NVLink) and between nodes (InfiniBand)."""
+    """One accelerator kind: memory (bytes), dense bf16 peak (FLOP/s), the bandwidths (bytes/s,
+    per device, one direction) inside a node (NVLink) and between nodes (InfiniBand), and the
+    fixed cost of one collective (seconds: the α of Hockney's α–β model; 10 µs, the order of
+    NCCL's small-message latency over NVLink, an assumption no GPU here has measured)."""
 
     name: str
     memory: float
@@ -233,6 +235,7 @@ class Device:
     intra_bw: float
     inter_bw: float
     per_node: int = 8
+    latency: float = 10e-6
 
 
 DEVICES = {  # NVIDIA datasheets; inter-node: one 400 Gb/s NIC per GPU (200 Gb/s for A100)
@@ -336,6 +339,44 @@ def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | N
     return ring * b * psi * (k if p.zero_stage >= 2 else 1)
 
 
+def collective_count(cfg: Config, num_devices: int) -> int:
+    """Collectives one device takes part in per step, each paying :attr:`Device.latency` once
+    (the α term; the bytes are costed separately). ``L`` layers per stage, ``k`` microbatches,
+    ``n`` parameter leaves:
+
+    * data parallel: ZeRO-0/1 one reduction per leaf per step; ZeRO-2/3 one per layer (+ the
+      embedding and the head) per microbatch, inside the backward scan; ZeRO-1/2 one parameter
+      all-gather per leaf after the update; ZeRO-3 two gathers per layer per microbatch
+      (forward and backward);
+    * tp: Megatron's 2 all-reduces per layer forward and 2 backward per microbatch, 2 more with a
+      remat policy that recomputes the forward;
+    * pp: a send each way per schedule tick; sp (ring attention): ``sp − 1`` hops per layer,
+      forward and twice backward.
+    """
+    rp = cfg.parallel.resolve(num_devices)
+    dp, tp, pp, sp = (rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size,
+                      rp.sequence_parallel_size)
+    zero, m = cfg.parallel.zero_stage, cfg.model
+    k = cfg.training.gradient_accumulation_steps
+    ticks = 0
+    if pp > 1:
+        from jaxcolossal.pipeline import pipeline_schedule_for
+        sched = pipeline_schedule_for(cfg, pp)
+        k, ticks = sched.m, sched.num_ticks
+    layers = m.num_layers // pp
+    leaves = len(jax.tree.leaves(param_layout(m, 1)[1], is_leaf=lambda x: isinstance(x, tuple)))
+    count = 0
+    if dp > 1:
+        count += leaves if zero <= 1 else k * (layers + 2)
+        count += leaves if zero in (1, 2) else 2 * k * (layers + 2) if zero == 3 else 0
+    if tp > 1:
+        count += k * layers * (4 + (2 if m.remat != "none" else 0))
+    count += 2 * ticks
+    if sp > 1:
+        count += 3 * k * layers * (sp - 1)
+    return count
+
+
 def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45) -> Layout:
     """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
 
@@ -350,7 +391,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
       (:func:`dp_gradient_bytes`, with the config's ``communication_dtype`` or compression) and
       ZeRO parameter gathers (ring volumes; ZeRO-2/3 per microbatch), Megatron's 4 activation all-reduces per
       layer and microbatch over ``tp``, the pipeline's activation sends; each at the intra-node
-      bandwidth when its group fits in one node (the mesh puts ``tp`` innermost), else inter-node.
+      bandwidth when its group fits in one node (the mesh puts ``tp`` innermost), else inter-node;
+      plus :attr:`Device.latency` for each collective (:func:`collective_count`).
 
     Raises:
         ConfigError: an impossible layout (the config's own checks).
@@ -389,6 +431,7 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
         kv = act / m.hidden_size * m.num_key_value_heads * m.head_dim / sp * 2
         sp_bytes = 3 * m.num_layers * k * (sp - 1) * kv / tp + 2 * _ring(sp) * 4 * psi
         comm += sp_bytes / bw(sp * tp)
+    comm += collective_count(cfg, num_devices) * device.latency
     step = compute + comm
     model_flops = fpt * tokens / num_devices
     return Layout(overrides={}, need=need, fits=need["total"] <= 0.9 * device.memory, step_s=step, compute_s=compute,
