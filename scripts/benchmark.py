@@ -249,6 +249,32 @@ HEADER = ("| hardware | devices | model | strategy | precision, remat, attention
           "samples/s | tokens/s | TFLOPS/dev 6N+attn | TFLOPS/dev Colossal 2N(3+r) | MFU | peak mem/dev |")
 
 
+def planner_device(kind: str):
+    """The planner's :class:`jaxcolossal.plan.Device` for a JAX ``device_kind`` ("NVIDIA H200",
+    "NVIDIA A100-SXM4-80GB", ...), or ``None`` when its table has no such device (CPUs)."""
+    from jaxcolossal.plan import DEVICES
+
+    k = kind.lower()
+    for name in ("h200", "h100", "b200"):
+        if name in k:
+            return DEVICES[name]
+    if "a100" in k:
+        return DEVICES["a100-80" if "80" in k else "a100-40"]
+    return None
+
+
+def planner_prediction(cfg, r: dict) -> dict:
+    """The planner's predicted step time for the measured run ``r`` (same layout, devices and
+    kind), and its ratio to the measured median: ``{}`` where the planner has no such device."""
+    from jaxcolossal.plan import predict
+
+    dev = planner_device(r["hardware"])
+    if dev is None:
+        return {}
+    p = predict(cfg, r["num_devices"], dev)
+    return {"predicted_step_s": p.step_s, "predicted_over_measured": p.step_s / r["step_s_median"]}
+
+
 def human(n: float) -> str:
     """1.24e9 -> '1.24 B', 8.5e5 -> '0.85 M'."""
     return f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
@@ -317,6 +343,12 @@ def main(argv=None) -> int:
         name += "*"
     r["model_name"] = name
     r["model_overrides"] = args.model_overrides
+    r.update(planner_prediction(cfg, r))
+    if "predicted_step_s" in r:  # docs/planner.md: the time model beside the measurement
+        say(f"planner: {r['predicted_step_s']:.3f} s per step predicted, {r['step_s_median']:.3f} s measured "
+            f"(predicted / measured {r['predicted_over_measured']:.2f})")
+    else:
+        say(f"planner: no prediction ({r['hardware']} is not in its device table)")
     if not args.no_header:
         say(HEADER)
         say("|" + "---|" * (HEADER.count("|") - 1))

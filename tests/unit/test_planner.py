@@ -164,3 +164,22 @@ def test_seed_table_prints_each_published_row_beside_the_prediction():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert "samples/s" in cells[3] and "no layout fits" not in cells[3], row
     assert main(["--seed-table"]) == 0
+
+
+def test_benchmark_prints_the_planners_step_time_beside_the_measured_one():
+    """scripts/benchmark.py (run by gpu_check.sh) adds the planner's prediction for the measured
+    layout on a GPU it knows, and none on a CPU; a layout with more collectives pays more α."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import benchmark
+
+    from jaxcolossal.plan import collective_count
+    preset = os.path.join(ROOT, "configs", "bench", "llama_1b.yaml")
+    cfg = load_config(preset, ["training.micro_batch_size=2"])
+    got = benchmark.planner_prediction(cfg, {"hardware": "NVIDIA H200", "num_devices": 1, "step_s_median": 2.0})
+    assert got["predicted_step_s"] > 0 and got["predicted_over_measured"] == got["predicted_step_s"] / 2.0
+    assert benchmark.planner_prediction(cfg, {"hardware": "cpu", "num_devices": 1, "step_s_median": 1.0}) == {}
+    assert benchmark.planner_device("NVIDIA A100-SXM4-40GB").memory == 40e9
+    dp8 = load_config(preset, ["training.micro_batch_size=1", "parallel.data_parallel_size=8"])
+    tp4 = load_config(preset, ["training.micro_batch_size=1", "parallel.data_parallel_size=2",
+                               "parallel.tensor_parallel_size=4"])
+    assert collective_count(tp4, 8) > collective_count(dp8, 8) > 0
