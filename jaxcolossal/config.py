@@ -738,7 +738,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           "the saved folder) to read")
     if m.attention_impl == "flash" and p.pipeline_parallel_size not in (1,):
         raise ConfigError("model.attention_impl=flash is not supported with pipeline parallelism yet (the Pallas "
-                          "kernel inside the pipeline's shard_map): use xla or cudnn, or pipeline_parallel_size=1")
+                          "kernel inside the pipeline's shard_map): use xla"
+                          + ("" if p.sequence_parallelism_mode == "ring_attn" else " or cudnn")
+                          + ", or pipeline_parallel_size=1")
     if cfg.data.packing_mask and m.attention_impl == "cudnn":
         raise ConfigError("data.packing_mask=true needs model.attention_impl xla or flash (segment ids), not 'cudnn'")
     if cfg.data.packing_mask and p.pipeline_parallel_size not in (1,):

@@ -46,7 +46,7 @@ from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
-from jaxcolossal.train.step import make_eval_step, make_train_step
+from jaxcolossal.train.step import make_eval_step, make_train_step, prefetches_weights
 
 
 def param_table(plan: TrainPlan) -> str:
@@ -277,6 +277,7 @@ def _start(cfg: Config) -> Run:
              + (f"; sequence parallelism {cfg.parallel.sequence_parallelism_mode}"
                 if cfg.parallel.sequence_parallelism_mode != "none" else "")
              + (f"; attention {cfg.model.attention_impl}" if cfg.model.attention_impl != "xla" else "")
+             + ("; ZeRO-3 weight prefetch (parallel.overlap)" if prefetches_weights(cfg) else "")
              + (f"; gradient communication {cfg.parallel.communication_dtype}"
                 if cfg.parallel.communication_dtype != "fp32" else "")
              + (f"; gradient compression {cfg.parallel.gradient_compression}"

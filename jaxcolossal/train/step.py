@@ -73,6 +73,24 @@ def token_count(inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
 
+def reduces_layerwise(cfg) -> bool:
+    """Whether the step takes the gradient of the whole microbatch, so that XLA reduces(-scatters)
+    each layer's weight gradient inside the backward layer scan: ZeRO-2/3 with fp32 communication
+    and no gradient compression, without a pipeline (else each data shard's gradient is reduced
+    after the backward, by hand)."""
+    p = cfg.parallel
+    return (p.zero_stage >= 2 and p.communication_dtype == "fp32" and p.gradient_compression == "none"
+            and p.pipeline_parallel_size == 1)
+
+
+def prefetches_weights(cfg) -> bool:
+    """Whether the layer scan prefetches ZeRO-3's weights (:func:`jaxcolossal.models.remat.prefetched_scan`):
+    ``parallel.overlap`` with ZeRO-3, ``model.remat=full`` and :func:`reduces_layerwise` (offloaded
+    params stream in instead)."""
+    return (reduces_layerwise(cfg) and cfg.parallel.zero_stage == 3 and cfg.parallel.overlap
+            and cfg.model.remat == "full" and cfg.offload.offload_param_frac == 0)
+
+
 def make_grad_fn(plan: TrainPlan) -> Callable:
     """``grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None) ->
     (loss_sum, fp32 grads)`` over one step.
@@ -119,10 +137,9 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     lowp = p.communication_dtype  # fp32, or the dtype the reduction moves (compression.lowp_reduce)
     # ZeRO-2/3 with fp32 communication: the gradient of the whole microbatch, so that XLA reduces
     # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
-    layerwise = zero >= 2 and lowp == "fp32" and not compress
+    layerwise = reduces_layerwise(cfg)
     outer = plan.sharder.zigzagged() if ring > 1 else plan.sharder
-    if layerwise and zero == 3 and p.overlap and cfg.model.remat == "full":
-        # parallel.overlap: the layer scan gathers layer i+1's weights before layer i's compute
+    if prefetches_weights(cfg):  # the layer scan gathers layer i+1's weights before layer i's compute
         outer = outer.with_layer_prefetch(plan.specs.params["layers"])
 
     def global_loss(params, x, y, aux, coef):
