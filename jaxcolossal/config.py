@@ -201,10 +201,12 @@ class ParallelConfig:
         known = math.prod(v for v in sizes.values() if v != -1)
         if unknown:
             if num_devices % known:
+                given = " × ".join(f"{k}={v}" for k, v in sizes.items() if v not in (-1, 1)) or "1"
+                divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
                 raise ConfigError(
-                    f"parallel.{unknown[0]}=-1: the other sizes multiply to {known}, "
-                    f"which does not divide the {num_devices} devices; choose sizes whose product divides "
-                    f"{num_devices} (e.g. parallel.tensor_parallel_size=1 on a single device)")
+                    f"parallel.{unknown[0]}=-1: the other sizes ({given}) multiply to {known}, "
+                    f"which does not divide the {num_devices} devices; their product must be one of "
+                    f"{divisors}")
             sizes[unknown[0]] = num_devices // known
         product = math.prod(sizes.values())
         if product != num_devices:

@@ -50,7 +50,8 @@ def test_mesh_product_must_match_device_count():
     par = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match=r"2×2×1 = 4, but there are 8 devices"):
         make_mesh(par)
-    with pytest.raises(ConfigError, match="does not divide the 8 devices"):
+    with pytest.raises(ConfigError, match=r"\(tensor_parallel_size=3\) multiply to 3, which does not divide the 8 "
+                                          r"devices; their product must be one of \[1, 2, 4, 8\]"):
         ParallelConfig(data_parallel_size=-1, tensor_parallel_size=3).resolve(8)
     with pytest.raises(ConfigError, match="at most one"):
         ParallelConfig(data_parallel_size=-1, tensor_parallel_size=-1).resolve(8)
