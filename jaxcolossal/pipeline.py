@@ -403,7 +403,8 @@ def make_pipeline_grad_fn(plan) -> Callable:
     # result is silently wrong (measured). The idle slots are the bubble, time the devices wait anyway.
     sp = plan.mesh_shape.get(SP_AXIS, 1)
     seq_ring = cfg.parallel.sequence_parallelism_mode == "ring_attn" and sp > 1
-    manual_axes = MANUAL_AXES + ((SP_AXIS,) if seq_ring else ())
+    seq_axes = (SP_AXIS,) if seq_ring else ()  # summed over like the data axes
+    manual_axes = MANUAL_AXES + seq_axes
     vary = lambda x: _vary(x, manual_axes)  # noqa: E731
 
     is_spec = lambda x: isinstance(x, P)
@@ -425,7 +426,7 @@ def make_pipeline_grad_fn(plan) -> Callable:
 
     def reduce(g, spec, over_pp):  # once per step: all-reduce (ZeRO 0/1) or reduce-scatter (2/3)
         d = _zero_dim(spec)
-        axes = ((PP_AXIS,) if over_pp else ()) + (DATA_AXES if d is None else ("dp",)) + manual_axes[len(MANUAL_AXES):]
+        axes = ((PP_AXIS,) if over_pp else ()) + (DATA_AXES if d is None else ("dp",)) + seq_axes
         g = _psum(g, axes)
         return g if d is None else jax.lax.psum_scatter(g, ZERO_AXIS, scatter_dimension=d, tiled=True)
 

@@ -10,6 +10,7 @@ With k = 4 accumulation microbatches:
 * bf16 compute: every gradient reduction runs in fp32.
 """
 
+import math
 import re
 
 import jax
@@ -199,7 +200,7 @@ def _gathers_feed_dots(comps, body):
     out = []
     for name, line in defs.items():
         if re.search(r" all-gather(-start)?\(", line) and hlo._result_shapes(line) and \
-                max(__import__("math").prod(s) for _, s in hlo._result_shapes(line)) >= GRAD_ELEMENTS:
+                max(math.prod(s) for _, s in hlo._result_shapes(line)) >= GRAD_ELEMENTS:
             seen, todo, feeds = set(), [name], False
             while todo:
                 n = todo.pop()
