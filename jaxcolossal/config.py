@@ -95,6 +95,11 @@ class TrainingConfig:
     ``micro_batch_size`` (Colossal-AI's per-rank micro batch), when > 0, defines the global
     batch instead: ``batch_size = micro_batch_size × gradient_accumulation_steps × dp``, set
     when the config is validated against a device count.
+
+    ``adam_freeze_step`` (DeepSpeed's ``OnebitAdam(freeze_step)``; 0: never): after that many
+    optimizer steps Adam's second moment stops changing (1-bit Adam, Tang et al., 2021;
+    :func:`jaxcolossal.train.optimizer.scale_by_adam_frozen_variance`). Top-k's error feedback
+    needs it: set it to ``parallel.compression_warmup_steps`` (docs/communication.md).
     """
 
     batch_size: int = 16
@@ -109,6 +114,7 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    adam_freeze_step: int = 0
     max_grad_norm: float = 1.0
     seed: int = 1024
     eval_every: int = 100
@@ -152,6 +158,9 @@ class ParallelConfig:
     with ``model.remat=full`` (and fp32 communication, no param offload) ``overlap`` also makes the
     layer scan gather layer i+1's weights before layer i runs, forward and backward
     (:func:`jaxcolossal.models.remat.prefetched_scan`): one more layer's weights held per device.
+    Under Megatron-SP (``split_gather``) ``overlap`` runs the projections as TP collective matmuls
+    (:mod:`jaxcolossal.collective_matmul`) for sequences of at least ``collective_matmul_min_seq``
+    tokens (default 0: all; no GPU has measured where it starts to pay).
 
     Sequence (context) parallelism, Colossal-AI's ``HybridParallelPlugin`` modes
     (:mod:`jaxcolossal.sequence`): ``sequence_parallel_size`` is the mesh axis ``sp`` (the
@@ -176,6 +185,7 @@ class ParallelConfig:
     error_feedback: bool = True
     communication_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     overlap: bool = True
+    collective_matmul_min_seq: int = 0
     bucket_size_mb: float = 0.0
     sequence_parallel_size: int = 1
     sequence_parallelism_mode: Literal["none", "split_gather", "all_to_all", "ring_attn"] = "none"
@@ -435,6 +445,7 @@ RANGES: dict[str, Range] = {
     "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
     "training.max_steps": _POS, "training.warmup_steps": _NONNEG, "training.weight_decay": _NONNEG,
     "training.adam_beta1": _BETA, "training.adam_beta2": _BETA, "training.adam_eps": _GT0,
+    "training.adam_freeze_step": Range(0, note="0: never; else Adam's variance is frozen after that many steps"),
     "training.max_grad_norm": Range(0, note="0: no clipping"), "training.seed": Range(0, 2**32 - 1),
     "training.eval_every": Range(0, note="0: only at the start and the end"),
     "training.eval_batches": _POS, "training.sample_tokens": Range(0, note="0: no sample"),
@@ -442,6 +453,7 @@ RANGES: dict[str, Range] = {
     "parallel.pipeline_parallel_size": _MESH, "parallel.sequence_parallel_size": _MESH,
     "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
     "parallel.compression_ratio": Range(0, 1, lo_open=True), "parallel.powersgd_rank": _POS,
+    "parallel.collective_matmul_min_seq": Range(0, note="0: every sequence length"),
     "parallel.compression_warmup_steps": Range(0, note="0: compress from the first step"),
     "parallel.bucket_size_mb": Range(0, note="0: XLA's default thresholds"),
     "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
@@ -756,6 +768,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           "resume from)")
     _check_offload(cfg)
     _check_compression(p)
+    _check_freeze(cfg)
     _check_sequence(cfg, p)
     tp = p.tensor_parallel_size
     if tp != -1:
@@ -837,6 +850,20 @@ def _check_sequence(cfg: Config, p: ParallelConfig) -> None:
     if mode == "ring_attn" and m.attention_impl != "xla":
         raise ConfigError("parallel.sequence_parallelism_mode=ring_attn runs its own blockwise attention (the "
                           f"ring's online softmax): set model.attention_impl=xla, not {m.attention_impl!r}")
+
+
+def _check_freeze(cfg: Config) -> None:
+    """``training.adam_freeze_step`` (1-bit Adam's frozen variance) is built for ``optax``'s AdamW
+    in device memory only."""
+    t, o = cfg.training, cfg.offload
+    if t.adam_freeze_step > 0:
+        if t.optimizer != "adamw":
+            raise ConfigError(f"training.adam_freeze_step is supported with training.optimizer=adamw, not "
+                              f"{t.optimizer!r}: set optimizer=adamw or adam_freeze_step=0")
+        if o.offload_optim_frac > 0 or o.placement_policy == "auto" or o.nvme_path:
+            raise ConfigError("training.adam_freeze_step is not supported with an offloaded optimizer state yet: "
+                              "set offload.offload_optim_frac=0, placement_policy=static and nvme_path='', or "
+                              "adam_freeze_step=0")
 
 
 def _check_compression(p: ParallelConfig) -> None:

@@ -257,3 +257,53 @@ def host_io_bytes(hlo_text: str) -> dict[str, int]:
     results = _balanced(rest, rest.index("(")) if rest.startswith("->(") else rest[2:].split("}", 1)[0]
     size = lambda part: sum(_DTYPE_BYTES[d] * math.prod(_dims(s)) for d, s in _HOST_SHAPE.findall(part))  # noqa: E731
     return {"host_arguments": size(args), "host_results": size(results)}
+
+
+def dataflow(lines: list[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """One computation's ``(name -> defining line, name -> operand names)`` (operands within the
+    computation; called computations are not followed)."""
+    defs, operands = {}, {}
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = [^(]*?\b[\w\-]+\((.*)", line)
+        if not m:
+            continue
+        defs[m.group(1)] = line
+        args = m.group(2).split("calls=")[0].split("to_apply=")[0]
+        operands[m.group(1)] = re.findall(r"%([\w.\-]+)", args)
+    return defs, operands
+
+
+def _is_matmul(comps: dict, line: str) -> bool:
+    if re.search(r" (dot|convolution)\(", line):
+        return True
+    call = re.search(r"calls=%?([\w.\-]+)", line)
+    return bool(call) and any(re.search(r" (dot|convolution)\(", x) for x in comps.get(call.group(1), []))
+
+
+def concurrent_matmuls(comps: dict, name: str, kind: str) -> list[int]:
+    """For each ``kind`` collective (e.g. ``collective-permute``) directly in computation
+    ``name``: how many matmuls there (dots, or fusions holding one) are neither its ancestors nor
+    its descendants, i.e. could run while the transfer is in flight. 0 means the collective and
+    the matmuls are serial (the collective waits for them or they wait for it)."""
+    defs, operands = dataflow(comps[name])
+    users: dict[str, list[str]] = {}
+    for n, args in operands.items():
+        for a in args:
+            users.setdefault(a, []).append(n)
+
+    def closure(start, edges):
+        seen, todo = set(), [start]
+        while todo:
+            for m in edges.get(todo.pop(), []):
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return seen
+
+    dots = {n for n, line in defs.items() if _is_matmul(comps, line)}
+    out = []
+    for n, line in defs.items():
+        if re.search(rf" {kind}(-start)?\(", line):
+            related = closure(n, operands) | closure(n, users)
+            out.append(len(dots - related - {n}))
+    return out

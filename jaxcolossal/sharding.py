@@ -29,6 +29,7 @@ axis (the heads of q under Megatron-SP), ``seq`` drops it, so XLA gathers the se
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -243,6 +244,9 @@ class Sharder:
         """ZeRO-3 with ``parallel.overlap``: ``(gathered, sharded)``, one layer's param
         ``PartitionSpec`` trees without and with ``fsdp``, for the layer scan's prefetch
         (:func:`jaxcolossal.models.remat.prefetched_scan`); ``None``: XLA places the gathers."""
+        self.collective_matmul_min_seq: int | None = None
+        """Megatron-SP with ``parallel.overlap``: the shortest sequence for which the projections
+        run as TP collective matmuls (:mod:`jaxcolossal.collective_matmul`); ``None``: off."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         if self.mesh is None:
@@ -259,11 +263,31 @@ class Sharder:
         """Whether the logical axis maps to mesh axes of total size > 1."""
         return self.axis_size(logical) > 1
 
+    def _copy(self, **changes) -> "Sharder":
+        out = copy.copy(self)
+        out.rules = dict(self.rules)
+        for name, value in changes.items():
+            setattr(out, name, value)
+        return out
+
     def inner(self) -> "Sharder":
         """This sharder with ``batch`` mapped to nothing (inside the per-data-shard vmap)."""
-        out = Sharder(self.mesh, {**self.rules, "batch": None}, self.sequence_mode)
-        out.zigzag = self.zigzag
-        return out
+        return self._copy(rules={**self.rules, "batch": None})
+
+    def with_collective_matmul(self, min_seq: int) -> "Sharder":
+        """This sharder, running Megatron-SP's projections as TP collective matmuls for sequences
+        of at least ``min_seq`` tokens (:meth:`collective_matmul`)."""
+        return self._copy(collective_matmul_min_seq=int(min_seq))
+
+    def collective_matmul(self, t: int) -> bool:
+        """Whether a projection of a ``t``-token sequence runs as a TP collective matmul: the
+        sequence is split over ``tp`` (``split_gather``), ``tp`` > 1 divides ``t``, ``t`` ≥ the
+        threshold, and no axis is already manual (inside the pipeline's ``shard_map``)."""
+        if self.mesh is None or self.collective_matmul_min_seq is None or self.rules.get("seq") != "tp":
+            return False
+        n = int(dict(self.mesh.shape).get("tp", 1))
+        manual = any(a == jax.sharding.AxisType.Manual for a in getattr(self.mesh, "axis_types", ()))
+        return n > 1 and not manual and t % n == 0 and t >= self.collective_matmul_min_seq
 
     def with_layer_prefetch(self, layer_param_specs: Any) -> "Sharder":
         """This sharder, with :attr:`layer_specs` from the stacked layers' param specs
@@ -275,16 +299,11 @@ class Sharder:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         sharded = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_param_specs, is_leaf=is_spec)
         gathered = jax.tree.map(lambda s: P(*map(drop, s)), sharded, is_leaf=is_spec)
-        out = Sharder(self.mesh, self.rules, self.sequence_mode)
-        out.zigzag = self.zigzag
-        out.layer_specs = (gathered, sharded)
-        return out
+        return self._copy(layer_specs=(gathered, sharded))
 
     def zigzagged(self) -> "Sharder":
         """This sharder, for a batch that :func:`jaxcolossal.sequence.zigzag_batch` has reordered."""
-        out = Sharder(self.mesh, self.rules, self.sequence_mode)
-        out.zigzag = True
-        return out
+        return self._copy(zigzag=True)
 
     @property
     def ring(self) -> int:

@@ -41,7 +41,7 @@ from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models import vocab
-from jaxcolossal.models.linear import project
+from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.llama import attention, init_vocab_padded, padded_vocab_size
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, embed_lookup
@@ -173,15 +173,21 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no
     positions, for sequence-parallel attention's mask)."""
     eps = cfg.layer_norm_eps
     h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], eps)
+    overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
     qkv_axes = ("batch", "seq", "heads", "head_dim")
-    q = tag(shard(project("btd,dhq->bthq", h, lp["wq"], lp["bq"]), qkv_axes), "query_proj")
-    k = tag(shard(project("btd,dhq->bthq", h, lp["wk"], lp["bk"]), qkv_axes), "key_proj")
-    v = tag(shard(project("btd,dhq->bthq", h, lp["wv"], lp["bv"]), qkv_axes), "value_proj")
+    q, k, v = column_parallel(shard, overlap, h, [("btd,dhq->bthq", lp[w], "h") for w in ("wq", "wk", "wv")],
+                              [lp["bq"], lp["bk"], lp["bv"]])
+    q = tag(shard(q, qkv_axes), "query_proj")
+    k = tag(shard(k, qkv_axes), "key_proj")
+    v = tag(shard(v, qkv_axes), "value_proj")
     a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), qkv_axes)
-    x = shard(x + tag(project("bthq,hqd->btd", a, lp["wo"], lp["bo"]), "out_proj"), ("batch", "seq", "embed"))
+    out = row_parallel(shard, overlap, "bthq,hqd->btd", a, lp["wo"], "h", lp["bo"])
+    x = shard(x + tag(out, "out_proj"), ("batch", "seq", "embed"))
     h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], eps)
-    u = tag(shard(project("btd,df->btf", h, lp["w_fc"], lp["b_fc"]), ("batch", "seq", "mlp")), "mlp_up")
-    y = tag(project("btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"], lp["b_proj"]), "mlp_down")
+    (u,) = column_parallel(shard, overlap, h, [("btd,df->btf", lp["w_fc"], "f")], [lp["b_fc"]])
+    u = tag(shard(u, ("batch", "seq", "mlp")), "mlp_up")
+    y = tag(row_parallel(shard, overlap, "btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"], "f",
+                         lp["b_proj"]), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
 
 

@@ -23,6 +23,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxcolossal.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+
 
 def _operands(eq: str) -> tuple[str, str, str]:
     lhs, rest = eq.replace(" ", "").split(",")
@@ -112,3 +114,54 @@ def _take_bwd(res, dy):
 
 
 take_rows.defvjp(_take_fwd, _take_bwd)
+
+
+def tp_overlaps(shard, t: int) -> bool:
+    """Whether the projections of a ``t``-token sequence run as TP collective matmuls under
+    ``shard`` (a :class:`~jaxcolossal.sharding.Sharder`; the plain functions used without a mesh
+    never do)."""
+    decide = getattr(shard, "collective_matmul", None)
+    return bool(decide is not None and decide(t))
+
+
+def column_parallel(shard, overlap: bool, x: jax.Array, terms, biases=None) -> list[jax.Array]:
+    """Megatron's column-parallel projections of one activation: ``project(eq, x, w, bias)`` per
+    ``(eq, w, letter)`` term (``letter``: the weight's dimension on ``tp``). With ``overlap``
+    (:meth:`jaxcolossal.sharding.Sharder.collective_matmul`) ``x`` is sequence-split over ``tp``
+    and the all-gather runs as a ring inside the matmuls
+    (:func:`jaxcolossal.collective_matmul.all_gather_matmul`); else XLA places the collectives."""
+    biases = biases or [None] * len(terms)
+    if not overlap:
+        return [project(eq, x, w, b) for (eq, w, _), b in zip(terms, biases)]
+    outs = all_gather_matmul(shard, x, terms)
+    return [o if b is None else add_bias(o, b) for o, b in zip(outs, biases)]
+
+
+def row_parallel(shard, overlap: bool, eq: str, x: jax.Array, w: jax.Array, letter: str,
+                 bias: jax.Array | None = None) -> jax.Array:
+    """Megatron's row-parallel projection ``project(eq, x, w, bias)`` (``letter``: the contracted
+    dimension on ``tp``). With ``overlap`` the sum over ``tp`` is reduce-scattered along the
+    sequence inside the matmuls (:func:`jaxcolossal.collective_matmul.matmul_reduce_scatter`)."""
+    if not overlap:
+        return project(eq, x, w, bias)
+    out = matmul_reduce_scatter(shard, eq, x, w, letter)
+    return out if bias is None else add_bias(out, bias)
+
+
+@jax.custom_vjp
+def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+    """``y + bias`` (``bias`` shaped as ``y``'s trailing dims), whose bias gradient is summed in
+    fp32 (then cast to the bias dtype), as :func:`project`'s."""
+    return y + bias
+
+
+def _add_bias_fwd(y, bias):
+    return y + bias, jnp.zeros((0,) * bias.ndim, bias.dtype)  # carries the bias's rank and dtype
+
+
+def _add_bias_bwd(proto, dy):
+    lead = tuple(range(dy.ndim - proto.ndim))
+    return dy, jnp.sum(dy.astype(jnp.float32), axis=lead).astype(proto.dtype)
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)

@@ -32,6 +32,7 @@ the random draws do not depend on how the state is sharded.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -42,7 +43,7 @@ from jaxcolossal import sequence
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import vocab
 from jaxcolossal.models.flash_attention import flash_attention
-from jaxcolossal.models.linear import project
+from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
 
@@ -234,17 +235,23 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
     """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
     positions, for sequence-parallel attention's mask)."""
     eps = cfg.rms_norm_eps
+    overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
+    column = partial(column_parallel, shard, overlap)
+    row = partial(row_parallel, shard, overlap)
     h = rms_norm(x, lp["attn_norm"], eps)
-    q = tag(shard(project("btd,dhq->bthq", h, lp["wq"]), ("batch", "seq", "heads", "head_dim")), "query_proj")
-    k = tag(shard(project("btd,dkq->btkq", h, lp["wk"]), ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
-    v = tag(shard(project("btd,dkq->btkq", h, lp["wv"]), ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
+    q, k, v = column(h, [("btd,dhq->bthq", lp["wq"], "h"), ("btd,dkq->btkq", lp["wk"], "k"),
+                         ("btd,dkq->btkq", lp["wv"], "k")])
+    q = tag(shard(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
+    k = tag(shard(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
+    v = tag(shard(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), ("batch", "seq", "heads", "head_dim"))
-    x = shard(x + tag(project("bthq,hqd->btd", a, lp["wo"]), "out_proj"), ("batch", "seq", "embed"))
+    x = shard(x + tag(row("bthq,hqd->btd", a, lp["wo"], "h"), "out_proj"), ("batch", "seq", "embed"))
     h = rms_norm(x, lp["mlp_norm"], eps)
-    g = tag(shard(project("btd,df->btf", h, lp["w_gate"]), ("batch", "seq", "mlp")), "mlp_gate")
-    u = tag(shard(project("btd,df->btf", h, lp["w_up"]), ("batch", "seq", "mlp")), "mlp_up")
-    y = tag(project("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"]), "mlp_down")
+    g, u = column(h, [("btd,df->btf", lp["w_gate"], "f"), ("btd,df->btf", lp["w_up"], "f")])
+    g = tag(shard(g, ("batch", "seq", "mlp")), "mlp_gate")
+    u = tag(shard(u, ("batch", "seq", "mlp")), "mlp_up")
+    y = tag(row("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"], "f"), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
 
 

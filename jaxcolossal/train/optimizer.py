@@ -1,11 +1,14 @@
 """The optimizer from the training config: global-norm clipping then AdamW with warmup and
-cosine decay (optax). Weight decay skips norm scales and biases (:func:`decay_mask`)."""
+cosine decay (optax). Weight decay skips norm scales and biases (:func:`decay_mask`).
+``training.adam_freeze_step`` freezes Adam's second moment after that many steps (1-bit Adam's
+``freeze_step``, :func:`scale_by_adam_frozen_variance`), which compressed gradients need."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxcolossal.config import TrainingConfig
@@ -38,6 +41,44 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float,
+                                  freeze_step: int) -> optax.GradientTransformation:
+    """``optax.scale_by_adam`` whose second moment stops changing after ``freeze_step`` updates.
+
+    Follows 1-bit Adam (Tang et al., 2021, "1-bit Adam: Communication Efficient Large-Scale
+    Training with Adam's Convergence Speed"; DeepSpeed's ``OnebitAdam(freeze_step=...)``): Adam's
+    variance is non-linear in the gradient, so it breaks error feedback, which only preserves the
+    *sum* of the gradients sent over time. With the variance frozen the update is momentum SGD
+    with a fixed per-element preconditioner, linear in the gradient, and an element whose
+    accumulated residual is sent late moves its weight as far as if it had been sent step by
+    step. Without freezing, such a late, large value inflates the element's second moment and
+    damps its later steps (measured in docs/communication.md).
+
+    Update ``t`` (1-based): ``mu = b1·mu + (1−b1)·g`` always; ``nu = b2·nu + (1−b2)·g²`` only while
+    ``t ≤ freeze_step``; the step is ``mu/(1−b1^t) / (sqrt(nu/(1−b2^min(t, freeze_step))) + eps)``.
+    Until the freeze it is ``optax.scale_by_adam`` to the bit. The state is optax's
+    ``ScaleByAdamState`` (``count`` int32 scalar; ``mu``, ``nu`` fp32 like the params, sharded as
+    the optimizer state). ``freeze_step`` ≥ 1.
+    """
+    if freeze_step < 1:
+        raise ValueError(f"freeze_step must be >= 1, got {freeze_step}")
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        frozen = state.count >= freeze_step  # this update is past the freeze
+        mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+        fresh = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        nu = jax.tree.map(lambda old, new: jnp.where(frozen, old, new), state.nu, fresh)
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, jnp.minimum(count, freeze_step))
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(adam.init, update_fn)
+
+
 def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = False,
                     param_specs: Any = None) -> list[optax.GradientTransformation]:
     """The transformations :func:`build_optimizer` chains: ``[clip_by_global_norm, adamw]``
@@ -60,6 +101,10 @@ def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = Fals
                                              if param_specs is None else param_specs}
         adam = fused_adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
                            weight_decay=t.weight_decay, mask=mask, **local)
+    elif t.adam_freeze_step > 0:  # optax.adamw with the variance frozen (1-bit Adam)
+        adam = optax.chain(
+            scale_by_adam_frozen_variance(t.adam_beta1, t.adam_beta2, t.adam_eps, t.adam_freeze_step),
+            optax.add_decayed_weights(t.weight_decay, mask), optax.scale_by_learning_rate(sched))
     else:
         adam = optax.adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
                            weight_decay=t.weight_decay, mask=mask)

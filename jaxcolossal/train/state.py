@@ -101,7 +101,11 @@ class TrainPlan:
     @property
     def sharder(self) -> Sharder:
         """Activation-constraint helper for this mesh and the rules table."""
-        return Sharder(self.mesh, self.rules, self.cfg.parallel.sequence_parallelism_mode)
+        p = self.cfg.parallel
+        shard = Sharder(self.mesh, self.rules, p.sequence_parallelism_mode)
+        if p.overlap and p.sequence_parallelism_mode == "split_gather":  # TP collective matmul
+            shard = shard.with_collective_matmul(p.collective_matmul_min_seq)
+        return shard
 
     @property
     def rules(self) -> dict:

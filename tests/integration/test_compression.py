@@ -85,7 +85,11 @@ def test_the_wire_carries_k_values_and_indices_per_shard(zero):
 
 @pytest.mark.parametrize("comp", ["topk", "powersgd"])
 def test_the_residual_is_checkpointed_and_resume_is_bit_exact(tmp_path, comp):
+    """Top-k as recommended, with Adam's variance frozen after step 1 (the resumed steps are past
+    the freeze, so the frozen state is restored too)."""
     cfg = _cfg(zero_stage=1, gradient_compression=comp, compression_ratio=0.05, powersgd_rank=2)
+    if comp == "topk":
+        cfg.training.adam_freeze_step = 1
     plan, tx, state, step = setup(cfg)
     xs = random_batches(cfg, 4)
     fresh = jax.tree.map(lambda x: x.copy(), state)
@@ -136,6 +140,10 @@ def test_compression_settings_are_checked_before_compiling():
         validate(tiny_config({"data_parallel_size": 4, "pipeline_parallel_size": 2, "communication_dtype": "fp8"}))
     with pytest.raises(ConfigError, match="communication_dtype"):
         validate(_cfg(communication_dtype="fp16"))
+    with pytest.raises(ConfigError, match="adam_freeze_step is supported with training.optimizer=adamw"):
+        validate(tiny_config(training={"adam_freeze_step": 10, "optimizer": "fused_adamw"}))
+    with pytest.raises(ConfigError, match="adam_freeze_step=-1: must be"):
+        validate(tiny_config(training={"adam_freeze_step": -1}))
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])

@@ -16,6 +16,7 @@ import pytest
 
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.data.loader import packing_fields
+from jaxcolossal import hlo
 from jaxcolossal.hlo import collective_totals
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.sequence import zigzag_order
@@ -69,6 +70,43 @@ def test_mode_equals_one_device(name, reference):
     assert_params_match(state.params, ref_state.params)
 
 
+def test_tp_collective_matmul():
+    """Megatron-SP with ``parallel.overlap`` (tp 4, 2 layers): the projections' all-gathers and
+    reduce-scatters over tp become rings of collective-permutes, 4 per layer for the forward
+    (q/k/v in, o out, gate/up in, down out) and 4 for the backward, each (tp − 1) permutes:
+    8·3·2 = 48 in the train step, and no sequence all-gather is left. In the compiled HLO every
+    permute, in the forward and the backward layer loop, has matmuls that are neither its
+    ancestors nor its descendants (:func:`jaxcolossal.hlo.concurrent_matmuls`): the transfer can
+    run while they compute. With ``overlap=false`` each of the forward's all-gathers is serial
+    with every matmul of the layer. Equality with one device is ``test_mode_equals_one_device``
+    (``megatron_sp_*``, overlap on by default); on vs off here, fp32, rtol 1e-5."""
+    L, tp = 2, 4
+    par = dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=tp, data_parallel_size=2)
+    cfg = tiny_config(parallel=par, model=dict(MODEL, num_layers=L), training=TRAIN)
+    plan, _, state, step = setup(cfg, jax.devices())
+    batch = {k: jax.ShapeDtypeStruct((4, TRAIN["seq_len"]), jnp.int32, sharding=plan.batch_sharding)
+             for k in ("inputs", "targets")}
+    text = step.lower(state, batch).compile().as_text()
+    totals = collective_totals(text)
+    assert totals["collective-permute"]["count"] == 8 * (tp - 1) * L, totals
+    assert totals.get("all-gather", {}).get("count", 0) <= 3, totals  # the embedding/head's, not the layers'
+    comps, _ = hlo.computations(text)
+    bodies = [body for name in comps for body, _ in hlo.while_loops(comps, name)]
+    per_loop = {b: hlo.concurrent_matmuls(comps, b, "collective-permute") for b in bodies}
+    per_loop = {b: v for b, v in per_loop.items() if v}
+    assert len(per_loop) == 2 and all(min(v) > 0 for v in per_loop.values()), per_loop
+    # without overlap: XLA's all-gathers in the forward loop, each serial with the matmuls
+    off = hlo.computations(_eval_hlo(dict(par, overlap=False), L))[0]
+    gathers = [hlo.concurrent_matmuls(off, b, "all-gather") for name in off for b, _ in hlo.while_loops(off, name)]
+    assert sum(map(len, gathers)) >= 2 and not any(any(g) for g in gathers), gathers
+    # the same numbers either way
+    runs = [run_steps(tiny_config(parallel=dict(par, overlap=o), model=MODEL, training=TRAIN), jax.devices(), steps=2)
+            for o in (False, True)]
+    for got, want in zip(runs[1][1], runs[0][1]):
+        np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-5)
+    assert_params_match(runs[1][0].params, runs[0][0].params)
+
+
 def test_ring_attention_with_packed_documents():
     """Segment ids and restarting positions travel with the zig-zag reorder: a packed batch gives
     the one-device loss and gradient norm."""
@@ -108,14 +146,16 @@ def test_collectives_per_layer_forward():
     """In the forward (the eval step, 3 layers): Ulysses has 4 all-to-alls per layer (q, k, v in,
     the output back), ring attention sp − 1 collective-permutes per layer (k and v travel as one
     array) and nothing else; Megatron-SP gathers the sequence before the two column-parallel
-    blocks of each layer and its layer scan carries the residual stream split over tp. The flash
+    blocks of each layer (``overlap=false``: XLA's collectives) and its layer scan carries the
+    residual stream split over tp. The flash
     kernel, opaque to XLA, runs per device: its forward has the all-gathers of XLA attention's."""
     L = 3
     counts = lambda hlo: {k: v["count"] for k, v in collective_totals(hlo).items()}
     assert counts(_eval_hlo(dict(CASES["ulysses_sp4_dp2_zero1"], zero_stage=0), L)) == {"all-to-all": 4 * L}
     ring = counts(_eval_hlo(CASES["ring_sp8"], L))
     assert ring == {"collective-permute": 7 * L}
-    hlo = _eval_hlo(dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=2, data_parallel_size=4), L)
+    hlo = _eval_hlo(dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=2, data_parallel_size=4,
+                         overlap=False), L)
     seq_gathers = [ln for ln in hlo.splitlines() if re.search(r" all-gather(-start)?\(", ln)
                    and "dimensions={1}" in ln and re.search(r"f32\[1,64,64\]", ln)]
     assert len(seq_gathers) >= 2  # the attention and the MLP input (inside the layer loop: counted once)
@@ -172,5 +212,6 @@ def test_train_step_exports_for_cuda(name, impl):
     exported = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(abstract, batch)
     text = exported.mlir_module()
     assert ("all_to_all" in text) == ("ulysses" in name)
-    assert ("collective_permute" in text) == ("ring" in name or "pp" in name)
+    # Megatron-SP: the TP collective matmul's ring (parallel.overlap, the default)
+    assert ("collective_permute" in text) == ("ring" in name or "pp" in name or "megatron" in name)
     assert ("__gpu$xla.gpu.triton" in text) == (impl == "flash")
