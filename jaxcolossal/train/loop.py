@@ -278,6 +278,9 @@ def _start(cfg: Config) -> Run:
                 if cfg.parallel.sequence_parallelism_mode != "none" else "")
              + (f"; attention {cfg.model.attention_impl}" if cfg.model.attention_impl != "xla" else "")
              + ("; ZeRO-3 weight prefetch (parallel.overlap)" if prefetches_weights(cfg) else "")
+             + ("; TP collective matmul (parallel.overlap)" if plan.sharder.collective_matmul_min_seq is not None
+                else "")
+             + (f"; Adam's variance frozen after step {t.adam_freeze_step}" if t.adam_freeze_step else "")
              + (f"; gradient communication {cfg.parallel.communication_dtype}"
                 if cfg.parallel.communication_dtype != "fp32" else "")
              + (f"; gradient compression {cfg.parallel.gradient_compression}"
@@ -290,6 +293,11 @@ def _start(cfg: Config) -> Run:
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
         log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
                     f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])
+    p = cfg.parallel
+    if p.gradient_compression == "topk" and p.error_feedback and not t.adam_freeze_step:
+        log.warning("top-k's error feedback under Adam's live variance trains worse than no error feedback "
+                    "(docs/communication.md): set training.adam_freeze_step to parallel.compression_warmup_steps "
+                    "(> 0)", ranks=[0])
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
     loader, evals = _data(cfg, mesh)
