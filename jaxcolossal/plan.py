@@ -349,7 +349,8 @@ def collective_count(cfg: Config, num_devices: int) -> int:
       all-gather per leaf after the update; ZeRO-3 two gathers per layer per microbatch
       (forward and backward);
     * tp: Megatron's 2 all-reduces per layer forward and 2 backward per microbatch, 2 more with a
-      remat policy that recomputes the forward;
+      remat policy that recomputes the forward; under Megatron-SP each is an all-gather and a
+      reduce-scatter, and with the TP collective matmul each of those a ring of tp − 1 permutes;
     * pp: a send each way per schedule tick; sp (ring attention): ``sp − 1`` hops per layer,
       forward and twice backward.
     """
@@ -370,7 +371,12 @@ def collective_count(cfg: Config, num_devices: int) -> int:
         count += leaves if zero <= 1 else k * (layers + 2)
         count += leaves if zero in (1, 2) else 2 * k * (layers + 2) if zero == 3 else 0
     if tp > 1:
-        count += k * layers * (4 + (2 if m.remat != "none" else 0))
+        per_layer = 4 + (2 if m.remat != "none" else 0)  # all-reduces: 2 forward, 2 backward, 2 recomputed
+        if cfg.parallel.sequence_parallelism_mode == "split_gather":  # each an all-gather + a reduce-scatter
+            per_layer *= 2
+            if cfg.parallel.overlap and cfg.training.seq_len >= cfg.parallel.collective_matmul_min_seq:
+                per_layer *= tp - 1  # TP collective matmul: each a ring of tp − 1 permutes
+        count += k * layers * per_layer
     count += 2 * ticks
     if sp > 1:
         count += 3 * k * layers * (sp - 1)

@@ -39,7 +39,9 @@ CASES = {
                                   data_parallel_size=2, zero_stage=1),
     "ulysses_sp2_tp2_dp2_zero3": dict(sequence_parallelism_mode="all_to_all", sequence_parallel_size=2,
                                       tensor_parallel_size=2, data_parallel_size=2, zero_stage=3),
-    "megatron_sp_tp8": dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=8, data_parallel_size=1),
+    # XLA's all-gathers / reduce-scatters (overlap off); the next one with the TP collective matmul
+    "megatron_sp_tp8": dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=8, data_parallel_size=1,
+                            overlap=False),
     "megatron_sp_tp4_dp2_zero3": dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=4,
                                       data_parallel_size=2, zero_stage=3),
     # ring attention inside the pipeline's shard_map (manual over pp, the data axes and sp)
@@ -78,8 +80,9 @@ def test_tp_collective_matmul():
     permute, in the forward and the backward layer loop, has matmuls that are neither its
     ancestors nor its descendants (:func:`jaxcolossal.hlo.concurrent_matmuls`): the transfer can
     run while they compute. With ``overlap=false`` each of the forward's all-gathers is serial
-    with every matmul of the layer. Equality with one device is ``test_mode_equals_one_device``
-    (``megatron_sp_*``, overlap on by default); on vs off here, fp32, rtol 1e-5."""
+    with every matmul of the layer. Equality with one device is ``test_mode_equals_one_device``:
+    ``megatron_sp_tp4_dp2_zero3`` with the collective matmul (overlap is on by default),
+    ``megatron_sp_tp8`` with XLA's collectives (``overlap=false``)."""
     L, tp = 2, 4
     par = dict(sequence_parallelism_mode="split_gather", tensor_parallel_size=tp, data_parallel_size=2)
     cfg = tiny_config(parallel=par, model=dict(MODEL, num_layers=L), training=TRAIN)
@@ -99,12 +102,6 @@ def test_tp_collective_matmul():
     off = hlo.computations(_eval_hlo(dict(par, overlap=False), L))[0]
     gathers = [hlo.concurrent_matmuls(off, b, "all-gather") for name in off for b, _ in hlo.while_loops(off, name)]
     assert sum(map(len, gathers)) >= 2 and not any(any(g) for g in gathers), gathers
-    # the same numbers either way
-    runs = [run_steps(tiny_config(parallel=dict(par, overlap=o), model=MODEL, training=TRAIN), jax.devices(), steps=2)
-            for o in (False, True)]
-    for got, want in zip(runs[1][1], runs[0][1]):
-        np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-5)
-    assert_params_match(runs[1][0].params, runs[0][0].params)
 
 
 def test_ring_attention_with_packed_documents():
