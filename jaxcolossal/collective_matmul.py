@@ -176,8 +176,8 @@ def all_gather_matmul(shard, x: jax.Array, terms: Sequence[tuple[str, jax.Array,
 
     Returns:
         ``einsum(eq, x, w)`` per term, the whole sequence, ``letter`` split over ``tp``; ``x``'s
-        dtype. Gradients: the activation's by :func:`matmul_reduce_scatter`'s ring, the
-        weights' in fp32.
+        dtype. Gradients: the activation's by :func:`matmul_reduce_scatter`'s ring; the
+        weights' contracted in fp32 from the gathered activation, returned in the weight's dtype.
     """
     n = int(shard.mesh.shape[TP_AXIS])
     batch = shard.rules["batch"]
@@ -200,6 +200,7 @@ def matmul_reduce_scatter(shard, eq: str, x: jax.Array, w: jax.Array, letter: st
         eq: the einsum, activation first (``"btf,fd->btd"``).
         x: the whole sequence, its dimension ``letter`` split over ``tp``; compute dtype.
         w: the weight, its dimension ``letter`` split over ``tp`` (row-parallel).
+        letter: the contracted dimension's letter in ``eq`` (``"f"``), split over ``tp`` in both.
 
     Returns:
         ``einsum(eq, x, w)`` summed over ``tp``, the sequence split over ``tp`` (Megatron-SP's

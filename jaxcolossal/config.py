@@ -859,11 +859,11 @@ def _check_freeze(cfg: Config) -> None:
     if t.adam_freeze_step > 0:
         if t.optimizer != "adamw":
             raise ConfigError(f"training.adam_freeze_step is supported with training.optimizer=adamw, not "
-                              f"{t.optimizer!r}: set optimizer=adamw or adam_freeze_step=0")
+                              f"{t.optimizer!r}: set training.optimizer=adamw or training.adam_freeze_step=0")
         if o.offload_optim_frac > 0 or o.placement_policy == "auto" or o.nvme_path:
             raise ConfigError("training.adam_freeze_step is not supported with an offloaded optimizer state yet: "
-                              "set offload.offload_optim_frac=0, placement_policy=static and nvme_path='', or "
-                              "adam_freeze_step=0")
+                              "set offload.offload_optim_frac=0 offload.placement_policy=static offload.nvme_path='', "
+                              "or training.adam_freeze_step=0")
 
 
 def _check_compression(p: ParallelConfig) -> None:

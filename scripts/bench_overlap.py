@@ -63,9 +63,8 @@ def main(argv=None) -> int:
     seqs = [int(x) for x in a.seqs.split(",") if x] or [a.seq]
     plan = "zero=3" if prefetch else f"zero=1,tp={a.tp}"
     print(f"feature: {a.feature}")
-    print("| seq | overlap off: median step (s) | on | on / off | peak memory per device off → on | "
-          "loss off / on |")
-    print("|---|---|---|---|---|---|")
+    header = ("| seq | overlap off: median step (s) | on | on / off | peak memory per device off → on | "
+              "loss off / on |\n|---|---|---|---|---|---|")
     for seq in seqs:
         args = argparse.Namespace(model=a.model, model_overrides="", plan=plan, precision=a.precision,
                                   remat="full" if prefetch else "none", attention=None, seq=seq,
@@ -86,9 +85,11 @@ def main(argv=None) -> int:
             runs[overlap] = {"step": compiled, "state": state, "batch": batch, "times": [], "mem": mem,
                              "label": label}
         if seq == seqs[0]:
-            print(f"<!-- {jax.devices()[0].device_kind} × {jax.device_count()}; {base.model.num_layers} layers, "
-                  f"hidden {base.model.hidden_size}; mesh {plan_.mesh_shape}; batch {base.training.batch_size}; "
-                  f"{base.precision.mode}; {'ZeRO-3, remat full' if prefetch else 'Megatron-SP, remat none'} -->")
+            print(f"{jax.devices()[0].device_kind} × {jax.device_count()}; {base.model.num_layers} layers, "
+                  f"hidden {base.model.hidden_size}; mesh {plan_.mesh_shape}; ZeRO-{base.parallel.zero_stage}; "
+                  f"batch {base.training.batch_size}; {base.precision.mode}; "
+                  f"{'remat full' if prefetch else 'Megatron-SP, remat none'}")
+            print(header)
         for i in range(a.warmup + a.rounds):
             for overlap, r in runs.items():
                 t0 = time.perf_counter()

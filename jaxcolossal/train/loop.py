@@ -262,6 +262,23 @@ def _data(cfg: Config, mesh) -> tuple[DataLoader, list]:
     return loader, evals
 
 
+def _warn_about_freeze(cfg: Config) -> None:
+    """Top-k's error feedback and Adam's variance (``training.adam_freeze_step``): the settings that
+    trained badly in docs/communication.md's measurements, named in the log before the run."""
+    log = get_dist_logger()
+    p, t = cfg.parallel, cfg.training
+    if p.gradient_compression == "topk" and p.error_feedback and not t.adam_freeze_step:
+        log.warning("top-k with error feedback under Adam's live variance: the error a shard sends late inflates "
+                    "Adam's second moment. In docs/communication.md's 300-step runs, a dense warm-up then a frozen "
+                    "variance trained best: parallel.compression_warmup_steps=100 training.adam_freeze_step=100 "
+                    "(about a third of the run, well after the learning-rate warm-up)", ranks=[0])
+    if 0 < t.adam_freeze_step <= t.warmup_steps:
+        log.warning(f"training.adam_freeze_step={t.adam_freeze_step} freezes Adam's variance within the "
+                    f"learning-rate warm-up (training.warmup_steps={t.warmup_steps}): the early gradients' large "
+                    "variance then slows all later steps (+29% val loss on the main job frozen at 30, "
+                    "docs/communication.md); freeze well after it", ranks=[0])
+
+
 def _start(cfg: Config) -> Run:
     log = get_dist_logger()
     run_dir, t = cfg.logging.run_dir, cfg.training
@@ -278,8 +295,7 @@ def _start(cfg: Config) -> Run:
                 if cfg.parallel.sequence_parallelism_mode != "none" else "")
              + (f"; attention {cfg.model.attention_impl}" if cfg.model.attention_impl != "xla" else "")
              + ("; ZeRO-3 weight prefetch (parallel.overlap)" if prefetches_weights(cfg) else "")
-             + ("; TP collective matmul (parallel.overlap)" if plan.sharder.collective_matmul_min_seq is not None
-                else "")
+             + ("; TP collective matmul (parallel.overlap)" if plan.sharder.collective_matmul(t.seq_len) else "")
              + (f"; Adam's variance frozen after step {t.adam_freeze_step}" if t.adam_freeze_step else "")
              + (f"; gradient communication {cfg.parallel.communication_dtype}"
                 if cfg.parallel.communication_dtype != "fp32" else "")
@@ -293,11 +309,7 @@ def _start(cfg: Config) -> Run:
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
         log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
                     f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])
-    p = cfg.parallel
-    if p.gradient_compression == "topk" and p.error_feedback and not t.adam_freeze_step:
-        log.warning("top-k's error feedback under Adam's live variance trains worse than no error feedback "
-                    "(docs/communication.md): set training.adam_freeze_step to parallel.compression_warmup_steps "
-                    "(> 0)", ranks=[0])
+    _warn_about_freeze(cfg)
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
     loader, evals = _data(cfg, mesh)
