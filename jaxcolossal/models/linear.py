@@ -23,13 +23,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-
-
-def _operands(eq: str) -> tuple[str, str, str]:
-    lhs, rest = eq.replace(" ", "").split(",")
-    rhs, out = rest.split("->")
-    return lhs, rhs, out
+from jaxcolossal.collective_matmul import _operands, all_gather_matmul, matmul_reduce_scatter
 
 
 def project(eq: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
