@@ -9,6 +9,14 @@ training subprocesses too): many tests compile the same step (the single-device 
 main job's default config), and XLA's CPU compile is most of the suite's time. A cache hit is
 the same executable (its HLO text and memory analysis included); set
 ``JAX_COMPILATION_CACHE_DIR`` yourself to choose the folder, or to an empty string to turn it off.
+
+The CPU backend compiles at LLVM optimization level 0 (``--xla_backend_optimization_level=0``):
+the suite's programs are tiny, so LLVM's optimization passes cost far more time than they save.
+Measured on this 2-core machine in one session, the whole suite on two workers: 480 passed in
+13:19 against 19:18 at the default level. XLA's HLO passes (fusion, sharding, scheduling: what
+the HLO tests read) do not depend on it: a ZeRO-3 × tp 2 bf16 step compiled to the same HLO text
+and the same memory analysis at both levels. Only the machine code differs. Put your own
+``--xla_backend_optimization_level`` in ``XLA_FLAGS`` to test at another level.
 """
 import atexit
 import os
@@ -22,9 +30,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
