@@ -148,7 +148,9 @@ class ParallelConfig:
     ``communication_dtype``: ``fp32`` (default), ``bf16`` or ``fp8`` (e4m3, per-tensor scale):
     the dtype the data-parallel gradient reduction moves (an all-to-all and a local fp32 sum, then
     an all-gather where every rank needs the whole sum; ZeRO++'s qgZ, Colossal-AI's
-    ``fp8_communication``). Any ZeRO stage and tensor parallelism; not with pipeline or sequence
+    ``fp8_communication``), and under ZeRO-3 the dtype each layer's weights are all-gathered in
+    where it is narrower than the compute dtype (ZeRO++'s qwZ; the backward is straight-through).
+    Any ZeRO stage and tensor parallelism; not with pipeline or sequence
     parallelism or gradient compression (:mod:`jaxcolossal.train.compression`).
 
     ``overlap`` (default true; Colossal-AI's ``overlap_communication``) and ``bucket_size_mb``

@@ -395,7 +395,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
       divided by ``1 − bubble`` for a pipeline; MFU against the same peak;
     * communication, not overlapped: the data-parallel gradient reduction
       (:func:`dp_gradient_bytes`, with the config's ``communication_dtype`` or compression) and
-      ZeRO parameter gathers (ring volumes; ZeRO-2/3 per microbatch), Megatron's 4 activation all-reduces per
+      ZeRO parameter gathers (ring volumes; ZeRO-2/3 per microbatch; ZeRO-3's in
+      ``communication_dtype`` where it is narrower, ZeRO++'s qwZ), Megatron's 4 activation all-reduces per
       layer and microbatch over ``tp``, the pipeline's activation sends; each at the intra-node
       bandwidth when its group fits in one node (the mesh puts ``tp`` innermost), else inter-node;
       plus :attr:`Device.latency` for each collective (:func:`collective_count`).
@@ -426,8 +427,11 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw
     zero = cfg.parallel.zero_stage
     dp_bytes = dp_gradient_bytes(cfg, dp, tp, pp, k)                 # the gradient reduction(s)
-    if zero > 0:
-        dp_bytes += _ring(dp) * p_bytes * psi * (2 * k if zero == 3 else 1)  # param all-gathers
+    if zero > 0:  # param all-gathers; ZeRO-3's in communication_dtype where narrower (ZeRO++ qwZ: the
+        # layers' weights, nearly all of Ψ; the embedding and head are left at p_bytes here)
+        from jaxcolossal.train.compression import WIRE_BYTES
+        gather_b = min(p_bytes, WIRE_BYTES[cfg.parallel.communication_dtype]) if zero == 3 else p_bytes
+        dp_bytes += _ring(dp) * gather_b * psi * (2 * k if zero == 3 else 1)
     act = (t.batch_size // (dp * k)) * t.seq_len * m.hidden_size * p_bytes  # one microbatch's [b, s, d]
     tp_bytes = 4 * m.num_layers // pp * k * 2 * _ring(tp) * act / sp
     pp_bytes = 2 * k * act if pp > 1 else 0.0

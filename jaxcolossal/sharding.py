@@ -244,6 +244,10 @@ class Sharder:
         """ZeRO-3 with ``parallel.overlap``: ``(gathered, sharded)``, one layer's param
         ``PartitionSpec`` trees without and with ``fsdp``, for the layer scan's prefetch
         (:func:`jaxcolossal.models.remat.prefetched_scan`); ``None``: XLA places the gathers."""
+        self.lowp_gather: tuple | None = None
+        """ZeRO-3 with ``parallel.communication_dtype`` bf16/fp8 (ZeRO++'s qwZ): ``(kind, gathered,
+        sharded)``, the dtype each layer's weights cross the wire in and one layer's param
+        ``PartitionSpec`` trees without and with ``fsdp``; ``None``: gathered as stored."""
         self.collective_matmul_min_seq: int | None = None
         """Megatron-SP with ``parallel.overlap``: the shortest sequence for which the projections
         run as TP collective matmuls (:mod:`jaxcolossal.collective_matmul`); ``None``: off."""
@@ -292,14 +296,13 @@ class Sharder:
     def with_layer_prefetch(self, layer_param_specs: Any) -> "Sharder":
         """This sharder, with :attr:`layer_specs` from the stacked layers' param specs
         (``P`` leaves ``[L, ...]``, sharded over ``fsdp`` under ZeRO-3)."""
-        def drop(entry):
-            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            kept = tuple(a for a in names if a != "fsdp")
-            return kept[0] if len(kept) == 1 else (kept or None)
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        sharded = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_param_specs, is_leaf=is_spec)
-        gathered = jax.tree.map(lambda s: P(*map(drop, s)), sharded, is_leaf=is_spec)
-        return self._copy(layer_specs=(gathered, sharded))
+        return self._copy(layer_specs=one_layer_specs(layer_param_specs))
+
+    def with_lowp_gather(self, kind: str, layer_param_specs: Any) -> "Sharder":
+        """This sharder, with :attr:`lowp_gather`: the layer scan all-gathers each layer's ZeRO-3
+        weight shards in ``kind`` (``bf16``/``fp8``; :func:`jaxcolossal.train.compression.gather_lowp`).
+        ``layer_param_specs``: the stacked layers' param specs (``P`` leaves ``[L, ...]``)."""
+        return self._copy(lowp_gather=(kind, *one_layer_specs(layer_param_specs)))
 
     def zigzagged(self) -> "Sharder":
         """This sharder, for a batch that :func:`jaxcolossal.sequence.zigzag_batch` has reordered."""
@@ -312,6 +315,20 @@ class Sharder:
         if self.mesh is None or self.sequence_mode != "ring_attn":
             return 1
         return int(dict(self.mesh.shape).get("sp", 1))
+
+
+def one_layer_specs(layer_param_specs: Any) -> tuple[Any, Any]:
+    """``(gathered, sharded)``: one layer's param ``PartitionSpec`` trees from the stacked layers'
+    (``P`` leaves ``[L, ...]``): as stored (the leading ``L`` dropped), and without ``fsdp``
+    (ZeRO-3's all-gathered form; tp stays)."""
+    def drop(entry):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in names if a != "fsdp")
+        return kept[0] if len(kept) == 1 else (kept or None)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    sharded = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_param_specs, is_leaf=is_spec)
+    gathered = jax.tree.map(lambda s: P(*map(drop, s)), sharded, is_leaf=is_spec)
+    return gathered, sharded
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

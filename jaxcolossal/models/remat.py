@@ -71,7 +71,9 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
 
     With ``remat=full`` and a sharder that carries ZeRO-3 layer specs (``shard.layer_specs``,
     :meth:`jaxcolossal.sharding.Sharder.with_layer_prefetch`: ``parallel.overlap``), the scan
-    prefetches instead (:func:`prefetched_scan`).
+    prefetches instead (:func:`prefetched_scan`). With ``shard.lowp_gather`` (ZeRO-3 with
+    ``parallel.communication_dtype`` bf16/fp8) each layer's weights are all-gathered in that
+    dtype inside the body (:func:`jaxcolossal.train.compression.gather_lowp`).
 
     Raises:
         KeyError: an unknown policy name (the config validates it first).
@@ -79,7 +81,15 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
     specs = getattr(shard, "layer_specs", None)
     if specs is not None and remat == "full" and not any(_on_host(a) for a in jax.tree.leaves(stacked)):
         return prefetched_scan(layer, x, stacked, shard.mesh, *specs)
-    body = lambda carry, p: (layer(carry, fetch_layer(p)), None)
+    lowp = getattr(shard, "lowp_gather", None)
+    if lowp is not None:  # ZeRO++ qwZ: each layer's weight shards cross the wire in bf16/fp8
+        from jaxcolossal.train.compression import gather_lowp
+        kind, gathered, sharded = lowp
+        fetch = lambda p: jax.tree.map(  # noqa: E731
+            lambda a, g, s: gather_lowp(a, g, s, shard.mesh, kind), fetch_layer(p), gathered, sharded)
+    else:
+        fetch = fetch_layer
+    body = lambda carry, p: (layer(carry, fetch(p)), None)
     policy = POLICIES[remat]
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)

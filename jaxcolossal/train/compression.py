@@ -82,6 +82,34 @@ def decode(u: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
     return x * scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim))
 
 
+def gather_lowp(w: jax.Array, gathered: P, sharded: P, mesh: Mesh, kind: str) -> jax.Array:
+    """ZeRO-3's weight all-gather moved in ``kind`` (``bf16`` or ``fp8``): ZeRO++'s quantized
+    weights (qwZ, Wang et al., 2023) and Colossal-AI's ``fp8_communication`` for the parameter
+    all-gather.
+
+    ``w``: one layer's weight leaf in the compute dtype, stored sharded as ``sharded`` (ZeRO-3's
+    ``fsdp`` split). It is encoded where it lies (:func:`encode`: fp8 e4m3 with one per-tensor
+    scale, ``max|w| / 448`` over the whole tensor, a scalar all-reduce), crosses the wire
+    bit-cast to ``uint8``/``uint16`` as the all-gather to ``gathered`` (the same spec without
+    ``fsdp``; tp stays), and is decoded on arrival. Returns the gathered weight in ``w``'s dtype,
+    rounded to ``kind`` (e4m3 keeps 3 mantissa bits: a relative error up to 2⁻⁴ per element).
+
+    The backward pass is the straight-through estimator (ZeRO++'s): the cotangent of the decoded
+    weight is the cotangent of ``w``, in its own dtype, so the gradient's reduce-scatter is not
+    quantized by this (``communication_dtype`` quantizes it in its own way, :func:`lowp_reduce`).
+    """
+    put = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))  # noqa: E731
+
+    @jax.custom_vjp
+    def run(w):
+        u, scale = encode(w.astype(jnp.float32), kind)
+        u = put(put(u, sharded), gathered)  # encoded on the shards, then gathered: the wire moves u
+        return decode(u, scale, kind).astype(w.dtype)
+
+    run.defvjp(lambda w: (run(w), None), lambda _, ct: (ct,))
+    return run(w)
+
+
 def _data_dim(spec: P) -> int | None:
     """The dimension of ``spec`` that a data axis (``dp``/``fsdp``) shards, or None."""
     for i, e in enumerate(spec):

@@ -46,7 +46,7 @@ from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
-from jaxcolossal.train.step import make_eval_step, make_train_step, prefetches_weights
+from jaxcolossal.train.step import gathers_lowp, make_eval_step, make_train_step, prefetches_weights
 
 
 def param_table(plan: TrainPlan) -> str:
@@ -299,6 +299,7 @@ def _start(cfg: Config) -> Run:
              + (f"; Adam's variance frozen after step {t.adam_freeze_step}" if t.adam_freeze_step else "")
              + (f"; gradient communication {cfg.parallel.communication_dtype}"
                 if cfg.parallel.communication_dtype != "fp32" else "")
+             + (f"; ZeRO-3 layer weights gathered in {cfg.parallel.communication_dtype}" if gathers_lowp(plan) else "")
              + (f"; gradient compression {cfg.parallel.gradient_compression}"
                 + (f" rank {cfg.parallel.powersgd_rank}" if cfg.parallel.gradient_compression == "powersgd"
                    else f" ratio {cfg.parallel.compression_ratio:g}")

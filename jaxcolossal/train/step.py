@@ -53,7 +53,7 @@ from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.sequence import zigzag_batch
 from jaxcolossal.train.nvme import nvme_tier
-from jaxcolossal.train.compression import lowp_reduce, powersgd_reduce, topk_reduce
+from jaxcolossal.train.compression import WIRE_BYTES, lowp_reduce, powersgd_reduce, topk_reduce
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
@@ -91,6 +91,17 @@ def prefetches_weights(cfg) -> bool:
             and cfg.model.remat == "full" and cfg.offload.offload_param_frac == 0)
 
 
+def gathers_lowp(plan: TrainPlan) -> bool:
+    """Whether ZeRO-3's weight all-gathers move ``parallel.communication_dtype`` (bf16/fp8) rather
+    than the compute dtype (ZeRO++'s qwZ, :func:`jaxcolossal.train.compression.gather_lowp`): ZeRO-3
+    over a data group > 1, and a wire dtype narrower than the compute dtype (bf16 in a bf16 run
+    already moves bf16). The stacked layers' weights only: the embedding, head and final norm are
+    gathered as stored."""
+    p = plan.cfg.parallel
+    return (p.zero_stage == 3 and p.communication_dtype != "fp32" and plan.data_size > 1
+            and WIRE_BYTES[p.communication_dtype] < jnp.dtype(plan.compute_dtype).itemsize)
+
+
 def make_grad_fn(plan: TrainPlan) -> Callable:
     """``grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None) ->
     (loss_sum, fp32 grads)`` over one step.
@@ -117,6 +128,8 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     ring = inner.ring  # ring attention: the batch goes in zig-zag order (jaxcolossal.sequence)
     if ring > 1:
         inner = inner.zigzagged()
+    if gathers_lowp(plan):  # ZeRO++ qwZ: the layer scan gathers the weight shards in bf16/fp8
+        inner = inner.with_lowp_gather(cfg.parallel.communication_dtype, plan.specs.params["layers"])
     vocab_parallel = inner.is_sharded("vocab")
     grad_specs = plan.specs.grads
     per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,

@@ -20,9 +20,9 @@ from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.plan import dp_gradient_bytes
-from jaxcolossal.sharding import DATA_AXES
-from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, lowp_reduce, orthonormalize, powersgd_reduce,
-                                           powersgd_wire,
+from jaxcolossal.sharding import DATA_AXES, one_layer_specs, shard_bytes
+from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, gather_lowp, lowp_reduce, orthonormalize,
+                                           powersgd_reduce, powersgd_wire,
                                            topk_count, topk_reduce, wire_bytes)
 from jaxcolossal.train.loop import memory_report
 from jaxcolossal.train.state import make_plan, powersgd_views_of
@@ -183,6 +183,53 @@ def test_low_precision_communication_trains_like_fp32():
         _, m, _ = run_steps(cfg(communication_dtype=kind), steps=3)
         np.testing.assert_allclose([r["loss"] for r in m], [r["loss"] for r in base], rtol=1e-4)
         np.testing.assert_allclose([r["grad_norm"] for r in m], [r["grad_norm"] for r in base], rtol=2e-2)
+
+
+def test_gather_lowp_rounds_the_weights_and_passes_the_gradient_straight_through():
+    """ZeRO++'s qwZ on one ZeRO-3 weight (rows split over the 8 data shards): the gathered weight
+    is the bf16/fp8 encoding of the whole tensor, decoded (one per-tensor scale; to 1 ulp), within
+    bf16's / e4m3's rounding of the original; the gradient is the cotangent, unchanged."""
+    mesh = make_mesh(_cfg(zero_stage=3).parallel)
+    rng = np.random.default_rng(5)
+    sharded = P(DATA_AXES, None)
+    w = jax.device_put(rng.normal(size=(64, 24)).astype(np.float32), NamedSharding(mesh, sharded))
+    ct = rng.normal(size=(64, 24)).astype(np.float32)
+    for kind in ("bf16", "fp8"):
+        f = jax.jit(lambda w: gather_lowp(w, P(None, None), sharded, mesh, kind))  # noqa: B023
+        got, vjp = jax.vjp(f, w)
+        u, scale = encode(jnp.asarray(np.asarray(w)), kind)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(decode(u, scale, kind)), rtol=1e-6)  # (jit: x·(1/s))
+        err = np.max(np.abs(np.asarray(got) - np.asarray(w)) / np.abs(np.asarray(w)))
+        assert 0 < err <= {"bf16": 2 ** -8, "fp8": 2 ** -4}[kind] + 1e-7, (kind, err)
+        np.testing.assert_array_equal(np.asarray(vjp(ct)[0]), ct)
+
+
+def test_zero3_gathers_the_layer_weights_in_the_communication_dtype():
+    """ZeRO++'s qwZ under ZeRO-3 (dp 4 × tp 2, fp32 compute): the layer scan all-gathers each
+    layer's weight shards as uint16 (bf16) / uint8 (fp8), read from the compiled HLO with trip
+    counts: exactly the layers' tp-local elements once per step (no remat), so 2× / 4× fewer bytes
+    than fp32 for that gather. Over 3 steps with ``remat=full`` (the gather recomputed in the
+    backward) the losses stay within 1e-4 of fp32 communication and the grad norms within 1e-2
+    (measured: ≤ 5.5e-5 and ≤ 3.5e-4)."""
+    par = dict(data_parallel_size=4, tensor_parallel_size=2, zero_stage=3)
+    for kind, wire in (("bf16", "u16"), ("fp8", "u8")):
+        cfg = tiny_config({**par, "communication_dtype": kind})
+        plan, _, state, step = setup(cfg)
+        text = step.lower(state, _batch(plan, random_batches(cfg, 1)[0])).compile().as_text()
+        moved = sum(times * int(np.prod(dims)) for _, lines, times in hlo.walk_executions(text) for line in lines
+                    if " all-gather(" in line or " all-gather-start(" in line
+                    for dtype, dims in hlo._result_shapes(line) if dtype == wire)
+        gathered, _ = one_layer_specs(plan.specs.params["layers"])
+        layers = sum(jax.tree.leaves(jax.tree.map(
+            lambda shape, spec: shard_bytes(shape, np.uint8, P(None, *spec), plan.mesh_shape),
+            plan.param_shapes["layers"], gathered, is_leaf=lambda x: isinstance(x, tuple))))
+        assert moved == layers, (kind, moved, layers)
+    cfg = lambda **p: tiny_config({**par, **p}, None, model={"remat": "full"}, training={"max_grad_norm": 1.0})  # noqa: E731
+    _, base, _ = run_steps(cfg(), steps=3)
+    for kind in ("bf16", "fp8"):
+        _, m, _ = run_steps(cfg(communication_dtype=kind), steps=3)
+        np.testing.assert_allclose([r["loss"] for r in m], [r["loss"] for r in base], rtol=1e-4)
+        np.testing.assert_allclose([r["grad_norm"] for r in m], [r["grad_norm"] for r in base], rtol=1e-2)
 
 
 def test_bytes_on_the_wire_per_setting():
