@@ -144,6 +144,12 @@ class ParallelConfig:
     (a per-shard fp32 residual in the train state, saved in checkpoints). The first
     ``compression_warmup_steps`` steps reduce densely (PyTorch's ``start_powerSGD_iter``, DGC's
     warm-up). Data-parallel traffic only; both need ``zero_stage`` ≤ 1, no tensor, pipeline or sequence parallelism (for now).
+    ``momentum_correction`` (top-k with error feedback and ``training.adam_freeze_step``; default
+    off): DGC's momentum correction (Lin et al., 2018, §3.2). Each shard keeps its own momentum
+    ``u = β₁·u + (1 − β₁)·g`` (starting from 1/N of Adam's at the first compressed step) and sends
+    the top-k of ``residual + u``. From then on the optimizer takes what arrives as its first
+    moment (no second momentum on top); at ratio 1 this is exactly Adam. DGC's momentum factor
+    masking is left out (docs/communication.md). A second per-shard fp32 buffer in the train state.
 
     ``communication_dtype``: ``fp32`` (default), ``bf16`` or ``fp8`` (e4m3, per-tensor scale):
     the dtype the data-parallel gradient reduction moves (an all-to-all and a local fp32 sum, then
@@ -185,6 +191,7 @@ class ParallelConfig:
     powersgd_rank: int = 4
     compression_warmup_steps: int = 0
     error_feedback: bool = True
+    momentum_correction: bool = False
     communication_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     overlap: bool = True
     collective_matmul_min_seq: int = 0
@@ -771,6 +778,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_offload(cfg)
     _check_compression(p)
     _check_freeze(cfg)
+    _check_momentum_correction(cfg)
     _check_sequence(cfg, p)
     tp = p.tensor_parallel_size
     if tp != -1:
@@ -866,6 +874,23 @@ def _check_freeze(cfg: Config) -> None:
             raise ConfigError("training.adam_freeze_step is not supported with an offloaded optimizer state yet: "
                               "set offload.offload_optim_frac=0 offload.placement_policy=static offload.nvme_path='', "
                               "or training.adam_freeze_step=0")
+
+
+def _check_momentum_correction(cfg: Config) -> None:
+    """``parallel.momentum_correction`` (DGC) replaces the optimizer's momentum from the first
+    compressed step: it needs top-k with error feedback and Adam's variance frozen."""
+    p, t = cfg.parallel, cfg.training
+    if not p.momentum_correction:
+        return
+    fixes = []
+    if p.gradient_compression != "topk" or not p.error_feedback:
+        fixes.append("parallel.gradient_compression=topk with parallel.error_feedback=true")
+    if t.adam_freeze_step <= 0:
+        fixes.append("training.adam_freeze_step > 0 (the variance frozen, so that the update is linear in what "
+                     "arrives), e.g. equal to parallel.compression_warmup_steps")
+    if fixes:
+        raise ConfigError("parallel.momentum_correction=true needs " + " and ".join(fixes)
+                          + "; or set parallel.momentum_correction=false")
 
 
 def _check_compression(p: ParallelConfig) -> None:

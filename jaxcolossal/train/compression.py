@@ -178,14 +178,20 @@ def topk_count(size: int, ratio: float) -> int:
     return max(1, min(size, math.ceil(ratio * size)))
 
 
-def _topk_leaf(g: jax.Array, e: jax.Array | None, ratio: float, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+def _topk_leaf(g: jax.Array, e: jax.Array | None, ratio: float, mesh: Mesh, u: jax.Array | None = None,
+               beta: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """One leaf: ``g`` fp32 ``[N, *shape]`` per-shard gradients (sharded over the data group on dim
-    0), ``e`` the residual of the same shape or ``None``. Returns the dense sum over the shards of
-    what they sent (fp32 ``shape``, replicated) and the new residual (``[N, *shape]``)."""
+    0), ``e`` the residual of the same shape or ``None``, ``u`` the shards' momentum (momentum
+    correction) or ``None``. Returns the dense sum over the shards of what they sent (fp32
+    ``shape``, replicated), the new residual and the new momentum (``[N, *shape]``; ``None``
+    without ``u``)."""
     n, shape = g.shape[0], g.shape[1:]
     m = math.prod(shape)
     k = topk_count(m, ratio)
     rows = P(DATA_AXES, None)
+    if u is not None:  # DGC's momentum correction: the shard's own momentum is what accumulates
+        u = beta * u + (1 - beta) * g
+        g = u
     flat = jax.lax.with_sharding_constraint((g if e is None else g + e).reshape(n, m), NamedSharding(mesh, rows))
 
     def select(f):  # on each device, its own shard's rows (XLA would gather a global top_k first)
@@ -199,29 +205,44 @@ def _topk_leaf(g: jax.Array, e: jax.Array | None, ratio: float, mesh: Mesh) -> t
     vals = jax.lax.with_sharding_constraint(vals, everywhere)
     idx = jax.lax.with_sharding_constraint(idx, everywhere)
     dense = jnp.zeros((m,), jnp.float32).at[idx.reshape(-1)].add(vals.reshape(-1))
-    return dense.reshape(shape), residual.reshape(g.shape)
+    return dense.reshape(shape), residual.reshape(g.shape), u
 
 
-def topk_reduce(grads: Any, residual: Any, ratio: float, mesh: Mesh) -> tuple[Any, Any]:
+def topk_reduce(grads: Any, residual: Any, ratio: float, mesh: Mesh, momentum: float | None = None
+                ) -> tuple[Any, Any]:
     """Top-k compressed sum over the data group of per-shard gradients.
 
     Args:
         grads: fp32 param-shaped tree, each leaf ``[N, ...]`` (N = dp·fsdp), sharded
             ``P(("dp", "fsdp"), ...)``: the step's unreduced per-shard gradient sums.
-        residual: the same shapes (error feedback), or ``None`` (none kept).
+        residual: the same shapes (error feedback), or ``None`` (none kept); with ``momentum``,
+            ``{"error": tree, "velocity": tree}`` of those shapes.
         ratio: ``parallel.compression_ratio`` in (0, 1].
         mesh: the device mesh.
+        momentum: β₁ for DGC's momentum correction (Lin et al., 2018, §3.2;
+            ``parallel.momentum_correction``): each shard's ``velocity = β₁·velocity + (1 − β₁)·g``
+            (Adam's first moment, of its own gradient) is added to its error and the top-k of that
+            sum is sent. The velocity is not reset where an element was sent (DGC's "momentum
+            factor masking" is left out: it drops a (1 − β₁) share of every element sent often, so
+            that at ratio 1 the run would train 10× slower; without it, ratio 1 is exactly Adam).
+            ``None``: the gradient itself is sent.
 
     Returns:
         ``(summed, new_residual)``: fp32 param-shaped sums (replicated; the caller constrains them
-        to the gradient sharding) and the residual tree (``None`` when ``residual`` is ``None``).
+        to the gradient sharding) and the residual (same structure as ``residual``).
     """
     leaves, treedef = jax.tree.flatten(grads)
-    res = jax.tree.leaves(residual) if residual is not None else [None] * len(leaves)
-    out = [_topk_leaf(g, e, ratio, mesh) for g, e in zip(leaves, res)]
-    summed = jax.tree.unflatten(treedef, [s for s, _ in out])
-    new_res = jax.tree.unflatten(treedef, [r for _, r in out]) if residual is not None else None
-    return summed, new_res
+    if momentum is not None:
+        res, vel = jax.tree.leaves(residual["error"]), jax.tree.leaves(residual["velocity"])
+    else:
+        res = jax.tree.leaves(residual) if residual is not None else [None] * len(leaves)
+        vel = [None] * len(leaves)
+    out = [_topk_leaf(g, e, ratio, mesh, u, momentum or 0.0) for g, e, u in zip(leaves, res, vel)]
+    summed = jax.tree.unflatten(treedef, [o[0] for o in out])
+    tree = lambda j: jax.tree.unflatten(treedef, [o[j] for o in out])  # noqa: E731
+    if momentum is not None:
+        return summed, {"error": tree(1), "velocity": tree(2)}
+    return summed, (tree(1) if residual is not None else None)
 
 
 def wire_bytes(shapes: Any, ratio: float, n: int) -> dict[str, int]:
@@ -361,13 +382,14 @@ def powersgd_wire(views: dict, param_shapes: Any, rank: int) -> dict[str, int]:
 
 def state_bytes(parallel: Any, param_shapes: Any, param_axes: Any) -> int:
     """Per-device bytes of the compression state (:attr:`TrainState.residual`): top-k's
-    error-feedback residual, 4 bytes per parameter (each device its own shard's); PowerSGD's
+    error-feedback residual, 4 bytes per parameter (each device its own shard's; 8 with momentum
+    correction's velocity); PowerSGD's
     errors for the compressed leaves (4 bytes per parameter, with error feedback) plus its
     replicated ``Q`` factors. 0 without compression. Compression runs without tp/pp, so every
     device holds whole leaves."""
     sizes = [math.prod(s) for s in jax.tree.leaves(param_shapes, is_leaf=lambda x: isinstance(x, tuple))]
-    if parallel.gradient_compression == "topk":
-        return 4 * sum(sizes) if parallel.error_feedback else 0
+    if parallel.gradient_compression == "topk":  # the residual, and the momentum-correction velocity
+        return 4 * sum(sizes) * (2 if parallel.momentum_correction else 1) if parallel.error_feedback else 0
     if parallel.gradient_compression == "powersgd":
         views = powersgd_views(param_shapes, param_axes, parallel.powersgd_rank)
         q = sum(math.prod(shape[:lead]) * m * parallel.powersgd_rank for shape, lead, _, m in views.values())

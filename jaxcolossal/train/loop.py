@@ -270,8 +270,9 @@ def _warn_about_freeze(cfg: Config) -> None:
     if p.gradient_compression == "topk" and p.error_feedback and not t.adam_freeze_step:
         log.warning("top-k with error feedback under Adam's live variance: the error a shard sends late inflates "
                     "Adam's second moment. In docs/communication.md's 300-step runs, a dense warm-up then a frozen "
-                    "variance trained best: parallel.compression_warmup_steps=100 training.adam_freeze_step=100 "
-                    "(about a third of the run, well after the learning-rate warm-up)", ranks=[0])
+                    "variance with momentum correction trained best: parallel.compression_warmup_steps=100 "
+                    "training.adam_freeze_step=100 parallel.momentum_correction=true (about a third of the run, "
+                    "well after the learning-rate warm-up)", ranks=[0])
     if 0 < t.adam_freeze_step <= t.warmup_steps:
         log.warning(f"training.adam_freeze_step={t.adam_freeze_step} freezes Adam's variance within the "
                     f"learning-rate warm-up (training.warmup_steps={t.warmup_steps}): the early gradients' large "
@@ -304,6 +305,7 @@ def _start(cfg: Config) -> Run:
                 + (f" rank {cfg.parallel.powersgd_rank}" if cfg.parallel.gradient_compression == "powersgd"
                    else f" ratio {cfg.parallel.compression_ratio:g}")
                 + ("" if cfg.parallel.error_feedback else " without error feedback")
+                + (" with momentum correction" if cfg.parallel.momentum_correction else "")
                 + (f" after {cfg.parallel.compression_warmup_steps} dense steps"
                    if cfg.parallel.compression_warmup_steps else "")
                 if cfg.parallel.gradient_compression != "none" else ""), ranks=[0])

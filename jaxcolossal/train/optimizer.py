@@ -41,8 +41,8 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float,
-                                  freeze_step: int) -> optax.GradientTransformation:
+def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step: int,
+                                  momentum_step: int | None = None) -> optax.GradientTransformation:
     """``optax.scale_by_adam`` whose second moment stops changing after ``freeze_step`` updates.
 
     Follows 1-bit Adam (Tang et al., 2021, "1-bit Adam: Communication Efficient Large-Scale
@@ -55,10 +55,18 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float,
     damps its later steps (measured in docs/communication.md).
 
     Update ``t`` (1-based): ``mu = b1·mu + (1−b1)·g`` always; ``nu = b2·nu + (1−b2)·g²`` only while
-    ``t ≤ freeze_step``; the step is ``mu/(1−b1^t) / (sqrt(nu/(1−b2^min(t, freeze_step))) + eps)``.
+    ``t ≤ freeze_step``, and after it only where ``nu`` is still 0 (an element that had no gradient
+    before the freeze, such as the embedding row of a token not seen yet: frozen at 0, its steps
+    would be ``mu/eps``; it takes its variance from its first gradient and freezes then); the step is ``mu/(1−b1^t) / (sqrt(nu/(1−b2^min(t, freeze_step))) + eps)``.
     Until the freeze it is ``optax.scale_by_adam`` to the bit. The state is optax's
     ``ScaleByAdamState`` (``count`` int32 scalar; ``mu``, ``nu`` fp32 like the params, sharded as
     the optimizer state). ``freeze_step`` ≥ 1.
+
+    ``momentum_step`` (DGC's momentum correction, ``parallel.momentum_correction``): from update
+    ``momentum_step + 1`` on, ``mu = g``: the gradient that arrives is already a momentum, summed
+    from the shards' own (:func:`jaxcolossal.train.compression.topk_reduce`), so none is added on
+    top; an element still without a variance takes it from ``(g − b1·mu_prev)/(1 − b1)``, the
+    gradient that momentum stands for. ``None``: never.
     """
     if freeze_step < 1:
         raise ValueError(f"freeze_step must be >= 1, got {freeze_step}")
@@ -69,14 +77,30 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float,
         count = optax.safe_increment(state.count)
         frozen = state.count >= freeze_step  # this update is past the freeze
         mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-        fresh = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
-        nu = jax.tree.map(lambda old, new: jnp.where(frozen, old, new), state.nu, fresh)
+        grads = updates
+        if momentum_step is not None:  # the shards' momentum arrives with the gradient
+            corrected = state.count >= momentum_step
+            mu = jax.tree.map(lambda m, g: jnp.where(corrected, g, m), mu, updates)
+            # the gradient it stands for, for the variance of elements not yet seen (below)
+            grads = jax.tree.map(lambda g, m: jnp.where(corrected, (g - b1 * m) / (1 - b1), g), updates, state.mu)
+        fresh = optax.tree.update_moment_per_elem_norm(grads, state.nu, b2, 2)
+        # an element never seen before the freeze (nu = 0: an embedding row of a token not yet met)
+        # gets its variance from its first gradient, then freezes: else its step would be m/eps
+        nu = jax.tree.map(lambda old, new: jnp.where(frozen & (old > 0), old, new), state.nu, fresh)
         mu_hat = optax.tree.bias_correction(mu, b1, count)
         nu_hat = optax.tree.bias_correction(nu, b2, jnp.minimum(count, freeze_step))
         out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformation(adam.init, update_fn)
+
+
+def momentum_step_of(plan: Any) -> int | None:
+    """The update from which the optimizer's first moment is the incoming gradient: the first
+    compressed step under ``parallel.momentum_correction`` (``compression_warmup_steps``), else
+    ``None``."""
+    p = None if plan is None else plan.cfg.parallel
+    return p.compression_warmup_steps if p is not None and p.momentum_correction else None
 
 
 def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = False,
@@ -103,7 +127,8 @@ def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = Fals
                            weight_decay=t.weight_decay, mask=mask, **local)
     elif t.adam_freeze_step > 0:  # optax.adamw with the variance frozen (1-bit Adam)
         adam = optax.chain(
-            scale_by_adam_frozen_variance(t.adam_beta1, t.adam_beta2, t.adam_eps, t.adam_freeze_step),
+            scale_by_adam_frozen_variance(t.adam_beta1, t.adam_beta2, t.adam_eps, t.adam_freeze_step,
+                                          momentum_step_of(plan)),
             optax.add_decayed_weights(t.weight_decay, mask), optax.scale_by_learning_rate(sched))
     else:
         adam = optax.adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,

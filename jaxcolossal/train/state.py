@@ -55,7 +55,8 @@ class TrainState:
         residual: with ``parallel.gradient_compression=topk`` and ``error_feedback``, each data
             shard's fp32 gradient not yet sent: param-shaped leaves with a leading ``[N]`` (the
             data group), sharded ``P(("dp", "fsdp"), ...)`` (each device its own); with
-            ``powersgd``, ``{"q": {leaf: fp32 [*layers, m, r]} (replicated), "error": {leaf: fp32
+            ``parallel.momentum_correction``, ``{"error": that, "velocity": the shard's momentum,
+            the same shapes}``; with ``powersgd``, ``{"q": {leaf: fp32 [*layers, m, r]} (replicated), "error": {leaf: fp32
             [N, ...]}}`` for the compressed leaves (:func:`jaxcolossal.train.compression.powersgd_init`);
             else ``None``.
     """
@@ -172,12 +173,14 @@ def powersgd_views_of(plan: TrainPlan) -> dict:
 
 
 def residual_specs(plan: TrainPlan) -> Any:
-    """Specs of :attr:`TrainState.residual` (``None`` without one): ``[N, ...]`` per data shard."""
+    """Specs of :attr:`TrainState.residual` (``None`` without one): ``[N, ...]`` per data shard
+    (with ``parallel.momentum_correction``: ``{"error": ..., "velocity": ...}``, both so)."""
     if not keeps_residual(plan):
         return None
     if plan.cfg.parallel.gradient_compression == "powersgd":
         return powersgd_specs(powersgd_views_of(plan), plan.cfg.parallel.error_feedback)
-    return jax.tree.map(lambda s: P(DATA_AXES, *s), plan.specs.base, is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.map(lambda s: P(DATA_AXES, *s), plan.specs.base, is_leaf=lambda x: isinstance(x, P))
+    return {"error": specs, "velocity": specs} if plan.cfg.parallel.momentum_correction else specs
 
 
 def init_residual(plan: TrainPlan, params: Any) -> Any:
@@ -188,7 +191,8 @@ def init_residual(plan: TrainPlan, params: Any) -> Any:
     if p.gradient_compression == "powersgd":
         return powersgd_init(powersgd_views_of(plan), p.powersgd_rank, plan.data_size, p.error_feedback,
                              seed=plan.cfg.training.seed)
-    return jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)
+    zeros = lambda: jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)  # noqa: E731
+    return {"error": zeros(), "velocity": zeros()} if p.momentum_correction else zeros()
 
 
 def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:

@@ -91,6 +91,20 @@ def prefetches_weights(cfg) -> bool:
             and cfg.model.remat == "full" and cfg.offload.offload_param_frac == 0)
 
 
+def adam_first_moment(opt_state: Any) -> Any:
+    """Adam's first moment ``mu`` (param-shaped fp32, the optimizer state's sharding) from an optax
+    state holding one ``ScaleByAdamState``: where momentum correction starts from it.
+
+    Raises:
+        ValueError: no ``ScaleByAdamState`` in ``opt_state``.
+    """
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+             if isinstance(x, optax.ScaleByAdamState)]
+    if len(found) != 1:
+        raise ValueError(f"momentum correction needs one Adam first moment in the optimizer state, found {len(found)}")
+    return found[0].mu
+
+
 def gathers_lowp(plan: TrainPlan) -> bool:
     """Whether ZeRO-3's weight all-gathers move ``parallel.communication_dtype`` (bf16/fp8) rather
     than the compute dtype (ZeRO++'s qwZ, :func:`jaxcolossal.train.compression.gather_lowp`): ZeRO-3
@@ -162,7 +176,7 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     global_grad = jax.value_and_grad(global_loss, has_aux=True)
 
     def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
-                step=None):
+                step=None, first_moment=None):
         B, t = inputs.shape
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
@@ -213,8 +227,15 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
         if compress:  # parallel.gradient_compression (+ error feedback)
             def compressed(acc, residual):
+                if p.momentum_correction:  # the first compressed step: each shard starts from its share
+                    # of the optimizer's momentum (1/N of it), so that none of the warm-up's is lost
+                    start = step == p.compression_warmup_steps
+                    vel = jax.tree.map(lambda v, mu: jnp.where(start, jnp.broadcast_to(mu / n, v.shape), v),
+                                       residual["velocity"], first_moment)
+                    residual = {**residual, "velocity": vel}
                 if topk:  # each shard sends its largest elements
-                    summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh)
+                    summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh,
+                                                   cfg.training.adam_beta1 if p.momentum_correction else None)
                 else:  # rank-r factors of each weight matrix
                     summed, residual = powersgd_reduce(acc, residual, views, mesh)
                 return constrain(summed, mesh, plan.specs.base), residual
@@ -249,7 +270,8 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
             (another optax transformation, as the Booster's) moves them into device memory whole.
 
     Raises:
-        ValueError: ``offload.optimizer_device=host`` or ``offload.nvme_path`` with ``tx_from_config=False``.
+        ValueError: ``offload.optimizer_device=host``, ``offload.nvme_path`` or
+            ``parallel.momentum_correction`` with ``tx_from_config=False``.
 
     ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``, and
     optionally ``"loss_mask"`` ``[B, t]`` (1 = trained on, 0 = prompt or padding; any dtype): the
@@ -264,9 +286,13 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     grad_fn = make_grad_fn(plan)
     mesh, specs, pc = plan.mesh, plan.specs, plan.cfg.precision
     compress = plan.cfg.parallel.gradient_compression != "none"
+    momentum_correction = plan.cfg.parallel.momentum_correction
     fp16 = plan.precision == "fp16"
     shardings = state_shardings(plan, tx)
     pl = plan.placement
+    if plan.cfg.parallel.momentum_correction and not tx_from_config:
+        raise ValueError("parallel.momentum_correction needs the config's optimizer (tx_from_config=True): its "
+                         "first moment is replaced by the shards' momentum from the first compressed step")
     if pl is not None and pl.any_optim and pl.optimizer_device == "host" and not tx_from_config:
         raise ValueError("offload.optimizer_device=host needs the config's optimizer (tx_from_config=True)")
     split_update = pl is not None and pl.any_optim and tx_from_config
@@ -283,7 +309,8 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
         # offloaded compute params: the stacked layers stream in inside the layer scan, the rest come in first
         params = to_device(state.params, shardings.params, streamed)
         out = grad_fn(params, batch["inputs"], batch["targets"], scale, mask, batch.get("segment_ids"),
-                      batch.get("positions"), **({"residual": state.residual, "step": state.step} if compress else {}))
+                      batch.get("positions"), **({"residual": state.residual, "step": state.step} if compress else {}),
+                      **({"first_moment": adam_first_moment(state.opt_state)} if momentum_correction else {}))
         loss_sum, grads = out[:2]
         residual = out[2] if compress else None
         n_tok = token_count(batch["inputs"], mask)

@@ -26,7 +26,7 @@ from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, gather_lo
                                            topk_count, topk_reduce, wire_bytes)
 from jaxcolossal.train.loop import memory_report
 from jaxcolossal.train.state import make_plan, powersgd_views_of
-from tiny import random_batches, run_steps, setup, tiny_config
+from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 
 def _cfg(**parallel):
@@ -67,6 +67,43 @@ def test_sent_plus_residual_is_the_gradient():
         assert np.min(row[r == 0]) >= np.max(row[r != 0])
 
 
+def test_momentum_correction_sends_the_top_k_of_error_plus_momentum_and_loses_nothing():
+    """DGC's momentum correction (``topk_reduce(..., momentum=β)``): each shard's velocity becomes
+    ``β·u + (1 − β)·g``; the k largest of ``error + velocity`` are sent; what is not sent stays in
+    the error; the velocity is kept whole (no momentum factor masking)."""
+    mesh = make_mesh(_cfg().parallel)
+    rows = NamedSharding(mesh, P(DATA_AXES, None, None))
+    rng = np.random.default_rng(3)
+    arr = lambda scale: {"w": jax.device_put((rng.normal(size=(8, 16, 32)) * scale).astype(np.float32), rows)}  # noqa: E731
+    g, e, u = arr(1.0), arr(0.1), arr(0.5)
+    beta = 0.9
+    summed, out = jax.jit(lambda g, r: topk_reduce(g, r, 0.05, mesh, momentum=beta))(g, {"error": e, "velocity": u})
+    vel = beta * np.asarray(u["w"]) + (1 - beta) * np.asarray(g["w"])
+    acc = np.asarray(e["w"]) + vel
+    err, new_vel = np.asarray(out["error"]["w"]), np.asarray(out["velocity"]["w"])
+    np.testing.assert_allclose(np.asarray(summed["w"]) + err.sum(0), acc.sum(0), rtol=1e-5, atol=1e-5)
+    sent = err == 0
+    assert list(sent.reshape(8, -1).sum(1)) == [topk_count(16 * 32, 0.05)] * 8
+    for row, r in zip(np.abs(acc.reshape(8, -1)), sent.reshape(8, -1)):
+        assert np.min(row[r]) >= np.max(row[~r])  # the largest were sent
+    np.testing.assert_allclose(new_vel, vel, rtol=1e-6)
+
+
+def test_momentum_correction_at_ratio_one_is_the_uncompressed_run():
+    """Every element sent: the shards' velocities sum to Adam's first moment (they start from
+    1/N of the optimizer's at the first compressed step), so 2 dense steps then 2 compressed ones
+    equal the uncompressed run with the same frozen variance: losses to rtol 1e-6, params to
+    ``assert_params_match``."""
+    cfg = lambda **p: tiny_config({"data_parallel_size": 8, "zero_stage": 0, **p}, None,  # noqa: E731
+                                  training={"max_grad_norm": 1.0, "adam_freeze_step": 2})
+    base, mb, _ = run_steps(cfg(), steps=4)
+    state, m, _ = run_steps(cfg(gradient_compression="topk", compression_ratio=1.0, momentum_correction=True,
+                                compression_warmup_steps=2), steps=4)
+    np.testing.assert_allclose([r["loss"] for r in m], [r["loss"] for r in mb], rtol=1e-6)
+    assert_params_match(state.params, base.params, lr=cfg().training.learning_rate)
+    assert any(float(jnp.max(jnp.abs(v))) > 0 for v in jax.tree.leaves(state.residual["velocity"]))
+
+
 @pytest.mark.parametrize("zero", [0])  # (ZeRO-1's the same exchange, then a local slice: checked by hand)
 def test_the_wire_carries_k_values_and_indices_per_shard(zero):
     out = {}
@@ -83,13 +120,15 @@ def test_the_wire_carries_k_values_and_indices_per_shard(zero):
     assert out["topk"]["all-gather"]["bytes"] - out["none"].get("all-gather", {"bytes": 0})["bytes"] == want["topk"]
 
 
-@pytest.mark.parametrize("comp", ["topk", "powersgd"])
+@pytest.mark.parametrize("comp", ["topk", "topk_momentum", "powersgd"])
 def test_the_residual_is_checkpointed_and_resume_is_bit_exact(tmp_path, comp):
     """Top-k as recommended, with Adam's variance frozen after step 1 (the resumed steps are past
-    the freeze, so the frozen state is restored too)."""
-    cfg = _cfg(zero_stage=1, gradient_compression=comp, compression_ratio=0.05, powersgd_rank=2)
-    if comp == "topk":
-        cfg.training.adam_freeze_step = 1
+    the freeze, so the frozen state is restored too); with momentum correction from step 1 (one
+    dense step first), the shards' velocity is in the state too."""
+    cfg = tiny_config({"data_parallel_size": 8, "zero_stage": 1, "gradient_compression": comp.split("_")[0],
+                       "compression_ratio": 0.05, "powersgd_rank": 2, "momentum_correction": comp == "topk_momentum",
+                       "compression_warmup_steps": int(comp == "topk_momentum")}, None,
+                      training={"max_grad_norm": 1.0, "adam_freeze_step": int(comp.startswith("topk"))})
     plan, tx, state, step = setup(cfg)
     xs = random_batches(cfg, 4)
     fresh = jax.tree.map(lambda x: x.copy(), state)
@@ -123,6 +162,15 @@ def test_compression_settings_are_checked_before_compiling():
         validate(_cfg(gradient_compression="topk", compression_ratio=0.0))
     with pytest.raises(ConfigError, match="zero_stage 0 or 1"):
         validate(_cfg(gradient_compression="topk", zero_stage=2))
+    with pytest.raises(ConfigError, match=r"momentum_correction=true needs parallel.gradient_compression=topk with "
+                                          r"parallel.error_feedback=true and training.adam_freeze_step > 0"):
+        validate(_cfg(momentum_correction=True))
+    cfg = tiny_config({"data_parallel_size": 8, "gradient_compression": "topk", "momentum_correction": True},
+                      training={"adam_freeze_step": 10})
+    validate(cfg)
+    cfg.parallel.error_feedback = False
+    with pytest.raises(ConfigError, match="error_feedback=true"):
+        validate(cfg)
     with pytest.raises(ConfigError, match="no tensor or pipeline parallelism"):
         validate(tiny_config({"data_parallel_size": 4, "tensor_parallel_size": 2, "gradient_compression": "topk"}))
     with pytest.raises(ConfigError, match=r"zero_stage 0 or 1 \(got 2.*; and no tensor or pipeline"):  # both at once

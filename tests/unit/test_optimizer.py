@@ -37,6 +37,44 @@ def test_until_the_freeze_it_is_optax_adam_bit_for_bit_then_the_variance_stays()
     assert int(s_ours.count) == len(grads)
 
 
+def test_momentum_step_takes_the_incoming_gradient_as_the_first_moment():
+    """DGC's momentum correction: from update ``momentum_step + 1`` on, ``mu`` is the gradient
+    that arrived (it carries the shards' momentum already); before it, Adam's own ``mu``."""
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    ours = scale_by_adam_frozen_variance(b1, b2, eps, freeze_step=2, momentum_step=3)
+    plain = scale_by_adam_frozen_variance(b1, b2, eps, freeze_step=2)
+    params = {"w": jnp.zeros((3, 5)), "b": jnp.zeros((5,))}
+    s_ours, s_plain = ours.init(params), plain.init(params)
+    for t, g in enumerate(_grads(6), start=1):
+        u_ours, s_ours = ours.update(g, s_ours)
+        u_plain, s_plain = plain.update(g, s_plain)
+        if t <= 3:
+            for a, b in zip(jax.tree.leaves((u_ours, s_ours)), jax.tree.leaves((u_plain, s_plain))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            np.testing.assert_array_equal(np.asarray(s_ours.mu["w"]), np.asarray(g["w"]))
+            want = (g["w"] / (1 - b1 ** t)) / (jnp.sqrt(s_ours.nu["w"] / (1 - b2 ** 2)) + eps)
+            np.testing.assert_allclose(np.asarray(u_ours["w"]), np.asarray(want), rtol=1e-6)
+
+
+def test_an_element_unseen_before_the_freeze_takes_its_variance_from_its_first_gradient():
+    """An embedding row of a token not met before the freeze has ``nu = 0``: frozen there, its
+    first step would be ``mu/eps`` (~1e6 here). It takes ``(1 − b2)·g²`` from its first gradient
+    instead, then stays frozen; elements seen before the freeze never move their ``nu``."""
+    b1, b2, eps, freeze = 0.9, 0.95, 1e-8, 2
+    tx = scale_by_adam_frozen_variance(b1, b2, eps, freeze)
+    state = tx.init({"w": jnp.zeros((2,))})
+    for g in ([1.0, 0.0], [1.0, 0.0]):  # element 1 sees nothing before the freeze
+        _, state = tx.update({"w": jnp.asarray(g)}, state)
+    frozen = float(state.nu["w"][0])
+    u, state = tx.update({"w": jnp.asarray([1.0, 0.5])}, state)
+    assert float(state.nu["w"][0]) == frozen
+    assert float(state.nu["w"][1]) == np.float32(1 - b2) * 0.25
+    assert abs(float(u["w"][1])) < 1.0  # not mu/eps
+    _, state = tx.update({"w": jnp.asarray([1.0, 2.0])}, state)
+    assert float(state.nu["w"][1]) == np.float32(1 - b2) * 0.25  # frozen from there
+
+
 def test_frozen_variance_makes_the_update_linear_in_the_gradient():
     """Why error feedback needs it: past the freeze, sending a gradient late moves the weights by
     the same total (momentum decays to zero) as sending it on time; Adam's live variance would not."""
