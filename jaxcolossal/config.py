@@ -883,8 +883,10 @@ def _check_momentum_correction(cfg: Config) -> None:
     if not p.momentum_correction:
         return
     fixes = []
-    if p.gradient_compression != "topk" or not p.error_feedback:
-        fixes.append("parallel.gradient_compression=topk with parallel.error_feedback=true")
+    if p.gradient_compression != "topk":
+        fixes.append(f"parallel.gradient_compression=topk (got {p.gradient_compression})")
+    elif not p.error_feedback:
+        fixes.append("parallel.error_feedback=true (the velocity's unsent part is the residual)")
     if t.adam_freeze_step <= 0:
         fixes.append("training.adam_freeze_step > 0 (the variance frozen, so that the update is linear in what "
                      "arrives), e.g. equal to parallel.compression_warmup_steps")

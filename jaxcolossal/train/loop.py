@@ -99,7 +99,8 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
         predicted = compression_bytes(plan.cfg.parallel, plan.param_shapes, plan.param_axes)
         lines.append(f"  {'compression':<10} {held / 2**20:10.3f} MiB   formula {predicted / 2**20:10.3f} MiB "
                      f"({plan.cfg.parallel.gradient_compression} state: error feedback"
-                     + (", Q" if plan.cfg.parallel.gradient_compression == "powersgd" else "") + ")")
+                     + (", Q" if plan.cfg.parallel.gradient_compression == "powersgd" else "")
+                     + (" + momentum correction's velocity" if plan.cfg.parallel.momentum_correction else "") + ")")
         out["compression"] = {"measured": held, "formula": predicted}
     pl = plan.placement
     if pl is not None and pl.active:  # by memory kind, read from each shard's sharding.memory_kind
@@ -296,6 +297,10 @@ def _start(cfg: Config) -> Run:
                 if cfg.parallel.sequence_parallelism_mode != "none" else "")
              + (f"; attention {cfg.model.attention_impl}" if cfg.model.attention_impl != "xla" else "")
              + ("; ZeRO-3 weight prefetch (parallel.overlap)" if prefetches_weights(cfg) else "")
+             + (f"; no ZeRO-3 weight prefetch (parallel.communication_dtype={cfg.parallel.communication_dtype} "
+                "reduces the gradients per data shard; the prefetch needs fp32)"
+                if cfg.parallel.zero_stage == 3 and cfg.parallel.overlap and cfg.model.remat == "full"
+                and cfg.parallel.communication_dtype != "fp32" else "")
              + ("; TP collective matmul (parallel.overlap)" if plan.sharder.collective_matmul(t.seq_len) else "")
              + (f"; Adam's variance frozen after step {t.adam_freeze_step}" if t.adam_freeze_step else "")
              + (f"; gradient communication {cfg.parallel.communication_dtype}"
