@@ -75,6 +75,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
     lines += _offload_lines(cfg, shapes, specs, shape)
+    lines.append(_communication_line(cfg, rp))
     if p.zero_stage > 0 and rp.data_parallel_size == 1:
         lines.append(f"note       zero_stage {p.zero_stage} with data_parallel_size 1 shards nothing: "
                      "ZeRO splits state over the data-parallel group")
@@ -84,6 +85,31 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
                      f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
     return "\n".join(lines)
+
+
+def _communication_line(cfg: Config, rp) -> str:
+    """The dry run's line on the data-parallel traffic: how the gradients are reduced
+    (``parallel.communication_dtype``, ``gradient_compression`` and its options) and the bytes each
+    device sends for it per step (:func:`dp_gradient_bytes`), and whether ZeRO-3 gathers the
+    layers' weights in ``communication_dtype`` (ZeRO++'s qwZ)."""
+    from jaxcolossal.train.compression import WIRE_BYTES
+    p = cfg.parallel
+    dp = rp.data_parallel_size
+    if p.gradient_compression == "topk":
+        how = (f"top-k {p.compression_ratio:g}" + (" with error feedback" if p.error_feedback else " without error feedback")
+               + (" and momentum correction" if p.momentum_correction else ""))
+    elif p.gradient_compression == "powersgd":
+        how = f"PowerSGD rank {p.powersgd_rank}" + ("" if p.error_feedback else " without error feedback")
+    else:
+        how = ("all-reduce" if p.zero_stage == 0 else "reduce-scatter") + f" in {p.communication_dtype}"
+    if p.compression_warmup_steps and p.gradient_compression != "none":
+        how += f" after {p.compression_warmup_steps} dense steps"
+    sent = dp_gradient_bytes(cfg, dp, rp.tensor_parallel_size, rp.pipeline_parallel_size)
+    line = f"comm       data-parallel gradients over {dp}: {how}, {sent / 2**20:,.2f} MiB sent per device per step"
+    compute_bytes = 4 if cfg.precision.mode == "fp32" else 2
+    if p.zero_stage == 3 and dp > 1 and WIRE_BYTES[p.communication_dtype] < compute_bytes:
+        line += f"; ZeRO-3 layer weights gathered in {p.communication_dtype}"
+    return line
 
 
 def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:

@@ -89,6 +89,24 @@ def test_80_layer_example_validates_and_plans():
     assert "mesh {'pp': 4, 'dp': 1, 'fsdp': 1, 'sp': 1, 'tp': 8}" in text
     assert cfg.training.batch_size == 16  # micro_batch_size 1 × 16 accumulation steps × dp 1
     assert "per-device model state" in text
+    assert "comm       data-parallel gradients over 1: reduce-scatter in fp32, 0.00 MiB" in text
+
+
+def test_dry_run_names_the_gradient_communication():
+    """The dry run's ``comm`` line: the reduction's kind, its options and the planner's bytes."""
+    from jaxcolossal.config import config_from_dict
+    from jaxcolossal.plan import dp_gradient_bytes
+    base = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+                      "vocab_size": 256, "max_position_embeddings": 32},
+            "training": {"batch_size": 8, "seq_len": 32, "adam_freeze_step": 10}}
+    cfg = config_from_dict({**base, "parallel": {"data_parallel_size": 8, "zero_stage": 0, "gradient_compression": "topk",
+                                                 "momentum_correction": True, "compression_warmup_steps": 10}})
+    line = [x for x in dry_run(cfg).splitlines() if x.startswith("comm")][0]
+    mib = dp_gradient_bytes(cfg, 8) / 2**20
+    assert line == ("comm       data-parallel gradients over 8: top-k 0.01 with error feedback and momentum correction "
+                    f"after 10 dense steps, {mib:,.2f} MiB sent per device per step")
+    cfg = config_from_dict({**base, "parallel": {"data_parallel_size": 8, "zero_stage": 3, "communication_dtype": "fp8"}})
+    assert ("reduce-scatter in fp8" in dry_run(cfg)) and ("ZeRO-3 layer weights gathered in fp8" in dry_run(cfg))
 
 
 # ----------------------------------------------------------------------------- values that make no sense
