@@ -57,7 +57,8 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
     Update ``t`` (1-based): ``mu = b1·mu + (1−b1)·g`` always; ``nu = b2·nu + (1−b2)·g²`` only while
     ``t ≤ freeze_step``, and after it only where ``nu`` is still 0 (an element that had no gradient
     before the freeze, such as the embedding row of a token not seen yet: frozen at 0, its steps
-    would be ``mu/eps``; it takes its variance from its first gradient and freezes then); the step is ``mu/(1−b1^t) / (sqrt(nu/(1−b2^min(t, freeze_step))) + eps)``.
+    would be ``mu/eps``; it takes its variance from its first gradient and freezes then); the step
+    is ``mu/(1−b1^t) / (sqrt(nu/(1−b2^min(t, freeze_step))) + eps)``.
     Until the freeze it is ``optax.scale_by_adam`` to the bit. The state is optax's
     ``ScaleByAdamState`` (``count`` int32 scalar; ``mu``, ``nu`` fp32 like the params, sharded as
     the optimizer state). ``freeze_step`` ≥ 1.

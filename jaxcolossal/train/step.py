@@ -228,10 +228,11 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
         if compress:  # parallel.gradient_compression (+ error feedback)
             def compressed(acc, residual):
                 if p.momentum_correction:  # the first compressed step: each shard starts from its share
-                    # of the optimizer's momentum (1/N of it), so that none of the warm-up's is lost
-                    start = step == p.compression_warmup_steps
-                    vel = jax.tree.map(lambda v, mu: jnp.where(start, jnp.broadcast_to(mu / n, v.shape), v),
-                                       residual["velocity"], first_moment)
+                    # of the optimizer's momentum (1/N of it), so that none of the warm-up's is lost; a
+                    # cond, so that a ZeRO-1 momentum is gathered at that step only
+                    share = lambda v: constrain(jax.tree.map(  # noqa: E731
+                        lambda a, mu: jnp.broadcast_to(mu / n, a.shape), v, first_moment), mesh, per_shard_specs)
+                    vel = jax.lax.cond(step == p.compression_warmup_steps, share, lambda v: v, residual["velocity"])
                     residual = {**residual, "velocity": vel}
                 if topk:  # each shard sends its largest elements
                     summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh,
