@@ -92,7 +92,7 @@ def _communication_line(cfg: Config, rp) -> str:
     (``parallel.communication_dtype``, ``gradient_compression`` and its options) and the bytes each
     device sends for it per step (:func:`dp_gradient_bytes`), and whether ZeRO-3 gathers the
     layers' weights in ``communication_dtype`` (ZeRO++'s qwZ)."""
-    from jaxcolossal.train.compression import WIRE_BYTES
+    from jaxcolossal.train.compression import weight_gather_dtype
     p = cfg.parallel
     dp = rp.data_parallel_size
     if p.gradient_compression == "topk":
@@ -106,10 +106,8 @@ def _communication_line(cfg: Config, rp) -> str:
         how += f" after {p.compression_warmup_steps} dense steps"
     sent = dp_gradient_bytes(cfg, dp, rp.tensor_parallel_size, rp.pipeline_parallel_size)
     line = f"comm       data-parallel gradients over {dp}: {how}, {sent / 2**20:,.2f} MiB sent per device per step"
-    compute_bytes = 4 if cfg.precision.mode == "fp32" else 2
-    if p.zero_stage == 3 and dp > 1 and WIRE_BYTES[p.communication_dtype] < compute_bytes:
-        line += f"; ZeRO-3 layer weights gathered in {p.communication_dtype}"
-    return line
+    kind = weight_gather_dtype(cfg, dp)
+    return line + (f"; ZeRO-3 layer weights gathered in {kind}" if kind else "")
 
 
 def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
@@ -455,8 +453,9 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     dp_bytes = dp_gradient_bytes(cfg, dp, tp, pp, k)                 # the gradient reduction(s)
     if zero > 0:  # param all-gathers; ZeRO-3's in communication_dtype where narrower (ZeRO++ qwZ: the
         # layers' weights, nearly all of Ψ; the embedding and head are left at p_bytes here)
-        from jaxcolossal.train.compression import WIRE_BYTES
-        gather_b = min(p_bytes, WIRE_BYTES[cfg.parallel.communication_dtype]) if zero == 3 else p_bytes
+        from jaxcolossal.train.compression import WIRE_BYTES, weight_gather_dtype
+        kind = weight_gather_dtype(cfg, dp)
+        gather_b = WIRE_BYTES[kind] if kind else p_bytes
         dp_bytes += _ring(dp) * gather_b * psi * (2 * k if zero == 3 else 1)
     act = (t.batch_size // (dp * k)) * t.seq_len * m.hidden_size * p_bytes  # one microbatch's [b, s, d]
     tp_bytes = 4 * m.num_layers // pp * k * 2 * _ring(tp) * act / sp

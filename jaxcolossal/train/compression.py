@@ -82,6 +82,18 @@ def decode(u: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
     return x * scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim))
 
 
+def weight_gather_dtype(cfg: Any, data_size: int) -> str | None:
+    """The dtype ZeRO-3's layer-weight all-gathers move when it is not the compute dtype
+    (ZeRO++'s qwZ, :func:`gather_lowp`): ``parallel.communication_dtype`` under ZeRO-3 over a data
+    group of ``data_size`` > 1, where it is narrower than the compute dtype (fp8 in any run, bf16
+    in an fp32 run). ``None``: the weights are gathered as stored. The one rule the train step,
+    the planner and the dry run read."""
+    from jaxcolossal.train.state import BYTES_PER_PARAM
+    p = cfg.parallel
+    narrower = WIRE_BYTES[p.communication_dtype] < BYTES_PER_PARAM[cfg.precision.mode]["p"]
+    return p.communication_dtype if p.zero_stage == 3 and data_size > 1 and narrower else None
+
+
 def gather_lowp(w: jax.Array, gathered: P, sharded: P, mesh: Mesh, kind: str) -> jax.Array:
     """ZeRO-3's weight all-gather moved in ``kind`` (``bf16`` or ``fp8``): ZeRO++'s quantized
     weights (qwZ, Wang et al., 2023) and Colossal-AI's ``fp8_communication`` for the parameter

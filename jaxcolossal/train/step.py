@@ -53,7 +53,7 @@ from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.sequence import zigzag_batch
 from jaxcolossal.train.nvme import nvme_tier
-from jaxcolossal.train.compression import WIRE_BYTES, lowp_reduce, powersgd_reduce, topk_reduce
+from jaxcolossal.train.compression import lowp_reduce, powersgd_reduce, topk_reduce, weight_gather_dtype
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
 from jaxcolossal.sharding import DATA_AXES, constrain
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
@@ -111,9 +111,7 @@ def gathers_lowp(plan: TrainPlan) -> bool:
     over a data group > 1, and a wire dtype narrower than the compute dtype (bf16 in a bf16 run
     already moves bf16). The stacked layers' weights only: the embedding, head and final norm are
     gathered as stored."""
-    p = plan.cfg.parallel
-    return (p.zero_stage == 3 and p.communication_dtype != "fp32" and plan.data_size > 1
-            and WIRE_BYTES[p.communication_dtype] < jnp.dtype(plan.compute_dtype).itemsize)
+    return weight_gather_dtype(plan.cfg, plan.data_size) is not None
 
 
 def make_grad_fn(plan: TrainPlan) -> Callable:
