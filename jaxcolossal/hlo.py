@@ -55,12 +55,13 @@ class Collective:
 
 _RG_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _RG_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_RG_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_RG_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}")
 
 
 def group_size(line: str) -> int | None:
     """The replica-group size of a collective's HLO line, in each of XLA's three spellings:
-    ``{{0,1,2,3},...}``, ``[groups,size]<=[...]`` and ``mesh['a'=8,'b'=1] {'a'}``."""
+    ``{{0,1,2,3},...}``, ``[groups,size]<=[...]`` and ``mesh['a'=8,'b'=1] {'a'}`` (with or without
+    a ``device_ids=(...)`` between the mesh and the axes)."""
     m = _RG_LIST.search(line)
     if m:
         return len([x for x in m.group(1).split(",") if x])

@@ -363,6 +363,177 @@ def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | N
     return ring * b * psi * (k if p.zero_stage >= 2 else 1)
 
 
+BACKENDS = ("gpu", "cpu")
+
+
+def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> list[tuple[str, str, float, str]]:
+    """The collectives of one train step, as ``(kind, mesh axis, bytes each device sends, what)``
+    terms (ring counts, as :attr:`jaxcolossal.hlo.Collective.sent`; :func:`collective_bytes` sums
+    them per kind). ``N`` the data group, ``k`` the microbatches, ``b·s`` the tokens of one
+    microbatch per data shard, ``d`` the hidden size, ``Ψ_t`` the parameters per tp (and pp) shard,
+    ``E`` the embedding table's share of it:
+
+    * the gradient reduction: ZeRO-0 an all-reduce of ``4Ψ_t`` per step; ZeRO-1 a reduce-scatter;
+      ZeRO-2/3 one per microbatch, of everything but the embedding, whose gradient comes from the
+      microbatch's tokens (all-gathered, int32) and its ``b·s·d`` cotangent (an all-to-all)
+      instead; with ``communication_dtype`` or compression, :func:`dp_gradient_bytes`;
+    * the parameter all-gathers: ZeRO-1/2 ``Ψ_t`` once per step after the update; ZeRO-3 each
+      layer's weights twice per microbatch (forward and backward; with the prefetch, ``k·L + 1``
+      per pass: the first layer's gather is the same for every microbatch), in
+      ``communication_dtype`` where narrower (qwZ), the head once per step, and the embedding
+      lookup as its gradient (tokens and an all-to-all, per microbatch);
+    * Megatron TP over ``t``, per microbatch: the vocab-parallel embedding's and the head's
+      ``b·s·d`` all-reduces, the cross-entropy's three ``b·s`` ones, and per layer 2 in the
+      forward, one per column-parallel projection's input gradient in the backward (2 where XLA
+      reassociates them: its GPU pipeline), and 1 more with ``remat=full`` (the attention's; the
+      MLP's output is not recomputed); under Megatron-SP each becomes an all-gather and a
+      reduce-scatter, each gather done again in the backward for the weights' gradients (TP
+      collective matmul: one ring of ``t − 1`` permutes per projection, 4 forward, 4 backward, 3
+      redone under ``remat=full``; the embedding and head then 3 gathers and 2 all-reduces);
+    * sp: Ulysses' four all-to-alls per layer (q, k, v to heads, the output back), forward and
+      backward; ring attention's k/v hops, below;
+    * pp: an activation forward and a gradient backward per schedule tick, idle or not
+      (collective-permutes; ZeRO-1's reduction is the pipeline's own reduce-scatter, and the
+      leaves every stage holds have their gradients all-reduced over pp); the interleaved schedule
+      also moves the stage's layer weights into its chunks and their gradients back (all-to-alls
+      over pp); sp (ring
+      attention): the k/v hops, ``sp − 1`` per layer forward and as many backward, and the
+      gradient all-reduce over sp.
+
+    ``backend``: ``gpu`` (default) or ``cpu``, what XLA's pipeline of that backend makes of the
+    same program: the CPU's has no ReduceScatterCreator and no AllReduceReassociate (so every
+    reduce-scatter is an all-reduce and a slice, and each projection's input gradient is
+    all-reduced on its own), and it promotes bf16 collectives to fp32 (AllReducePromotion,
+    FloatNormalization; ``xla/service/cpu/cpu_compiler.cc``). Checked per kind against the
+    compiled CPU step's HLO for layouts without pp and sp (``tests/unit/test_planner.py``).
+
+    Raises:
+        ValueError: an unknown ``backend``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    from jaxcolossal.models import get_family
+    from jaxcolossal.placement import local_elements
+    from jaxcolossal.train.compression import WIRE_BYTES, weight_gather_dtype
+    from jaxcolossal.train.step import prefetches_weights
+    cpu = backend == "cpu"
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    rp = p.resolve(num_devices)
+    n, tp, pp, sp = (rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size,
+                     rp.sequence_parallel_size)
+    shape, _, shapes, specs = _layout(cfg, num_devices)
+    k, ticks = t.gradient_accumulation_steps, 0
+    if pp > 1:
+        from jaxcolossal.pipeline import pipeline_schedule_for
+        sched = pipeline_schedule_for(cfg, pp)
+        k, ticks = sched.m, sched.num_ticks
+    zero, layers = p.zero_stage, m.num_layers // pp
+    wide = lambda nbytes: 4 if cpu and nbytes == 2 else nbytes  # noqa: E731  (the CPU's fp32 promotion)
+    a_bytes = wide(2 if cfg.precision.mode != "fp32" else 4)
+    p_bytes = wide(BYTES_PER_PARAM[cfg.precision.mode]["p"])
+    flat = jax.tree_util.tree_flatten_with_path(local_elements(shapes, specs.base, shape))[0]
+    name = lambda path: str(getattr(path[-1], "key", path[-1]))  # noqa: E731
+    in_layers = lambda path: any(getattr(q, "key", None) == "layers" for q in path)  # noqa: E731
+    psi = sum(e for _, e in flat)
+    embed = sum(e for path, e in flat if name(path) in ("embed_tokens", "wte", "wpe"))
+    per_layer = sum(e for path, e in flat if in_layers(path)) / max(layers, 1)
+    shared = psi - per_layer * layers                               # embedding, head, final norm
+    rows = t.batch_size // (n * k)                                 # b: per data shard and microbatch
+    tokens = rows * t.seq_len // sp
+    act = tokens * m.hidden_size * a_bytes                          # one [b, s, d] activation
+    ring = lambda g: (g - 1) / g if g > 1 else 0.0  # noqa: E731
+    terms: list[tuple[str, str, float, str]] = []
+    size = {"dp": n, "tp": tp, "sp": sp, "pp": pp}
+    add = lambda kind, axis, b, what: terms.append((kind, axis, b, what)) if size[axis] > 1 and b else None  # noqa: E731
+    # ---- the data group
+    if n > 1:
+        if p.gradient_compression != "none" or p.communication_dtype != "fp32":
+            kind = {"topk": "all-gather", "powersgd": "all-reduce"}.get(p.gradient_compression, "all-to-all")
+            add(kind, "dp", dp_gradient_bytes(cfg, n, tp, pp, k), "gradient reduction")
+        elif zero == 0 or zero == 1:
+            rs = zero == 1 and (not cpu or pp > 1)  # the pipeline's is a psum_scatter of its own
+            own = psi - (shared if pp > 1 and zero == 0 else 0)  # ZeRO-0 sums the stages' shared leaves below
+            add("reduce-scatter" if rs else "all-reduce", "dp", (1 if rs else 2) * ring(n) * 4 * own,
+                "gradient reduction")
+        else:
+            rest = psi - (embed if tp == 1 else 0)  # a vocab-parallel embedding's gradient is reduced too
+            if k == 1:  # without a microbatch loop the embedding's gradient is reduced once more
+                rest += embed
+            add("all-reduce" if cpu else "reduce-scatter", "dp", k * (2 if cpu else 1) * ring(n) * 4 * rest,
+                "gradient reduction, per microbatch")
+        lowp = p.communication_dtype != "fp32"  # the embedding's gradient is then in the gradient reduction
+        if zero >= 2 and embed and tp == 1 and (zero == 3 or not lowp):
+            # the embedding's gradient (and ZeRO-3's lookup): the microbatch's tokens and its [b, s, d] rows
+            times = k * ((2 if zero == 3 else 1) - (1 if lowp else 0))
+            add("all-gather", "dp", times * ring(n) * 4 * n * rows * t.seq_len, "embedding: the tokens")
+            add("all-to-all", "dp", times * ring(n) * act, "embedding: the [b, s, d] rows")
+        if zero in (1, 2):
+            add("all-gather", "dp", ring(n) * p_bytes * psi, "parameters after the update")
+        if zero == 3:
+            lowp = weight_gather_dtype(cfg, n)
+            w_bytes = WIRE_BYTES[lowp] if lowp else p_bytes
+            gathers = 2 * (k * layers + 1) if prefetches_weights(cfg) else 2 * k * layers
+            add("all-gather", "dp", gathers * ring(n) * w_bytes * per_layer, "ZeRO-3 layer weights")
+            # the head and final norm: once per step (the gather is loop-invariant), but with a compute
+            # dtype narrower than the params' and a remat policy, once more per microbatch (as compiled)
+            heads = 1 + (k if cfg.precision.mode != "fp32" and m.remat != "none" else 0)
+            add("all-gather", "dp", heads * ring(n) * p_bytes * (shared - embed),
+                "ZeRO-3 head and norm")
+    # ---- tensor parallelism
+    if tp > 1 and pp > 1:  # inside a pipeline stage the layers' weights are gathered over tp, once per step
+        add("all-gather", "tp", ring(tp) * p_bytes * per_layer * layers * tp, "pipeline stage weights over tp")
+    elif tp > 1:
+        table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
+        column = sum(1 for sh, ax in table.values() if len(ax) >= 3 and ax[1] == "embed")
+        full = m.remat == "full"
+        per = 2 + (column if cpu else 2) + (1 if full else 0)  # all-reduces per layer: forward, backward, redone
+        count = k * (per * layers + 2)
+        if p.sequence_parallelism_mode == "split_gather":
+            if p.overlap and t.seq_len >= p.collective_matmul_min_seq:  # 4 rings forward, 4 backward, 3 redone
+                add("collective-permute", "tp", k * layers * (8 + (3 if full else 0)) * ring(tp) * act,
+                    "TP collective matmul")
+                add("all-gather", "tp", k * 3 * ring(tp) * act, "Megatron-SP: embedding and head")
+                add("all-reduce", "tp", k * 2 * 2 * ring(tp) * act, "Megatron-SP: embedding and head")
+            else:  # each all-reduce a reduce-scatter; the gathers also again for the weights' gradients
+                gathers = k * ((per + 1 + (1 if full else 0)) * layers + 3)
+                add("all-gather", "tp", gathers * ring(tp) * act, "Megatron-SP")
+                add("all-reduce" if cpu else "reduce-scatter", "tp", count * (2 if cpu else 1) * ring(tp) * act,
+                    "Megatron-SP")
+        else:
+            add("all-reduce", "tp", count * 2 * ring(tp) * act, "Megatron TP activations")
+        add("all-reduce", "tp", k * 3 * 2 * ring(tp) * tokens * 4, "vocab-parallel cross-entropy")
+    # ---- pipeline and ring attention
+    if pp > 1:
+        add("collective-permute", "pp", 2 * ticks * act, "pipeline: an activation and a gradient per tick")
+        if p.pipeline_schedule == "interleaved":  # the stage's layers re-laid out into chunks, and back
+            stage = 4 * per_layer * layers
+            add("all-to-all", "pp", ring(pp) * stage * (p_bytes / 4 + (1 / n if zero >= 1 else 1)),
+                "interleaved: the layers into chunks and their gradients back")
+        # the embedding, head and final norm, held by every stage: their gradients summed over pp (over
+        # the data group too in the same all-reduce under ZeRO-0)
+        group = pp * (n if zero == 0 else 1)
+        add("all-reduce", "pp", 2 * ring(group) * 4 * shared, "pipeline: shared leaves' gradients")
+    if sp > 1:
+        heads = lambda h: tokens * h * m.head_dim * a_bytes / max(tp, 1)  # noqa: E731  (one [b, s/sp, h, hd])
+        if p.sequence_parallelism_mode == "all_to_all":  # Ulysses: q, k, v to heads and the output back, per
+            add("all-to-all", "sp", 2 * layers * k * ring(sp) * (2 * heads(m.num_attention_heads)  # layer, fwd + bwd
+                                                               + 2 * heads(m.num_key_value_heads)), "Ulysses")
+        else:
+            add("collective-permute", "sp", 2 * layers * k * (sp - 1) * 2 * heads(m.num_key_value_heads),
+                "ring attention k/v, forward and backward")
+        add("all-reduce", "sp", 2 * ring(sp) * 4 * psi, "gradients over sp")
+    return terms
+
+
+def collective_bytes(cfg: Config, num_devices: int, backend: str = "gpu") -> dict[str, float]:
+    """Bytes each device sends per step, per collective kind (:func:`collective_terms` summed):
+    ``{kind: bytes}``, the kinds of :data:`jaxcolossal.hlo.COLLECTIVES` that occur."""
+    out: dict[str, float] = {}
+    for kind, _, b, _ in collective_terms(cfg, num_devices, backend):
+        out[kind] = out.get(kind, 0.0) + b
+    return out
+
+
 def collective_count(cfg: Config, num_devices: int) -> int:
     """Collectives one device takes part in per step, each paying :attr:`Device.latency` once
     (the α term; the bytes are costed separately). ``L`` layers per stage, ``k`` microbatches,
@@ -407,7 +578,7 @@ def collective_count(cfg: Config, num_devices: int) -> int:
     return count
 
 
-def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45) -> Layout:
+def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, backend: str = "gpu") -> Layout:
     """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
 
     * memory: :func:`jaxcolossal.placement.device_need` (the state by the ZeRO formulas, fp32
@@ -417,12 +588,11 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
       and the remat policy's recomputation) at ``efficiency`` × the bf16 peak (half of it in
       fp32: TF32 tensor cores),
       divided by ``1 − bubble`` for a pipeline; MFU against the same peak;
-    * communication, not overlapped: the data-parallel gradient reduction
-      (:func:`dp_gradient_bytes`, with the config's ``communication_dtype`` or compression) and
-      ZeRO parameter gathers (ring volumes; ZeRO-2/3 per microbatch; ZeRO-3's in
-      ``communication_dtype`` where it is narrower, ZeRO++'s qwZ), Megatron's 4 activation all-reduces per
-      layer and microbatch over ``tp``, the pipeline's activation sends; each at the intra-node
-      bandwidth when its group fits in one node (the mesh puts ``tp`` innermost), else inter-node;
+    * communication, not overlapped: every collective of the step (:func:`collective_terms`, as
+      XLA's ``backend`` pipeline emits them: the gradient reduction with the config's
+      ``communication_dtype`` or compression, the ZeRO gathers, Megatron TP/SP, the pipeline's
+      sends, Ulysses and ring attention), each at the intra-node bandwidth when its group fits in
+      one node (the mesh puts ``tp`` innermost, then ``sp``, ``dp``, ``pp``), else inter-node;
       plus :attr:`Device.latency` for each collective (:func:`collective_count`).
 
     Raises:
@@ -440,32 +610,13 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     peak = device.peak if cfg.precision.mode != "fp32" else device.peak / 2  # fp32 matmuls on TF32 tensor cores
     compute = step_flops / (peak * efficiency)
     bubble = 0.0
-    k = t.gradient_accumulation_steps
     if pp > 1:
         from jaxcolossal.pipeline import pipeline_schedule_for
-        sched = pipeline_schedule_for(cfg, pp)
-        bubble, k = sched.bubble_fraction, sched.m
+        bubble = pipeline_schedule_for(cfg, pp).bubble_fraction
         compute /= 1 - bubble
-    psi = param_count(m)["total"] / (tp * pp)  # parameters per model-parallel shard
-    p_bytes = BYTES_PER_PARAM[cfg.precision.mode]["p"]
-    bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw
-    zero = cfg.parallel.zero_stage
-    dp_bytes = dp_gradient_bytes(cfg, dp, tp, pp, k)                 # the gradient reduction(s)
-    if zero > 0:  # param all-gathers; ZeRO-3's in communication_dtype where narrower (ZeRO++ qwZ: the
-        # layers' weights, nearly all of Ψ; the embedding and head are left at p_bytes here)
-        from jaxcolossal.train.compression import WIRE_BYTES, weight_gather_dtype
-        kind = weight_gather_dtype(cfg, dp)
-        gather_b = WIRE_BYTES[kind] if kind else p_bytes
-        dp_bytes += _ring(dp) * gather_b * psi * (2 * k if zero == 3 else 1)
-    act = (t.batch_size // (dp * k)) * t.seq_len * m.hidden_size * p_bytes  # one microbatch's [b, s, d]
-    tp_bytes = 4 * m.num_layers // pp * k * 2 * _ring(tp) * act / sp
-    pp_bytes = 2 * k * act if pp > 1 else 0.0
-    comm = dp_bytes / bw(dp * sp * tp) + tp_bytes / bw(tp) + pp_bytes / bw(num_devices)
-    if sp > 1:  # ring attention: k/v blocks around the ring (forward, and twice in the backward), and
-        # the gradients summed over the sp replicas of the state (an fp32 all-reduce)
-        kv = act / m.hidden_size * m.num_key_value_heads * m.head_dim / sp * 2
-        sp_bytes = 3 * m.num_layers * k * (sp - 1) * kv / tp + 2 * _ring(sp) * 4 * psi
-        comm += sp_bytes / bw(sp * tp)
+    bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw  # noqa: E731
+    span = {"tp": tp, "sp": sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost, then sp, dp, pp
+    comm = sum(b / bw(span[axis]) for _, axis, b, _ in collective_terms(cfg, num_devices, backend))
     comm += collective_count(cfg, num_devices) * device.latency
     step = compute + comm
     model_flops = fpt * tokens / num_devices
