@@ -17,6 +17,26 @@ _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64|u16|s16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation|branch_computations)=\{?%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def callees(line: str) -> list[str]:
+    """The computations an HLO line calls: loop bodies and conditions, fusions, reducers, and every
+    branch of a ``conditional`` (each of ``branch_computations={%a, %b, ...}``)."""
+    out = _CALLS.findall(line)
+    m = _BRANCHES.search(line)
+    if m:
+        out += [x.strip().lstrip("%") for x in m.group(1).split(",")[1:] if x.strip()]
+    return out
+
+
+def branches(line: str) -> list[str]:
+    """The branch computations of a ``conditional`` line (empty for any other line)."""
+    m = _BRANCHES.search(line)
+    if m:
+        return [x.strip().lstrip("%") for x in m.group(1).split(",") if x.strip()]
+    t, f = re.search(r"true_computation=%?([\w.\-]+)", line), re.search(r"false_computation=%?([\w.\-]+)", line)
+    return [x.group(1) for x in (t, f) if x]
 
 
 @dataclass(frozen=True)
@@ -109,7 +129,7 @@ def collectives_in(comps: dict, name: str, seen: set | None = None) -> list[Coll
         for kind in COLLECTIVES:
             if f" {kind}(" in line or f" {kind}-start(" in line:
                 out.append(Collective(kind, _result_shapes(line), name, line.strip()))
-        for callee in _CALLS.findall(line):
+        for callee in callees(line):
             out.extend(collectives_in(comps, callee, seen))
     return out
 
@@ -134,7 +154,7 @@ def top_level_collectives(comps: dict, entry: str) -> list[Collective]:
             if f" {kind}(" in line or f" {kind}-start(" in line:
                 out.append(Collective(kind, _result_shapes(line), entry, line.strip()))
         if " while(" not in line:
-            for callee in _CALLS.findall(line):
+            for callee in callees(line):
                 if callee not in bodies:
                     out.extend(collectives_in(comps, callee, set(bodies)))
     return out
@@ -146,7 +166,9 @@ _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 def walk_executions(hlo_text: str):
     """Yield ``(computation name, lines, executions per step)`` for every computation reachable
     from ENTRY, loop bodies multiplied out by their ``known_trip_count`` (a loop without one
-    counts once). A computation called from several places is yielded once per call site.
+    counts once). A computation called from several places is yielded once per call site; every
+    branch of a ``conditional`` is yielded as if it ran (:func:`collective_totals` and
+    :func:`dot_flops` take the costliest branch instead).
 
     XLA's ``cost_analysis()`` counts a ``while`` body once; this is what it leaves out.
     """
@@ -159,10 +181,43 @@ def walk_executions(hlo_text: str):
         for line in comps[name]:
             trip = _TRIP.search(line)
             mult = int(trip.group(1)) if (" while(" in line and trip) else 1
-            for callee in _CALLS.findall(line):
+            for callee in callees(line):
                 yield from walk(callee, times * mult, stack + (name,))
 
     yield from walk(entry, 1, ())
+
+
+def _per_step(hlo_text: str, count) -> dict:
+    """``{key: amount per step}``: ``count(computation, line) -> {key: amount}`` summed over every instruction
+    reachable from ENTRY, loop bodies multiplied by their ``known_trip_count`` (once without one),
+    and for a ``conditional`` the costliest branch per key (a static upper bound: one branch runs)."""
+    comps, entry = computations(hlo_text)
+
+    def total(name: str, stack: tuple) -> dict:
+        out: dict = {}
+        if name in stack or name not in comps:
+            return out
+        for line in comps[name]:
+            for key, v in count(name, line).items():
+                out[key] = out.get(key, 0) + v
+            alts = branches(line) if " conditional(" in line else []
+            trip = _TRIP.search(line)
+            mult = int(trip.group(1)) if (" while(" in line and trip) else 1
+            for callee in callees(line):
+                if callee in alts:
+                    continue
+                for key, v in total(callee, stack + (name,)).items():
+                    out[key] = out.get(key, 0) + mult * v
+            if alts:
+                worst: dict = {}
+                for b in alts:
+                    for key, v in total(b, stack + (name,)).items():
+                        worst[key] = max(worst.get(key, 0), v)
+                for key, v in worst.items():
+                    out[key] = out.get(key, 0) + v
+        return out
+
+    return total(entry, ())
 
 
 def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[str, int]]:
@@ -171,20 +226,21 @@ def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[s
     Returns ``{kind: {"count": executions per step, "elements": result elements moved per step,
     "bytes": result bytes per step, "sent": bytes each device sends per step}}`` (``sent``:
     :attr:`Collective.sent`, rounded), ignoring collectives smaller than ``min_elements``
-    (scalars such as the loss). A loop without a known trip count counts once.
+    (scalars such as the loss). A loop without a known trip count counts once; a ``conditional``
+    counts its costliest branch (per figure).
     """
+    def count(name: str, line: str) -> dict:
+        for kind in COLLECTIVES:
+            if f" {kind}(" in line or f" {kind}-start(" in line:
+                c = Collective(kind, _result_shapes(line), name, line.strip())
+                if c.max_elements >= min_elements:
+                    return {(kind, "count"): 1, (kind, "elements"): sum(math.prod(s) for _, s in c.shapes),
+                            (kind, "bytes"): c.bytes, (kind, "sent"): c.sent}
+        return {}
+
     totals: dict[str, dict[str, int]] = {}
-    for name, lines, times in walk_executions(hlo_text):
-        for line in lines:
-            for kind in COLLECTIVES:
-                if f" {kind}(" in line or f" {kind}-start(" in line:
-                    c = Collective(kind, _result_shapes(line), name, line.strip())
-                    if c.max_elements >= min_elements:
-                        t = totals.setdefault(kind, {"count": 0, "elements": 0, "bytes": 0, "sent": 0.0})
-                        t["count"] += times
-                        t["elements"] += times * sum(math.prod(s) for _, s in c.shapes)
-                        t["bytes"] += times * c.bytes
-                        t["sent"] += times * c.sent
+    for (kind, key), v in _per_step(hlo_text, count).items():
+        totals.setdefault(kind, {"count": 0, "elements": 0, "bytes": 0, "sent": 0.0})[key] = v
     for t in totals.values():
         t["sent"] = round(t["sent"])
     return totals
@@ -204,29 +260,29 @@ def dot_flops(hlo_text: str) -> dict[str, int]:
 
     Each ``dot`` counts ``2 · (result elements) · (product of the lhs contracting dims)``, the
     convention of the model-FLOP formulas (:mod:`jaxcolossal.metrics`); elementwise work is not
-    counted. Returns ``{"flops": total, "dots": dot executions per step}``.
+    counted; a ``conditional`` counts its costliest branch. Returns ``{"flops": total, "dots": dot
+    executions per step}``.
 
     Raises:
         ValueError: a ``dot`` whose left operand's shape cannot be found.
     """
-    flops = count = 0
-    for name, lines, times in walk_executions(hlo_text):
-        shapes = {}
-        for line in lines:
-            m = _INSTR.match(line)
-            if m:
-                shapes[m.group(1)] = _dims(m.group(2))
-        for line in lines:
-            if " dot(" not in line:
-                continue
-            m, d = _INSTR.match(line), _DOT.search(line)
-            lhs = _dims(d.group(1)) if d.group(1) is not None else shapes.get(d.group(2))
-            if lhs is None:
-                raise ValueError(f"cannot find the shape of dot operand {d.group(2)!r} in {name!r}")
-            contract = _dims(_LHS_CONTRACT.search(line).group(1))
-            flops += times * 2 * math.prod(_dims(m.group(2))) * math.prod(lhs[i] for i in contract)
-            count += times
-    return {"flops": flops, "dots": count}
+    comps, _ = computations(hlo_text)
+    shapes: dict[str, dict] = {}
+    for name, lines in comps.items():
+        shapes[name] = {m.group(1): _dims(m.group(2)) for m in map(_INSTR.match, lines) if m}
+
+    def count(name: str, line: str) -> dict:
+        if " dot(" not in line:
+            return {}
+        m, d = _INSTR.match(line), _DOT.search(line)
+        lhs = _dims(d.group(1)) if d.group(1) is not None else shapes[name].get(d.group(2))
+        if lhs is None:
+            raise ValueError(f"cannot find the shape of dot operand {d.group(2)!r} in {name!r}")
+        contract = _dims(_LHS_CONTRACT.search(line).group(1))
+        return {"flops": 2 * math.prod(_dims(m.group(2))) * math.prod(lhs[i] for i in contract), "dots": 1}
+
+    out = _per_step(hlo_text, count)
+    return {"flops": out.get("flops", 0), "dots": out.get("dots", 0)}
 
 
 _HOST_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64|u16|s16|f8e4m3fn|f8e5m2)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}")

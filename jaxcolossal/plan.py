@@ -453,6 +453,8 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
         elif zero == 0 or zero == 1:
             rs = zero == 1 and (not cpu or pp > 1)  # the pipeline's is a psum_scatter of its own
             own = psi - (shared if pp > 1 and zero == 0 else 0)  # ZeRO-0 sums the stages' shared leaves below
+            if pp > 1 and tp > 1 and zero == 1:  # the stage's weights gathered over tp: whole-size gradients
+                own *= tp
             add("reduce-scatter" if rs else "all-reduce", "dp", (1 if rs else 2) * ring(n) * 4 * own,
                 "gradient reduction")
         else:
@@ -480,14 +482,26 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
             add("all-gather", "dp", heads * ring(n) * p_bytes * (shared - embed),
                 "ZeRO-3 head and norm")
     # ---- tensor parallelism
-    if tp > 1 and pp > 1:  # inside a pipeline stage the layers' weights are gathered over tp, once per step
-        add("all-gather", "tp", ring(tp) * p_bytes * per_layer * layers * tp, "pipeline stage weights over tp")
-    elif tp > 1:
+    if tp > 1:
         table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
         column = sum(1 for sh, ax in table.values() if len(ax) >= 3 and ax[1] == "embed")
         full = m.remat == "full"
         per = 2 + (column if cpu else 2) + (1 if full else 0)  # all-reduces per layer: forward, backward, redone
         count = k * (per * layers + 2)
+    if tp > 1 and pp > 1:
+        # a pipeline tick runs its chunk's forward and backward under a cond (GPipe: the forward ticks, then
+        # the backward ticks, from stashed activations; 1F1B and interleaved: both in every tick, the forward
+        # again in the backward), on idle ticks too as far as the program says: Megatron's all-reduces per
+        # tick; and XLA also all-gathers the stage's layer weights over tp once per step
+        v = p.num_model_chunks if p.pipeline_schedule == "interleaved" else 1
+        per = 2 + (column if cpu else 2) + (0 if p.pipeline_schedule == "gpipe" else 2) + (1 if full else 0)
+        add("all-reduce", "tp", ticks * (per * layers / v + 2) * 2 * ring(tp) * act, "Megatron TP activations")
+        add("all-reduce", "tp", ticks * 3 * 2 * ring(tp) * tokens * 4, "vocab-parallel cross-entropy")
+        add("all-gather", "tp", ring(tp) * p_bytes * per_layer * layers * tp, "pipeline stage weights over tp")
+        if zero >= 1:  # ZeRO-1: the updated layer shards gathered over tp too, and the embedding and head whole
+            add("all-gather", "tp", ring(tp) * p_bytes * tp * (per_layer * layers / n + shared),
+                "ZeRO-1: the updated shards over tp")
+    elif tp > 1:
         if p.sequence_parallelism_mode == "split_gather":
             if p.overlap and t.seq_len >= p.collective_matmul_min_seq:  # 4 rings forward, 4 backward, 3 redone
                 add("collective-permute", "tp", k * layers * (8 + (3 if full else 0)) * ring(tp) * act,

@@ -437,7 +437,7 @@ def collective_volume(hlo_text: str, min_elements: int = 64) -> dict:
                     add(kind, times * factor * sum(sizes))
             m = trip.search(line)
             mult = int(m.group(1)) if (" while(" in line and m) else 1
-            for callee in hlo._CALLS.findall(line):
+            for callee in hlo.callees(line):
                 walk(callee, times * mult, stack + (name,))
 
     walk(entry, 1, ())

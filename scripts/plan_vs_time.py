@@ -6,8 +6,9 @@
 For each layout (ZeRO stage, tp, pp, remat, accumulation) of the same model and global batch it
 builds and compiles the real train step, then times all of them in alternating rounds (one step
 of each per round, so that they share the machine's load), and prints the median step time next
-to the planner's prediction (:func:`jaxcolossal.plan.predict`) and the Spearman rank correlation
-between the two. The target is ρ ≥ 0.8.
+to the planner's prediction (:func:`jaxcolossal.plan.predict` with ``backend="cpu"``: the
+collectives XLA:CPU emits) and the Spearman rank correlation between the two. The target is
+ρ ≥ 0.8.
 
 The planner needs a device: here the 8 simulated devices share this machine's cores, so the
 script measures the machine once first and describes one simulated device as 1/8 of it: its
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
                "training": {"batch_size": a.batch, "seq_len": a.seq, "gradient_accumulation_steps": k},
                "parallel": {"data_parallel_size": -1, **par}}
         cfg = config_from_dict(raw)
-        pred = predict(cfg, 8, dev, efficiency=1.0)
+        pred = predict(cfg, 8, dev, efficiency=1.0, backend="cpu")  # the collectives XLA:CPU emits
         plan = make_plan(cfg, make_mesh(cfg.parallel))
         tx = build_optimizer(cfg.training, plan)
         state = init_state(plan, tx, key=jax.random.key(0))
