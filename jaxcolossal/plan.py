@@ -310,7 +310,11 @@ def compiled_flops(cfg: Config, num_devices: int) -> float:
     but q/k/v, ``dots``/``selective``/``offload`` attention
     only, ``none`` nothing. Divided over the data group and ``tp`` (every matmul and the
     vocabulary are split over tp). Pipelines: divided over ``pp`` too (the idle ticks' work is
-    skipped); only ``pp = 1`` is checked against the compiler.
+    skipped), and under 1F1B and interleaved the backward slot recomputes the stage's forward from
+    its stashed input (``2·N_layers + 4·L·s·h`` more per token, on top of the remat policy's). The
+    compiled program of a pipeline counts every tick's compute branch (:func:`jaxcolossal.hlo.dot_flops`:
+    the costliest branch of each ``cond``), idle ticks too: that static count is this over
+    ``1 − bubble``.
     """
     from jaxcolossal.models import get_family
     m, t = cfg.model, cfg.training
@@ -323,6 +327,9 @@ def compiled_flops(cfg: Config, num_devices: int) -> float:
     qkv = matrix(("wq", "wk", "wv"))
     attn = 4 * m.num_layers * t.seq_len * m.hidden_size  # q·kᵀ and p·v, forward, per token
     extra = {"none": 0, "full": 2 * redone + attn, "save_qkv_proj": 2 * (redone - qkv) + attn}.get(m.remat, attn)
+    pp = cfg.parallel.resolve(num_devices).pipeline_parallel_size
+    if pp > 1 and cfg.parallel.pipeline_schedule != "gpipe":  # the backward slot recomputes the stage's
+        extra += 2 * matrix(table) + attn                    # forward from its stashed input (docs/pipeline.md)
     per_token = 6 * n["matmul"] + 3 * attn + extra
     return per_token * t.batch_size * t.seq_len / num_devices
 
