@@ -298,6 +298,16 @@ def _manual(spec: P, axes=MANUAL_AXES) -> P:
     return P(*out)
 
 
+def _without(spec: P, axis: str) -> P:
+    """``spec`` with mesh axis ``axis`` removed from every entry."""
+    out = []
+    for e in spec:
+        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        kept = tuple(a for a in names if a != axis)
+        out.append(kept if len(kept) > 1 else kept[0] if kept else None)
+    return P(*out)
+
+
 def _zero_dim(spec: P) -> int | None:
     """Index of the dimension that a spec shards over ``fsdp`` (None if none)."""
     for i, e in enumerate(spec):
@@ -335,7 +345,7 @@ def _after(a: jax.Array, *deps: jax.Array) -> jax.Array:
     """
     z = jnp.zeros((), jnp.float32)
     for d in deps:
-        d0 = jnp.ravel(d)[0].astype(jnp.float32)
+        d0 = d[(0,) * d.ndim].astype(jnp.float32)  # an element, not a ravel (which gathers a sharded d whole)
         z = z + jnp.where(jnp.isfinite(d0), d0, 0.0) * 0.0
     idx = (0,) * a.ndim
     return a.at[idx].add(z.astype(a.dtype))
@@ -419,6 +429,11 @@ def make_pipeline_grad_fn(plan) -> Callable:
     oth_grad_specs = {k: s for k, s in out_grad_specs.items() if k != "layers"}
     for s in jax.tree.leaves(plan.specs.params["layers"], is_leaf=is_spec):
         assert tuple(s)[0] == PP_AXIS, "make_plan must map the layers dimension to pp"
+    gather_outside = zero == 3 and plan.mesh_shape["tp"] > 1
+    if gather_outside:  # ZeRO-3 with tp: XLA would all-gather over the automatic tp axis too inside the
+        # shard_map (every device the whole weights); gathered over fsdp before it, they stay tp-sharded
+        lay_param_specs = jax.tree.map(lambda s: _without(s, ZERO_AXIS), lay_param_specs, is_leaf=is_spec)
+        oth_param_specs = jax.tree.map(lambda s: _without(s, ZERO_AXIS), oth_param_specs, is_leaf=is_spec)
 
     def gather(x, spec):  # ZeRO-3: the whole stage's weights, once per step
         d = _zero_dim(spec)
@@ -427,6 +442,12 @@ def make_pipeline_grad_fn(plan) -> Callable:
     def reduce(g, spec, over_pp):  # once per step: all-reduce (ZeRO 0/1) or reduce-scatter (2/3)
         d = _zero_dim(spec)
         axes = ((PP_AXIS,) if over_pp else ()) + (DATA_AXES if d is None else ("dp",)) + seq_axes
+        if d is not None and plan.mesh_shape["tp"] > 1:
+            # XLA all-gathers a reduce-scatter's operand over the automatic tp axis first (the whole
+            # gradient on every device); an all-reduce keeps it tp-sharded: sum, keep this rank's slice
+            g = _psum(g, axes + (ZERO_AXIS,))
+            size = g.shape[d] // plan.mesh_shape[ZERO_AXIS]
+            return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(ZERO_AXIS) * size, size, axis=d)
         g = _psum(g, axes)
         return g if d is None else jax.lax.psum_scatter(g, ZERO_AXIS, scatter_dimension=d, tiled=True)
 
@@ -573,6 +594,9 @@ def make_pipeline_grad_fn(plan) -> Callable:
         layers = jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(
             _to_chunks(a, p, v), NamedSharding(mesh, s)), params["layers"], lay_param_specs)
         others = {k: a for k, a in params.items() if k != "layers"}
+        if gather_outside:
+            others = {k: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, oth_param_specs[k]))
+                      for k, a in others.items()}
         loss_sum, g_layers, g_others = smap(layers, others, inputs, targets, coef)
         g_layers = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(_from_chunks(g), NamedSharding(mesh, s)),
                                 g_layers, out_grad_specs["layers"])
