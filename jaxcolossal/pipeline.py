@@ -284,28 +284,24 @@ def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool, positions: jax
 # ----------------------------------------------------------------------------- helpers
 
 
-def _manual(spec: P, axes=MANUAL_AXES) -> P:
-    """Keep only the manual mesh axes of a spec (shard_map specs may not name automatic ones)."""
+def _keep(spec: P, keep) -> P:
+    """``spec`` with only the mesh axes for which ``keep(name)`` holds, in every entry."""
     out = []
     for e in spec:
-        if e is None:
-            out.append(None)
-        elif isinstance(e, str):
-            out.append(e if e in axes else None)
-        else:
-            kept = tuple(a for a in e if a in axes)
-            out.append(kept if len(kept) > 1 else kept[0] if kept else None)
+        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        kept = tuple(a for a in names if keep(a))
+        out.append(kept if len(kept) > 1 else kept[0] if kept else None)
     return P(*out)
+
+
+def _manual(spec: P, axes=MANUAL_AXES) -> P:
+    """Keep only the manual mesh axes of a spec (shard_map specs may not name automatic ones)."""
+    return _keep(spec, lambda a: a in axes)
 
 
 def _without(spec: P, axis: str) -> P:
     """``spec`` with mesh axis ``axis`` removed from every entry."""
-    out = []
-    for e in spec:
-        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-        kept = tuple(a for a in names if a != axis)
-        out.append(kept if len(kept) > 1 else kept[0] if kept else None)
-    return P(*out)
+    return _keep(spec, lambda a: a != axis)
 
 
 def _zero_dim(spec: P) -> int | None:
