@@ -71,7 +71,8 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
         f"total {gib(params + grads + opt)}",
         f"batch      {t.batch_size} sequences × {t.seq_len} tokens per step, "
-        f"{t.gradient_accumulation_steps} accumulation microbatches",
+        + (f"{t.gradient_accumulation_steps} accumulation microbatches" if rp.pipeline_parallel_size == 1
+           else "in the pipeline's microbatches (below)"),
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
     lines += _offload_lines(cfg, shapes, specs, shape)
@@ -414,7 +415,7 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
     reduce-scatter is an all-reduce and a slice, and each projection's input gradient is
     all-reduced on its own), and it promotes bf16 collectives to fp32 (AllReducePromotion,
     FloatNormalization; ``xla/service/cpu/cpu_compiler.cc``). Checked per kind against the
-    compiled CPU step's HLO (``tests/unit/test_planner.py``: 17 layouts, every kind within 5%).
+    compiled CPU step's HLO (``tests/unit/test_planner.py``: 18 layouts, every kind within 5%).
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -468,8 +469,6 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
                 "gradient reduction")
         else:
             rest = psi - (embed if tp == 1 else 0)  # a vocab-parallel embedding's gradient is reduced too
-            if k == 1:  # without a microbatch loop the embedding's gradient is reduced once more
-                rest += embed
             add("all-reduce" if cpu else "reduce-scatter", "dp", k * (2 if cpu else 1) * ring(n) * 4 * rest,
                 "gradient reduction, per microbatch")
         lowp = p.communication_dtype != "fp32"  # the embedding's gradient is then in the gradient reduction
@@ -902,6 +901,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg.training.micro_batch_size = 0
         text = report(cfg, a.devices, dev, a.efficiency, a.top, source, model_overrides)
         print(text)
+        if text.splitlines()[1].startswith("0 layouts considered"):
+            print(f"error: no layout of this model on {a.devices} devices accepts a global batch of "
+                  f"{cfg.training.batch_size} × {cfg.training.seq_len} tokens (the batch must divide over the "
+                  "data-parallel group, the layers over pp, the heads over tp): try a batch that is a multiple of "
+                  "the device count", file=sys.stderr)
+            return 1
         if "run the best:" not in text:
             print(f"error: no layout of this model fits {a.devices} × {dev.name}: more devices, a shorter sequence, "
                   "a smaller batch, or the offload section (docs/offload.md)", file=sys.stderr)

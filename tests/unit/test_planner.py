@@ -159,6 +159,7 @@ COMM_CASES = [  # (parallel, precision, model, training): every collective kind 
     (dict(data_parallel_size=8, zero_stage=2), None, dict(remat="full"), dict(gradient_accumulation_steps=4)),
     (dict(data_parallel_size=8, zero_stage=3), None, dict(remat="full"), dict(gradient_accumulation_steps=2)),
     (dict(data_parallel_size=8, zero_stage=3, communication_dtype="fp8"), "bf16", dict(remat="full"), dict()),
+    (dict(data_parallel_size=8, zero_stage=2), None, dict(), dict()),
     (dict(data_parallel_size=4, tensor_parallel_size=2, zero_stage=1), None, dict(remat="full"), dict()),
     (dict(data_parallel_size=2, tensor_parallel_size=4, zero_stage=3), "bf16",
      dict(remat="dots", num_attention_heads=8, num_key_value_heads=4), dict(gradient_accumulation_steps=2)),
@@ -188,7 +189,7 @@ def test_predicted_collective_bytes_per_kind_equal_the_compiled_step(case):
     against the bytes each device sends per step, per collective kind, read from the compiled CPU
     step's HLO with trip counts (``hlo.collective_totals``; scalars under 64 elements left out):
     the same kinds, each within 5%. The cases cover ZeRO 0–3, accumulation, tp 2/4, Megatron-SP
-    with and without the TP collective matmul, GPipe, 1F1B and interleaved pipelines (two with
+    with and without the TP collective matmul, GPipe, 1F1B and interleaved pipelines (three with
     tp), ring attention, Ulysses, fp8 communication, top-k and PowerSGD."""
     import jax
     import jax.numpy as jnp
