@@ -24,10 +24,7 @@ def callees(line: str) -> list[str]:
     """The computations an HLO line calls: loop bodies and conditions, fusions, reducers, and every
     branch of a ``conditional`` (each of ``branch_computations={%a, %b, ...}``)."""
     out = _CALLS.findall(line)
-    m = _BRANCHES.search(line)
-    if m:
-        out += [x.strip().lstrip("%") for x in m.group(1).split(",")[1:] if x.strip()]
-    return out
+    return out + [b for b in branches(line) if b not in out]
 
 
 def branches(line: str) -> list[str]:

@@ -451,7 +451,7 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
     rows = t.batch_size // (n * k)                                 # b: per data shard and microbatch
     tokens = rows * t.seq_len // sp
     act = tokens * m.hidden_size * a_bytes                          # one [b, s, d] activation
-    ring = lambda g: (g - 1) / g if g > 1 else 0.0  # noqa: E731
+    ring = _ring
     terms: list[tuple[str, str, float, str]] = []
     size = {"dp": n, "tp": tp, "sp": sp, "pp": pp}
     add = lambda kind, axis, b, what: terms.append((kind, axis, b, what)) if size[axis] > 1 and b else None  # noqa: E731
@@ -496,16 +496,14 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
         full = m.remat == "full"
         per = 2 + (column if cpu else 2) + (1 if full else 0)  # all-reduces per layer: forward, backward, redone
         count = k * (per * layers + 2)
-    if tp > 1 and pp > 1:
-        # a pipeline tick runs its chunk's forward and backward under a cond (GPipe: the forward ticks, then
-        # the backward ticks, from stashed activations; 1F1B and interleaved: both in every tick, the forward
-        # again in the backward), on idle ticks too as far as the program says: Megatron's all-reduces per tick
-        v = p.num_model_chunks if p.pipeline_schedule == "interleaved" else 1
-        per = 2 + (column if cpu else 2) + (0 if p.pipeline_schedule == "gpipe" else 2) + (1 if full else 0)
-        add("all-reduce", "tp", ticks * (per * layers / v + 2) * 2 * ring(tp) * act, "Megatron TP activations")
-        add("all-reduce", "tp", ticks * 3 * 2 * ring(tp) * tokens * 4, "vocab-parallel cross-entropy")
-    elif tp > 1:
-        if p.sequence_parallelism_mode == "split_gather":
+        if pp > 1:
+            # a pipeline tick runs its chunk's forward and backward under a cond (GPipe: the forward ticks,
+            # then the backward ticks, from stashed activations; 1F1B and interleaved: both in every tick, the
+            # forward again in the backward), on idle ticks too as far as the program says
+            v = p.num_model_chunks if p.pipeline_schedule == "interleaved" else 1
+            per += 0 if p.pipeline_schedule == "gpipe" else 2
+            add("all-reduce", "tp", ticks * (per * layers / v + 2) * 2 * ring(tp) * act, "Megatron TP activations")
+        elif p.sequence_parallelism_mode == "split_gather":
             if p.overlap and t.seq_len >= p.collective_matmul_min_seq:  # 4 rings forward, 4 backward, 3 redone
                 add("collective-permute", "tp", k * layers * (8 + (3 if full else 0)) * ring(tp) * act,
                     "TP collective matmul")
@@ -518,7 +516,8 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
                     "Megatron-SP")
         else:
             add("all-reduce", "tp", count * 2 * ring(tp) * act, "Megatron TP activations")
-        add("all-reduce", "tp", k * 3 * 2 * ring(tp) * tokens * 4, "vocab-parallel cross-entropy")
+        add("all-reduce", "tp", (ticks if pp > 1 else k) * 3 * 2 * ring(tp) * tokens * 4,
+            "vocab-parallel cross-entropy")
     # ---- pipeline and ring attention
     if pp > 1:
         add("collective-permute", "pp", 2 * ticks * act, "pipeline: an activation and a gradient per tick")
