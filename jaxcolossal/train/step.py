@@ -302,6 +302,10 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     runtime = tier.shardings if tier is not None else shardings  # NVMe leaves: tokens in the state
     streamed = streamed_in_scan(plan)
 
+    def apply_update(master, opt_state, grads):  # the optimizer step proper (a finite step)
+        updates, opt_state = tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+
     def step(state: TrainState, batch: dict):
         scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
         mask = batch.get("loss_mask")
@@ -327,9 +331,12 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
             new_master, new_params, opt_state = offload_update(grads, state.opt_state, master, finite, state.step)
         else:  # any offloaded leaves (another optax tx) are moved in whole, and out by out_shardings
             master = constrain(to_device(master, master_sh), mesh, specs.opt)
-            updates, opt_state = tx.update(grads, to_device(state.opt_state, shardings.opt_state), master)
-            new_master = constrain(keep(optax.apply_updates(master, updates), master), mesh, specs.opt)
-            opt_state = keep(opt_state, to_device(state.opt_state, shardings.opt_state))
+            # a cond, not a select of new and old: with `where(finite, new, old)` XLA must keep the
+            # old Adam moments while the new ones are written, and copies both (8 bytes per
+            # parameter more at the step's peak); each branch of a cond updates in place
+            new_master, opt_state = jax.lax.cond(finite, apply_update, lambda m, o, g: (m, o), master,
+                                                 to_device(state.opt_state, shardings.opt_state), grads)
+            new_master = constrain(new_master, mesh, specs.opt)
             # cast each rank's shard first, so the ZeRO all-gather moves compute-dtype values
             new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master), mesh, specs.opt)
         new_params = constrain(new_params, mesh, specs.params)
