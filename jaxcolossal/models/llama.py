@@ -201,6 +201,27 @@ def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None, 
     return sequence.attend(q, k, v, shard, local_attention, impl, segment_ids, positions)
 
 
+@jax.custom_vjp
+def softmax(x: jax.Array) -> jax.Array:
+    """``jax.nn.softmax(x, axis=-1)`` whose backward pass keeps only its output ``p``
+    (``dx = p · (g − Σ g·p)``). Differentiating ``jax.nn.softmax`` itself (JAX's default,
+    ``jax_softmax_custom_jvp`` off) saves the masked scores and ``exp`` as well, three
+    ``[b, heads, t, t]`` fp32 tensors per layer instead of one."""
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _softmax_fwd(x):
+    p = jax.nn.softmax(x, axis=-1)
+    return p, p
+
+
+def _softmax_bwd(p, g):
+    return ((g - jnp.sum(g * p, axis=-1, keepdims=True)) * p,)
+
+
+softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
 def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention on whole sequences (shapes as :func:`attention`).
 
@@ -225,7 +246,7 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
         mask = mask[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [b, t, s]
         mask = mask[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = softmax(scores).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, d)
 
