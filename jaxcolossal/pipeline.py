@@ -44,7 +44,10 @@ Schedules (``p`` stages, ``m`` microbatches, ``v`` chunks per device)
 --------------------------------------------------------------------
 * ``gpipe`` (Huang et al., 2019, GPipe): all forwards, then all backwards; the backward is JAX's
   autodiff of the forward scan, so the scan's residuals for all ``m`` microbatches are live at
-  once (activation memory grows with ``m``). It differentiates with respect to fp32 copies of the
+  once (activation memory grows with ``m``). Idle ticks run the stage (and the head) on a
+  placeholder and discard it with a ``where``, not a ``cond``: autodiff of a ``cond`` inside the
+  tick scan saves its operands once per tick, the stage's weights included, which held
+  ``m + p − 1`` copies of them (the medium LLaMA at pp 4: 692 -> 344 MiB per device). It differentiates with respect to fp32 copies of the
   weights that each tick casts to the compute dtype, so the microbatch gradients are summed in
   fp32, as in the lock-step schedules. ``m·v + p − 1`` forward ticks; bubble
   ``(p − 1)/(m·v + p − 1)``. With ``v > 1`` it is the circular (looped) pipeline.
@@ -484,7 +487,9 @@ def make_pipeline_grad_fn(plan) -> Callable:
             valid = row[VALID] == 1
             x = jax.lax.cond(valid & (row[FIRST] == 1), lambda: embed(others, xs[row[MB]]), lambda: recv)
             lp = jax.tree.map(lambda a: _dyn(a, row[CHUNK], v), layers)
-            if seq_ring:  # every device runs the ring's ppermutes at every tick (see below)
+            if seq_ring or not lockstep:  # seq_ring: every device runs the ring's ppermutes at every tick
+                # (see below); GPipe: a cond's residuals are not loop-invariant, so autodiff of the
+                # tick scan would save the stage's weights once per tick (see the module doc)
                 return x, jnp.where(valid, chunk(lp, x), x)
             return x, jax.lax.cond(valid, lambda: chunk(lp, x), lambda: x)
 
@@ -500,8 +505,7 @@ def make_pipeline_grad_fn(plan) -> Callable:
                     recv, loss = carry
                     layers, others = cast((layers32, others32), plan.compute_dtype)
                     _, y = forward_slot(row, recv, layers, others)
-                    l = jax.lax.cond((row[VALID] == 1) & (row[LAST] == 1),
-                                     lambda: head_loss(others, y, ys[row[MB]]), zero_loss)
+                    l = jnp.where((row[VALID] == 1) & (row[LAST] == 1), head_loss(others, y, ys[row[MB]]), 0.0)
                     y = _after(y, l)  # the head's collectives before the send
                     return (jax.lax.ppermute(y, PP_AXIS, ring_f), loss + l), None
 
