@@ -80,6 +80,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,8 +152,10 @@ def _unit(j: int, c: int, p: int, v: int, reverse: bool) -> int:
     return g * v * p + cc * p + r
 
 
+@functools.lru_cache(maxsize=256)
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
-    """Build the static table for ``kind`` over ``p`` stages, ``m`` microbatches, ``v`` chunks.
+    """Build the static table for ``kind`` over ``p`` stages, ``m`` microbatches, ``v`` chunks
+    (cached: the planner asks for the same tables for many layouts; treat them as read-only).
 
     Raises:
         ConfigError: ``v > 1`` with ``m`` not a multiple of ``p``, or an unknown kind.
@@ -185,6 +188,8 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
                 if lockstep:
                     tb = (V - 1) + (p - 1 - s) + _unit(j, c, p, v, reverse=True)
                     bwd[tb, s] = (1, j, c, uf % S, k == 0, k == V - 1)
+    fwd.setflags(write=False)
+    bwd.setflags(write=False)
     sched = PipelineSchedule(kind, p, m, v, fwd, bwd if lockstep else None, S)
     check_schedule(sched)
     return sched

@@ -188,43 +188,13 @@ def formula_bytes(psi_local: int, n: int, zero_stage: int, precision: str, optim
             "host": b["p"] * psi_local * param_frac / n3 + optim_host, "optim_host": optim_host}
 
 
-def activation_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
-    """An estimate of one microbatch's activation bytes per device, from Korthikanti et al. 2022
-    (Table 2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer at 2-byte activations, ``t`` = tp),
-    scaled to the compute dtype; ``full`` remat keeps ``2·s·b·h`` per layer plus one layer's
-    worth, the other policies the whole. Plus one chunk of fp32 LM-head logits. Sequence
-    parallelism: Megatron-SP (``split_gather``) divides the ``10`` term by ``t`` too (Table 2's
-    ``34/t``); ``all_to_all`` and ``ring_attn`` divide the whole by ``sp``. With
-    ``attention_impl`` flash or cudnn the ``5·a·s/(h·t)`` term (the stored attention
-    probabilities) is left out: those kernels recompute them. Pipelines
-    (docs/pipeline.md): the microbatch is the pipeline's; ``gpipe`` keeps every microbatch's
-    activations of the stage, the lock-step schedules one microbatch's (recomputed in its backward
-    slot) plus their stash of ``2p − 1`` stage inputs ``[b, s, h]``. An estimate for placement;
-    the compiled ``memory_analysis()`` is the truth."""
-    from jaxcolossal.config import pipeline_microbatches
-    m, t = cfg.model, cfg.training
-    n = mesh_shape["dp"] * mesh_shape["fsdp"]
-    tp, pp = mesh_shape["tp"], mesh_shape["pp"]
-    micro = pipeline_microbatches(cfg, pp) if pp > 1 else t.gradient_accumulation_steps
-    b = max(1, t.batch_size // (micro * n))
-    s, h, a = t.seq_len, m.hidden_size, m.num_attention_heads
-    scale = 2 if cfg.precision.mode == "fp32" else 1
-    mode = cfg.parallel.sequence_parallelism_mode
-    sp = mesh_shape.get("sp", 1)
-    scores = 0 if m.attention_impl in ("flash", "cudnn") else 5 * a * s / (h * tp)  # fused kernels keep no [s, s]
-    layer = s * b * h * ((10 / tp if mode == "split_gather" else 10) + 24 / tp + scores) * scale / sp
-    layers = max(1, m.num_layers // pp)
-    acts = (2 * s * b * h * scale * layers + layer) if m.remat == "full" else layer * layers
-    if pp > 1:
-        acts = acts * micro if cfg.parallel.pipeline_schedule == "gpipe" else acts + (2 * pp - 1) * s * b * h * scale
-    chunk = min(m.loss_chunk_tokens or s * b, s * b)
-    return int(acts + chunk * (m.vocab_size / tp) * 4)
-
-
-def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int]) -> dict:
+def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
+                backend: str = "gpu") -> dict:
     """Predicted per-device peak: the state on the device during the step (the device-resident
     part, plus the offloaded compute params that are in device memory during the step: see
-    below) + the fp32 gradients + activations (:func:`activation_bytes`) + with
+    below) + the fp32 gradients + activations and temporaries
+    (:func:`jaxcolossal.activations.step_peak`: the saved residuals traced from the model code,
+    one layer's backward, the gradients in flight, per layout and ``backend``) + with
     ``optimizer_device=device`` one offloaded leaf's optimizer state streamed in (the largest).
     Returns the parts, ``"total"`` and ``"host"`` (the pinned host bytes per device); ``"state"``
     includes ``"compression"``, the gradient-compression state (error-feedback residuals, PowerSGD's
@@ -245,13 +215,16 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     params_in = sum((min(2, n) * e // n if n and streamed else e)
                     for e, w, n in zip(par, jax.tree.leaves(placement.params), layers) if w) * \
         BYTES_PER_PARAM[cfg.precision.mode]["p"]
-    acts = activation_bytes(cfg, mesh_shape)
     from jaxcolossal.models import param_layout
     from jaxcolossal.train.compression import state_bytes as compression_bytes
     comp = compression_bytes(cfg.parallel, shapes, param_layout(cfg.model, mesh_shape["tp"])[2]) \
         if cfg.parallel.gradient_compression != "none" else 0
-    parts = {"state": sb["device"] + params_in + comp, "grads": sb["grads"], "activations": acts, "stream": stream,
-             "host": sb["host"], "nvme": sb["nvme"], "compression": comp}
+    from jaxcolossal.activations import step_peak
+    state = sb["device"] + params_in + comp
+    peak = step_peak(cfg, mesh_shape, state, sb["grads"], backend)
+    acts = peak["activations"]
+    parts = {"state": state, "grads": sb["grads"], "activations": acts, "stream": stream,
+             "host": sb["host"], "nvme": sb["nvme"], "compression": comp, "peak": peak}
     parts["total"] = parts["state"] + sb["grads"] + acts + stream
     return parts
 

@@ -157,14 +157,15 @@ def _layout(cfg: Config, num_devices: int) -> tuple[dict, int, object, object]:
     return shape, vocab, shapes, specs
 
 
-def _need(cfg: Config, num_devices: int) -> dict:
+def _need(cfg: Config, num_devices: int, backend: str = "gpu") -> dict:
     """:func:`jaxcolossal.placement.device_need` for ``cfg`` on ``num_devices`` (the mesh as the
-    config resolves it; static fractions; no limit checked)."""
+    config resolves it; static fractions; no limit checked; ``backend`` as
+    :func:`jaxcolossal.activations.step_peak`)."""
     from jaxcolossal.placement import make_placement
     shape, _, shapes, specs = _layout(cfg, num_devices)
     o = cfg.offload
     pl = make_placement(o.offload_optim_frac, o.offload_param_frac, o.optimizer_device, shapes, specs, shape)
-    return device_need(pl, cfg, shapes, specs, shape)
+    return device_need(pl, cfg, shapes, specs, shape, backend)
 
 
 def oom_changes(cfg: Config, run_mesh: dict) -> list[tuple[str, dict]]:
@@ -598,8 +599,9 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
 
     * memory: :func:`jaxcolossal.placement.device_need` (the state by the ZeRO formulas, fp32
-      gradients, the activation estimate of Korthikanti et al. 2022 Table 2), against 90% of
-      the device's memory;
+      gradients, and :func:`jaxcolossal.activations.step_peak`: the residuals JAX saves for the
+      model's backward pass, traced at the per-device shapes, with the buffers each layout adds),
+      against 90% of the device's memory;
     * compute: the matmul FLOPs the compiled step does (:func:`compiled_flops`: dense attention
       and the remat policy's recomputation) at ``efficiency`` × the bf16 peak (half of it in
       fp32: TF32 tensor cores),
@@ -768,7 +770,7 @@ def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
         lines += ["", f"run the best: python scripts/train.py {source + ' ' if source else ''}{ov}"]
         if model_overrides:
             lines.append("(add model.init_from=<the Hugging Face folder> to start from its weights)")
-    lines.append("(predictions: memory by the ZeRO formulas and an activation estimate, time by FLOPs at the "
+    lines.append("(predictions: memory by the ZeRO formulas and the residuals traced from the model code, time by FLOPs at the "
                  "efficiency and ring volumes at the link bandwidths, no overlap; docs/planner.md)")
     return "\n".join(lines)
 

@@ -92,7 +92,7 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
     if cfg.parallel.pipeline_parallel_size > 1:
         cfg.training.gradient_accumulation_steps = 1
         cfg.parallel.num_microbatches = max(k, 2 * cfg.parallel.pipeline_parallel_size)
-    need = _need(cfg, 8)
+    need = _need(cfg, 8, backend="cpu")
     plan = make_plan(cfg, make_mesh(cfg.parallel))
     tx = build_optimizer(cfg.training, plan)
     state = abstract_state(plan, tx)

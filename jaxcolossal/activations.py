@@ -1,0 +1,205 @@
+"""Activation memory of the train step, read from the model's own autodiff.
+
+The planner (:mod:`jaxcolossal.plan`), ``--dry-run`` and the OOM explanation need the bytes that
+the backward pass keeps per device. Instead of a formula written for another code base
+(Korthikanti et al., 2022, Table 2, which this module replaced), it asks JAX: the residuals of
+``jax.vjp`` of the family's ``loss_sum``, traced abstractly (``jax.make_jaxpr``: no array is
+allocated, nothing is compiled) at the per-device shapes of one microbatch, under the run's
+``model.remat`` policy. That is exactly what partial evaluation saves for the backward pass of
+the code that runs, so a new layer, a changed policy or another model family needs no new
+formula.
+
+Per device and microbatch (:func:`residuals`):
+
+* ``saved``: what the policy keeps, every layer of the stage (the scan stacks it ``[L, ...]``),
+  plus the embedding's and the LM head's (the loss chunks' logits, under ``model.loss_chunk_tokens``);
+* ``layer``: one layer's residuals *without* checkpointing, the working set of the backward
+  pass of one layer (under ``remat=full`` the layer is recomputed, so this is live at once too).
+
+``attention_impl=cudnn`` is traced as ``flash`` (the same residuals; cuDNN traces only where it
+is installed). Shapes are per device: dimensions mapped to ``tp`` by the rules table are divided by it (the
+param specs of :func:`jaxcolossal.sharding.state_specs` without ZeRO's ``fsdp``, which the
+forward gathers), and the sequence by ``sp``. Residuals grow linearly with the microbatch, so
+they are traced at one sequence and scaled; the traces are cached, so that the planner traces
+each (tp, remat, dtype) once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from jaxcolossal.config import Config, ModelConfig
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
+    """Per-device compute shapes of every param leaf with ``layers`` of 1: each dimension divided
+    by the sizes of the mesh axes its spec names, except ``fsdp`` (ZeRO-3 gathers before the
+    compute) and ``pp`` (the stage's layers are counted separately)."""
+    from jaxcolossal.models import param_layout
+    from jaxcolossal.sharding import rules_for, state_specs
+    _, shapes, axes = param_layout(cfg.model, mesh_shape["tp"])
+    specs = state_specs(axes, shapes, 0, mesh_shape, rules_for(cfg.parallel, pipeline=True)).base
+
+    def local(shape, spec):
+        out = []
+        for n, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            div = math.prod(mesh_shape.get(a, 1) for a in names if a not in ("fsdp", "pp"))
+            out.append(n // div if n % div == 0 else n)
+        return tuple(out)
+    return jax.tree.map(local, shapes, specs, is_leaf=_is_shape)
+
+
+@functools.lru_cache(maxsize=512)
+def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str) -> int:
+    """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for one sequence (cached)."""
+    from jaxcolossal.models import get_family
+    model = ModelConfig(**dict(model_items))
+    model.remat = remat
+    shapes = jax.tree_util.tree_unflatten(shapes_items[0], list(shapes_items[1]))
+    family = get_family(model)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, DTYPES[dtype]), shapes, is_leaf=_is_shape)
+    tok = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+
+    def res(p, x, y):
+        return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model), p)[1])
+    jaxpr = jax.make_jaxpr(res)(params, tok, tok).jaxpr
+    inputs = {id(v) for v in jaxpr.invars}
+    seen, total = set(), 0
+    for v in jaxpr.outvars:  # residuals; the params themselves (forwarded inputs) are the state's
+        if type(v).__name__ == "Literal" or id(v) in inputs or id(v) in seen:
+            continue
+        seen.add(id(v))
+        total += v.aval.size * v.aval.dtype.itemsize
+    return total
+
+
+def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: int,
+              remat: str | None = None, dtype: str | None = None) -> dict:
+    """Residual bytes per device for a microbatch of ``batch`` sequences through ``layers`` layers
+    (the stage's), under ``remat`` (default ``cfg.model.remat``) in ``dtype`` (default the
+    compute dtype: ``precision.mode``). Returns ``{"saved": bytes, "layer": bytes}`` (module doc).
+
+    Raises:
+        ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
+    """
+    m = cfg.model
+    remat = remat or m.remat
+    dtype = dtype or cfg.precision.mode
+    sp = mesh_shape.get("sp", 1)
+    seq = max(1, cfg.training.seq_len // sp)
+    shapes = _compute_shapes(cfg, mesh_shape)
+    # cuDNN's fused attention traces only where cuDNN is; it keeps what the flash kernels keep
+    # (q, k, v, the output and the softmax statistics), so those stand in for it
+    impl = "flash" if m.attention_impl == "cudnn" else m.attention_impl
+
+    def at(n_layers: int, policy: str) -> int:
+        one = {**shapes, "layers": jax.tree.map(lambda s: (n_layers,) + s[1:], shapes["layers"], is_leaf=_is_shape)}
+        flat, tree = jax.tree_util.tree_flatten(one, is_leaf=_is_shape)
+        items = tuple(sorted((f.name, impl if f.name == "attention_impl" else getattr(m, f.name))
+                             for f in dataclasses.fields(m) if f.name not in ("num_layers", "remat", "init_from")))
+        items = items + (("num_layers", n_layers),)
+        return _traced(items, (tree, tuple(flat)), seq, policy, dtype)
+
+    one, two = at(1, remat), at(2, remat)
+    per_layer = two - one
+    saved = one + (layers - 1) * per_layer
+    none_layer = at(2, "none") - at(1, "none") if remat != "none" else per_layer
+    return {"saved": saved * batch, "layer": none_layer * batch}
+
+
+def _elements(tree: Any) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=_is_shape))
+
+
+def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: float,
+              backend: str = "gpu") -> dict:
+    """The train step's predicted per-device peak (bytes) above the persistent state and the fp32
+    gradient buffer, as the larger of its two phases, each the sum of the buffers live in it:
+
+    * the backward pass, at the start of the layer scan's transpose: the state; the gradient
+      buffers in flight (the microbatch's gradients in the compute dtype, plus the fp32
+      accumulator with gradient accumulation; in fp32 they are the one buffer, twice with
+      accumulation); every saved residual (:func:`residuals`, ``saved``); one layer's
+      backward working set (``layer``);
+    * the update: the state, the fp32 gradients, and the compute-dtype gradients they were cast from.
+
+    Layouts add their own buffers:
+
+    * ZeRO-2/3 reduce each layer's gradient inside the scan (``reduces_layerwise``), so the
+      compute-dtype gradients in flight are the data shard's ``1/N``;
+    * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered,
+      one layer's fp32 weight gradient before its reduce-scatter, and its residual copy of the
+      sharded weights;
+    * GPipe keeps every tick's residuals (``m·v + p − 1`` ticks: the backward is autodiff of the
+      tick scan); the lock-step schedules (1F1B, interleaved) keep one chunk's
+      (``layers / v``), its gradients in the compute dtype, and the stash of ``2·v·p − 1`` stage
+      inputs ``[b, s/sp, h]``;
+    * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts the weights
+      once, outside the layer loop, so the stage's layer weights are also held in fp32 (one layer
+      under ZeRO-3's prefetching scan, which gathers per layer). ``"gpu"`` holds no such copy.
+
+    What it leaves out: the compiler's allocator packs buffers of different lifetimes into one
+    arena with some waste (on XLA:CPU, 0–30% above the live peak in ``scripts/plan_vs_compiler.py``'s
+    sweep), and Megatron-SP's sequence split of the norms' activations (counted whole).
+
+    Args:
+        cfg: the run's config (model, training batch/seq/accumulation, parallel, precision).
+        mesh_shape: ``{"pp", "dp", "fsdp", "sp", "tp"}`` sizes.
+        state: persistent device bytes per device (params, master, optimizer state, ...).
+        grads: the fp32 gradient buffer's bytes per device.
+        backend: ``"gpu"`` or ``"cpu"`` (the compiler whose buffers are predicted).
+
+    Returns:
+        ``{"activations": bytes above state + grads, "phase": "backward" | "update", and the
+        parts: "residuals", "layer", "grads_compute", "accumulator", "zero3", "stash", "cpu_fp32"}``.
+    """
+    from jaxcolossal.config import pipeline_microbatches
+    from jaxcolossal.train.step import prefetches_weights, reduces_layerwise
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    pp, n = mesh_shape["pp"], mesh_shape["dp"] * mesh_shape["fsdp"]
+    lowp = cfg.precision.mode != "fp32"
+    item = 2 if lowp else 4
+    micro = pipeline_microbatches(cfg, pp) if pp > 1 else t.gradient_accumulation_steps
+    b = max(1, t.batch_size // (micro * n))
+    stage = max(1, m.num_layers // pp)
+    v = p.num_model_chunks if pp > 1 and p.pipeline_schedule == "interleaved" else 1
+    lockstep = pp > 1 and p.pipeline_schedule != "gpipe"
+    layer_el = _elements(_compute_shapes(cfg, mesh_shape)["layers"]) / m.num_layers  # one layer, tp-local
+    r = residuals(cfg, mesh_shape, b, stage // v if lockstep else stage)
+    parts = {"residuals": r["saved"], "layer": r["layer"], "grads_compute": 0.0, "accumulator": 0.0,
+             "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0}
+    chunk_el = layer_el * stage / v
+    gc = chunk_el * item / (n if reduces_layerwise(cfg) else 1)  # the microbatch's (chunk's) gradients
+    if backend == "cpu" and lowp:
+        parts["cpu_fp32"] = 4 * layer_el * (1 if prefetches_weights(cfg) else stage)
+    if prefetches_weights(cfg):
+        parts["zero3"] = layer_el * stage * item / n + 2 * layer_el * item + 4 * layer_el
+    if pp > 1 and not lockstep:  # GPipe: every tick's residuals
+        parts["residuals"] *= micro * v + pp - 1
+    elif lockstep:
+        parts["grads_compute"] = gc
+        sp = mesh_shape.get("sp", 1)
+        parts["stash"] = (2 * v * pp - 1) * b * (t.seq_len // sp) * m.hidden_size * item
+    elif lowp:
+        parts["grads_compute"] = gc
+    elif micro > 1:  # fp32: the microbatch's gradients beside the accumulator
+        parts["accumulator"] = grads
+    # the fp32 buffer is live in the backward pass except in a low-precision step without
+    # accumulation or pipeline, where it is made from the compute-dtype gradients afterwards
+    backward = sum(parts.values()) + (0.0 if lowp and pp == 1 and micro == 1 else grads)
+    update = grads + (gc if lowp else 0.0)
+    phase = "backward" if backward >= update else "update"
+    return {"activations": int(max(backward, update) - grads), "phase": phase, **{k: int(x) for k, x in parts.items()}}
