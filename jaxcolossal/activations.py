@@ -203,3 +203,16 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     update = grads + (gc if lowp else 0.0)
     phase = "backward" if backward >= update else "update"
     return {"activations": int(max(backward, update) - grads), "phase": phase, **{k: int(x) for k, x in parts.items()}}
+
+
+PART_NAMES = {"residuals": "saved residuals", "layer": "one layer's backward", "grads_compute": "compute-dtype "
+              "gradients in flight", "accumulator": "the microbatch's fp32 gradients", "zero3": "ZeRO-3 prefetch buffers",
+              "stash": "pipeline stash", "cpu_fp32": "XLA:CPU's fp32 weight copies"}
+
+
+def describe(peak: dict) -> str:
+    """One line naming :func:`step_peak`'s non-zero parts (MiB/GiB) and its phase."""
+    from jaxcolossal.placement import gib
+    parts = ", ".join(f"{PART_NAMES[k]} {gib(peak[k])}" for k in PART_NAMES if peak.get(k))
+    where = "backward pass" if peak["phase"] == "backward" else "optimizer update"
+    return f"peak in the {where}; activations and temporaries: {parts}"

@@ -189,13 +189,14 @@ def formula_bytes(psi_local: int, n: int, zero_stage: int, precision: str, optim
 
 
 def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
-                backend: str = "gpu") -> dict:
+                backend: str | None = None) -> dict:
     """Predicted per-device peak: the state on the device during the step (the device-resident
     part, plus the offloaded compute params that are in device memory during the step: see
     below) + the fp32 gradients + activations and temporaries
     (:func:`jaxcolossal.activations.step_peak`: the saved residuals traced from the model code,
     one layer's backward, the gradients in flight, per layout and ``backend``) + with
     ``optimizer_device=device`` one offloaded leaf's optimizer state streamed in (the largest).
+    ``backend``: ``"gpu"``, ``"cpu"``, or ``None`` for the platform JAX runs on (the run's own).
     Returns the parts, ``"total"`` and ``"host"`` (the pinned host bytes per device); ``"state"``
     includes ``"compression"``, the gradient-compression state (error-feedback residuals, PowerSGD's
     ``Q``: :func:`jaxcolossal.train.compression.state_bytes`).
@@ -221,6 +222,8 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
         if cfg.parallel.gradient_compression != "none" else 0
     from jaxcolossal.activations import step_peak
     state = sb["device"] + params_in + comp
+    if backend is None:
+        backend = "cpu" if jax.default_backend() == "cpu" else "gpu"
     peak = step_peak(cfg, mesh_shape, state, sb["grads"], backend)
     acts = peak["activations"]
     parts = {"state": state, "grads": sb["grads"], "activations": acts, "stream": stream,
@@ -270,7 +273,8 @@ def gib(x: float) -> str:
     return f"{x / 2**30:,.2f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:,.2f} MiB"
 
 
-def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], limit: int) -> tuple[Placement, str]:
+def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], limit: int,
+         backend: str | None = None) -> tuple[Placement, str]:
     """The fractions on :data:`GRID` whose predicted device bytes fit ``limit`` with the least
     host↔device traffic (ties: the smaller fractions), and the lines that explain the choice.
 
@@ -286,7 +290,7 @@ def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], li
     for fo in GRID:
         for fp in param_grid:
             pl = make_placement(fo, fp, od, shapes, specs, mesh_shape)
-            need = device_need(pl, cfg, shapes, specs, mesh_shape)
+            need = device_need(pl, cfg, shapes, specs, mesh_shape, backend)
             rows.append((need["total"] <= limit, traffic(pl, shapes, specs, mesh_shape, cfg.precision.mode),
                          fo + fp, pl, need))
     fits = [r for r in rows if r[0]]
@@ -330,7 +334,7 @@ def check_host(cfg: Config, placement: Placement, shapes: Any, specs: Any, mesh_
 
 
 def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
-            devices: list | None = None) -> tuple[Placement, str]:
+            devices: list | None = None, backend: str | None = None) -> tuple[Placement, str]:
     """The run's :class:`Placement` from the ``offload`` section, checked against the device limit
     before anything is compiled; with ``placement_policy=auto`` the fractions are chosen here (the
     config keeps what the user wrote; the plan holds the choice). Returns the placement and a report (``""`` when silent).
@@ -345,7 +349,7 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
         if not limit:
             raise ConfigError("offload.placement_policy=auto needs offload.device_memory_limit (e.g. 80GB): this "
                               "backend reports no device capacity")
-        pl, report = auto(cfg, shapes, specs, mesh_shape, limit)
+        pl, report = auto(cfg, shapes, specs, mesh_shape, limit, backend)
         check_host(cfg, pl, shapes, specs, mesh_shape, cfg.offload.devices_per_host if devices is None else
                    sum(1 for d in devices if d.process_index == jax.process_index()))
         return pl, report
@@ -353,10 +357,10 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
     check_host(cfg, pl, shapes, specs, mesh_shape, cfg.offload.devices_per_host if devices is None else
                sum(1 for d in devices if d.process_index == jax.process_index()))
     if limit:
-        need = device_need(pl, cfg, shapes, specs, mesh_shape)
+        need = device_need(pl, cfg, shapes, specs, mesh_shape, backend)
         if need["total"] > limit:
             try:
-                fit, _ = auto(cfg, shapes, specs, mesh_shape, limit)
+                fit, _ = auto(cfg, shapes, specs, mesh_shape, limit, backend)
                 hint = (f"offload.offload_optim_frac={fit.asked_optim_frac:g}"
                         + (f" offload.offload_param_frac={fit.asked_param_frac:g}" if fit.asked_param_frac else "")
                         + " would fit (or offload.placement_policy=auto)")

@@ -117,10 +117,10 @@ def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
     o = cfg.offload
     limit = o.device_memory_limit
     try:
-        pl, report = resolve(cfg, shapes, specs, shape)
+        pl, report = resolve(cfg, shapes, specs, shape, backend="gpu")
     except ConfigError as e:
         return [f"offload    does not fit: {e}"]
-    need = device_need(pl, cfg, shapes, specs, shape)
+    need = device_need(pl, cfg, shapes, specs, shape, "gpu")
     lines = [report] if report else []
     lines.append(f"offload    optim {pl.asked_optim_frac:g} (reached {pl.optim_frac:.3f}), params {pl.asked_param_frac:g} "
                  f"(reached {pl.param_frac:.3f}), update on the {pl.optimizer_device}, activations {o.activations}")
@@ -134,6 +134,8 @@ def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
                  + (f"; NVMe tier {gib(need['nvme'])} per device in {o.nvme_path}" if need["nvme"] else "")
                  + (f"; fits offload.device_memory_limit={limit}" if limit else "")
                  + (f" and offload.host_memory_limit={o.host_memory_limit}" if o.host_memory_limit else ""))
+    from jaxcolossal.activations import describe
+    lines.append(f"           {describe(need['peak'])}")
     return lines
 
 
@@ -157,10 +159,10 @@ def _layout(cfg: Config, num_devices: int) -> tuple[dict, int, object, object]:
     return shape, vocab, shapes, specs
 
 
-def _need(cfg: Config, num_devices: int, backend: str = "gpu") -> dict:
+def _need(cfg: Config, num_devices: int, backend: str | None = None) -> dict:
     """:func:`jaxcolossal.placement.device_need` for ``cfg`` on ``num_devices`` (the mesh as the
     config resolves it; static fractions; no limit checked; ``backend`` as
-    :func:`jaxcolossal.activations.step_peak`)."""
+    :func:`jaxcolossal.placement.device_need`)."""
     from jaxcolossal.placement import make_placement
     shape, _, shapes, specs = _layout(cfg, num_devices)
     o = cfg.offload
@@ -241,7 +243,7 @@ def explain_oom(plan, error: BaseException, compiled: object = None, capacity: i
     for name, n in oom_changes(cfg, shape):
         mark = ("fits" if n["total"] <= capacity else "over") if capacity else f"{n['total'] / need['total']:.0%}"
         lines.append(f"  {name:<48} {gib(n['total']):>12}  {mark}")
-    lines.append("(the activation term is an estimate that runs low on XLA's CPU backend: docs/offload.md)")
+    lines.append("(activations: the residuals traced from the model code and the layout's buffers; their measured error: docs/planner.md)")
     return "\n".join(lines)
 
 
@@ -618,7 +620,7 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     """
     validate(cfg, num_devices=num_devices)
     rp = cfg.parallel.resolve(num_devices)
-    need = _need(cfg, num_devices)
+    need = _need(cfg, num_devices, backend)
     m, t = cfg.model, cfg.training
     dp, tp, pp = rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size
     sp = rp.sequence_parallel_size
