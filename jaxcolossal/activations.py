@@ -89,14 +89,17 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
 def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: int,
               remat: str | None = None, dtype: str | None = None) -> dict:
     """Residual bytes per device for a microbatch of ``batch`` sequences through ``layers`` layers
-    (the stage's), under ``remat`` (default ``cfg.model.remat``) in ``dtype`` (default the
-    compute dtype: ``precision.mode``). Returns ``{"saved": bytes, "layer": bytes}`` (module doc).
+    (the stage's), under ``remat`` (default ``cfg.model.remat``; ``offload`` counts as ``full`` on
+    the device: what it saves lives in host memory) in ``dtype`` (default the compute dtype:
+    ``precision.mode``). Returns ``{"saved": bytes, "layer": bytes}`` (module doc).
 
     Raises:
         ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
     """
     m = cfg.model
     remat = remat or m.remat
+    if remat == "offload":  # the saved projections go to pinned host memory: the device keeps the layer inputs
+        remat = "full"
     dtype = dtype or cfg.precision.mode
     sp = mesh_shape.get("sp", 1)
     seq = max(1, cfg.training.seq_len // sp)
