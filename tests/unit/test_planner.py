@@ -289,3 +289,25 @@ def test_predicted_peak_memory_is_within_10_percent_of_the_compiled_step(row):
     model, par, prec, remat, k = SWEEP[row]
     predicted, compiled, _ = measure(model, par, prec, remat, k, batch=16 if k == 1 else 8 * k)
     assert abs(predicted - compiled) / compiled <= 0.10, (predicted, compiled)
+
+
+def test_traced_residuals_follow_the_remat_policy_and_the_layout():
+    """The activation term reads what ``jax.vjp`` saves (:func:`jaxcolossal.activations.residuals`):
+    each remat policy saves less than the one before it, none more than ``none``; one layer's
+    backward working set is the same under every policy; residuals grow with the microbatch and
+    tensor parallelism divides the per-layer ones."""
+    from jaxcolossal.activations import residuals
+    from jaxcolossal.plan import _layout
+    from tiny import tiny_config
+
+    def res(policy, batch=2, tp=1):
+        cfg = tiny_config({"data_parallel_size": 8 // tp, "tensor_parallel_size": tp, "zero_stage": 0}, None,
+                          model={"remat": policy}, training={"seq_len": 64, "batch_size": 16})
+        return residuals(cfg, _layout(cfg, 8)[0], batch, cfg.model.num_layers)
+
+    saved = [res(p)["saved"] for p in ("none", "dots", "save_qkv_proj", "full")]
+    assert saved == sorted(saved, reverse=True) and saved[0] > 2 * saved[-1]
+    assert res("selective")["saved"] <= saved[1]
+    assert len({res(p)["layer"] for p in ("none", "dots", "full")}) == 1
+    assert res("none", batch=4)["saved"] == 2 * saved[0]
+    assert res("none", tp=2)["layer"] < res("none")["layer"]
