@@ -863,7 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intra-gbps", type=float, help="intra-node bandwidth per device, GB/s")
     ap.add_argument("--inter-gbps", type=float, help="inter-node bandwidth per device, GB/s")
     ap.add_argument("--seq", type=int, help="sequence length (default: the config's)")
-    ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
+    ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's batch_size, or its "
+                    "micro_batch_size × --devices)")
     ap.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the matmuls reach (0.45)")
     ap.add_argument("--top", type=int, default=8)
     a = ap.parse_args(argv)
@@ -872,13 +873,23 @@ def main(argv: list[str] | None = None) -> int:
         if a.device not in DEVICES:
             raise ConfigError(f"--device {a.device!r}: known devices are {sorted(DEVICES)}; or give --memory-gb and "
                               "--peak-tflops with the closest one")
+        for flag, value in (("--memory-gb", a.memory_gb), ("--peak-tflops", a.peak_tflops),
+                            ("--intra-gbps", a.intra_gbps), ("--inter-gbps", a.inter_gbps)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag} {value:g}: must be a positive number")
+        if a.devices_per_node is not None and a.devices_per_node < 1:
+            raise ConfigError(f"--devices-per-node {a.devices_per_node}: must be at least 1")
+        if not (math.isfinite(a.efficiency) and 0 < a.efficiency <= 1):
+            raise ConfigError(f"--efficiency {a.efficiency:g}: the fraction of the peak the matmuls reach, in (0, 1]")
+        if a.top < 1:
+            raise ConfigError(f"--top {a.top}: must be at least 1")
         dev = DEVICES[a.device]
         dev = dataclasses.replace(
-            dev, memory=a.memory_gb * 1e9 if a.memory_gb else dev.memory,
-            peak=a.peak_tflops * 1e12 if a.peak_tflops else dev.peak,
-            per_node=a.devices_per_node or dev.per_node,
-            intra_bw=a.intra_gbps * 1e9 if a.intra_gbps else dev.intra_bw,
-            inter_bw=a.inter_gbps * 1e9 if a.inter_gbps else dev.inter_bw)
+            dev, memory=a.memory_gb * 1e9 if a.memory_gb is not None else dev.memory,
+            peak=a.peak_tflops * 1e12 if a.peak_tflops is not None else dev.peak,
+            per_node=a.devices_per_node if a.devices_per_node is not None else dev.per_node,
+            intra_bw=a.intra_gbps * 1e9 if a.intra_gbps is not None else dev.intra_bw,
+            inter_bw=a.inter_gbps * 1e9 if a.inter_gbps is not None else dev.inter_bw)
         if a.devices < 1:
             raise ConfigError(f"--devices {a.devices}: must be at least 1")
         training = {k: v for k, v in (("seq_len", a.seq), ("batch_size", a.global_batch)) if v is not None}
@@ -893,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
             source = f"--config {path if a.config else f'configs/bench/{a.model}.yaml'}"
         else:
             from jaxcolossal.models.hf import config_from_hf, read_hf_config
+            if not os.path.exists(a.hf_config):
+                raise ConfigError(f"--hf-config {a.hf_config}: no such file or folder")
             folder = a.hf_config if os.path.isdir(a.hf_config) else os.path.dirname(os.path.abspath(a.hf_config))
             model = dataclasses.asdict(config_from_hf(read_hf_config(folder)))
             cfg = config_from_dict({"model": model, "training": training, "precision": {"bf16": True}})

@@ -76,6 +76,12 @@ def test_hf_config_and_config_file(tmp_path):
     (["--model", "no_such_model", "--devices", "8"], "the presets are ["),
     (["--model", "llama3_70b", "--devices", "0"], "must be at least 1"),
     (["--model", "llama3_8b", "--devices", "8", "--seq", "0"], "training.seq_len=0"),
+    (["--model", "llama3_8b", "--devices", "8", "--efficiency", "0"], "in (0, 1]"),
+    (["--model", "llama3_8b", "--devices", "8", "--efficiency", "1.5"], "in (0, 1]"),
+    (["--model", "llama3_8b", "--devices", "8", "--memory-gb", "-10"], "must be a positive number"),
+    (["--model", "llama3_8b", "--devices", "8", "--peak-tflops", "0"], "must be a positive number"),
+    (["--model", "llama3_8b", "--devices", "8", "--devices-per-node", "0"], "must be at least 1"),
+    (["--hf-config", "/nonexistent/config.json", "--devices", "8"], "no such file or folder"),
 ])
 def test_bad_input_is_refused_with_a_message(args, message, capsys):
     assert main(args) == 2
