@@ -19,9 +19,10 @@ Per device and microbatch (:func:`residuals`):
 ``attention_impl=cudnn`` is traced as ``flash`` (the same residuals; cuDNN traces only where it
 is installed). Shapes are per device: dimensions mapped to ``tp`` by the rules table are divided by it (the
 param specs of :func:`jaxcolossal.sharding.state_specs` without ZeRO's ``fsdp``, which the
-forward gathers), and the sequence by ``sp``. Residuals grow linearly with the microbatch, so
-they are traced at one sequence and scaled; the traces are cached, so that the planner traces
-each (tp, remat, dtype) once.
+forward gathers), and the sequence by ``sp``. A layer's residuals grow linearly with the
+microbatch, so they are traced at one and two layers of one sequence and scaled; the rest
+(embedding, head, loss) is traced with no layers at the microbatch itself. The traces are
+cached, so that the planner traces each (tp, remat, dtype) once.
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
 
 
 @functools.lru_cache(maxsize=512)
-def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str) -> int:
-    """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for one sequence (cached)."""
+def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str, batch: int = 1) -> int:
+    """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences (cached)."""
     from jaxcolossal.models import get_family
     model = ModelConfig(**dict(model_items))
     model.remat = remat
     shapes = jax.tree_util.tree_unflatten(shapes_items[0], list(shapes_items[1]))
     family = get_family(model)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, DTYPES[dtype]), shapes, is_leaf=_is_shape)
-    tok = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def res(p, x, y):
         return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model), p)[1])
@@ -108,19 +109,33 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     # (q, k, v, the output and the softmax statistics), so those stand in for it
     impl = "flash" if m.attention_impl == "cudnn" else m.attention_impl
 
-    def at(n_layers: int, policy: str) -> int:
+    def at(n_layers: int, policy: str, b: int = 1) -> int:
         one = {**shapes, "layers": jax.tree.map(lambda s: (n_layers,) + s[1:], shapes["layers"], is_leaf=_is_shape)}
         flat, tree = jax.tree_util.tree_flatten(one, is_leaf=_is_shape)
         items = tuple(sorted((f.name, impl if f.name == "attention_impl" else getattr(m, f.name))
                              for f in dataclasses.fields(m) if f.name not in ("num_layers", "remat", "init_from")))
         items = items + (("num_layers", n_layers),)
-        return _traced(items, (tree, tuple(flat)), seq, policy, dtype)
+        return _traced(items, (tree, tuple(flat)), seq, policy, dtype, b)
 
-    one, two = at(1, remat), at(2, remat)
-    per_layer = two - one
-    saved = one + (layers - 1) * per_layer
+    # a layer's residuals grow linearly with the microbatch (traced at one sequence); the rest
+    # (embedding, final norm, the LM head's loss, whose fused chunked path depends on the tokens
+    # per device) is traced with no layers at the microbatch itself
+    per_layer = at(2, remat) - at(1, remat)
     none_layer = at(2, "none") - at(1, "none") if remat != "none" else per_layer
-    return {"saved": saved * batch, "layer": none_layer * batch}
+    return {"saved": _rest(lambda b: at(0, remat, b), batch, seq, m) + layers * per_layer * batch,
+            "layer": none_layer * batch}
+
+
+def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
+    """The non-layer residuals for ``batch`` sequences, linear in the batch within each of the LM
+    head's two paths (:func:`jaxcolossal.models.vocab.fused_pays`): traced at the smallest batch
+    of the path and the next, then extrapolated, so that the planner traces a few batches only."""
+    from jaxcolossal.models.vocab import fused_pays
+    b0 = 1  # the full logits' path: from one sequence; the fused one from its first batch
+    if fused_pays(batch * seq, m.hidden_size, m.loss_chunk_tokens):
+        b0 = min(batch, (m.hidden_size + 3 * m.loss_chunk_tokens) // (2 * seq) + 1)
+    r0 = traced(b0)
+    return r0 if batch == b0 else r0 + (batch - b0) * (traced(b0 + 1) - r0)
 
 
 def _elements(tree: Any) -> int:

@@ -315,5 +315,5 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
     assert saved == sorted(saved, reverse=True) and saved[0] > 2 * saved[-1]
     assert res("selective")["saved"] <= saved[1]
     assert len({res(p)["layer"] for p in ("none", "dots", "full")}) == 1
-    assert res("none", batch=4)["saved"] == 2 * saved[0]
+    assert res("none", batch=4)["saved"] == pytest.approx(2 * saved[0], rel=0.02)  # linear, up to constants
     assert res("none", tp=2)["layer"] < res("none")["layer"]
