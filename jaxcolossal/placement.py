@@ -333,6 +333,21 @@ def check_host(cfg: Config, placement: Placement, shapes: Any, specs: Any, mesh_
     return host
 
 
+def _no_offload_fits(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], limit: int,
+                     backend: str | None) -> str:
+    """The advice when no offload fraction fits with the config's ``optimizer_device``: the host
+    update when it fits (it streams nothing through the device), else the changes that still apply."""
+    if cfg.offload.optimizer_device == "device":
+        host = make_placement(1.0, cfg.offload.offload_param_frac, "host", shapes, specs, mesh_shape)
+        if device_need(host, cfg, shapes, specs, mesh_shape, backend)["total"] <= limit:
+            return "offload.offload_optim_frac=1 offload.optimizer_device=host would fit (the update on the CPU)"
+    ways = ["use more devices"] + (["a higher zero_stage"] if cfg.parallel.zero_stage < 3 else []) \
+        + (["model.remat=full"] if cfg.model.remat != "full" else []) \
+        + (["a smaller microbatch (gradient accumulation)"] if mesh_shape.get("pp", 1) == 1 else
+           ["more pipeline microbatches"])
+    return "no offload setting fits either: " + ", ".join(ways[:-1]) + " or " + ways[-1]
+
+
 def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
             devices: list | None = None, backend: str | None = None) -> tuple[Placement, str]:
     """The run's :class:`Placement` from the ``offload`` section, checked against the device limit
@@ -365,7 +380,7 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
                         + (f" offload.offload_param_frac={fit.asked_param_frac:g}" if fit.asked_param_frac else "")
                         + " would fit (or offload.placement_policy=auto)")
             except ConfigError:
-                hint = "no offload setting fits either: use more devices, a higher zero_stage or model.remat=full"
+                hint = _no_offload_fits(cfg, shapes, specs, mesh_shape, limit, backend)
             raise ConfigError(
                 f"the run needs {gib(need['total'])} per device ({need['total']:,} bytes: state {gib(need['state'])}, "
                 f"fp32 grads {gib(need['grads'])}, activations ≈{gib(need['activations'])}"
