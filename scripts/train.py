@@ -60,10 +60,14 @@ def main(argv=None) -> int:
         p = cfg.parallel
         explicit = -1 not in (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
         try:  # explicit sizes give the device count; otherwise plan for --devices (default 8)
-            print(dry_run(cfg, None if explicit else (args.devices or _devices_in_xla_flags() or 8)))
+            text = dry_run(cfg, None if explicit else (args.devices or _devices_in_xla_flags() or 8))
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
+        print(text)
+        if "offload    does not fit:" in text:  # the run itself would be refused before compiling
+            print("error: this run does not fit offload.device_memory_limit (the offload line above)", file=sys.stderr)
+            return 1
         return 0
     from jaxcolossal import xla_flags
     added = xla_flags.apply(cfg.parallel.overlap, cfg.parallel.bucket_size_mb)  # GPUs only; before the backend

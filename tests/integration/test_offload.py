@@ -254,6 +254,10 @@ def test_main_job_trains_under_auto_placement(tmp_path):
                           "offload.placement_policy=auto"], capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr
     assert "offload auto: chose offload_optim_frac=" in dry.stdout and "pinned host" in dry.stdout
+    refused = subprocess.run([sys.executable, os.path.join(ROOT, "scripts/train.py"), "--config",
+                              os.path.join(ROOT, "configs/llama_tiny.yaml"), "--dry-run", *small, *limit],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "short by" in refused.stdout, refused.stdout + refused.stderr
     with pytest.raises(ConfigError, match="short by"):
         train(load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), small + limit))
     out = train(load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), small + limit +
