@@ -161,8 +161,8 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered,
       one layer's fp32 weight gradient before its reduce-scatter, and its residual copy of the
       sharded weights;
-    * GPipe keeps every tick's residuals (``m·v + p − 1`` ticks: the backward is autodiff of the
-      tick scan); the lock-step schedules (1F1B, interleaved) keep one chunk's
+    * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
+      is autodiff of the tick scan); the lock-step schedules (1F1B, interleaved) keep one chunk's
       (``layers / v``), its gradients in the compute dtype, and the stash of ``2·v·p − 1`` stage
       inputs ``[b, s/sp, h]``;
     * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts the weights
@@ -170,8 +170,9 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
       under ZeRO-3's prefetching scan, which gathers per layer). ``"gpu"`` holds no such copy.
 
     What it leaves out: the compiler's allocator packs buffers of different lifetimes into one
-    arena with some waste (on XLA:CPU, 0–30% above the live peak in ``scripts/plan_vs_compiler.py``'s
-    sweep), and Megatron-SP's sequence split of the norms' activations (counted whole).
+    arena with some waste (on XLA:CPU, −2% to +32% above the live peak in
+    ``scripts/plan_vs_compiler.py``'s sweep), and Megatron-SP's sequence split of the norms'
+    activations (counted whole).
 
     Args:
         cfg: the run's config (model, training batch/seq/accumulation, parallel, precision).
@@ -193,10 +194,10 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     micro = pipeline_microbatches(cfg, pp) if pp > 1 else t.gradient_accumulation_steps
     b = max(1, t.batch_size // (micro * n))
     stage = max(1, m.num_layers // pp)
-    v = p.num_model_chunks if pp > 1 and p.pipeline_schedule == "interleaved" else 1
+    v = max(1, p.num_model_chunks) if pp > 1 else 1  # chunks per device (GPipe's v > 1: the circular pipeline)
     lockstep = pp > 1 and p.pipeline_schedule != "gpipe"
     layer_el = _elements(_compute_shapes(cfg, mesh_shape)["layers"]) / m.num_layers  # one layer, tp-local
-    r = residuals(cfg, mesh_shape, b, stage // v if lockstep else stage)
+    r = residuals(cfg, mesh_shape, b, max(1, stage // v))  # a tick runs one chunk of the stage
     parts = {"residuals": r["saved"], "layer": r["layer"], "grads_compute": 0.0, "accumulator": 0.0,
              "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0}
     chunk_el = layer_el * stage / v
