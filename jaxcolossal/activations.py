@@ -88,11 +88,12 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
 
 
 def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: int,
-              remat: str | None = None, dtype: str | None = None) -> dict:
+              remat: str | None = None, dtype: str | None = None, shapes: Any = None) -> dict:
     """Residual bytes per device for a microbatch of ``batch`` sequences through ``layers`` layers
     (the stage's), under ``remat`` (default ``cfg.model.remat``; ``offload`` counts as ``full`` on
     the device: what it saves lives in host memory) in ``dtype`` (default the compute dtype:
-    ``precision.mode``). Returns ``{"saved": bytes, "layer": bytes}`` (module doc).
+    ``precision.mode``); ``shapes``: :func:`_compute_shapes`'s, when the caller has them.
+    Returns ``{"saved": bytes, "layer": bytes}`` (module doc).
 
     Raises:
         ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
@@ -104,7 +105,7 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     dtype = dtype or cfg.precision.mode
     sp = mesh_shape.get("sp", 1)
     seq = max(1, cfg.training.seq_len // sp)
-    shapes = _compute_shapes(cfg, mesh_shape)
+    shapes = _compute_shapes(cfg, mesh_shape) if shapes is None else shapes
     # cuDNN's fused attention traces only where cuDNN is; it keeps what the flash kernels keep
     # (q, k, v, the output and the softmax statistics), so those stand in for it
     impl = "flash" if m.attention_impl == "cudnn" else m.attention_impl
@@ -196,8 +197,9 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     stage = max(1, m.num_layers // pp)
     v = max(1, p.num_model_chunks) if pp > 1 else 1  # chunks per device (GPipe's v > 1: the circular pipeline)
     lockstep = pp > 1 and p.pipeline_schedule != "gpipe"
-    layer_el = _elements(_compute_shapes(cfg, mesh_shape)["layers"]) / m.num_layers  # one layer, tp-local
-    r = residuals(cfg, mesh_shape, b, max(1, stage // v))  # a tick runs one chunk of the stage
+    shapes = _compute_shapes(cfg, mesh_shape)
+    layer_el = _elements(shapes["layers"]) / m.num_layers  # one layer, tp-local
+    r = residuals(cfg, mesh_shape, b, max(1, stage // v), shapes=shapes)  # a tick runs one chunk of the stage
     parts = {"residuals": r["saved"], "layer": r["layer"], "grads_compute": 0.0, "accumulator": 0.0,
              "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0}
     chunk_el = layer_el * stage / v
