@@ -255,7 +255,20 @@ class Device:
     """One accelerator kind: memory (bytes), dense bf16 peak (FLOP/s), the bandwidths (bytes/s,
     per device, one direction) inside a node (NVLink) and between nodes (InfiniBand), and the
     fixed cost of one collective (seconds: the α of Hockney's α–β model; 10 µs, the order of
-    NCCL's small-message latency over NVLink, an assumption no GPU here has measured)."""
+    NCCL's small-message latency over NVLink, an assumption no GPU here has measured).
+
+    Two fields describe devices that are not GPUs, and are off for every entry of :data:`DEVICES`:
+
+    * ``shared_host``: the devices are simulated, threads of one host that share its cores
+      (``--xla_force_host_platform_device_count``). A stage idle in the pipeline's bubble leaves
+      its cores to the others, so the bubble costs only the work idle ticks do: GPipe's, which
+      compute on a placeholder (docs/pipeline.md); 1F1B and interleaved skip them.
+    * ``activation_cost``: seconds per byte of the step's predicted activations and temporaries
+      per device (``need["activations"]``). XLA:CPU allocates a step's temporaries anew each run,
+      and what it saves for the backward pass leaves the caches; a GPU's allocator keeps its
+      memory, and its HBM moves these bytes in a negligible time next to the matmuls (0).
+      ``scripts/plan_vs_time.py`` measures it for the CPU.
+    """
 
     name: str
     memory: float
@@ -264,6 +277,8 @@ class Device:
     inter_bw: float
     per_node: int = 8
     latency: float = 10e-6
+    shared_host: bool = False
+    activation_cost: float = 0.0
 
 
 DEVICES = {  # NVIDIA datasheets; inter-node: one 400 Gb/s NIC per GPU (200 Gb/s for A100)
@@ -607,7 +622,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     * compute: the matmul FLOPs the compiled step does (:func:`compiled_flops`: dense attention
       and the remat policy's recomputation) at ``efficiency`` × the bf16 peak (half of it in
       fp32: TF32 tensor cores),
-      divided by ``1 − bubble`` for a pipeline; MFU against the same peak;
+      divided by ``1 − bubble`` for a pipeline (on a ``shared_host`` device, GPipe's only); plus
+      the activations × :attr:`Device.activation_cost` (0 on GPUs); MFU against the same peak;
     * communication, not overlapped: every collective of the step (:func:`collective_terms`, as
       XLA's ``backend`` pipeline emits them: the gradient reduction with the config's
       ``communication_dtype`` or compression, the ZeRO gathers, Megatron TP/SP, the pipeline's
@@ -633,7 +649,9 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     if pp > 1:
         from jaxcolossal.pipeline import pipeline_schedule_for
         bubble = pipeline_schedule_for(cfg, pp).bubble_fraction
-        compute /= 1 - bubble
+        if not device.shared_host or cfg.parallel.pipeline_schedule == "gpipe":  # GPipe's idle ticks compute
+            compute /= 1 - bubble
+    compute += need["activations"] * device.activation_cost
     bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw  # noqa: E731
     span = {"tp": tp, "sp": sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost, then sp, dp, pp
     comm = sum(b / bw(span[axis]) for _, axis, b, _ in collective_terms(cfg, num_devices, backend))

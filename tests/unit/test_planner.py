@@ -317,3 +317,30 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
     assert len({res(p)["layer"] for p in ("none", "dots", "full")}) == 1
     assert res("none", batch=4)["saved"] == pytest.approx(2 * saved[0], rel=0.02)  # linear, up to constants
     assert res("none", tp=2)["layer"] < res("none")["layer"]
+
+
+def test_a_shared_host_device_charges_only_the_bubble_that_computes():
+    """Simulated devices share one host's cores: 1F1B's idle ticks are skipped and cost nothing,
+    GPipe's compute on a placeholder and cost their work; ``activation_cost`` adds the predicted
+    activations' bytes × the cost. On a GPU (the table's devices) every bubble costs its time."""
+    import dataclasses
+
+    from jaxcolossal.config import config_from_dict
+    model = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 32}
+
+    def cfg(schedule, pp=2):
+        return config_from_dict({"model": model, "training": {"batch_size": 16, "seq_len": 32},
+                                 "parallel": {"data_parallel_size": -1, "pipeline_parallel_size": pp,
+                                              "pipeline_schedule": schedule, "num_microbatches": 4}})
+    gpu = DEVICES["h100"]
+    host = dataclasses.replace(gpu, shared_host=True)
+    for schedule in ("1f1b", "gpipe"):
+        on_gpu, shared = predict(cfg(schedule), 8, gpu), predict(cfg(schedule), 8, host)
+        assert 0 < on_gpu.bubble < 1
+        ratio = on_gpu.compute_s / shared.compute_s
+        assert ratio == pytest.approx(1 if schedule == "gpipe" else 1 / (1 - on_gpu.bubble), rel=1e-9)
+    flat = predict(cfg("1f1b", pp=1), 8, host)
+    costly = predict(cfg("1f1b", pp=1), 8, dataclasses.replace(host, activation_cost=1e-9))
+    assert costly.compute_s - flat.compute_s == pytest.approx(flat.need["activations"] * 1e-9, rel=1e-9)
+    assert flat.need["activations"] > 0
