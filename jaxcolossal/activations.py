@@ -64,8 +64,10 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
 
 
 @functools.lru_cache(maxsize=512)
-def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str, batch: int = 1) -> int:
-    """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences (cached)."""
+def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str,
+            batch: int = 1) -> tuple[int, int]:
+    """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, and the
+    part of them in a 16-bit float dtype (cached)."""
     from jaxcolossal.models import get_family
     model = ModelConfig(**dict(model_items))
     model.remat = remat
@@ -78,13 +80,15 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
         return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model), p)[1])
     jaxpr = jax.make_jaxpr(res)(params, tok, tok).jaxpr
     inputs = {id(v) for v in jaxpr.invars}
-    seen, total = set(), 0
+    seen, total, low = set(), 0, 0
     for v in jaxpr.outvars:  # residuals; the params themselves (forwarded inputs) are the state's
         if type(v).__name__ == "Literal" or id(v) in inputs or id(v) in seen:
             continue
         seen.add(id(v))
         total += v.aval.size * v.aval.dtype.itemsize
-    return total
+        if v.aval.dtype in (jnp.bfloat16, jnp.float16):
+            low += v.aval.size * v.aval.dtype.itemsize
+    return total, low
 
 
 def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: int,
@@ -93,7 +97,8 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     (the stage's), under ``remat`` (default ``cfg.model.remat``; ``offload`` counts as ``full`` on
     the device: what it saves lives in host memory) in ``dtype`` (default the compute dtype:
     ``precision.mode``); ``shapes``: :func:`_compute_shapes`'s, when the caller has them.
-    Returns ``{"saved": bytes, "layer": bytes}`` (module doc).
+    Returns ``{"saved": bytes, "layer": bytes, "saved_16bit_layers": bytes}`` (module doc; the
+    last: the layers' part of ``saved`` in bf16/fp16).
 
     Raises:
         ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
@@ -110,13 +115,13 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     # (q, k, v, the output and the softmax statistics), so those stand in for it
     impl = "flash" if m.attention_impl == "cudnn" else m.attention_impl
 
-    def at(n_layers: int, policy: str, b: int = 1) -> int:
+    def at(n_layers: int, policy: str, b: int = 1, part: int = 0) -> int:
         one = {**shapes, "layers": jax.tree.map(lambda s: (n_layers,) + s[1:], shapes["layers"], is_leaf=_is_shape)}
         flat, tree = jax.tree_util.tree_flatten(one, is_leaf=_is_shape)
         items = tuple(sorted((f.name, impl if f.name == "attention_impl" else getattr(m, f.name))
                              for f in dataclasses.fields(m) if f.name not in ("num_layers", "remat", "init_from")))
         items = items + (("num_layers", n_layers),)
-        return _traced(items, (tree, tuple(flat)), seq, policy, dtype, b)
+        return _traced(items, (tree, tuple(flat)), seq, policy, dtype, b)[part]
 
     # a layer's residuals grow linearly with the microbatch (traced at one sequence); the rest
     # (embedding, final norm, the LM head's loss, whose fused chunked path depends on the tokens
@@ -124,7 +129,7 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     per_layer = at(2, remat) - at(1, remat)
     none_layer = at(2, "none") - at(1, "none") if remat != "none" else per_layer
     return {"saved": _rest(lambda b: at(0, remat, b), batch, seq, m) + layers * per_layer * batch,
-            "layer": none_layer * batch}
+            "layer": none_layer * batch, "saved_16bit_layers": layers * (at(2, remat, part=1) - at(1, remat, part=1)) * batch}
 
 
 def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
@@ -166,9 +171,12 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
       is autodiff of the tick scan); the lock-step schedules (1F1B, interleaved) keep one chunk's
       (``layers / v``), its gradients in the compute dtype, and the stash of ``2·v·p − 1`` stage
       inputs ``[b, s/sp, h]``;
-    * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts the weights
-      once, outside the layer loop, so the stage's layer weights are also held in fp32 (one layer
-      under ZeRO-3's prefetching scan, which gathers per layer). ``"gpu"`` holds no such copy.
+    * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
+      once, outside the layer loop (buffer dumps, docs/planner.md). So the stage's layer weights
+      are also held in fp32: one layer under ZeRO-3's prefetching scan; under ZeRO-3 without it,
+      the converted shards and one gathered layer. And the layers' saved 16-bit residuals are held
+      in fp32 at the backward's start, in place of the 16-bit ones (counted as one more copy of
+      them). ``"gpu"`` holds no such copies.
 
     What it leaves out: the compiler's allocator packs buffers of different lifetimes into one
     arena with some waste (on XLA:CPU, −2% to +32% above the live peak in
@@ -205,7 +213,13 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     chunk_el = layer_el * stage / v
     gc = chunk_el * item / (n if reduces_layerwise(cfg) else 1)  # the microbatch's (chunk's) gradients
     if backend == "cpu" and lowp:
-        parts["cpu_fp32"] = 4 * layer_el * (1 if prefetches_weights(cfg) else stage)
+        if prefetches_weights(cfg):
+            parts["cpu_fp32"] = 4 * layer_el
+        elif p.zero_stage == 3 and n > 1:  # the shards are converted, then gathered one layer at a time
+            parts["cpu_fp32"] = 4 * layer_el * stage / n + 4 * layer_el
+        else:
+            parts["cpu_fp32"] = 4 * layer_el * stage
+        parts["cpu_fp32"] += r["saved_16bit_layers"] * (micro * v + pp - 1 if pp > 1 and not lockstep else 1)
     if prefetches_weights(cfg):
         parts["zero3"] = layer_el * stage * item / n + 2 * layer_el * item + 4 * layer_el
     if pp > 1 and not lockstep:  # GPipe: every tick's residuals
@@ -228,7 +242,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
 
 PART_NAMES = {"residuals": "saved residuals", "layer": "one layer's backward", "grads_compute": "compute-dtype "
               "gradients in flight", "accumulator": "the microbatch's fp32 gradients", "zero3": "ZeRO-3 prefetch buffers",
-              "stash": "pipeline stash", "cpu_fp32": "XLA:CPU's fp32 weight copies"}
+              "stash": "pipeline stash", "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals"}
 
 
 def describe(peak: dict) -> str:

@@ -306,10 +306,10 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
     from jaxcolossal.plan import _layout
     from tiny import tiny_config
 
-    def res(policy, batch=2, tp=1):
+    def res(policy, batch=2, tp=1, dtype="fp32"):
         cfg = tiny_config({"data_parallel_size": 8 // tp, "tensor_parallel_size": tp, "zero_stage": 0}, None,
                           model={"remat": policy}, training={"seq_len": 64, "batch_size": 16})
-        return residuals(cfg, _layout(cfg, 8)[0], batch, cfg.model.num_layers)
+        return residuals(cfg, _layout(cfg, 8)[0], batch, cfg.model.num_layers, dtype=dtype)
 
     saved = [res(p)["saved"] for p in ("none", "dots", "save_qkv_proj", "full")]
     assert saved == sorted(saved, reverse=True) and saved[0] > 2 * saved[-1]
@@ -317,6 +317,10 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
     assert len({res(p)["layer"] for p in ("none", "dots", "full")}) == 1
     assert res("none", batch=4)["saved"] == pytest.approx(2 * saved[0], rel=0.02)  # linear, up to constants
     assert res("none", tp=2)["layer"] < res("none")["layer"]
+    # the layers' 16-bit residuals (what XLA:CPU holds again in fp32): none in fp32, some in bf16
+    assert res("none")["saved_16bit_layers"] == 0
+    low = res("none", dtype="bf16")
+    assert 0 < low["saved_16bit_layers"] < low["saved"]
 
 
 def test_a_shared_host_device_charges_only_the_bubble_that_computes():
