@@ -612,6 +612,32 @@ def collective_count(cfg: Config, num_devices: int) -> int:
     return count
 
 
+def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend: str = "gpu") -> dict:
+    """The quantities :func:`predict` multiplies by a :class:`Device`'s constants, per device per step:
+
+    * ``flops``: the matmul FLOPs the step's time pays for (:func:`compiled_flops`), over
+      ``1 − bubble`` for a pipeline, except on a ``shared_host`` device, where only GPipe's idle
+      ticks cost (they compute on a placeholder; 1F1B and interleaved skip theirs);
+    * ``bubble``: the pipeline schedule's bubble fraction (0 without a pipeline);
+    * ``collectives``: how many collectives one device takes part in (:func:`collective_count`);
+    * ``bytes``: ``[(mesh axis, bytes sent)]``, one per :func:`collective_terms` entry (``backend``'s);
+    * ``activations``: the predicted activations and temporaries (bytes); ``need``: the whole
+      :func:`jaxcolossal.placement.device_need` breakdown for ``backend``.
+    """
+    need = _need(cfg, num_devices, backend)
+    flops = compiled_flops(cfg, num_devices)
+    pp = cfg.parallel.resolve(num_devices).pipeline_parallel_size
+    bubble = 0.0
+    if pp > 1:
+        from jaxcolossal.pipeline import pipeline_schedule_for
+        bubble = pipeline_schedule_for(cfg, pp).bubble_fraction
+        if not shared_host or cfg.parallel.pipeline_schedule == "gpipe":  # GPipe's idle ticks compute
+            flops /= 1 - bubble
+    return {"flops": flops, "bubble": bubble, "collectives": collective_count(cfg, num_devices),
+            "bytes": [(axis, b) for _, axis, b, _ in collective_terms(cfg, num_devices, backend)],
+            "activations": need["activations"], "need": need}
+
+
 def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, backend: str = "gpu") -> Layout:
     """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
 
@@ -636,30 +662,21 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     """
     validate(cfg, num_devices=num_devices)
     rp = cfg.parallel.resolve(num_devices)
-    need = _need(cfg, num_devices, backend)
+    terms = cost_terms(cfg, num_devices, device.shared_host, backend)
+    need = terms["need"]
     m, t = cfg.model, cfg.training
-    dp, tp, pp = rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size
-    sp = rp.sequence_parallel_size
+    dp, tp, sp = rp.data_parallel_size, rp.tensor_parallel_size, rp.sequence_parallel_size
     tokens = t.batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)["6N+attn"]
-    step_flops = compiled_flops(cfg, num_devices)
     peak = device.peak if cfg.precision.mode != "fp32" else device.peak / 2  # fp32 matmuls on TF32 tensor cores
-    compute = step_flops / (peak * efficiency)
-    bubble = 0.0
-    if pp > 1:
-        from jaxcolossal.pipeline import pipeline_schedule_for
-        bubble = pipeline_schedule_for(cfg, pp).bubble_fraction
-        if not device.shared_host or cfg.parallel.pipeline_schedule == "gpipe":  # GPipe's idle ticks compute
-            compute /= 1 - bubble
-    compute += need["activations"] * device.activation_cost
+    compute = terms["flops"] / (peak * efficiency) + terms["activations"] * device.activation_cost
     bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw  # noqa: E731
     span = {"tp": tp, "sp": sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost, then sp, dp, pp
-    comm = sum(b / bw(span[axis]) for _, axis, b, _ in collective_terms(cfg, num_devices, backend))
-    comm += collective_count(cfg, num_devices) * device.latency
+    comm = sum(b / bw(span[axis]) for axis, b in terms["bytes"]) + terms["collectives"] * device.latency
     step = compute + comm
     model_flops = fpt * tokens / num_devices
     return Layout(overrides={}, need=need, fits=need["total"] <= 0.9 * device.memory, step_s=step, compute_s=compute,
-                  comm_s=comm, bubble=bubble, tokens_per_s=tokens / step, tflops=model_flops / step / 1e12,
+                  comm_s=comm, bubble=terms["bubble"], tokens_per_s=tokens / step, tflops=model_flops / step / 1e12,
                   mfu=model_flops / step / peak)
 
 

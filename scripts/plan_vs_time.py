@@ -133,18 +133,12 @@ def machine(devices: int) -> tuple[float, float, float]:
 
 
 def terms(cfg, devices: int = 8) -> list[float]:
-    """The planner's cost terms of one layout on a ``shared_host`` device (what
-    :func:`jaxcolossal.plan.predict` multiplies by the device's constants): the matmul FLOPs per
-    device (GPipe's idle ticks included: they compute), the collectives one device takes part in,
-    the bytes it sends (the collectives XLA:CPU emits) and its predicted activations (bytes)."""
-    from jaxcolossal.pipeline import pipeline_schedule_for
-    from jaxcolossal.plan import _need, collective_count, collective_terms, compiled_flops
-    flops = compiled_flops(cfg, devices)
-    pp = cfg.parallel.resolve(devices).pipeline_parallel_size
-    if pp > 1 and cfg.parallel.pipeline_schedule == "gpipe":
-        flops /= 1 - pipeline_schedule_for(cfg, pp).bubble_fraction
-    return [flops, collective_count(cfg, devices), sum(b for _, _, b, _ in collective_terms(cfg, devices, "cpu")),
-            _need(cfg, devices, "cpu")["activations"]]
+    """The planner's cost terms of one layout on a ``shared_host`` device, the ones the device's
+    constants multiply (:func:`jaxcolossal.plan.cost_terms`): matmul FLOPs, collectives, bytes
+    sent (the collectives XLA:CPU emits) and activation bytes, per device per step."""
+    from jaxcolossal.plan import cost_terms
+    c = cost_terms(cfg, devices, shared_host=True, backend="cpu")
+    return [c["flops"], c["collectives"], sum(b for _, b in c["bytes"]), c["activations"]]
 
 
 def main(argv=None) -> int:
