@@ -205,6 +205,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     stage = max(1, m.num_layers // pp)
     v = max(1, p.num_model_chunks) if pp > 1 else 1  # chunks per device (GPipe's v > 1: the circular pipeline)
     lockstep = pp > 1 and p.pipeline_schedule != "gpipe"
+    kept = micro * v + pp - 1 if pp > 1 and not lockstep else 1  # GPipe keeps every tick's residuals
     shapes = _compute_shapes(cfg, mesh_shape)
     layer_el = _elements(shapes["layers"]) / m.num_layers  # one layer, tp-local
     r = residuals(cfg, mesh_shape, b, max(1, stage // v), shapes=shapes)  # a tick runs one chunk of the stage
@@ -219,18 +220,17 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
             parts["cpu_fp32"] = 4 * layer_el * stage / n + 4 * layer_el
         else:
             parts["cpu_fp32"] = 4 * layer_el * stage
-        parts["cpu_fp32"] += r["saved_16bit_layers"] * (micro * v + pp - 1 if pp > 1 and not lockstep else 1)
+        parts["cpu_fp32"] += r["saved_16bit_layers"] * kept
     if prefetches_weights(cfg):
         parts["zero3"] = layer_el * stage * item / n + 2 * layer_el * item + 4 * layer_el
-    if pp > 1 and not lockstep:  # GPipe: every tick's residuals
-        parts["residuals"] *= micro * v + pp - 1
-    elif lockstep:
+    parts["residuals"] *= kept
+    if lockstep:
         parts["grads_compute"] = gc
         sp = mesh_shape.get("sp", 1)
         parts["stash"] = (2 * v * pp - 1) * b * (t.seq_len // sp) * m.hidden_size * item
-    elif lowp:
+    elif pp == 1 and lowp:  # (GPipe's gradients are in its tick scan's residuals)
         parts["grads_compute"] = gc
-    elif micro > 1:  # fp32: the microbatch's gradients beside the accumulator
+    elif pp == 1 and micro > 1:  # fp32: the microbatch's gradients beside the accumulator
         parts["accumulator"] = grads
     # the fp32 buffer is live in the backward pass except in a low-precision step without
     # accumulation or pipeline, where it is made from the compute-dtype gradients afterwards
