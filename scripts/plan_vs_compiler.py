@@ -67,6 +67,15 @@ SWEEP = [  # (model, parallel, precision, remat, accumulation)
     ("large", dict(zero_stage=1, pipeline_parallel_size=4, pipeline_schedule="1f1b"), "bf16", "full", 1),
     ("large", dict(zero_stage=0, pipeline_parallel_size=2, pipeline_schedule="interleaved", num_model_chunks=2),
      "bf16", "none", 1),
+    # added after the model was fitted to the rows above, as a check on layouts it had not seen
+    ("small", dict(zero_stage=1, pipeline_parallel_size=2, pipeline_schedule="interleaved", num_model_chunks=2),
+     "bf16", "none", 1),
+    ("medium", dict(zero_stage=1, pipeline_parallel_size=2, pipeline_schedule="interleaved", num_model_chunks=2),
+     "bf16", "none", 1),
+    ("small", dict(zero_stage=1, pipeline_parallel_size=2, pipeline_schedule="gpipe", num_model_chunks=2),
+     "bf16", "none", 1),
+    ("medium", dict(zero_stage=1, pipeline_parallel_size=2, pipeline_schedule="gpipe", num_model_chunks=2),
+     "bf16", "none", 1),
 ]
 
 
@@ -106,8 +115,11 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
+    ap.add_argument("--rows", default="", help="only these rows of the sweep, e.g. 31,32 (0-based)")
     a = ap.parse_args(argv)
     rows = SWEEP[: a.limit] if a.limit else SWEEP
+    if a.rows:
+        rows = [SWEEP[int(i)] for i in a.rows.split(",")]
     errs = []
     print("| model | parallel | precision | remat | k | predicted MiB (state + grads + activations) | compiled MiB | error |")
     print("|---|---|---|---|---|---|---|---|")
