@@ -171,15 +171,13 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
       is autodiff of the tick scan); the lock-step schedules (1F1B, interleaved) keep one chunk's
       (``layers / v``), its gradients in the compute dtype, and the stash of ``2·v·p − 1`` stage
       inputs ``[b, s/sp, h]``;
-    * circular GPipe (``v > 1``) also keeps each tick's slice of its chunk's weights, in the
-      compute dtype (``m·v + p − 1`` slices: autodiff of the tick scan saves them);
     * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
       once, outside the layer loop (buffer dumps, docs/planner.md). So the stage's layer weights
       are also held in fp32: one layer under ZeRO-3's prefetching scan; under ZeRO-3 without it,
       the converted shards and one gathered layer. Each tick of the interleaved schedule
       slices its chunk out of the stage's bf16 and fp32 stacks and converts both: two more
       chunk-sized fp32 copies (buffer dumps of the 12-layer LLaMA at pp 2, v 2). And the layers'
-      saved 16-bit residuals (circular GPipe's weight slices included) are held
+      saved 16-bit residuals are held
       in fp32 at the backward's start, in place of the 16-bit ones (counted as one more copy of
       them). ``"gpu"`` holds no such copies.
 
@@ -218,8 +216,6 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
              "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0}
     chunk_el = layer_el * stage / v
     gc = chunk_el * item / (n if reduces_layerwise(cfg) else 1)  # the microbatch's (chunk's) gradients
-    # circular GPipe: each tick's chunk weights are a slice that differs per tick, saved by the tick scan
-    tick_weights = kept * chunk_el * item if kept > 1 and v > 1 else 0.0
     if backend == "cpu" and lowp:
         if prefetches_weights(cfg):
             parts["cpu_fp32"] = 4 * layer_el
@@ -229,11 +225,10 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
             parts["cpu_fp32"] = 4 * layer_el * stage
         if lockstep and v > 1:  # each interleaved tick slices its chunk out of both stacks and converts it
             parts["cpu_fp32"] += 2 * 4 * layer_el * stage / v
-        parts["cpu_fp32"] += r["saved_16bit_layers"] * kept + tick_weights
+        parts["cpu_fp32"] += r["saved_16bit_layers"] * kept
     if prefetches_weights(cfg):
         parts["zero3"] = layer_el * stage * item / n + 2 * layer_el * item + 4 * layer_el
     parts["residuals"] *= kept
-    parts["residuals"] += tick_weights
     if lockstep:
         parts["grads_compute"] = gc
         sp = mesh_shape.get("sp", 1)

@@ -50,7 +50,10 @@ Schedules (``p`` stages, ``m`` microbatches, ``v`` chunks per device)
   ``m + p − 1`` copies of them (the medium LLaMA at pp 4: 692 -> 344 MiB per device). It differentiates with respect to fp32 copies of the
   weights that each tick casts to the compute dtype, so the microbatch gradients are summed in
   fp32, as in the lock-step schedules. ``m·v + p − 1`` forward ticks; bubble
-  ``(p − 1)/(m·v + p − 1)``. With ``v > 1`` it is the circular (looped) pipeline.
+  ``(p − 1)/(m·v + p − 1)``. With ``v > 1`` it is the circular (looped) pipeline: a tick's chunk
+  index differs per tick, so its weights are sliced inside each layer's checkpointed body
+  (:func:`jaxcolossal.models.remat.scan_chunk`); slicing the chunk first made the slice a
+  residual of every tick, ``m·v + p − 1`` copies of a chunk's weights.
 * ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): lock-step one-forward-one-backward. Each
   tick has one forward slot and one backward slot; stage ``s`` runs the forward of microbatch
   ``t − s`` and the backward of microbatch ``t − (2p − 2 − s)``. The backward is a per-microbatch
@@ -242,16 +245,19 @@ def check_schedule(s: PipelineSchedule) -> None:
 
 
 def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool, positions: jax.Array | None = None):
-    """``embed(others, tokens)``, ``chunk(layer_params, x)`` and ``head_loss(others, x, targets)``
-    for the configured model family: the model's forward cut at the stage boundaries.
+    """``embed(others, tokens)``, ``chunk(layer_params, x)``, ``head_loss(others, x, targets)`` and
+    ``chunk_at(stage_params, c, x)`` for the configured model family: the model's forward cut at
+    the stage boundaries.
 
     ``tokens``/``targets``: int32 ``[mb, t]``; ``x``: ``[mb, t, d]`` in the compute dtype;
-    ``layer_params``: the family's layer leaves with a leading ``[Lc]``; ``head_loss`` returns
+    ``layer_params``: the family's layer leaves with a leading ``[Lc]``; ``chunk_at``: chunk ``c``
+    (traced int32) of ``stage_params`` (leaves ``[v, Lc, ...]``), slicing each layer's weights in
+    the checkpointed body (:func:`jaxcolossal.models.remat.scan_chunk`); ``head_loss`` returns
     the summed fp32 cross-entropy of the microbatch. ``positions``: int32 ``[mb, t]``, the tokens'
     positions when they are not ``arange(t)`` (ring attention: this device's zig-zag block).
     """
     from jaxcolossal.models import get_family, llama
-    from jaxcolossal.models.remat import scan_layers
+    from jaxcolossal.models.remat import scan_chunk, scan_layers
     from jaxcolossal.models.vocab import embed_lookup
 
     m = cfg.model
@@ -265,10 +271,9 @@ def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool, positions: jax
         def embed(o, tokens):
             return shard(lookup(o["embed_tokens"], tokens), ("batch", "seq", "embed"))
 
-        def chunk(lp, x):
+        def layer_for(x):
             cos, sin = llama.rope_tables(x.shape[1], m.head_dim, m.rope_theta, positions)
-            return scan_layers(lambda h, p: llama.decoder_layer(h, p, m, cos, sin, shard, positions=positions), x, lp,
-                               m.remat)
+            return lambda h, p: llama.decoder_layer(h, p, m, cos, sin, shard, positions=positions)
 
         def head_loss(o, x, y):
             return llama.head_loss(o, llama.rms_norm(x, o["final_norm"], m.rms_norm_eps), y, m, shard)
@@ -278,15 +283,21 @@ def _stage_fns(cfg: Config, shard: Sharder, vocab_parallel: bool, positions: jax
             wpe = o["wpe"][: tokens.shape[1]][None] if positions is None else jnp.take(o["wpe"], positions, axis=0)
             return shard(x + wpe.astype(x.dtype), ("batch", "seq", "embed"))
 
-        def chunk(lp, x):
-            return scan_layers(lambda h, p: family.decoder_layer(h, p, m, shard, positions=positions), x, lp, m.remat)
+        def layer_for(x):
+            return lambda h, p: family.decoder_layer(h, p, m, shard, positions=positions)
 
         def head_loss(o, x, y):
             h = family.layer_norm(x, o["final_norm"], o["final_norm_bias"], m.layer_norm_eps)
             return family.head_loss(o, h, y, m, shard)
     else:
         raise ConfigError(f"pipeline parallelism has no stage split for model.type={m.type!r}")
-    return embed, chunk, head_loss
+
+    def chunk(lp, x):
+        return scan_layers(layer_for(x), x, lp, m.remat)
+
+    def chunk_at(stage, c, x):
+        return scan_chunk(layer_for(x), x, stage, c, m.remat)
+    return embed, chunk, head_loss, chunk_at
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -472,7 +483,7 @@ def make_pipeline_grad_fn(plan) -> Callable:
             order = jnp.asarray(zigzag_order(tl * sp, sp), jnp.int32)
             positions = jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(SP_AXIS) * tl, tl)
             positions = jnp.broadcast_to(positions, (xs.shape[0] // m, tl))
-        embed, chunk, head_loss = _stage_fns(cfg, shard, shard.is_sharded("vocab"), positions)
+        embed, chunk, head_loss, chunk_at = _stage_fns(cfg, shard, shard.is_sharded("vocab"), positions)
         layers = jax.tree.map(lambda a, s: vary(gather(a, s)[0]), layers, lay_param_specs, is_leaf=None)
         others = jax.tree.map(lambda a, s: vary(gather(a, s)), others, oth_param_specs)
         b, t = xs.shape
@@ -491,6 +502,9 @@ def make_pipeline_grad_fn(plan) -> Callable:
             """Embedding (first virtual stage only) then the chunk, skipped in idle slots."""
             valid = row[VALID] == 1
             x = jax.lax.cond(valid & (row[FIRST] == 1), lambda: embed(others, xs[row[MB]]), lambda: recv)
+            if not lockstep and v > 1:  # circular GPipe: a per-tick slice of the chunk's weights would be
+                # a residual of every tick (see the module doc); slice each layer's inside its body
+                return x, jnp.where(valid, chunk_at(layers, row[CHUNK], x), x)
             lp = jax.tree.map(lambda a: _dyn(a, row[CHUNK], v), layers)
             if seq_ring or not lockstep:  # seq_ring: every device runs the ring's ppermutes at every tick
                 # (see below); GPipe: a cond's residuals are not loop-invariant, so autodiff of the

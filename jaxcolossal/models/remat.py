@@ -96,6 +96,38 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
     return jax.lax.scan(body, x, stacked)[0]
 
 
+_SLICING = ("dynamic_slice", "squeeze")
+
+
+def scan_chunk(layer: Callable, x: jax.Array, stacked: dict, chunk: jax.Array, remat: str) -> jax.Array:
+    """:func:`scan_layers` over chunk ``chunk`` of ``stacked`` (leaves ``[v, Lc, ...]``; ``chunk``: a
+    traced int32 scalar that differs per call, as in the circular GPipe's ticks), each layer's
+    weights sliced out inside the checkpointed body.
+
+    Slicing the chunk first and scanning over the slice would make the slice a residual of every
+    call (autodiff of a scan of such calls keeps one copy of the chunk's weights per call: for
+    circular GPipe, ``m·v + p − 1`` copies). Here the body's policy (the ``remat`` one, and in every
+    case nothing sliced) recomputes each layer's weights from ``stacked`` in the backward, so the
+    only weight residual is ``stacked`` itself, which the calls share.
+
+    Returns:
+        ``x`` after the chunk's ``Lc`` layers (same shape and dtype).
+    """
+    base = POLICIES[remat]
+
+    def policy(prim, *args, **params):  # never save a slice of the weights: recompute it in the backward
+        if prim.name in _SLICING:
+            return False
+        return True if base is None else base(prim, *args, **params)
+
+    def body(h, j):
+        p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(a, chunk, 0, False),
+                                                                j, 0, False), stacked)
+        return layer(h, p), None
+    n = jax.tree.leaves(stacked)[0].shape[1]
+    return jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, jnp.arange(n, dtype=jnp.int32))[0]
+
+
 def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gathered: dict, sharded: dict
                     ) -> jax.Array:
     """:func:`scan_layers` for ZeRO-3 with ``remat=full``, with the weights' all-gathers issued one

@@ -83,6 +83,7 @@ CASES = {
     "pp2_gpipe": (4, pp(2, "gpipe")),
     "pp2_1f1b": (4, pp(2, "1f1b")),
     "pp2_interleaved_v2": (4, pp(2, "interleaved", 2)),
+    "pp2_gpipe_circular_v2": (4, pp(2, "gpipe", 2)),
     "pp4_gpipe": (4, pp(4, "gpipe")),
     "pp4_1f1b": (4, pp(4, "1f1b")),
     "pp4_interleaved_v2": (8, pp(4, "interleaved", 2)),
