@@ -263,11 +263,15 @@ class Device:
       (``--xla_force_host_platform_device_count``). A stage idle in the pipeline's bubble leaves
       its cores to the others, so the bubble costs only the work idle ticks do: GPipe's, which
       compute on a placeholder (docs/pipeline.md); 1F1B and interleaved skip them.
-    * ``activation_cost``: seconds per byte of the step's predicted activations and temporaries
-      per device (``need["activations"]``). XLA:CPU allocates a step's temporaries anew each run,
-      and what it saves for the backward pass leaves the caches; a GPU's allocator keeps its
-      memory, and its HBM moves these bytes in a negligible time next to the matmuls (0).
-      ``scripts/plan_vs_time.py`` measures it for the CPU.
+    * ``memory_cost``: seconds per byte of the memory the step touches per device, as
+      :func:`cost_terms` counts it (``memory``: the predicted need, state, gradients and
+      activations, plus the fp32 gradients once per microbatch). On a CPU a step's time grows
+      with it, beyond the FLOPs: the optimizer update reads and writes the whole state, each
+      microbatch writes its weight gradients and adds them up, what the forward saves for the
+      backward leaves the caches, and XLA:CPU allocates the temporaries anew each run. A GPU's
+      HBM moves these bytes in a time negligible next to its matmuls (0).
+      ``scripts/plan_vs_time.py`` measures it for the CPU (docs/planner.md: the cost of the
+      activations alone, its first form, ranked the CPU's layouts worse).
     """
 
     name: str
@@ -278,7 +282,7 @@ class Device:
     per_node: int = 8
     latency: float = 10e-6
     shared_host: bool = False
-    activation_cost: float = 0.0
+    memory_cost: float = 0.0
 
 
 DEVICES = {  # NVIDIA datasheets; inter-node: one 400 Gb/s NIC per GPU (200 Gb/s for A100)
@@ -621,21 +625,27 @@ def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend
     * ``bubble``: the pipeline schedule's bubble fraction (0 without a pipeline);
     * ``collectives``: how many collectives one device takes part in (:func:`collective_count`);
     * ``bytes``: ``[(mesh axis, bytes sent)]``, one per :func:`collective_terms` entry (``backend``'s);
-    * ``activations``: the predicted activations and temporaries (bytes); ``need``: the whole
+    * ``activations``: the predicted activations and temporaries (bytes); ``memory``: the bytes
+      the step touches, as :attr:`Device.memory_cost` charges them: the whole predicted need
+      (state, gradients, activations) plus the fp32 gradients once per microbatch (pipeline
+      microbatches, or accumulation steps); ``need``: the
       :func:`jaxcolossal.placement.device_need` breakdown for ``backend``.
     """
     need = _need(cfg, num_devices, backend)
     flops = compiled_flops(cfg, num_devices)
     pp = cfg.parallel.resolve(num_devices).pipeline_parallel_size
     bubble = 0.0
+    micro = cfg.training.gradient_accumulation_steps
     if pp > 1:
+        from jaxcolossal.config import pipeline_microbatches
         from jaxcolossal.pipeline import pipeline_schedule_for
+        micro = pipeline_microbatches(cfg, pp)
         bubble = pipeline_schedule_for(cfg, pp).bubble_fraction
         if not shared_host or cfg.parallel.pipeline_schedule == "gpipe":  # GPipe's idle ticks compute
             flops /= 1 - bubble
     return {"flops": flops, "bubble": bubble, "collectives": collective_count(cfg, num_devices),
             "bytes": [(axis, b) for _, axis, b, _ in collective_terms(cfg, num_devices, backend)],
-            "activations": need["activations"], "need": need}
+            "activations": need["activations"], "memory": need["total"] + micro * need["grads"], "need": need}
 
 
 def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, backend: str = "gpu") -> Layout:
@@ -649,7 +659,7 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
       and the remat policy's recomputation) at ``efficiency`` × the bf16 peak (half of it in
       fp32: TF32 tensor cores),
       divided by ``1 − bubble`` for a pipeline (on a ``shared_host`` device, GPipe's only); plus
-      the activations × :attr:`Device.activation_cost` (0 on GPUs); MFU against the same peak;
+      the memory it touches × :attr:`Device.memory_cost` (0 on GPUs); MFU against the same peak;
     * communication, not overlapped: every collective of the step (:func:`collective_terms`, as
       XLA's ``backend`` pipeline emits them: the gradient reduction with the config's
       ``communication_dtype`` or compression, the ZeRO gathers, Megatron TP/SP, the pipeline's
@@ -669,7 +679,7 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     tokens = t.batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)["6N+attn"]
     peak = device.peak if cfg.precision.mode != "fp32" else device.peak / 2  # fp32 matmuls on TF32 tensor cores
-    compute = terms["flops"] / (peak * efficiency) + terms["activations"] * device.activation_cost
+    compute = terms["flops"] / (peak * efficiency) + terms["memory"] * device.memory_cost
     bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw  # noqa: E731
     span = {"tp": tp, "sp": sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost, then sp, dp, pp
     comm = sum(b / bw(span[axis]) for axis, b in terms["bytes"]) + terms["collectives"] * device.latency

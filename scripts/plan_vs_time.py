@@ -1,18 +1,21 @@
 """The planner's step-time model against measured steps: does it rank layouts as the machine does?
 
     python scripts/plan_vs_time.py                # 9 + 13 layouts of one small LLaMA, 8 simulated CPU devices
-    python scripts/plan_vs_time.py --rounds 8
+    python scripts/plan_vs_time.py --rounds 6     # quicker, noisier
 
 For each layout (ZeRO stage, tp, pp and its schedule, remat, accumulation) of the same model and
 global batch it builds and compiles the real train step, then times all of them in alternating
 rounds (one step of each per round, so that they share the machine's load), in one process:
-about 6–7 minutes on 2 cores. The model is a LLaMA of 4 layers, hidden 256; the global batch 32
+about 9 minutes on 2 cores. The model is a LLaMA of 4 layers, hidden 256; the global batch 32
 sequences of 128 tokens.
 
 The planner needs a device. The 8 simulated devices are threads sharing this machine's 2 cores,
 unlike any GPU of its table: their matmul rate, the fixed cost of one collective inside a step
 (8 threads meeting at a rendezvous on 2 cores), the copy rate of the in-process collectives and
-the cost of a step's activations (XLA:CPU allocates the temporaries afresh each run) are
+the cost per byte of the memory a step touches (its state, gradients and activations, and the
+gradients once per microbatch: the optimizer reads and writes the state, each microbatch writes
+and adds up its weight gradients, the saved activations leave the caches, XLA:CPU allocates the
+temporaries afresh each run) are
 properties of this machine. The script measures them: it fits these four constants (and a fixed
 per-step cost, which changes no ranking) by non-negative least squares to the measured steps of
 the CALIBRATION layouts, builds the ``Device`` they describe (``shared_host=True``: a stage idle
@@ -135,15 +138,15 @@ def machine(devices: int) -> tuple[float, float, float]:
 def terms(cfg, devices: int = 8) -> list[float]:
     """The planner's cost terms of one layout on a ``shared_host`` device, the ones the device's
     constants multiply (:func:`jaxcolossal.plan.cost_terms`): matmul FLOPs, collectives, bytes
-    sent (the collectives XLA:CPU emits) and activation bytes, per device per step."""
+    sent (the collectives XLA:CPU emits) and the predicted memory (bytes), per device per step."""
     from jaxcolossal.plan import cost_terms
     c = cost_terms(cfg, devices, shared_host=True, backend="cpu")
-    return [c["flops"], c["collectives"], sum(b for _, b in c["bytes"]), c["activations"]]
+    return [c["flops"], c["collectives"], sum(b for _, b in c["bytes"]), c["memory"]]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=6, help="alternating timing rounds (default 6)")
+    ap.add_argument("--rounds", type=int, default=8, help="alternating timing rounds (default 8)")
     ap.add_argument("--batch", type=int, default=32, help="global batch, sequences (default 32)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length, tokens (default 128)")
     a = ap.parse_args(argv)
@@ -195,16 +198,16 @@ def main(argv=None) -> int:
     cal = [r for r in runs if r["role"] == "calibration"]
     ranked = [r for r in runs if r["role"] == "ranked"]
 
-    # the device's constants: measured step = fixed + FLOPs/rate + collectives·α + bytes/β + activations·cost
+    # the device's constants: measured step = fixed + FLOPs/rate + collectives·α + bytes/β + memory·cost
     coef, _ = nnls(np.array([r["terms"] + [1.0] for r in cal]), np.array([r["measured"] for r in cal]))
     inv = lambda c: 1 / c if c > 0 else float("inf")  # noqa: E731
     dev = Device("simulated CPU device", 64e9, 2 * inv(coef[0]), inv(coef[2]), inv(coef[2]), per_node=8,
-                 latency=coef[1], shared_host=True, activation_cost=coef[3])
+                 latency=coef[1], shared_host=True, memory_cost=coef[3])
     print(f"one simulated device, fitted to the {len(cal)} calibration layouts (microbenchmark in brackets):")
     print(f"  matmul {inv(coef[0]) / 1e9:.2f} GFLOP/s fp32 [{flops / 1e9:.2f}: a 1024³ matmul, 1/8 of the machine]")
     print(f"  α {coef[1] * 1e6:.0f} µs per collective [{latency * 1e6:.0f}: a small all-reduce over 8, back to back]")
     print(f"  β {inv(coef[2]) / 1e9:.2f} GB/s [{fresh / 1e9:.2f}: an elementwise op into fresh memory, 1/8 of the machine]")
-    print(f"  activations {coef[3] * 1e9:.2f} s/GB; fixed {coef[4]:.3f} s per step (changes no ranking)")
+    print(f"  memory {coef[3] * 1e9:.2f} s/GB (of the bytes touched: the need, and the gradients per microbatch); fixed {coef[4]:.3f} s per step (changes no ranking)")
     print("\n| set | layout | predicted step (s, without the fixed cost): compute + comm | measured median (s) |")
     print("|---|---|---|---|")
     for r in runs:

@@ -325,8 +325,8 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
 
 def test_a_shared_host_device_charges_only_the_bubble_that_computes():
     """Simulated devices share one host's cores: 1F1B's idle ticks are skipped and cost nothing,
-    GPipe's compute on a placeholder and cost their work; ``activation_cost`` adds the predicted
-    activations' bytes × the cost. On a GPU (the table's devices) every bubble costs its time."""
+    GPipe's compute on a placeholder and cost their work; ``memory_cost`` adds the predicted
+    memory's bytes × the cost. On a GPU (the table's devices) every bubble costs its time."""
     import dataclasses
 
     from jaxcolossal.config import config_from_dict
@@ -345,6 +345,8 @@ def test_a_shared_host_device_charges_only_the_bubble_that_computes():
         ratio = on_gpu.compute_s / shared.compute_s
         assert ratio == pytest.approx(1 if schedule == "gpipe" else 1 / (1 - on_gpu.bubble), rel=1e-9)
     flat = predict(cfg("1f1b", pp=1), 8, host)
-    costly = predict(cfg("1f1b", pp=1), 8, dataclasses.replace(host, activation_cost=1e-9))
-    assert costly.compute_s - flat.compute_s == pytest.approx(flat.need["activations"] * 1e-9, rel=1e-9)
-    assert flat.need["activations"] > 0
+    costly = predict(cfg("1f1b", pp=1), 8, dataclasses.replace(host, memory_cost=1e-9))
+    # pp 1, no accumulation: the need plus one microbatch's fp32 gradients
+    touched = flat.need["total"] + flat.need["grads"]
+    assert costly.compute_s - flat.compute_s == pytest.approx(touched * 1e-9, rel=1e-9)
+    assert flat.need["total"] > flat.need["activations"] > 0
