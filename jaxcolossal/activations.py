@@ -164,7 +164,8 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
 
     * ZeRO-2/3 reduce each layer's gradient inside the scan (``reduces_layerwise``), so the
       compute-dtype gradients in flight are the data shard's ``1/N``;
-    * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered,
+    * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered
+      (on XLA:CPU in low precision the current one in fp32, with the CPU's copies below),
       one layer's fp32 weight gradient before its reduce-scatter, and its residual copy of the
       sharded weights;
     * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
@@ -227,7 +228,9 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
             parts["cpu_fp32"] += 2 * 4 * layer_el * stage / v
         parts["cpu_fp32"] += r["saved_16bit_layers"] * kept
     if prefetches_weights(cfg):
-        parts["zero3"] = layer_el * stage * item / n + 2 * layer_el * item + 4 * layer_el
+        # on XLA:CPU in low precision the layer being computed is held in fp32 (``cpu_fp32``), not in bf16
+        gathered = 1 if backend == "cpu" and lowp else 2
+        parts["zero3"] = layer_el * stage * item / n + gathered * layer_el * item + 4 * layer_el
     parts["residuals"] *= kept
     if lockstep:
         parts["grads_compute"] = gc
