@@ -175,12 +175,11 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
       once, outside the layer loop (buffer dumps, docs/planner.md). So the stage's layer weights
       are also held in fp32: one layer under ZeRO-3's prefetching scan; under ZeRO-3 without it,
-      the converted shards and one gathered layer. Each tick of the interleaved schedule
-      slices its chunk out of the stage's bf16 and fp32 stacks and converts both: two more
-      chunk-sized fp32 copies (buffer dumps of the 12-layer LLaMA at pp 2, v 2). And the layers'
-      saved 16-bit residuals are held
-      in fp32 at the backward's start, in place of the 16-bit ones (counted as one more copy of
-      them). ``"gpu"`` holds no such copies.
+      the converted shards and one gathered layer. Each tick of the interleaved schedule slices
+      its chunk out of the stage's bf16 and fp32 stacks and converts both: two more chunk-sized
+      fp32 copies (buffer dumps of the 12-layer LLaMA at pp 2, v 2). And the layers' saved
+      16-bit residuals are held in fp32 at the backward's start, in place of the 16-bit ones
+      (counted as one more copy of them). ``"gpu"`` holds no such copies.
 
     What it leaves out: the compiler's allocator packs buffers of different lifetimes into one
     arena with some waste (on XLA:CPU, −2% to +32% above the live peak in

@@ -115,11 +115,14 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
-    ap.add_argument("--rows", default="", help="only these rows of the sweep, e.g. 31,32 (0-based)")
+    ap.add_argument("--rows", type=lambda s: [int(i) for i in s.split(",")], default=[],
+                    help=f"only these rows of the sweep, e.g. 31,32 (0-based, below {len(SWEEP)})")
     a = ap.parse_args(argv)
     rows = SWEEP[: a.limit] if a.limit else SWEEP
     if a.rows:
-        rows = [SWEEP[int(i)] for i in a.rows.split(",")]
+        if not all(0 <= i < len(SWEEP) for i in a.rows):
+            ap.error(f"--rows: the sweep has rows 0 to {len(SWEEP) - 1}, got {a.rows}")
+        rows = [SWEEP[i] for i in a.rows]
     errs = []
     print("| model | parallel | precision | remat | k | predicted MiB (state + grads + activations) | compiled MiB | error |")
     print("|---|---|---|---|---|---|---|---|")

@@ -138,7 +138,8 @@ def machine(devices: int) -> tuple[float, float, float]:
 def terms(cfg, devices: int = 8) -> list[float]:
     """The planner's cost terms of one layout on a ``shared_host`` device, the ones the device's
     constants multiply (:func:`jaxcolossal.plan.cost_terms`): matmul FLOPs, collectives, bytes
-    sent (the collectives XLA:CPU emits) and the predicted memory (bytes), per device per step."""
+    sent (the collectives XLA:CPU emits) and the bytes the step touches (``cost_terms``' ``memory``),
+    per device per step."""
     from jaxcolossal.plan import cost_terms
     c = cost_terms(cfg, devices, shared_host=True, backend="cpu")
     return [c["flops"], c["collectives"], sum(b for _, b in c["bytes"]), c["memory"]]
