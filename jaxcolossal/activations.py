@@ -97,8 +97,9 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     (the stage's), under ``remat`` (default ``cfg.model.remat``; ``offload`` counts as ``full`` on
     the device: what it saves lives in host memory) in ``dtype`` (default the compute dtype:
     ``precision.mode``); ``shapes``: :func:`_compute_shapes`'s, when the caller has them.
-    Returns ``{"saved": bytes, "layer": bytes, "saved_16bit_layers": bytes}`` (module doc; the
-    last: the layers' part of ``saved`` in bf16/fp16).
+    Returns ``{"saved": bytes, "head": bytes, "layer": bytes, "saved_16bit_layers": bytes}``
+    (module doc; ``head``: the part of ``saved`` outside the layers, the embedding's and the LM
+    head's; the last: the layers' part of ``saved`` in bf16/fp16).
 
     Raises:
         ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
@@ -128,7 +129,8 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     # per device) is traced with no layers at the microbatch itself
     per_layer = at(2, remat) - at(1, remat)
     none_layer = at(2, "none") - at(1, "none") if remat != "none" else per_layer
-    return {"saved": _rest(lambda b: at(0, remat, b), batch, seq, m) + layers * per_layer * batch,
+    head = _rest(lambda b: at(0, remat, b), batch, seq, m)
+    return {"saved": head + layers * per_layer * batch, "head": head,
             "layer": none_layer * batch, "saved_16bit_layers": layers * (at(2, remat, part=1) - at(1, remat, part=1)) * batch}
 
 
@@ -212,11 +214,22 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     shapes = _compute_shapes(cfg, mesh_shape)
     layer_el = _elements(shapes["layers"]) / m.num_layers  # one layer, tp-local
     r = residuals(cfg, mesh_shape, b, max(1, stage // v), shapes=shapes)  # a tick runs one chunk of the stage
-    parts = {"residuals": r["saved"], "layer": r["layer"], "grads_compute": 0.0, "accumulator": 0.0,
-             "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0}
+    cpu_lowp = backend == "cpu" and lowp
+    # without a pipeline the LM head's backward runs before the layer scan's: its residuals are
+    # dead by the time the layers' backward runs, so the two are separate phases; a pipeline tick
+    # runs the head inside it, so its residuals are saved (and kept) with the tick's
+    split_head = pp == 1
+    parts = {"residuals": r["saved"] - (r["head"] if split_head else 0), "layer": r["layer"], "grads_compute": 0.0,
+             "accumulator": 0.0, "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0, "tick": 0.0}
     chunk_el = layer_el * stage / v
     gc = chunk_el * item / (n if reduces_layerwise(cfg) else 1)  # the microbatch's (chunk's) gradients
-    if backend == "cpu" and lowp:
+    if reduces_layerwise(cfg) and not prefetches_weights(cfg):
+        # the end of a layer's backward: its whole weight gradient beside the reduction's result;
+        # XLA:CPU computes it in fp32 and reduces with an all-reduce (no reduce-scatter), so twice
+        # the layer's fp32 gradient there (buffer dumps); a reduce-scatter's output is 1/N
+        transient = 2 * 4 * layer_el if backend == "cpu" else item * layer_el * (1 + 1 / n)
+        parts["layer"] = max(parts["layer"], transient)
+    if cpu_lowp:
         if prefetches_weights(cfg):
             parts["cpu_fp32"] = 4 * layer_el
         elif p.zero_stage == 3 and n > 1:  # the shards are converted, then gathered one layer at a time
@@ -226,35 +239,55 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         if lockstep and v > 1:  # each interleaved tick slices its chunk out of both stacks and converts it
             parts["cpu_fp32"] += 2 * 4 * layer_el * stage / v
         parts["cpu_fp32"] += r["saved_16bit_layers"] * kept
+    elif backend == "cpu" and p.zero_stage in (1, 2) and n > 1:
+        # fp32 ZeRO-1/2: XLA:CPU slices the layers' data shard for the update at the step's start
+        # and holds it through the step (buffer dumps)
+        parts["cpu_fp32"] = 4 * layer_el * stage / n
     if prefetches_weights(cfg):
         # on XLA:CPU in low precision the layer being computed is held in fp32 (``cpu_fp32``), not in bf16
-        gathered = 1 if backend == "cpu" and lowp else 2
+        gathered = 1 if cpu_lowp else 2
         parts["zero3"] = layer_el * stage * item / n + gathered * layer_el * item + 4 * layer_el
+    if pp > 1 and not lockstep:
+        # GPipe's backward copies the tick's residuals out of the stacks and carries the chunk's
+        # gradients (fp32 on XLA:CPU, which computes the matmuls in fp32) beside the stage's
+        parts["tick"] = r["saved"] + (r["saved_16bit_layers"] if cpu_lowp else 0.0) \
+            + chunk_el * (4 if backend == "cpu" else item)
     parts["residuals"] *= kept
     if lockstep:
         parts["grads_compute"] = gc
         sp = mesh_shape.get("sp", 1)
         parts["stash"] = (2 * v * pp - 1) * b * (t.seq_len // sp) * m.hidden_size * item
-    elif pp == 1 and lowp:  # (GPipe's gradients are in its tick scan's residuals)
+    elif pp == 1 and lowp:
         parts["grads_compute"] = gc
     elif pp == 1 and micro > 1:  # fp32: the microbatch's gradients beside the accumulator
         parts["accumulator"] = grads
     # the fp32 buffer is live in the backward pass except in a low-precision step without
     # accumulation or pipeline, where it is made from the compute-dtype gradients afterwards
-    backward = sum(parts.values()) + (0.0 if lowp and pp == 1 and micro == 1 else grads)
+    fp32_live = 0.0 if lowp and pp == 1 and micro == 1 else grads
+    backward = sum(parts.values()) + fp32_live
+    # the LM head's backward (no pipeline): every saved residual, the head's among them, and what
+    # lives through the whole backward pass; not yet a layer's working set or the layers' gradients
+    head = (parts["residuals"] + r["head"] + parts["cpu_fp32"] + parts["zero3"] + parts["accumulator"]
+            + fp32_live) if split_head else 0.0
     update = grads + (gc if lowp else 0.0)
-    phase = "backward" if backward >= update else "update"
-    return {"activations": int(max(backward, update) - grads), "phase": phase, **{k: int(x) for k, x in parts.items()}}
+    phase = max((backward, "backward"), (head, "head"), (update, "update"))[1]
+    return {"activations": int(max(backward, head, update) - grads), "phase": phase, "head": int(r["head"]),
+            **{k: int(x) for k, x in parts.items()}}
 
 
-PART_NAMES = {"residuals": "saved residuals", "layer": "one layer's backward", "grads_compute": "compute-dtype "
+PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals", "layer": "one layer's backward", "grads_compute": "compute-dtype "
               "gradients in flight", "accumulator": "the microbatch's fp32 gradients", "zero3": "ZeRO-3 prefetch buffers",
-              "stash": "pipeline stash", "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals"}
+              "stash": "pipeline stash", "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals",
+              "tick": "GPipe's tick copy and chunk gradients"}
+
+
+HEAD_PARTS = ("residuals", "head", "cpu_fp32", "zero3", "accumulator")  # what :func:`step_peak` sums in the head's phase
 
 
 def describe(peak: dict) -> str:
     """One line naming :func:`step_peak`'s non-zero parts (MiB/GiB) and its phase."""
     from jaxcolossal.placement import gib
-    parts = ", ".join(f"{PART_NAMES[k]} {gib(peak[k])}" for k in PART_NAMES if peak.get(k))
-    where = "backward pass" if peak["phase"] == "backward" else "optimizer update"
+    keys = HEAD_PARTS if peak["phase"] == "head" else [k for k in PART_NAMES if k != "head"]
+    parts = ", ".join(f"{PART_NAMES[k]} {gib(peak[k])}" for k in keys if peak.get(k))
+    where = {"backward": "backward pass", "head": "LM head's backward", "update": "optimizer update"}[peak["phase"]]
     return f"peak in the {where}; activations and temporaries: {parts}"
