@@ -248,9 +248,9 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         gathered = 1 if cpu_lowp else 2
         parts["zero3"] = layer_el * stage * item / n + gathered * layer_el * item + 4 * layer_el
     if pp > 1 and not lockstep:
-        # GPipe's backward copies the tick's residuals out of the stacks and carries the chunk's
+        # GPipe's backward copies the tick's layer residuals out of the stacks and carries the chunk's
         # gradients (fp32 on XLA:CPU, which computes the matmuls in fp32) beside the stage's
-        parts["tick"] = r["saved"] + (r["saved_16bit_layers"] if cpu_lowp else 0.0) \
+        parts["tick"] = r["saved"] - r["head"] + (r["saved_16bit_layers"] if cpu_lowp else 0.0) \
             + chunk_el * (4 if backend == "cpu" else item)
     parts["residuals"] *= kept
     if lockstep:
