@@ -80,7 +80,7 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
         return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model), p)[1])
     jaxpr = jax.make_jaxpr(res)(params, tok, tok).jaxpr
     inputs = {id(v) for v in jaxpr.invars}
-    seen, total, low = set(), 0, 0
+    seen, total, low, big = set(), 0, 0, 0
     for v in jaxpr.outvars:  # residuals; the params themselves (forwarded inputs) are the state's
         if type(v).__name__ == "Literal" or id(v) in inputs or id(v) in seen:
             continue
@@ -88,7 +88,9 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
         total += v.aval.size * v.aval.dtype.itemsize
         if v.aval.dtype in (jnp.bfloat16, jnp.float16):
             low += v.aval.size * v.aval.dtype.itemsize
-    return total, low
+        if model.num_layers > 1 and v.aval.ndim and v.aval.shape[0] == model.num_layers:
+            big = max(big, v.aval.size // model.num_layers * v.aval.dtype.itemsize)
+    return total, low, big
 
 
 def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: int,
@@ -131,7 +133,7 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     none_layer = at(2, "none") - at(1, "none") if remat != "none" else per_layer
     head = _rest(lambda b: at(0, remat, b), batch, seq, m)
     return {"saved": head + layers * per_layer * batch, "head": head,
-            "layer": none_layer * batch, "saved_16bit_layers": layers * (at(2, remat, part=1) - at(1, remat, part=1)) * batch}
+            "layer": none_layer * batch, "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * (at(2, remat, part=1) - at(1, remat, part=1)) * batch}
 
 
 def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
@@ -223,6 +225,9 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
              "accumulator": 0.0, "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0, "tick": 0.0}
     chunk_el = layer_el * stage / v
     gc = chunk_el * item / (n if reduces_layerwise(cfg) else 1)  # the microbatch's (chunk's) gradients
+    # a layer's backward holds, beside its residuals, the cotangents of the op whose backward runs:
+    # two buffers of the layer's largest activation at most (attention's dP and dS beside P)
+    parts["layer"] += 2 * r["largest"]
     if reduces_layerwise(cfg) and not prefetches_weights(cfg):
         # the end of a layer's backward: its whole weight gradient beside the reduction's result;
         # XLA:CPU computes it in fp32 and reduces with an all-reduce (no reduce-scatter), so twice
