@@ -66,8 +66,9 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
 @functools.lru_cache(maxsize=512)
 def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str,
             batch: int = 1) -> tuple[int, int]:
-    """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, and the
-    part of them in a 16-bit float dtype (cached)."""
+    """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, the
+    part of them in a 16-bit float dtype, and the largest layer residual's bytes per layer (the
+    scan stacks them ``[num_layers, ...]``; 0 with one layer) (cached)."""
     from jaxcolossal.models import get_family
     model = ModelConfig(**dict(model_items))
     model.remat = remat
@@ -99,9 +100,10 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     (the stage's), under ``remat`` (default ``cfg.model.remat``; ``offload`` counts as ``full`` on
     the device: what it saves lives in host memory) in ``dtype`` (default the compute dtype:
     ``precision.mode``); ``shapes``: :func:`_compute_shapes`'s, when the caller has them.
-    Returns ``{"saved": bytes, "head": bytes, "layer": bytes, "saved_16bit_layers": bytes}``
-    (module doc; ``head``: the part of ``saved`` outside the layers, the embedding's and the LM
-    head's; the last: the layers' part of ``saved`` in bf16/fp16).
+    Returns ``{"saved": bytes, "head": bytes, "layer": bytes, "largest": bytes,
+    "saved_16bit_layers": bytes}`` (module doc; ``head``: the part of ``saved`` outside the
+    layers, the embedding's and the LM head's; ``largest``: a layer's largest single residual
+    without checkpointing, for the microbatch; the last: the layers' part of ``saved`` in bf16/fp16).
 
     Raises:
         ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
@@ -155,40 +157,50 @@ def _elements(tree: Any) -> int:
 def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: float,
               backend: str = "gpu") -> dict:
     """The train step's predicted per-device peak (bytes) above the persistent state and the fp32
-    gradient buffer, as the larger of its two phases, each the sum of the buffers live in it:
+    gradient buffer, as the largest of its three phases, each the sum of the buffers live in it
+    (read from XLA's buffer assignments: docs/planner.md):
 
-    * the backward pass, at the start of the layer scan's transpose: the state; the gradient
-      buffers in flight (the microbatch's gradients in the compute dtype, plus the fp32
-      accumulator with gradient accumulation; in fp32 they are the one buffer, twice with
-      accumulation); every saved residual (:func:`residuals`, ``saved``); one layer's
-      backward working set (``layer``);
+    * the layers' backward, inside the layer scan's transpose: the state; the gradient buffers in
+      flight (the microbatch's gradients in the compute dtype, plus the fp32 accumulator with
+      gradient accumulation; in fp32 they are the one buffer, twice with accumulation); the
+      layers' saved residuals (:func:`residuals`: ``saved`` less ``head``); one layer's backward
+      working set (``layer``: its residuals without checkpointing, recomputed under
+      ``remat=full``, plus two buffers of its largest activation, the cotangents of the op whose
+      backward runs, such as attention's dP and dS beside P);
+    * the LM head's backward, which runs before the layer scan's (without a pipeline): every saved
+      residual, the head's among them, and what lives through the whole backward (the CPU's
+      copies, ZeRO-3's buffers, the accumulators), but no layer's working set yet;
     * the update: the state, the fp32 gradients, and the compute-dtype gradients they were cast from.
 
     Layouts add their own buffers:
 
     * ZeRO-2/3 reduce each layer's gradient inside the scan (``reduces_layerwise``), so the
-      compute-dtype gradients in flight are the data shard's ``1/N``;
+      compute-dtype gradients in flight are the data shard's ``1/N``; at the end of a layer's
+      backward its whole weight gradient is live beside the reduction's output (``1/N`` of it
+      after a reduce-scatter; XLA:CPU computes it in fp32 and reduces it with an all-reduce, so
+      twice the layer's fp32 gradient there), counted when larger than the working set;
     * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered
       (on XLA:CPU in low precision the current one in fp32, with the CPU's copies below),
       one layer's fp32 weight gradient before its reduce-scatter, and its residual copy of the
       sharded weights;
     * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
-      is autodiff of the tick scan); the lock-step schedules (1F1B, interleaved) keep one chunk's
-      (``layers / v``), its gradients in the compute dtype, and the stash of ``2·v·p − 1`` stage
-      inputs ``[b, s/sp, h]``;
+      is autodiff of the tick scan), and in the backward copies the tick's layer residuals out
+      of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
+      interleaved) keep one chunk's (``layers / v``), its gradients in the compute dtype, and the
+      stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; with a pipeline the head runs inside
+      each tick, so its residuals count with the tick's;
     * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
-      once, outside the layer loop (buffer dumps, docs/planner.md). So the stage's layer weights
-      are also held in fp32: one layer under ZeRO-3's prefetching scan; under ZeRO-3 without it,
-      the converted shards and one gathered layer. Each tick of the interleaved schedule slices
-      its chunk out of the stage's bf16 and fp32 stacks and converts both: two more chunk-sized
-      fp32 copies (buffer dumps of the 12-layer LLaMA at pp 2, v 2). And the layers' saved
+      once, outside the layer loop. So the stage's layer weights are also held in fp32: one layer
+      under ZeRO-3's prefetching scan; under ZeRO-3 without it, the converted shards and one
+      gathered layer. Each tick of the interleaved schedule slices its chunk out of the stage's
+      bf16 and fp32 stacks and converts both: two more chunk-sized fp32 copies. The layers' saved
       16-bit residuals are held in fp32 at the backward's start, in place of the 16-bit ones
-      (counted as one more copy of them). ``"gpu"`` holds no such copies.
+      (counted as one more copy of them). In fp32, ZeRO-1/2's update slices the layers' data
+      shard at the step's start and holds it through the step. ``"gpu"`` holds no such copies.
 
-    What it leaves out: the compiler's allocator packs buffers of different lifetimes into one
-    arena with some waste (on XLA:CPU, −2% to +32% above the live peak in
-    ``scripts/plan_vs_compiler.py``'s sweep), and Megatron-SP's sequence split of the norms'
-    activations (counted whole).
+    What it leaves out: Megatron-SP's sequence split of the norms' activations (counted whole),
+    and the allocator's packing waste (on XLA:CPU under 4% in ``scripts/plan_vs_compiler.py``'s
+    sweep).
 
     Args:
         cfg: the run's config (model, training batch/seq/accumulation, parallel, precision).
@@ -198,8 +210,10 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         backend: ``"gpu"`` or ``"cpu"`` (the compiler whose buffers are predicted).
 
     Returns:
-        ``{"activations": bytes above state + grads, "phase": "backward" | "update", and the
-        parts: "residuals", "layer", "grads_compute", "accumulator", "zero3", "stash", "cpu_fp32"}``.
+        ``{"activations": bytes above state + grads, "phase": "backward" | "head" | "update",
+        "head": the head's residuals, and the parts: "residuals", "layer", "grads_compute",
+        "accumulator", "zero3", "stash", "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts
+        of the head's phase).
     """
     from jaxcolossal.config import pipeline_microbatches
     from jaxcolossal.train.step import prefetches_weights, reduces_layerwise
