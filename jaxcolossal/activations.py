@@ -294,10 +294,10 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
             **{k: int(x) for k, x in parts.items()}}
 
 
-PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals", "layer": "one layer's backward", "grads_compute": "compute-dtype "
-              "gradients in flight", "accumulator": "the microbatch's fp32 gradients", "zero3": "ZeRO-3 prefetch buffers",
-              "stash": "pipeline stash", "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals",
-              "tick": "GPipe's tick copy and chunk gradients"}
+PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals", "layer": "one layer's backward",
+              "grads_compute": "compute-dtype gradients in flight", "accumulator": "the microbatch's fp32 gradients",
+              "zero3": "ZeRO-3 prefetch buffers", "stash": "pipeline stash",
+              "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals", "tick": "GPipe's tick copy and chunk gradients"}
 
 
 HEAD_PARTS = ("residuals", "head", "cpu_fp32", "zero3", "accumulator")  # what :func:`step_peak` sums in the head's phase
