@@ -182,7 +182,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered
       (on XLA:CPU in low precision the current one in fp32, with the CPU's copies below),
       one layer's fp32 weight gradient before its reduce-scatter, and its residual copy of the
-      sharded weights;
+      sharded weights (on XLA:CPU in low precision, the shards converted to fp32);
     * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
       is autodiff of the tick scan), and in the backward copies the tick's layer residuals out
       of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
@@ -264,8 +264,10 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         parts["cpu_fp32"] = 4 * layer_el * stage / n
     if prefetches_weights(cfg):
         # on XLA:CPU in low precision the layer being computed is held in fp32 (``cpu_fp32``), not in bf16
+        # and its copy of the stage's shards is the fp32 conversion there (the dumps: no bf16 copy)
         gathered = 1 if cpu_lowp else 2
-        parts["zero3"] = layer_el * stage * item / n + gathered * layer_el * item + 4 * layer_el
+        shard_item = 4 if cpu_lowp else item
+        parts["zero3"] = layer_el * stage * shard_item / n + gathered * layer_el * item + 4 * layer_el
     if pp > 1 and not lockstep:
         # GPipe's backward copies the tick's layer residuals out of the stacks and carries the chunk's
         # gradients (fp32 on XLA:CPU, which computes the matmuls in fp32) beside the stage's
