@@ -176,13 +176,14 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
 
     * ZeRO-2/3 reduce each layer's gradient inside the scan (``reduces_layerwise``), so the
       compute-dtype gradients in flight are the data shard's ``1/N``; at the end of a layer's
-      backward its whole weight gradient is live beside the reduction's output (``1/N`` of it
-      after a reduce-scatter; XLA:CPU computes it in fp32 and reduces it with an all-reduce, so
-      twice the layer's fp32 gradient there), counted when larger than the working set;
+      backward its whole weight gradient (fp32 under ZeRO-3's prefetch) is live beside the
+      reduction's output (``1/N`` of it after a reduce-scatter; XLA:CPU computes it in fp32 and
+      reduces it with an all-reduce, so twice the layer's fp32 gradient there), while most of
+      the working set is dead: the larger of the two is counted;
     * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered
-      (on XLA:CPU in low precision the current one in fp32, with the CPU's copies below),
-      one layer's fp32 weight gradient before its reduce-scatter, and its residual copy of the
-      sharded weights (on XLA:CPU in low precision, the shards converted to fp32);
+      (on XLA:CPU in low precision the current one in fp32, with the CPU's copies below) and its
+      residual copy of the sharded weights (on XLA:CPU in low precision, the shards converted
+      to fp32);
     * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
       is autodiff of the tick scan), and in the backward copies the tick's layer residuals out
       of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
@@ -242,11 +243,14 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     # a layer's backward holds, beside its residuals, the cotangents of the op whose backward runs:
     # two buffers of the layer's largest activation at most (attention's dP and dS beside P)
     parts["layer"] += 2 * r["largest"]
-    if reduces_layerwise(cfg) and not prefetches_weights(cfg):
-        # the end of a layer's backward: its whole weight gradient beside the reduction's result;
-        # XLA:CPU computes it in fp32 and reduces with an all-reduce (no reduce-scatter), so twice
-        # the layer's fp32 gradient there (buffer dumps); a reduce-scatter's output is 1/N
-        transient = 2 * 4 * layer_el if backend == "cpu" else item * layer_el * (1 + 1 / n)
+    if reduces_layerwise(cfg):
+        # the end of a layer's backward: its whole weight gradient beside the reduction's result,
+        # when most of the working set is dead (the dumps show the MLP's activations gone), so
+        # the larger of the two counts. XLA:CPU computes the gradient in fp32 and reduces it with
+        # an all-reduce (no reduce-scatter): twice the layer's fp32 gradient there. A
+        # reduce-scatter's output is 1/N; ZeRO-3's prefetching scan takes it in fp32
+        grad_item = 4 if prefetches_weights(cfg) else item
+        transient = 2 * 4 * layer_el if backend == "cpu" else grad_item * layer_el * (1 + 1 / n)
         parts["layer"] = max(parts["layer"], transient)
     if cpu_lowp:
         if prefetches_weights(cfg):
@@ -267,7 +271,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         # and its copy of the stage's shards is the fp32 conversion there (the dumps: no bf16 copy)
         gathered = 1 if cpu_lowp else 2
         shard_item = 4 if cpu_lowp else item
-        parts["zero3"] = layer_el * stage * shard_item / n + gathered * layer_el * item + 4 * layer_el
+        parts["zero3"] = layer_el * stage * shard_item / n + gathered * layer_el * item
     if pp > 1 and not lockstep:
         # GPipe's backward copies the tick's layer residuals out of the stacks and carries the chunk's
         # gradients (fp32 on XLA:CPU, which computes the matmuls in fp32) beside the stage's
