@@ -167,9 +167,11 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
       working set (``layer``: its residuals without checkpointing, recomputed under
       ``remat=full``, plus two buffers of its largest activation, the cotangents of the op whose
       backward runs, such as attention's dP and dS beside P);
-    * the LM head's backward, which runs before the layer scan's (without a pipeline): every saved
-      residual, the head's among them, and what lives through the whole backward (the CPU's
-      copies, ZeRO-3's buffers, the accumulators), but no layer's working set yet;
+    * the LM head's backward, which runs before the layers' (without a pipeline, before the layer
+      scan's transpose; with 1F1B or interleaved, before the chunk's pullback in the backward
+      slot): every saved residual, the head's among them, and what lives through the whole
+      backward (the CPU's copies, ZeRO-3's buffers, the accumulators, the stash), but no layer's
+      working set yet;
     * the update: the state, the fp32 gradients, and the compute-dtype gradients they were cast from.
 
     Layouts add their own buffers:
@@ -188,8 +190,8 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
       is autodiff of the tick scan), and in the backward copies the tick's layer residuals out
       of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
       interleaved) keep one chunk's (``layers / v``), its gradients in the compute dtype, and the
-      stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; with a pipeline the head runs inside
-      each tick, so its residuals count with the tick's;
+      stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; GPipe's tick scan saves the head's
+      residuals with each tick's;
     * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
       once, outside the layer loop. So the stage's layer weights are also held in fp32: one layer
       under ZeRO-3's prefetching scan; under ZeRO-3 without it, the converted shards and one
@@ -232,10 +234,11 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     layer_el = _elements(shapes["layers"]) / m.num_layers  # one layer, tp-local
     r = residuals(cfg, mesh_shape, b, max(1, stage // v), shapes=shapes)  # a tick runs one chunk of the stage
     cpu_lowp = backend == "cpu" and lowp
-    # without a pipeline the LM head's backward runs before the layer scan's: its residuals are
-    # dead by the time the layers' backward runs, so the two are separate phases; a pipeline tick
-    # runs the head inside it, so its residuals are saved (and kept) with the tick's
-    split_head = pp == 1
+    # the LM head's backward runs before the layers' (without a pipeline, before the layer scan's
+    # transpose; in a lock-step backward slot, before the chunk's pullback): its residuals are
+    # dead by the time the layers' backward runs, so the two are separate phases. GPipe's tick
+    # scan saves the head's residuals with each tick's, for its transpose
+    split_head = pp == 1 or lockstep
     parts = {"residuals": r["saved"] - (r["head"] if split_head else 0), "layer": r["layer"], "grads_compute": 0.0,
              "accumulator": 0.0, "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0, "tick": 0.0}
     chunk_el = layer_el * stage / v
@@ -293,7 +296,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     # the LM head's backward (no pipeline): every saved residual, the head's among them, and what
     # lives through the whole backward pass; not yet a layer's working set or the layers' gradients
     head = (parts["residuals"] + r["head"] + parts["cpu_fp32"] + parts["zero3"] + parts["accumulator"]
-            + fp32_live) if split_head else 0.0
+            + parts["stash"] + fp32_live) if split_head else 0.0
     update = grads + (gc if lowp else 0.0)
     phase = max((backward, "backward"), (head, "head"), (update, "update"))[1]
     return {"activations": int(max(backward, head, update) - grads), "phase": phase, "head": int(r["head"]),
@@ -306,7 +309,7 @@ PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals",
               "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals", "tick": "GPipe's tick copy and chunk gradients"}
 
 
-HEAD_PARTS = ("residuals", "head", "cpu_fp32", "zero3", "accumulator")  # what :func:`step_peak` sums in the head's phase
+HEAD_PARTS = ("residuals", "head", "cpu_fp32", "zero3", "accumulator", "stash")  # what :func:`step_peak` sums in the head's phase
 
 
 def describe(peak: dict) -> str:
