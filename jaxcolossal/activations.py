@@ -214,7 +214,9 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
 
     Returns:
         ``{"activations": bytes above state + grads, "phase": "backward" | "head" | "update",
-        "head": the head's residuals, and the parts: "residuals", "layer", "grads_compute",
+        "head": the head's residuals, "fp32_grads_live": whether the fp32 gradient buffer is
+        live in the backward (not in a low-precision step without accumulation or pipeline, which
+        makes it afterwards; then the phase's parts add up to activations + grads), and the parts: "residuals", "layer", "grads_compute",
         "accumulator", "zero3", "stash", "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts
         of the head's phase).
     """
@@ -300,7 +302,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     update = grads + (gc if lowp else 0.0)
     phase = max((backward, "backward"), (head, "head"), (update, "update"))[1]
     return {"activations": int(max(backward, head, update) - grads), "phase": phase, "head": int(r["head"]),
-            **{k: int(x) for k, x in parts.items()}}
+            "fp32_grads_live": bool(fp32_live), **{k: int(x) for k, x in parts.items()}}
 
 
 PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals", "layer": "one layer's backward",
@@ -318,4 +320,8 @@ def describe(peak: dict) -> str:
     keys = HEAD_PARTS if peak["phase"] == "head" else [k for k in PART_NAMES if k != "head"]
     parts = ", ".join(f"{PART_NAMES[k]} {gib(peak[k])}" for k in keys if peak.get(k))
     where = {"backward": "backward pass", "head": "LM head's backward", "update": "optimizer update"}[peak["phase"]]
-    return f"peak in the {where}; activations and temporaries: {parts}"
+    text = f"peak in the {where}; activations and temporaries: {parts}"
+    if peak["phase"] != "update" and not peak.get("fp32_grads_live", True):
+        text += (" (the fp32 gradients are made after this phase, so these parts add up to the activations"
+                 " and the fp32 gradients' bytes together)")
+    return text

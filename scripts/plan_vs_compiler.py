@@ -112,10 +112,18 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
     return float(need["total"]), float(compiled), need
 
 
+def _rows(text: str) -> list[int]:
+    """``--rows``: comma-separated row numbers (argparse reports the ValueError's message)."""
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated row numbers, e.g. 16,17; got {text!r}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
-    ap.add_argument("--rows", type=lambda s: [int(i) for i in s.split(",")], default=[],
+    ap.add_argument("--rows", type=_rows, default=[],
                     help=f"only these rows of the sweep, e.g. 31,32 (0-based, below {len(SWEEP)})")
     a = ap.parse_args(argv)
     rows = SWEEP[: a.limit] if a.limit else SWEEP

@@ -115,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--at", type=int, help="list the buffers live at this schedule position (default: the peak)")
     ap.add_argument("--min-mib", type=float, default=0.1, help="list buffers of at least this size (MiB)")
     a = ap.parse_args(argv)
+    if not os.path.isdir(a.dump):
+        print(f"error: {a.dump} is not a directory: compile with XLA_FLAGS=--xla_dump_to={a.dump}", file=sys.stderr)
+        return 2
     try:
         arena_path, range_path = find_dump(a.dump, a.module)
         size, buffers = live_buffers(arena_path, range_path)
@@ -127,6 +130,9 @@ def main(argv=None) -> int:
     print(f"{os.path.basename(arena_path)}")
     print(f"arena {size / MIB:.2f} MiB; occupied at its peak (schedule position {peak}) {usage[peak] / MIB:.2f} MiB; "
           f"unoccupied {(size - usage[peak]) / MIB:.2f} MiB ({size / max(usage[peak], 1) - 1:+.1%})")
+    if a.at is not None and not 0 <= a.at <= last:
+        print(f"error: --at {a.at}: the schedule has positions 0 to {last}", file=sys.stderr)
+        return 2
     t = peak if a.at is None else a.at
     live = sorted((x for x in buffers if x[4] <= t <= x[5]), key=lambda x: x[2])
     print(f"live at {t}: {occupied(buffers, t) / MIB:.2f} MiB in {len(live)} buffers; those of {a.min_mib} MiB or more:")

@@ -36,3 +36,4 @@ def test_the_arena_and_its_peak_are_read_from_the_dump(tmp_path):
     assert 0 < peak <= size
     assert xla_buffers.main([str(tmp_path), "--min-mib", "0"]) == 0
     assert xla_buffers.main([str(tmp_path / "missing")]) == 2
+    assert xla_buffers.main([str(tmp_path), "--at", "-1"]) == 2
