@@ -65,7 +65,7 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str,
-            batch: int = 1) -> tuple[int, int]:
+            batch: int = 1) -> tuple[int, int, int]:
     """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, the
     part of them in a 16-bit float dtype, and the largest layer residual's bytes per layer (the
     scan stacks them ``[num_layers, ...]``; 0 with one layer) (cached)."""
@@ -134,8 +134,9 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     per_layer = at(2, remat) - at(1, remat)
     none_layer = at(2, "none") - at(1, "none") if remat != "none" else per_layer
     head = _rest(lambda b: at(0, remat, b), batch, seq, m)
-    return {"saved": head + layers * per_layer * batch, "head": head,
-            "layer": none_layer * batch, "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * (at(2, remat, part=1) - at(1, remat, part=1)) * batch}
+    low_layer = at(2, remat, part=1) - at(1, remat, part=1)
+    return {"saved": head + layers * per_layer * batch, "head": head, "layer": none_layer * batch,
+            "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * low_layer * batch}
 
 
 def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
@@ -216,8 +217,9 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         ``{"activations": bytes above state + grads, "phase": "backward" | "head" | "update",
         "head": the head's residuals, "fp32_grads_live": whether the fp32 gradient buffer is
         live in the backward (not in a low-precision step without accumulation or pipeline, which
-        makes it afterwards; then the phase's parts add up to activations + grads), and the parts: "residuals", "layer", "grads_compute",
-        "accumulator", "zero3", "stash", "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts
+        makes it afterwards; then the phase's parts add up to activations + grads), and the
+        parts: "residuals", "layer", "grads_compute", "accumulator", "zero3", "stash",
+        "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts
         of the head's phase).
     """
     from jaxcolossal.config import pipeline_microbatches
@@ -236,6 +238,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     layer_el = _elements(shapes["layers"]) / m.num_layers  # one layer, tp-local
     r = residuals(cfg, mesh_shape, b, max(1, stage // v), shapes=shapes)  # a tick runs one chunk of the stage
     cpu_lowp = backend == "cpu" and lowp
+    layerwise, prefetch = reduces_layerwise(cfg), prefetches_weights(cfg)
     # the LM head's backward runs before the layers' (without a pipeline, before the layer scan's
     # transpose; in a lock-step backward slot, before the chunk's pullback): its residuals are
     # dead by the time the layers' backward runs, so the two are separate phases. GPipe's tick
@@ -244,21 +247,21 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     parts = {"residuals": r["saved"] - (r["head"] if split_head else 0), "layer": r["layer"], "grads_compute": 0.0,
              "accumulator": 0.0, "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0, "tick": 0.0}
     chunk_el = layer_el * stage / v
-    gc = chunk_el * item / (n if reduces_layerwise(cfg) else 1)  # the microbatch's (chunk's) gradients
+    gc = chunk_el * item / (n if layerwise else 1)  # the microbatch's (chunk's) gradients
     # a layer's backward holds, beside its residuals, the cotangents of the op whose backward runs:
     # two buffers of the layer's largest activation at most (attention's dP and dS beside P)
     parts["layer"] += 2 * r["largest"]
-    if reduces_layerwise(cfg):
+    if layerwise:
         # the end of a layer's backward: its whole weight gradient beside the reduction's result,
         # when most of the working set is dead (the dumps show the MLP's activations gone), so
         # the larger of the two counts. XLA:CPU computes the gradient in fp32 and reduces it with
         # an all-reduce (no reduce-scatter): twice the layer's fp32 gradient there. A
         # reduce-scatter's output is 1/N; ZeRO-3's prefetching scan takes it in fp32
-        grad_item = 4 if prefetches_weights(cfg) else item
+        grad_item = 4 if prefetch else item
         transient = 2 * 4 * layer_el if backend == "cpu" else grad_item * layer_el * (1 + 1 / n)
         parts["layer"] = max(parts["layer"], transient)
     if cpu_lowp:
-        if prefetches_weights(cfg):
+        if prefetch:
             parts["cpu_fp32"] = 4 * layer_el
         elif p.zero_stage == 3 and n > 1:  # the shards are converted, then gathered one layer at a time
             parts["cpu_fp32"] = 4 * layer_el * stage / n + 4 * layer_el
@@ -271,7 +274,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         # fp32 ZeRO-1/2: XLA:CPU slices the layers' data shard for the update at the step's start
         # and holds it through the step (buffer dumps)
         parts["cpu_fp32"] = 4 * layer_el * stage / n
-    if prefetches_weights(cfg):
+    if prefetch:
         # on XLA:CPU in low precision the layer being computed is held in fp32 (``cpu_fp32``), not in bf16
         # and its copy of the stage's shards is the fp32 conversion there (the dumps: no bf16 copy)
         gathered = 1 if cpu_lowp else 2
