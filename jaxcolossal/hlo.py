@@ -109,10 +109,42 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
+_OP = re.compile(r" (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(-start)?\(")
+
+
+def _tuple_elements(text: str) -> list[str]:
+    """The top-level elements of a tuple shape ``(a, (b, c), d)`` (the text itself if not a tuple)."""
+    text = text.strip()
+    if not text.startswith("("):
+        return [text]
+    out, depth, cur = [], 0, ""
+    for ch in text[1:]:
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            if depth == 0:
+                break
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur]
+
+
 def _result_shapes(line: str) -> tuple:
+    """The result shapes ``((dtype, dims), ...)`` of a collective's HLO line. An async
+    ``*-start`` of an all-gather, reduce-scatter, all-to-all or collective-permute returns
+    ``(operands, results[, contexts])`` (XLA:GPU): its results are the second element; an
+    ``all-reduce-start`` returns its results alone."""
     lhs = line.split("=", 1)[1]
-    kind_at = min((lhs.find(f" {k}(") for k in COLLECTIVES if f" {k}(" in lhs), default=len(lhs))
-    return tuple((d, tuple(int(x) for x in s.split(",") if x)) for d, s in _SHAPE.findall(lhs[:kind_at]))
+    m = _OP.search(lhs)
+    shape_text = lhs[: m.start()] if m else lhs
+    if m and m.group(2) and m.group(1) != "all-reduce":
+        parts = _tuple_elements(shape_text)
+        shape_text = parts[1] if len(parts) > 1 else parts[0]
+    return tuple((d, tuple(int(x) for x in s.split(",") if x)) for d, s in _SHAPE.findall(shape_text))
 
 
 def collectives_in(comps: dict, name: str, seen: set | None = None) -> list[Collective]:
@@ -252,31 +284,94 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+_CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OPERANDS = re.compile(r"\b(?:dot|custom-call)\(([^)]*)\)")
+
+
+def _operand_dims(shapes: dict, line: str, i: int) -> tuple[int, ...] | None:
+    """The dims of a ``dot``/``custom-call`` line's ``i``-th operand (inline or by name)."""
+    m = _OPERANDS.search(line)
+    if not m:
+        return None
+    ops = [o.strip() for o in m.group(1).split("%") if o.strip()] if "[" not in m.group(1) else None
+    if ops is None:  # operands printed with their shapes: f32[4,8]{1,0} %a, ...
+        found = re.findall(r"\w+\[([\d,]*)\][^%]*%([\w.\-]+)", m.group(1))
+        return _dims(found[i][0]) if i < len(found) else None
+    return shapes.get(ops[i].rstrip(", ")) if i < len(ops) else None
+
+
+def _fmha_flops(line: str) -> int:
+    """FLOPs of a cuDNN fused-attention call: the forward's two matmuls ``4·b·h·tq·tk·d`` (half with
+    a causal mask), the backward's five ``2.5×`` that (the scores recomputed, dP, dV, dQ, dK)."""
+    inter = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', line)
+    q = re.search(r"operand_layout_constraints=\{\w+\[([\d,]*)\]", line)
+    if not inter or not q:
+        return 0
+    bhst = math.prod(int(x.strip().strip('"')) for x in inter.group(1).split(",") if x.strip())
+    fwd = 4 * bhst * _dims(q.group(1))[-1] * (0.5 if '"mask_type": "CAUSAL"' in line or '"mask_type":"CAUSAL"' in line
+                                                else 1)
+    return int(fwd * (2.5 if "Backward" in _FMHA.search(line).group(1) else 1))
+
+
+def instruction_flops(shapes: dict, line: str) -> int:
+    """Matmul FLOPs of one HLO instruction line, by itself (a fusion's or loop's callees not
+    followed): a ``dot`` ``2·(result elements)·(lhs contracting dims)``; a cuBLAS GEMM custom call
+    the same from its ``dot_dimension_numbers``; a cuDNN fused attention (:func:`_fmha_flops`);
+    0 otherwise (elementwise work, Triton kernels). ``shapes``: ``{name: dims}`` of the
+    computation's instructions.
+
+    Raises:
+        ValueError: a ``dot`` whose left operand's shape cannot be found.
+    """
+    if " dot(" in line:
+        m, d = _INSTR.match(line), _DOT.search(line)
+        lhs = _dims(d.group(1)) if d.group(1) is not None else shapes.get(d.group(2))
+        if lhs is None:
+            raise ValueError(f"cannot find the shape of dot operand {d.group(2)!r}")
+        contract = _dims(_LHS_CONTRACT.search(line).group(1))
+        return 2 * math.prod(_dims(m.group(2))) * math.prod(lhs[i] for i in contract)
+    if " custom-call(" not in line:
+        return 0
+    target = _TARGET.search(line)
+    if target and target.group(1) in _CUBLAS:
+        out = _SHAPE.search(line.split("=", 1)[1])
+        lhs = _operand_dims(shapes, line, 0)
+        contract = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', line)
+        if out is None or lhs is None or contract is None:
+            return 0
+        k = math.prod(lhs[int(x.strip().strip('"'))] for x in contract.group(1).split(",") if x.strip())
+        return 2 * math.prod(_dims(out.group(2))) * k
+    if target and _FMHA.search(line):
+        return _fmha_flops(line)
+    return 0
+
+
+def instruction_shapes(comps: dict) -> dict[str, dict]:
+    """``{computation: {instruction name: dims}}`` of every array-valued instruction."""
+    return {name: {m.group(1): _dims(m.group(2)) for m in map(_INSTR.match, lines) if m}
+            for name, lines in comps.items()}
+
+
 def dot_flops(hlo_text: str) -> dict[str, int]:
     """Matmul FLOPs of one execution of a compiled program, loops multiplied out by trip count.
 
     Each ``dot`` counts ``2 · (result elements) · (product of the lhs contracting dims)``, the
-    convention of the model-FLOP formulas (:mod:`jaxcolossal.metrics`); elementwise work is not
-    counted; a ``conditional`` counts its costliest branch. Returns ``{"flops": total, "dots": dot
-    executions per step}``.
+    convention of the model-FLOP formulas (:mod:`jaxcolossal.metrics`); so do XLA:GPU's cuBLAS
+    GEMM custom calls, and cuDNN's fused attention its matmuls (:func:`instruction_flops`);
+    elementwise work is not counted; a ``conditional`` counts its costliest branch. Returns
+    ``{"flops": total, "dots": matmul executions per step}``.
 
     Raises:
         ValueError: a ``dot`` whose left operand's shape cannot be found.
     """
     comps, _ = computations(hlo_text)
-    shapes: dict[str, dict] = {}
-    for name, lines in comps.items():
-        shapes[name] = {m.group(1): _dims(m.group(2)) for m in map(_INSTR.match, lines) if m}
+    shapes = instruction_shapes(comps)
 
     def count(name: str, line: str) -> dict:
-        if " dot(" not in line:
-            return {}
-        m, d = _INSTR.match(line), _DOT.search(line)
-        lhs = _dims(d.group(1)) if d.group(1) is not None else shapes[name].get(d.group(2))
-        if lhs is None:
-            raise ValueError(f"cannot find the shape of dot operand {d.group(2)!r} in {name!r}")
-        contract = _dims(_LHS_CONTRACT.search(line).group(1))
-        return {"flops": 2 * math.prod(_dims(m.group(2))) * math.prod(lhs[i] for i in contract), "dots": 1}
+        f = instruction_flops(shapes[name], line)
+        return {"flops": f, "dots": 1} if f else {}
 
     out = _per_step(hlo_text, count)
     return {"flops": out.get("flops", 0), "dots": out.get("dots", 0)}

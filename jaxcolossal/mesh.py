@@ -54,3 +54,18 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def platform(mesh: Mesh | jax.sharding.AbstractMesh | Sequence[jax.Device]) -> str:
+    """The platform a mesh's devices compile for: ``"gpu"`` for CUDA/ROCm devices (real or
+    compile-only), else the devices' own (``"cpu"``, ``"tpu"``). Every GPU-only path (Pallas
+    kernels, memory kinds, XLA's GPU flags, the planner's backend) is chosen by this, never by
+    ``jax.default_backend()``, so that a deviceless compile for a GPU fleet takes the GPU's paths."""
+    if isinstance(mesh, Mesh):
+        kind = mesh.devices.flat[0].platform
+    elif hasattr(mesh, "abstract_device"):  # an AbstractMesh (inside shard_map): its device kind, if known
+        kind = mesh.abstract_device.platform if mesh.abstract_device is not None else "unknown"
+    else:
+        kind = next(iter(mesh)).platform
+    kind = kind.lower()
+    return "gpu" if kind in ("gpu", "cuda", "rocm") else kind

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxcolossal.config import Config, ConfigError, parse_bytes
+from jaxcolossal.mesh import platform
 from jaxcolossal.sharding import shard_bytes
 
 HOST = "pinned_host"
@@ -360,6 +361,8 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
     """
     o = cfg.offload
     limit = device_limit(cfg, devices)
+    if backend is None and devices:  # the memory model of the platform the mesh compiles for
+        backend = platform(devices)
     if o.placement_policy == "auto":
         if not limit:
             raise ConfigError("offload.placement_policy=auto needs offload.device_memory_limit (e.g. 80GB): this "

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config import Config, ConfigError, validate
-from jaxcolossal.mesh import mesh_shape
+from jaxcolossal.mesh import mesh_shape, platform
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
 from jaxcolossal.placement import device_need, gib, resolve
@@ -170,7 +170,7 @@ def _need(cfg: Config, num_devices: int, backend: str | None = None) -> dict:
     return device_need(pl, cfg, shapes, specs, shape, backend)
 
 
-def oom_changes(cfg: Config, run_mesh: dict) -> list[tuple[str, dict]]:
+def oom_changes(cfg: Config, run_mesh: dict, backend: str | None = None) -> list[tuple[str, dict]]:
     """Single-key changes that lower the per-device need, each with its predicted need, cheapest
     first (on the run's devices; a change of zero_stage re-splits the data group into dp/fsdp;
     the seed's "systematic OOM troubleshooting", as a program): a higher ``zero_stage``,
@@ -204,7 +204,7 @@ def oom_changes(cfg: Config, run_mesh: dict) -> list[tuple[str, dict]]:
         c = copy.deepcopy(cfg)
         change(c)
         try:
-            out.append((name, _need(c, math.prod(run_mesh.values()))))
+            out.append((name, _need(c, math.prod(run_mesh.values()), backend)))
         except ConfigError:  # the change does not fit this model (a dimension its axis does not divide)
             continue
     return sorted(out, key=lambda r: r[1]["total"])
@@ -220,7 +220,8 @@ def explain_oom(plan, error: BaseException, compiled: object = None, capacity: i
     """
     import re
     cfg, shape = plan.cfg, plan.mesh_shape
-    need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, shape)
+    backend = platform(plan.mesh)  # the memory model of the platform the run compiles for
+    need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, shape, backend)
     msg = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     lines = [f"out of device memory: {msg[:300]}",
              f"predicted per device for this layout (mesh {shape}, zero_stage {cfg.parallel.zero_stage}, "
@@ -240,7 +241,7 @@ def explain_oom(plan, error: BaseException, compiled: object = None, capacity: i
         lines.append(f"device memory: {gib(capacity)} usable (offload.device_memory_limit, or the device's "
                      "capacity × 0.9)")
     lines.append("cheapest changes (one key each; predicted per-device need):")
-    for name, n in oom_changes(cfg, shape):
+    for name, n in oom_changes(cfg, shape, backend):
         mark = ("fits" if n["total"] <= capacity else "over") if capacity else f"{n['total'] / need['total']:.0%}"
         lines.append(f"  {name:<48} {gib(n['total']):>12}  {mark}")
     lines.append("(activations: the residuals traced from the model code and the layout's buffers; their measured error: docs/planner.md)")

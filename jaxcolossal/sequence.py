@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxcolossal.mesh import platform
+
 SP_AXIS = "sp"
 MODES = ("none", "split_gather", "all_to_all", "ring_attn")
 
@@ -93,6 +95,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, imp
     mesh, mode ``none``/``split_gather``) or does not divide (sampling one token at a time)."""
     mode = getattr(shard, "sequence_mode", "none")
     mesh = getattr(shard, "mesh", None)
+    if impl == "cudnn" and mesh is not None and platform(mesh) != "gpu":
+        impl = "xla"  # cuDNN's fused attention exists on GPUs only: the mesh's platform decides
     if mode == "ring_attn" and _manual_over_sp(mesh):
         return ring_attention_manual(q, k, v, positions, segment_ids, bool(getattr(shard, "zigzag", False)))
     if mesh is None or mode not in ("all_to_all", "ring_attn") or not shard.is_sharded("seq"):

@@ -154,3 +154,29 @@ def apply(overlap: bool, bucket_size_mb: float, force: bool = False) -> list[str
     before = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = merge(before, kept)
     return [f for f in kept if f.split("=", 1)[0] not in {t.split("=", 1)[0] for t in before.split()}]
+
+
+def compiler_options(overlap: bool, bucket_size_mb: float, platform: str) -> dict[str, bool | int | str]:
+    """The same flags as ``compile(compiler_options=...)`` entries, for a mesh on ``platform``
+    (``"gpu"``/``"cuda"``; ``{}`` for any other): how they reach a deviceless compile for a GPU
+    fleet, where no GPU backend starts to read ``XLA_FLAGS``
+    (``--compile-for``, :func:`jaxcolossal.aot.fleet.compile_for`), and how the training loop
+    passes them to its train step on GPUs. A flag the user already set in ``XLA_FLAGS`` is left
+    out (theirs wins). XLA rejects a name it does not know (``No such compile option``); the
+    spellings are those :func:`resolve` found this jaxlib to accept."""
+    if platform not in ("gpu", "cuda"):
+        return {}
+    groups = groups_for(overlap, bucket_size_mb)
+    if not groups:
+        return {}
+    kept, _ = resolve(groups)
+    users = {tok.split("=", 1)[0] for tok in os.environ.get("XLA_FLAGS", "").split()}  # the user's win
+    return {name: _option_value(value) for name, value in (f.lstrip("-").split("=", 1) for f in kept)
+            if f"--{name}" not in users}
+
+
+def _option_value(text: str) -> bool | int | str:
+    """A flag's value as a compile option takes it: booleans and integers typed, the rest as text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else text

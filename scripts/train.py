@@ -3,6 +3,7 @@
     python scripts/train.py                                   # configs/llama_tiny.yaml
     python scripts/train.py --config X parallel.zero_stage=3 training.max_steps=50
     python scripts/train.py --config configs/llama_80l_example.yaml --dry-run
+    python scripts/train.py --config configs/bench/llama2_7b.yaml --compile-for h200x8
 
 On a machine with no accelerator it simulates 8 CPU devices (``--devices`` to change);
 on GPUs it uses the real ones. With torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR,
@@ -16,7 +17,8 @@ Several processes on one machine (2 x 4 simulated CPU devices here):
 The launcher sets each process's device count in ``XLA_FLAGS``; without ``--devices`` that
 count is kept.
 
-Exit status: 0 done; 2 a config error (one line, before anything compiles; a resume with nothing
+Exit status: 0 done (with --compile-for: the step fits); 1 with --compile-for: it does not fit the
+fleet's memory; 2 a config error (one line, before anything compiles; a resume with nothing
 left to train too); 3 training stopped on NaN/inf, a checkpoint error or a missing corpus file;
 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
 """
@@ -37,6 +39,31 @@ def _devices_in_xla_flags() -> int | None:
     return None
 
 
+def compile_for_fleet(cfg, args) -> int:
+    """``--compile-for``: 0 when the step fits the fleet's HBM, 1 when it does not, 2 on bad input."""
+    import json
+
+    from jaxcolossal.aot import fleet, report, target
+    from jaxcolossal.config import ConfigError
+
+    target.prepare_environment()  # before jax's backends start
+    try:
+        gpu, count = target.parse_fleet(args.compile_for)
+        fleet.check_fleet(cfg, count, args.devices_per_host or gpu.devices_per_host)
+        result = fleet.compile_for(cfg, gpu, count, args.devices_per_host, keep_hlo=False)
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # the GPU compiler is not installed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.text(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.as_json(result), f, indent=1)
+    return 0 if result.fits else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/llama_tiny.yaml)")
@@ -44,6 +71,13 @@ def main(argv=None) -> int:
                     help="simulated CPU devices (per process) when no accelerator (default: the count "
                          "already in XLA_FLAGS, as set by python -m jaxcolossal.run, else 8)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (params, memory, mesh) and exit")
+    ap.add_argument("--compile-for", metavar="FLEET", default=None,
+                    help="compile the train step for a GPU fleet with XLA's GPU compiler, no GPU needed, and print "
+                         "its memory, collectives, overlap and custom calls; FLEET is TARGETxCOUNT, e.g. h200x16 "
+                         "(targets: h100, h200, b200, a100); exit 1 when it does not fit (docs/gpu.md)")
+    ap.add_argument("--devices-per-host", type=int, default=None,
+                    help="with --compile-for: GPUs per host (default 8)")
+    ap.add_argument("--json", metavar="PATH", default=None, help="with --compile-for: also write the report as JSON")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = ap.parse_intermixed_args(argv)  # overrides may come before and after the flags
 
@@ -55,6 +89,8 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.compile_for:
+        return compile_for_fleet(cfg, args)
     if args.dry_run:
         from jaxcolossal.plan import dry_run
         p = cfg.parallel
@@ -69,10 +105,6 @@ def main(argv=None) -> int:
             print("error: this run does not fit offload.device_memory_limit (the offload line above)", file=sys.stderr)
             return 1
         return 0
-    from jaxcolossal import xla_flags
-    added = xla_flags.apply(cfg.parallel.overlap, cfg.parallel.bucket_size_mb)  # GPUs only; before the backend
-    if added:
-        print(f"XLA flags for parallel.overlap / bucket_size_mb: {' '.join(added)}", file=sys.stderr)
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)
     from jaxcolossal.checkpoint import CheckpointError

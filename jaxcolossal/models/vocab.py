@@ -151,9 +151,10 @@ def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int
     fp16 loss scale) has multiplied it, so small gradients do not underflow.
     """
     b, t, d = h.shape
-    if chunk_tokens <= 0 or not (force_fused or fused_pays(b * t, d, chunk_tokens)):
+    rows = b // batch_shards(shard, b)  # a device's rows: the chunks are sized per device
+    if chunk_tokens <= 0 or not (force_fused or fused_pays(rows * t, d, chunk_tokens)):
         return cross_entropy_sum(logits(h, w, vocab_size, shard), targets, mask)
-    c = chunk_positions(b, t, chunk_tokens)
+    c = chunk_positions(rows, t, chunk_tokens)
     n = math.ceil(t / c)
     valid = jnp.ones((b, t), jnp.float32) if mask is None else mask.astype(jnp.float32)
     if n * c != t:  # pad the sequence to whole chunks; padded positions have weight 0
@@ -166,6 +167,13 @@ def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int
         return jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
 
     return _fused_loss(shard, vocab_size)(to_chunks(h), w, to_chunks(targets), to_chunks(valid))
+
+
+def batch_shards(shard: Sharder, b: int) -> int:
+    """How many ways ``shard``'s rules split a batch of ``b`` rows (1 when they do not divide it)."""
+    size = getattr(shard, "axis_size", None)
+    n = size("batch") if size is not None else 1
+    return n if n > 1 and b % n == 0 else 1
 
 
 def _zeros_varying_like(shape, dtype, *refs) -> jax.Array:
@@ -202,6 +210,8 @@ def _fused_loss(shard: Sharder, vocab_size: int):
         return lg, lse, col, jnp.sum((lse - picked) * vc)
 
     def primal(hs, w, ys, vs):
+        w = shard(w, ("embed", "vocab"))  # ZeRO-3: gathered once, not in every chunk
+
         def body(acc, xs):
             hc, yc, vc = xs
             return acc + chunk_loss(hc, w, yc, vc)[3], None
@@ -213,6 +223,11 @@ def _fused_loss(shard: Sharder, vocab_size: int):
         return primal(hs, w, ys, vs)
 
     def fwd(hs, w, ys, vs):
+        w_in = w
+        w = shard(w, ("embed", "vocab"))  # ZeRO-3: gathered once, not in every chunk
+        nb = batch_shards(shard, hs.shape[1])
+        per_shard = lambda a: a.reshape((nb, a.shape[0] // nb) + a.shape[1:])  # noqa: E731  [b, ...] -> [nb, b/nb, ...]
+
         def body(carry, xs):
             acc, dw = carry
             hc, yc, vc = xs
@@ -222,13 +237,15 @@ def _fused_loss(shard: Sharder, vocab_size: int):
             dlg = shard(dlg.astype(hc.dtype), ("batch", "seq", "vocab"))
             dh = shard(jnp.einsum("bcv,dv->bcd", dlg, w, preferred_element_type=jnp.float32),
                        ("batch", "seq", "embed"))
-            dw = dw + shard(jnp.einsum("bcd,bcv->dv", hc, dlg, preferred_element_type=jnp.float32),
-                            ("embed", "vocab"))
+            # each data shard sums its own rows' dW: no reduction inside the loop, one after it
+            dw = dw + shard(jnp.einsum("nbcd,nbcv->ndv", per_shard(hc), per_shard(dlg),
+                                       preferred_element_type=jnp.float32), ("batch", "embed", "vocab"))
             return (acc + loss, dw), dh
-        dw0 = shard(_zeros_varying_like(w.shape, jnp.float32, hs, w, ys, vs), ("embed", "vocab"))
+        dw0 = shard(_zeros_varying_like((nb,) + w.shape, jnp.float32, hs, w, ys, vs), ("batch", "embed", "vocab"))
         loss0 = _zeros_varying_like((), jnp.float32, hs, w, ys, vs)
         (loss, dw), dh = jax.lax.scan(body, (loss0, dw0), (hs, ys, vs))
-        return loss, (dh, dw, jnp.zeros((0,), hs.dtype), jnp.zeros((0,), w.dtype))
+        dw = shard(jnp.sum(dw, axis=0), ("embed", "vocab"))
+        return loss, (dh, dw, jnp.zeros((0,), hs.dtype), jnp.zeros((0,), w_in.dtype))
 
     def bwd(res, g):
         dh, dw, h_like, w_like = res

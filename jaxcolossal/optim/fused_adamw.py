@@ -17,7 +17,8 @@ Two per-leaf implementations share ONE signature:
 * :func:`adamw_update_reference` -- plain ``jax.numpy``; XLA fuses it.
 * :func:`adamw_update_kernel` -- a ``pl.pallas_call`` that reads ``p, g, m, v``
   and writes ``p, m, v`` in a single pass (Triton lowering on GPU,
-  ``interpret=True`` anywhere). ``p, m, v`` are aliased input->output, so with
+  ``interpret=True`` anywhere). :func:`adamw_update` picks between them by the
+  platform the program is lowered for. ``p, m, v`` are aliased input->output, so with
   donated buffers the update is in place.
 
 Bytes moved per parameter (the roofline of an elementwise optimizer): reads
@@ -57,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
@@ -226,11 +228,11 @@ def adamw_update_kernel(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
     """
     _check_leaf(p, g, m, v)
     b1, b2, eps, weight_decay = _static_hparams(b1, b2, eps, weight_decay)
-    backend = jax.default_backend()
-    if not interpret and backend not in ("gpu", "cuda", "rocm"):
+    where = _concrete_platform(p)
+    if not interpret and where not in (None, "gpu", "cuda", "rocm"):
         raise ValueError(
             f"adamw_update_kernel: the Pallas kernel lowers via Triton and "
-            f"needs a GPU (backend is {backend!r}); pass interpret=True or "
+            f"needs a GPU (the arrays are on {where!r}); pass interpret=True or "
             f"use adamw_update_reference.")
     shape, n = p.shape, p.size
     if n == 0:
@@ -250,10 +252,8 @@ def adamw_update_kernel(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
     kernel = functools.partial(_adamw_kernel, b1=b1, b2=b2, eps=eps,
                                weight_decay=weight_decay)
     vec = pl.BlockSpec((block,), lambda i: (i,))
-    compiler_params = None
-    if not interpret and backend in ("gpu", "cuda"):
-        from jax.experimental.pallas import triton as pltriton
-        compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    # Triton, not Mosaic GPU (jax's default Pallas GPU backend since 0.10)
+    compiler_params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
     p_bytes = 2 * p.dtype.itemsize + g.dtype.itemsize + 16  # 28 for f32
     new_p, new_m, new_v = pl.pallas_call(
         kernel,
@@ -280,11 +280,18 @@ def adamw_update_kernel(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
     return unflat(new_p), unflat(new_m), unflat(new_v)
 
 
+def _concrete_platform(x) -> str | None:
+    """The platform of a concrete array's devices; ``None`` while tracing (the platform is then
+    the one being lowered for, known only to :func:`jax.lax.platform_dependent`)."""
+    try:
+        return next(iter(x.devices())).platform
+    except Exception:  # noqa: BLE001 - a tracer has no devices
+        return None
+
+
 def _resolve_impl(impl: str) -> str:
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "kernel" if jax.default_backend() == "gpu" else "reference"
     return impl
 
 
@@ -292,20 +299,24 @@ def adamw_update(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
                  impl="auto", interpret=False, block_size=DEFAULT_BLOCK_SIZE):
     """Dispatch one leaf's AdamW step to the kernel or the reference.
 
-    ``impl="auto"`` picks :func:`adamw_update_kernel` when
-    ``jax.default_backend() == "gpu"`` and :func:`adamw_update_reference`
-    elsewhere; ``"kernel"`` / ``"reference"`` force one. ``interpret`` and
-    ``block_size`` are forwarded to the kernel. Raises ValueError on an
-    unknown ``impl``; otherwise as the chosen implementation.
+    ``impl="auto"`` takes :func:`adamw_update_kernel` where the program is lowered for CUDA and
+    :func:`adamw_update_reference` for any other platform, decided when lowering
+    (``jax.lax.platform_dependent``): by the platform of the devices the step is compiled for,
+    never the host's, so a deviceless compile for a GPU fleet holds the Triton kernel.
+    ``"kernel"`` / ``"reference"`` force one. ``interpret`` and ``block_size`` are forwarded to
+    the kernel. Raises ValueError on an unknown ``impl``; otherwise as the chosen implementation.
     """
-    if _resolve_impl(impl) == "kernel":
-        return adamw_update_kernel(
-            p, g, m, v, lr=lr, b1=b1, b2=b2, eps=eps,
-            weight_decay=weight_decay, count=count, interpret=interpret,
-            block_size=block_size)
-    return adamw_update_reference(
-        p, g, m, v, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-        count=count)
+    kernel = functools.partial(adamw_update_kernel, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                               interpret=interpret, block_size=block_size)
+    reference = functools.partial(adamw_update_reference, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    impl = _resolve_impl(impl)
+    if impl == "kernel":
+        return kernel(p, g, m, v, lr=lr, count=count)
+    if impl == "reference":
+        return reference(p, g, m, v, lr=lr, count=count)
+    lr, count = jnp.asarray(lr, jnp.float32), jnp.asarray(count, jnp.int32)
+    run = lambda f: lambda p, g, m, v, lr, count: f(p, g, m, v, lr=lr, count=count)  # noqa: E731
+    return jax.lax.platform_dependent(p, g, m, v, lr, count, cuda=run(kernel), default=run(reference))
 
 
 def shard_local(fn: Callable, mesh: jax.sharding.Mesh, spec) -> Callable:
@@ -483,8 +494,8 @@ def fused_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4,
       b1, b2, eps, weight_decay: concrete floats (compiled into the kernel).
       mask: None (decay everything), a pytree of bools shaped like params, or
         a callable ``params -> that pytree``; weight decay applies where True.
-      impl: "auto" (kernel on GPU, reference elsewhere), "kernel",
-        "reference".
+      impl: "auto" (the kernel where the step is lowered for CUDA, the reference for any
+        other platform), "kernel", "reference".
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       block_size: kernel elements per program (power of two).
       mesh, param_specs: if given, each leaf's update runs under

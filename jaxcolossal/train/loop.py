@@ -37,7 +37,8 @@ from jaxcolossal.data.chat import load_chat
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.generate import printable, sample_tokens
 from jaxcolossal.launch import collective_timeout
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal import xla_flags
+from jaxcolossal.mesh import make_mesh, platform
 from jaxcolossal.models.hf import check_init_from, init_params_from
 from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind, formula_bytes
 from jaxcolossal.sharding import DATA_AXES, describe, shard_bytes
@@ -340,9 +341,15 @@ def _start(cfg: Config) -> Run:
                  f"per device, in {tier.path}", ranks=[0])
 
     step_fn = make_train_step(plan, tx, lr_schedule(t))
+    # parallel.overlap / bucket_size_mb: XLA's GPU flags, for a mesh of GPUs (none on other platforms)
+    options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(mesh))
+    if options:
+        log.info("XLA GPU options (parallel.overlap / bucket_size_mb): "
+                 + " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()),
+                 ranks=[0])
     t0 = time.time()
     try:
-        compiled = step_fn.lower(state, loader.batch(int(state.step))).compile()
+        compiled = step_fn.lower(state, loader.batch(int(state.step))).compile(compiler_options=options)
     except Exception as e:
         explain_oom(e, plan)  # an out-of-memory error: the predicted breakdown and what would fit
         raise

@@ -40,7 +40,7 @@ def test_the_main_job_explains_an_out_of_memory_compile(tmp_path, monkeypatch, c
     import jaxcolossal.train.loop as loop
 
     class Lowered:
-        def compile(self):
+        def compile(self, **options):
             raise OOM
 
     class Step:

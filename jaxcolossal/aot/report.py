@@ -1,0 +1,114 @@
+"""The printed and the JSON form of a fleet compile (:class:`jaxcolossal.aot.fleet.FleetCompile`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxcolossal.aot.fleet import GiB, FleetCompile
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:,.2f} GiB" if abs(x) >= GiB / 10 else f"{x / 2**20:,.2f} MiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms" if abs(s) >= 1e-3 else f"{s * 1e6:,.1f} µs"
+
+
+def _header(fc: FleetCompile) -> list[str]:
+    t = fc.target
+    hosts = fc.num_devices // min(fc.devices_per_host, fc.num_devices)
+    mesh = " ".join(f"{k}={v}" for k, v in fc.mesh_shape.items() if v > 1) or "one device"
+    return [f"compiled for {fc.num_devices} × {t.description} ({hosts} host{'s' if hosts > 1 else ''} × "
+            f"{min(fc.devices_per_host, fc.num_devices)}; {_gib(t.hbm_bytes)} HBM at {t.hbm_bw / 1e12:.2f} TB/s, "
+            f"{t.peak_bf16 / 1e12:,.0f} TFLOP/s bf16, NVLink {t.nvlink_bw / 1e9:.0f} GB/s and network "
+            f"{t.network_bw / 1e9:.0f} GB/s per GPU per direction; sm_{t.compute_capability}, CUDA {t.cuda_runtime}, "
+            f"cuDNN {t.cudnn}) by XLA's GPU compiler without a device, in {fc.compile_s:.1f} s",
+            f"mesh {mesh}"]
+
+
+def _memory(fc: FleetCompile) -> list[str]:
+    m = fc.memory
+    lines = [f"memory per device: arguments {_gib(m['argument'])} + outputs {_gib(m['output'])} - donated "
+             f"{_gib(m['alias'])} + temporaries {_gib(m['temp'])} = peak {_gib(fc.peak)} of {_gib(fc.hbm)} HBM "
+             f"({fc.peak / fc.hbm:.0%})"]
+    host = m["host_argument"] + m["host_output"] + m["host_temp"]
+    if host:
+        lines.append(f"  pinned host memory per device: arguments {_gib(m['host_argument'])}, outputs "
+                     f"{_gib(m['host_output'])}, temporaries {_gib(m['host_temp'])}")
+    if fc.offloaded and not fc.memory_kinds:
+        lines.append("  note: this jaxlib's compile-only devices have no memory kinds, so the offloaded state "
+                     "compiled as device memory: the peak above counts it on the device (docs/gpu.md)")
+    if fc.fits and fc.peak > 0.75 * fc.hbm:
+        lines.append("  note: jax preallocates 75% of the HBM by default; run with XLA_PYTHON_CLIENT_MEM_FRACTION="
+                     f"{min(0.95, fc.peak / fc.hbm + 0.03):.2f} or higher")
+    lines += [f"  XLA: {msg}" for msg in fc.compiler_messages[:3]]
+    return lines
+
+
+def _collectives(fc: FleetCompile) -> list[str]:
+    e = fc.exposure.by_kind
+    lines = ["collectives per step (bytes each device sends; time at link bandwidth; hidden: by the compute "
+             "XLA scheduled between start and done, at peak):"]
+    for kind in KINDS:
+        c = fc.collectives.get(kind)
+        if not c:
+            continue
+        x = e.get(kind, {"async": 0, "time_s": 0.0, "hidden_s": 0.0, "exposed_s": 0.0, "count": 0})
+        lines.append(f"  {kind:<19} {c['count']:>7,} per step  {_gib(c['sent']):>12}  async {x['async']:>6,}  "
+                     f"time {_ms(x['time_s']):>11}  hidden {_ms(x['hidden_s']):>11}  exposed {_ms(x['exposed_s']):>11}")
+    ex = fc.exposure
+    lines.append(f"  communication {_ms(ex.time_s)} per step, {ex.hidden_fraction:.1%} hidden by scheduled "
+                 f"compute, {_ms(ex.exposed_s)} exposed; matmuls {fc.flops / 1e12:,.3f} TFLOP per device = "
+                 f"{_ms(fc.compute_s)} at peak")
+    return lines
+
+
+def _worst_pairs(fc: FleetCompile, top: int = 5) -> list[str]:
+    exposed = []
+    for p in fc.pairs:
+        bw = fc.target.network_bw if p.cross_host else fc.target.nvlink_bw
+        t = p.sent / bw
+        hidden = min(t, p.flops_between / fc.target.peak_bf16) if p.asynchronous else 0.0
+        exposed.append(((t - hidden) * p.executions, p, t))
+    exposed.sort(key=lambda r: -r[0])
+    lines = [f"most exposed collectives (of {len(fc.pairs):,} in the program):"]
+    for total, p, t in exposed[:top]:
+        if total <= 0:
+            break
+        lines.append(f"  {p.name:<28} {p.kind:<18} in {p.computation[:28]:<28} ×{p.executions:<5} "
+                     f"{_gib(p.sent):>12} {'across hosts' if p.cross_host else 'in a host':<12} "
+                     f"window {p.flops_between / 1e9:9.1f} GFLOP ({p.between} ops){'' if p.asynchronous else ' sync'}")
+    return lines
+
+
+def text(fc: FleetCompile) -> str:
+    """The report ``--compile-for`` prints; its last line is :meth:`FleetCompile.verdict`."""
+    calls = ", ".join(f"{k} ×{v:,}" for k, v in sorted(fc.custom_calls.items(), key=lambda kv: -kv[1])) or "none"
+    options = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+                       for k, v in fc.compiler_options.items()) or "none"
+    return "\n".join(_header(fc) + _memory(fc) + _collectives(fc) + _worst_pairs(fc)
+                     + [f"custom calls per step: {calls}", f"XLA GPU options (parallel.overlap, bucket_size_mb): {options}",
+                        fc.verdict()])
+
+
+def as_json(fc: FleetCompile) -> dict:
+    """Everything :func:`text` prints, as plain JSON values (bytes, seconds, counts)."""
+    t = fc.target
+    return {
+        "target": {"name": t.name, "description": t.description, "hbm_bytes": t.hbm_bytes, "hbm_bw": t.hbm_bw,
+                   "peak_bf16_flops": t.peak_bf16, "nvlink_bw": t.nvlink_bw, "network_bw": t.network_bw,
+                   "sm_count": t.sm_count, "compute_capability": t.compute_capability,
+                   "cuda_runtime": t.cuda_runtime, "cudnn": t.cudnn},
+        "num_devices": fc.num_devices, "devices_per_host": fc.devices_per_host, "mesh": fc.mesh_shape,
+        "compile_s": fc.compile_s, "memory": {**fc.memory, "peak": fc.peak, "hbm": fc.hbm},
+        "fits": fc.fits, "verdict": fc.verdict(), "memory_kinds_represented": fc.memory_kinds,
+        "offloaded": fc.offloaded, "collectives": fc.collectives,
+        "exposure": {"by_kind": fc.exposure.by_kind, "time_s": fc.exposure.time_s, "hidden_s": fc.exposure.hidden_s,
+                     "exposed_s": fc.exposure.exposed_s, "hidden_fraction": fc.exposure.hidden_fraction},
+        "matmul_flops": fc.flops, "compute_s_at_peak": fc.compute_s, "custom_calls": fc.custom_calls,
+        "compiler_options": fc.compiler_options, "compiler_messages": fc.compiler_messages,
+        "async_pairs": [dataclasses.asdict(p) for p in fc.pairs if p.sent >= 4096],
+    }
