@@ -211,7 +211,7 @@ def _read(compiled, target: Target, n: int, per_host: int, plan, compile_s: floa
     return FleetCompile(
         target=target, num_devices=n, devices_per_host=per_host, mesh_shape=dict(plan.mesh_shape),
         compile_s=compile_s, memory=memory, collectives=hlo.collective_totals(text), pairs=pairs,
-        exposure=schedule.exposure(pairs, target.peak_bf16, target.nvlink_bw, target.network_bw),
+        exposure=schedule.exposure(text, target.peak_bf16, target.nvlink_bw, target.network_bw, per_host),
         custom_calls=schedule.custom_calls(text), flops=float(hlo.dot_flops(text)["flops"]),
         compiler_options=options, memory_kinds=memory_kinds_supported(list(plan.mesh.devices.flat)),
         offloaded=bool(plan.placement is not None and plan.placement.active), compiler_messages=messages,

@@ -50,8 +50,8 @@ def _memory(fc: FleetCompile) -> list[str]:
 
 def _collectives(fc: FleetCompile) -> list[str]:
     e = fc.exposure.by_kind
-    lines = ["collectives per step (bytes each device sends; time at link bandwidth; hidden: by the compute "
-             "XLA scheduled between start and done, at peak):"]
+    lines = ["collectives per step (bytes each device sends; time at link bandwidth; exposed: what the compute "
+             "stream waits for on XLA's schedule, matmuls at peak):"]
     for kind in KINDS:
         c = fc.collectives.get(kind)
         if not c:
@@ -67,17 +67,9 @@ def _collectives(fc: FleetCompile) -> list[str]:
 
 
 def _worst_pairs(fc: FleetCompile, top: int = 5) -> list[str]:
-    exposed = []
-    for p in fc.pairs:
-        bw = fc.target.network_bw if p.cross_host else fc.target.nvlink_bw
-        t = p.sent / bw
-        hidden = min(t, p.flops_between / fc.target.peak_bf16) if p.asynchronous else 0.0
-        exposed.append(((t - hidden) * p.executions, p, t))
-    exposed.sort(key=lambda r: -r[0])
-    lines = [f"most exposed collectives (of {len(fc.pairs):,} in the program):"]
-    for total, p, t in exposed[:top]:
-        if total <= 0:
-            break
+    big = sorted((p for p in fc.pairs if p.sent >= 4096), key=lambda p: -p.sent * p.executions)
+    lines = [f"largest collectives (of {len(fc.pairs):,} in the program; window: matmuls scheduled between start and done):"]
+    for p in big[:top]:
         lines.append(f"  {p.name:<28} {p.kind:<18} in {p.computation[:28]:<28} ×{p.executions:<5} "
                      f"{_gib(p.sent):>12} {'across hosts' if p.cross_host else 'in a host':<12} "
                      f"window {p.flops_between / 1e9:9.1f} GFLOP ({p.between} ops){'' if p.asynchronous else ' sync'}")

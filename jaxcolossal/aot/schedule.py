@@ -9,12 +9,13 @@ in flight. This module reads that from the HLO text (no device, no profile):
 * :func:`async_pairs` lists every pair with its bytes, its replica group, whether the group
   crosses hosts, and the matmul FLOPs scheduled between start and done (loops inside the window
   multiplied out by their trip counts);
-* :func:`exposure` turns them into times with a target's figures: the transfer takes
-  ``sent / bandwidth`` (NVLink inside a host, the network across), the window's compute takes
-  ``FLOPs / peak``, and the part of the transfer longer than its window is *exposed*. An estimate
-  of the exposed communication per step: it assumes the matmuls run at the dense bf16 peak and
-  the links at their datasheet bandwidth, leaves out latency and elementwise work, and gives two
-  pairs in flight at once each the whole window.
+* :func:`exposure` turns them into times with a target's figures, on a timeline of each
+  computation in its scheduled order: the compute stream runs the matmuls at the dense bf16 peak,
+  one collective stream runs the transfers one after another at ``sent / bandwidth`` (NVLink
+  inside a host, the network across), and a ``*-done`` whose transfer has not ended stalls the
+  compute stream. The stalls are the *exposed* communication per step; the rest of the transfer
+  time is hidden. An estimate: the links at their datasheet bandwidth, no latency, elementwise
+  work left out (so a window holds a little more time than counted), nothing autotuned.
 
 Collectives XLA did not make async (or marked ``is_sync``) count as fully exposed.
 """
@@ -155,19 +156,19 @@ class Exposure:
     """Communication time per step by collective kind (seconds), from :func:`exposure`."""
 
     by_kind: dict = field(default_factory=dict)
-    """``{kind: {"count", "sent", "async", "time_s", "hidden_s", "exposed_s"}}``."""
+    """``{kind: {"count", "async", "sent", "time_s", "exposed_s", "hidden_s"}}``."""
 
     @property
     def time_s(self) -> float:
         return sum(v["time_s"] for v in self.by_kind.values())
 
     @property
-    def hidden_s(self) -> float:
-        return sum(v["hidden_s"] for v in self.by_kind.values())
+    def exposed_s(self) -> float:
+        return sum(v["exposed_s"] for v in self.by_kind.values())
 
     @property
-    def exposed_s(self) -> float:
-        return self.time_s - self.hidden_s
+    def hidden_s(self) -> float:
+        return self.time_s - self.exposed_s
 
     @property
     def hidden_fraction(self) -> float:
@@ -175,26 +176,77 @@ class Exposure:
         return self.hidden_s / self.time_s if self.time_s else 1.0
 
 
-def exposure(pairs: list[Pair], peak_flops: float, intra_bw: float, inter_bw: float,
-             min_bytes: float = 4096) -> Exposure:
-    """Each pair's transfer time (``sent`` over ``inter_bw`` when its group crosses hosts, else
-    ``intra_bw``; bytes/s), the time of the compute scheduled in its window (``flops_between /
-    peak_flops``), the hidden part ``min`` of the two, per step. Collectives sending under
-    ``min_bytes`` per execution (the loss, the norms) are left out."""
-    out = Exposure()
-    for p in pairs:
-        if p.sent < min_bytes:
+@dataclass
+class _Clock:
+    """One computation's timeline: the compute stream's time, when the one collective stream is
+    free, and the transfers in flight (their end times)."""
+
+    t: float = 0.0
+    comm_free: float = 0.0
+    ends: dict = field(default_factory=dict)
+
+
+def _simulate(lines: list[str], pairs: dict, flops: _Flops, name: str, peak: float, bw) -> dict:
+    """``{pair name: (transfer seconds, stalled seconds)}`` for one execution of a computation.
+
+    The compute stream runs the instructions in their scheduled order, each its matmul FLOPs at
+    ``peak`` (loops inside as their bodies × trip counts); a ``*-start`` queues its transfer on the
+    single collective stream (``sent / bw(pair)``: NCCL runs one collective at a time on it); a
+    ``*-done`` stalls the compute stream until its transfer has ended; a synchronous collective
+    stalls it for the whole transfer."""
+    clock, out = _Clock(), {}
+    for line in lines:
+        start, sync = _START.match(line), None if _START.match(line) else _SYNC_OP.match(line)
+        op = start or sync
+        if op and op.group(1) in pairs:
+            p = pairs[op.group(1)]
+            dur = p.sent / bw(p)
+            begin = max(clock.t, clock.comm_free)
+            clock.comm_free = begin + dur
+            if start and p.asynchronous:
+                clock.ends[p.name] = (clock.comm_free, dur)
+            else:  # the compute stream waits for it
+                out[p.name] = (dur, clock.comm_free - clock.t)
+                clock.t = clock.comm_free
             continue
-        t = p.sent / (inter_bw if p.cross_host else intra_bw)
-        hidden = min(t, p.flops_between / peak_flops) if p.asynchronous else 0.0
-        k = out.by_kind.setdefault(p.kind, {"count": 0, "sent": 0.0, "async": 0, "time_s": 0.0, "hidden_s": 0.0,
-                                            "exposed_s": 0.0})
-        k["count"] += p.executions
-        k["async"] += p.executions if p.asynchronous else 0
-        k["sent"] += p.sent * p.executions
-        k["time_s"] += t * p.executions
-        k["hidden_s"] += hidden * p.executions
-        k["exposed_s"] += (t - hidden) * p.executions
+        done = re.search(r"-done\(%?([\w.\-]+)\)", line)
+        if done and done.group(1) in clock.ends:
+            end, dur = clock.ends.pop(done.group(1))
+            out[done.group(1)] = (dur, max(0.0, end - clock.t))
+            clock.t = max(clock.t, end)
+            continue
+        clock.t += flops.line(name, line) / peak
+    for inst, (end, dur) in clock.ends.items():  # a start without its done here: waited for at the end
+        out[inst] = (dur, max(0.0, end - clock.t))
+    return out
+
+
+def exposure(hlo_text: str, peak_flops: float, intra_bw: float, inter_bw: float, devices_per_host: int = 8,
+             min_bytes: float = 4096) -> Exposure:
+    """Per kind: the collectives' transfer time per step and the part of it the compute stream waits
+    for, from a timeline of each computation as XLA scheduled it (:func:`_simulate`): transfers at
+    ``inter_bw`` when the group crosses hosts, else ``intra_bw`` (bytes/s per device per direction),
+    the matmuls at ``peak_flops``, elementwise work and latency left out, one collective in flight
+    at a time. Collectives sending under ``min_bytes`` per execution (the loss, the norms) are
+    left out. An estimate of exposed communication, not a measurement: see the module doc."""
+    comps, _ = hlo.computations(hlo_text)
+    flops = _Flops(comps)
+    bw = lambda p: inter_bw if p.cross_host else intra_bw  # noqa: E731
+    out = Exposure()
+    for name, lines, times in hlo.walk_executions(hlo_text):
+        pairs = {p.name: p for p in _pairs_in(name, lines, times, flops, devices_per_host) if p.sent >= min_bytes}
+        if not pairs:
+            continue
+        for inst, (dur, stall) in _simulate(lines, pairs, flops, name, peak_flops, bw).items():
+            p = pairs[inst]
+            k = out.by_kind.setdefault(p.kind, {"count": 0, "async": 0, "sent": 0.0, "time_s": 0.0, "exposed_s": 0.0,
+                                                "hidden_s": 0.0})
+            k["count"] += times
+            k["async"] += times if p.asynchronous else 0
+            k["sent"] += p.sent * times
+            k["time_s"] += dur * times
+            k["exposed_s"] += min(stall, dur) * times
+            k["hidden_s"] = k["time_s"] - k["exposed_s"]
     return out
 
 
