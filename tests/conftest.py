@@ -16,7 +16,9 @@ Measured on this 2-core machine in one session, the whole suite on two workers: 
 13:19 against 19:18 at the default level. XLA's HLO passes (fusion, sharding, scheduling: what
 the HLO tests read) do not depend on it: a ZeRO-3 × tp 2 bf16 step compiled to the same HLO text
 and the same memory analysis at both levels. Only the machine code differs. Put your own
-``--xla_backend_optimization_level`` in ``XLA_FLAGS`` to test at another level.
+``--xla_backend_optimization_level`` in ``XLA_FLAGS`` to test at another level. XLA's GPU compiler
+(tests/gpu_compile, compile-only devices) reads the same ``XLA_FLAGS``; it also skips autotuning
+(``--xla_gpu_autotune_level=0``), which has no GPU to time candidates on there anyway.
 """
 import atexit
 import os
@@ -33,6 +35,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+if "--xla_gpu_autotune_level" not in _flags:  # tests/gpu_compile: nothing to autotune without a GPU
+    _flags += " --xla_gpu_autotune_level=0"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's GPU compiler for the compile-only devices of tests/gpu_compile: without this the CUDA plugin's
