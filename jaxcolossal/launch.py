@@ -30,6 +30,7 @@ for that long.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
@@ -110,6 +111,21 @@ def _cpu_may_be_used(platforms: str | None | object = ...) -> bool:
     if not platforms:
         return True
     return "cpu" in [p.strip().lower() for p in platforms.split(",")]
+
+
+def _cuda_plugin_without_gpu() -> bool:
+    """A CUDA plugin is installed (``pip install -e ".[gpu-compile]"``, for compiling for GPUs
+    without one) on a machine with no NVIDIA device node: jax would try to start a GPU backend,
+    fail, and log the failure before falling back to the CPU."""
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
+        return False
+    for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 def _with_device_count_flag(xla_flags: str, n: int) -> str:
@@ -273,6 +289,8 @@ def simulate_devices(n: int) -> None:
     n = _check_int("n", n, 1)
     if not _cpu_may_be_used():
         return
+    if not jax.config.jax_platforms and not _backend_started() and _cuda_plugin_without_gpu():
+        jax.config.update("jax_platforms", "cpu")  # else the CUDA plugin tries a GPU and logs a traceback
     if _backend_started():
         if jax.default_backend() != "cpu":
             return

@@ -58,7 +58,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
@@ -252,8 +251,10 @@ def adamw_update_kernel(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
     kernel = functools.partial(_adamw_kernel, b1=b1, b2=b2, eps=eps,
                                weight_decay=weight_decay)
     vec = pl.BlockSpec((block,), lambda i: (i,))
-    # Triton, not Mosaic GPU (jax's default Pallas GPU backend since 0.10)
-    compiler_params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    compiler_params = None
+    if not interpret:  # Triton, not Mosaic GPU (jax's default Pallas GPU backend since 0.10)
+        from jax.experimental.pallas import triton as pltriton  # heavy: loads the CUDA plugin's Triton bindings
+        compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=1)
     p_bytes = 2 * p.dtype.itemsize + g.dtype.itemsize + 16  # 28 for f32
     new_p, new_m, new_v = pl.pallas_call(
         kernel,
