@@ -23,8 +23,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxcolossal.config import (Config, ConfigError, OffloadConfig, ParallelConfig, PrecisionConfig,
-                                TrainingConfig, pipeline_microbatches)
+from jaxcolossal.config import (
+    Config,
+    ConfigError,
+    OffloadConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+    pipeline_microbatches,
+)
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.train.state import TrainPlan, TrainState, init_state, make_plan
 from jaxcolossal.train.step import make_train_step

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 _policies = ocp.checkpoint_managers
 
@@ -136,7 +137,6 @@ def _on_main(fn) -> None:
     if jax.process_index() == 0:
         fn()
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(f"jaxcolossal checkpoint {fn.__name__}")
 
 

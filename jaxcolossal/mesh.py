@@ -15,7 +15,18 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxcolossal.config import ConfigError, ParallelConfig
-from jaxcolossal.sharding import MESH_AXES
+
+MESH_AXES = ("pp", "dp", "fsdp", "sp", "tp")
+"""Mesh axis names, outermost first (``tp`` innermost so it maps to the fastest links, then ``sp``,
+whose all-to-alls and ring passes come next in volume; MaxText's data, fsdp, context, tensor)."""
+
+DATA_AXES = ("dp", "fsdp")
+"""The data-parallel group: the batch is split over both; ZeRO shards over ``fsdp``."""
+
+ZERO_AXIS = "fsdp"
+"""The axis ZeRO shards the state over."""
+
+PP_AXIS, SP_AXIS, TP_AXIS = "pp", "sp", "tp"
 
 
 def mesh_shape(parallel: ParallelConfig) -> dict[str, int]:

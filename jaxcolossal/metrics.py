@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ModelConfig
+from jaxcolossal.models import get_family
 from jaxcolossal.sharding import shard_bytes
 
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
@@ -52,7 +53,6 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     position). ``matmul``: the parameters used in matrix multiplies — every leaf with two or more
     dimensions besides ``layers`` except the lookup tables, plus the tied LM head.
     """
-    from jaxcolossal.models import get_family
 
     table = get_family(cfg).param_shapes_and_axes(cfg, cfg.vocab_size)
     flat = jax.tree_util.tree_flatten_with_path(
@@ -174,7 +174,7 @@ class MetricsWriter:
         self.tb = None
         if enabled and tensorboard:
             try:
-                from tensorboardX import SummaryWriter
+                from tensorboardX import SummaryWriter  # heavy (protobuf): TensorBoard runs only
             except ImportError as e:
                 raise ImportError("logging.tensorboard=true needs the tensorboardX package: "
                                   "pip install tensorboardX") from e

@@ -20,10 +20,10 @@ Tensor parallelism follows Megatron-LM (Shoeybi et al., 2019): q/k/v and gate/up
 column-parallel (output dim on ``tp``), o and down are row-parallel (input dim on ``tp``), and the
 embedding and LM head are vocab-parallel.
 
-Sequence parallelism (``parallel.sequence_parallelism_mode``, :mod:`jaxcolossal.sequence`) is a
+Sequence parallelism (``parallel.sequence_parallelism_mode``, :mod:`jaxcolossal.parallel.sequence`) is a
 change of rules too (:func:`rules_for`): ``seq`` goes to ``tp`` (``split_gather``, Megatron-SP) or
 to ``sp`` (``all_to_all``, ``ring_attn``; attention itself is then a ``shard_map`` over ``sp``,
-:mod:`jaxcolossal.sequence`). ``seq`` yields: in an array where another dimension already uses a mesh
+:mod:`jaxcolossal.parallel.sequence`). ``seq`` yields: in an array where another dimension already uses a mesh
 axis (the heads of q under Megatron-SP), ``seq`` drops it, so XLA gathers the sequence there.
 """
 
@@ -36,18 +36,12 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
+from jaxcolossal.mesh import DATA_AXES, MESH_AXES, ZERO_AXIS  # noqa: F401  (re-exported: the sharding vocabulary)
 
-MESH_AXES = ("pp", "dp", "fsdp", "sp", "tp")
-"""Mesh axis names, outermost first (``tp`` innermost so it maps to the fastest links, then ``sp``,
-whose all-to-alls and ring passes come next in volume; MaxText's data, fsdp, context, tensor)."""
-
-DATA_AXES = ("dp", "fsdp")
-"""The data-parallel group: the batch is split over both; ZeRO shards over ``fsdp``."""
-
-ZERO_AXIS = "fsdp"
 ZERO_LOGICAL_AXIS = "embed"
 
 RULES: dict[str, Any] = {
@@ -237,9 +231,9 @@ class Sharder:
         self.mesh = mesh
         self.rules = dict(rules)
         self.sequence_mode = sequence_mode
-        """``parallel.sequence_parallelism_mode``: how attention runs (:func:`jaxcolossal.sequence.attend`)."""
+        """``parallel.sequence_parallelism_mode``: how attention runs (:func:`jaxcolossal.parallel.sequence.attend`)."""
         self.zigzag = False
-        """The sequence is in :func:`jaxcolossal.sequence.zigzag_order` (ring attention's balanced split)."""
+        """The sequence is in :func:`jaxcolossal.parallel.sequence.zigzag_order` (ring attention's balanced split)."""
         self.layer_specs: tuple | None = None
         """ZeRO-3 with ``parallel.overlap``: ``(gathered, sharded)``, one layer's param
         ``PartitionSpec`` trees without and with ``fsdp``, for the layer scan's prefetch
@@ -250,7 +244,7 @@ class Sharder:
         ``PartitionSpec`` trees without and with ``fsdp``; ``None``: gathered as stored."""
         self.collective_matmul_min_seq: int | None = None
         """Megatron-SP with ``parallel.overlap``: the shortest sequence for which the projections
-        run as TP collective matmuls (:mod:`jaxcolossal.collective_matmul`); ``None``: off."""
+        run as TP collective matmuls (:mod:`jaxcolossal.parallel.collective_matmul`); ``None``: off."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         if self.mesh is None:
@@ -300,18 +294,18 @@ class Sharder:
 
     def with_lowp_gather(self, kind: str, layer_param_specs: Any) -> "Sharder":
         """This sharder, with :attr:`lowp_gather`: the layer scan all-gathers each layer's ZeRO-3
-        weight shards in ``kind`` (``bf16``/``fp8``; :func:`jaxcolossal.train.compression.gather_lowp`).
+        weight shards in ``kind`` (``bf16``/``fp8``; :func:`jaxcolossal.parallel.compression.gather_lowp`).
         ``layer_param_specs``: the stacked layers' param specs (``P`` leaves ``[L, ...]``)."""
         return self._copy(lowp_gather=(kind, *one_layer_specs(layer_param_specs)))
 
     def zigzagged(self) -> "Sharder":
-        """This sharder, for a batch that :func:`jaxcolossal.sequence.zigzag_batch` has reordered."""
+        """This sharder, for a batch that :func:`jaxcolossal.parallel.sequence.zigzag_batch` has reordered."""
         return self._copy(zigzag=True)
 
     @property
     def ring(self) -> int:
         """The ``sp`` size when attention runs as ring attention (the batch should be zig-zag
-        ordered, :func:`jaxcolossal.sequence.zigzag_batch`), else 1."""
+        ordered, :func:`jaxcolossal.parallel.sequence.zigzag_batch`), else 1."""
         if self.mesh is None or self.sequence_mode != "ring_attn":
             return 1
         return int(dict(self.mesh.shape).get("sp", 1))

@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
@@ -69,7 +70,6 @@ def probe(flags: str, timeout_s: float = 120.0) -> bool:
 
 def _jaxlib_version() -> str:
     try:
-        from importlib.metadata import version
         return version("jaxlib")
     except Exception:  # noqa: BLE001 - an unknown version only disables the cache's reuse
         return "unknown"

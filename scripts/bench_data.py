@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import train_tokenizer
+
     from jaxcolossal.config import DataConfig
     from jaxcolossal.data import get_tokenizer, load_corpus
     from jaxcolossal.data.corpus import _tokenize, iter_documents, resolve_files

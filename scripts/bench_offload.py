@@ -49,8 +49,8 @@ def _setup(name, args, n, h, tmp):
 
     from jaxcolossal.config import config_from_dict
     from jaxcolossal.hlo import host_io_bytes
+    from jaxcolossal.memory.budget import traffic
     from jaxcolossal.mesh import make_mesh
-    from jaxcolossal.placement import traffic
     from jaxcolossal.train.nvme import nvme_tier
     from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
     from jaxcolossal.train.state import init_state, make_plan

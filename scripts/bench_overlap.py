@@ -7,7 +7,7 @@
 ``--feature prefetch`` (default): ZeRO-3 with ``model.remat=full``, where ``overlap`` prefetches the
 next layer's weights. ``--feature collective_matmul``: Megatron-SP (``split_gather``) over all the
 ``--tp`` devices (the rest data parallel), where ``overlap`` runs the projections as TP collective matmuls
-(:mod:`jaxcolossal.collective_matmul`); one row per ``--seqs`` length, to find the sequence length
+(:mod:`jaxcolossal.parallel.collective_matmul`); one row per ``--seqs`` length, to find the sequence length
 from which it pays (``parallel.collective_matmul_min_seq``). Needs ≥ 2 devices: on one GPU there
 is nothing to overlap.
 
@@ -51,9 +51,9 @@ def main(argv=None) -> int:
 
     from jaxcolossal import simulate_devices
     simulate_devices(a.devices)
+    import benchmark as bm
     import jax
 
-    import benchmark as bm
     from jaxcolossal.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import init_state, make_plan

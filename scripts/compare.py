@@ -447,7 +447,6 @@ def collective_volume(hlo_text: str, min_elements: int = 64) -> dict:
 
 def part_d(args, log) -> dict:
     import jax
-
     from zero_report import measure
 
     rows = []

@@ -86,8 +86,8 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
     import numpy as np
 
     from jaxcolossal.config import config_from_dict
+    from jaxcolossal.memory.budget import need
     from jaxcolossal.mesh import make_mesh
-    from jaxcolossal.plan import _need
     from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
     from jaxcolossal.train.state import abstract_state, make_plan
     from jaxcolossal.train.step import make_train_step
@@ -101,7 +101,7 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
     if cfg.parallel.pipeline_parallel_size > 1:
         cfg.training.gradient_accumulation_steps = 1
         cfg.parallel.num_microbatches = max(k, 2 * cfg.parallel.pipeline_parallel_size)
-    need = _need(cfg, 8, backend="cpu")
+    predicted = need(cfg, 8, backend="cpu")
     plan = make_plan(cfg, make_mesh(cfg.parallel))
     tx = build_optimizer(cfg.training, plan)
     state = abstract_state(plan, tx)
@@ -109,7 +109,7 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
     step = make_train_step(plan, tx, lr_schedule(cfg.training))
     ma = step.lower(state, {"inputs": batch_arr, "targets": batch_arr}).compile().memory_analysis()
     compiled = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    return float(need["total"]), float(compiled), need
+    return float(predicted["total"]), float(compiled), predicted
 
 
 def _rows(text: str) -> list[int]:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcolossal import hlo, xla_flags
 from jaxcolossal.aot import schedule

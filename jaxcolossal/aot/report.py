@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcolossal.aot.fleet import GiB, FleetCompile
+from jaxcolossal.aot.fleet import FleetCompile, GiB
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 

@@ -23,6 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import jinja2
 import numpy as np
 
 from .corpus import iter_json_lines, resolve_files
@@ -79,7 +80,6 @@ def _chat_template(tokenizer):
     tmpl = cfg.get("chat_template")
     if not isinstance(tmpl, str):
         return None
-    import jinja2
 
     def tok(name):
         v = cfg.get(name)

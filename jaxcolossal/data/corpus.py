@@ -116,7 +116,7 @@ def iter_json_lines(path: str) -> Iterator[tuple[str, object]]:
 
 def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional (the data extra): parquet corpora only
     except ImportError as e:
         raise ImportError("data.format=parquet needs pyarrow: pip install pyarrow") from e
     f = pq.ParquetFile(path)
@@ -132,7 +132,7 @@ def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
 
 def _dataset_documents(folder: str, text_key: str) -> Iterator[str]:
     try:
-        import datasets
+        import datasets  # optional (the data extra), heavy: saved datasets folders only
     except ImportError as e:
         raise ImportError("data.format=datasets needs the datasets package: pip install datasets") from e
     ds = datasets.load_from_disk(folder)

@@ -13,6 +13,7 @@ import json
 import os
 
 import numpy as np
+from tokenizers import Tokenizer
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "get_tokenizer", "TOKENIZERS"]
 
@@ -92,7 +93,6 @@ class HFTokenizer:
     EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
@@ -157,7 +157,7 @@ class SentencePieceTokenizer:
 
     def __init__(self, path: str):
         try:
-            import sentencepiece
+            import sentencepiece  # optional (the data extra): SentencePiece tokenizers only
         except ImportError as e:
             raise ImportError(f"data.tokenizer={path!r} is a SentencePiece model: pip install sentencepiece") from e
         try:

@@ -2,11 +2,15 @@
 
 Each family is a module exposing the same pure functions over a params dict —
 ``padded_vocab_size(cfg, tp)``, ``param_shapes_and_axes(cfg, vocab)``, ``init_params(cfg, key, tp)``,
-``forward(params, tokens, cfg, shard, vocab_parallel)`` and ``loss_sum(...)`` — plus an NNX module
-class. The train step only talks to that interface (:func:`get_family`).
+``forward(params, tokens, cfg, shard, vocab_parallel)``, ``loss_sum(...)``, ``head_loss(...)`` and
+``pipeline_stages(cfg, shard, vocab_parallel, positions)`` (the forward cut at a pipeline's stage
+boundaries) — plus an NNX module class. The train step and the pipeline only talk to that
+interface (:func:`get_family`); no generic code names a family.
 """
 
 from types import ModuleType
+
+import jax
 
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models import gpt2, llama
@@ -30,8 +34,6 @@ def get_family(cfg: ModelConfig) -> ModuleType:
 def param_layout(cfg: ModelConfig, tp: int = 1) -> tuple[int, dict, dict]:
     """``(padded vocab, shapes, logical axes)`` of every parameter of ``cfg``'s family, as two
     pytrees of tuples mirroring the params dict; no arrays are created."""
-    import jax
-
     family = get_family(cfg)
     vocab = family.padded_vocab_size(cfg, tp)
     table = family.param_shapes_and_axes(cfg, vocab)

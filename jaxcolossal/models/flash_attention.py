@@ -161,7 +161,7 @@ def _triton(interpret: bool, head_dim: int):
     """Triton compiler parameters (the kernels are written for Triton: whole-block values, ``fori_loop``)."""
     if interpret:
         return None
-    from jax.experimental.pallas import triton as pltriton
+    from jax.experimental.pallas import triton as pltriton  # heavy: loads the CUDA plugin's Triton bindings
     return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 

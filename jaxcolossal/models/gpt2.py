@@ -34,6 +34,7 @@ of ``lm_head``) are drawn at the unpadded ``vocab_size`` and the padding is zero
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -228,19 +229,22 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
     return vocab.logits(h, head_weight(params, cfg), cfg.vocab_size, shard)
 
 
-def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
-              mask: jax.Array | None = None) -> jax.Array:
-    """Summed cross-entropy of final hidden states ``h [b, t, d]`` through the fused, chunked LM head
-    (:func:`jaxcolossal.models.vocab.lm_head_loss`)."""
-    return vocab.lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens,
-                              mask)
+head_loss, loss_sum = vocab.lm_loss(hidden_states, head_weight)
 
 
-def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
-             shard: Sharder = _no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None,
-             segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
-    """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``; with a
-    ``mask [b, t]`` (1 = trained on, 0 = ignored: prompt or padding tokens) only the masked-in tokens
-    count; ``segment_ids``/``positions`` as in :func:`hidden_states`."""
-    h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
-    return head_loss(params, h, targets, cfg, shard, mask)
+def pipeline_stages(cfg: ModelConfig, shard: Sharder = _no_shard, vocab_parallel: bool = False,
+                    positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
+    """The forward cut at a pipeline's stage boundaries, as :func:`jaxcolossal.models.llama.pipeline_stages`:
+    ``embed`` (token and position embeddings), ``layer_for(x)``, ``head`` (final LayerNorm, LM head, loss)."""
+
+    def embed(o, tokens):
+        x = embed_lookup(o["wte"], tokens, shard, vocab_parallel, cfg.embedding_impl)
+        wpe = o["wpe"][: tokens.shape[1]][None] if positions is None else jnp.take(o["wpe"], positions, axis=0)
+        return shard(x + wpe.astype(x.dtype), ("batch", "seq", "embed"))
+
+    def layer_for(x):
+        return lambda h, p: decoder_layer(h, p, cfg, shard, positions=positions)
+
+    def head(o, x, y):
+        return head_loss(o, layer_norm(x, o["final_norm"], o["final_norm_bias"], cfg.layer_norm_eps), y, cfg, shard)
+    return embed, layer_for, head

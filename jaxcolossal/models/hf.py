@@ -63,9 +63,13 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from jaxcolossal.config import ConfigError, ModelConfig
+from jaxcolossal.models import get_family
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -228,7 +232,6 @@ def read_safetensors(path: str | os.PathLike) -> tuple[list[str], Callable[[str]
     Raises:
         FileNotFoundError: neither file exists (``pytorch_model.bin`` is not read).
     """
-    from safetensors import safe_open
 
     path = Path(path)
     index = path / SAFE_INDEX
@@ -273,7 +276,6 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
     Earlier ``model*.safetensors`` files and index in ``path`` are removed first. Each file
     carries the metadata ``{"format": "pt"}`` that transformers expects. Returns the file names.
     """
-    from safetensors.numpy import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -463,7 +465,6 @@ def load_hf(path: str | os.PathLike, tp: int = 1, **overrides: Any) -> tuple[Mod
         ValueError: the checkpoint has weights this mapping does not use, or a weight has the
             wrong shape (both mean the checkpoint is not the architecture its config names).
     """
-    from jaxcolossal.models import get_family
 
     cfg = config_from_hf(read_hf_config(path), **overrides)
     keys, get = read_safetensors(path)
@@ -510,7 +511,6 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_si
     Raises:
         ConfigError: an unknown ``cfg.type``.
     """
-    import jax
 
     if cfg.type not in _TO:
         raise ConfigError(f"model.type={cfg.type!r}: Hugging Face export supports {sorted(_TO)}")

@@ -23,7 +23,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.collective_matmul import _operands, all_gather_matmul, matmul_reduce_scatter
+from jaxcolossal.parallel.collective_matmul import _operands, all_gather_matmul, matmul_reduce_scatter
 
 
 def project(eq: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -123,7 +123,7 @@ def column_parallel(shard, overlap: bool, x: jax.Array, terms, biases=None) -> l
     ``(eq, w, letter)`` term (``letter``: the weight's dimension on ``tp``). With ``overlap``
     (:meth:`jaxcolossal.sharding.Sharder.collective_matmul`) ``x`` is sequence-split over ``tp``
     and the all-gather runs as a ring inside the matmuls
-    (:func:`jaxcolossal.collective_matmul.all_gather_matmul`); else XLA places the collectives."""
+    (:func:`jaxcolossal.parallel.collective_matmul.all_gather_matmul`); else XLA places the collectives."""
     biases = biases or [None] * len(terms)
     if not overlap:
         return [project(eq, x, w, b) for (eq, w, _), b in zip(terms, biases)]
@@ -135,7 +135,7 @@ def row_parallel(shard, overlap: bool, eq: str, x: jax.Array, w: jax.Array, lett
                  bias: jax.Array | None = None) -> jax.Array:
     """Megatron's row-parallel projection ``project(eq, x, w, bias)`` (``letter``: the contracted
     dimension on ``tp``). With ``overlap`` the sum over ``tp`` is reduce-scattered along the
-    sequence inside the matmuls (:func:`jaxcolossal.collective_matmul.matmul_reduce_scatter`)."""
+    sequence inside the matmuls (:func:`jaxcolossal.parallel.collective_matmul.matmul_reduce_scatter`)."""
     if not overlap:
         return project(eq, x, w, bias)
     out = matmul_reduce_scatter(shard, eq, x, w, letter)

@@ -39,13 +39,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxcolossal import sequence
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import vocab
 from jaxcolossal.models.flash_attention import flash_attention
 from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
+from jaxcolossal.parallel import sequence
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -196,7 +196,7 @@ def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None, 
 
     :func:`local_attention` on whole sequences, or, when ``shard``'s rules split the sequence
     (``parallel.sequence_parallelism_mode`` all_to_all / ring_attn), the sequence-parallel form of
-    it (:func:`jaxcolossal.sequence.attend`; ring attention masks by ``positions`` int ``[b, t]``).
+    it (:func:`jaxcolossal.parallel.sequence.attend`; ring attention masks by ``positions`` int ``[b, t]``).
     """
     return sequence.attend(q, k, v, shard, local_attention, impl, segment_ids, positions)
 
@@ -314,19 +314,25 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
     return logits_from_hidden(params, h, cfg, shard)
 
 
-def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
-              mask: jax.Array | None = None) -> jax.Array:
-    """Summed cross-entropy of final hidden states ``h [b, t, d]``: the LM head fused with the loss
-    over chunks of ``model.loss_chunk_tokens`` tokens (:func:`jaxcolossal.models.vocab.lm_head_loss`)."""
-    return vocab.lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens,
-                              mask)
+head_loss, loss_sum = vocab.lm_loss(hidden_states, head_weight)
 
 
-def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
-             shard: Sharder = _no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None,
-             segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
-    """Summed next-token cross-entropy (nats, fp32 scalar) of ``tokens``/``targets [b, t]``; with a
-    ``mask [b, t]`` (1 = trained on, 0 = ignored: prompt or padding tokens) only the masked-in tokens
-    count; ``segment_ids``/``positions`` as in :func:`hidden_states`."""
-    h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
-    return head_loss(params, h, targets, cfg, shard, mask)
+def pipeline_stages(cfg: ModelConfig, shard: Sharder = _no_shard, vocab_parallel: bool = False,
+                    positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
+    """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.train.pipeline`):
+    ``embed(others, tokens [mb, t]) -> x [mb, t, d]``; ``layer_for(x) -> layer(h, layer_params)``
+    (one decoder layer, RoPE tables for ``x``'s length); ``head(others, x, targets) -> summed
+    fp32 loss`` (final norm, LM head, cross-entropy). ``others``: the non-layer params.
+    ``positions``: int32 ``[mb, t]`` when not ``arange(t)`` (ring attention's zig-zag block)."""
+
+    def embed(o, tokens):
+        return shard(embed_lookup(o["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
+                     ("batch", "seq", "embed"))
+
+    def layer_for(x):
+        cos, sin = rope_tables(x.shape[1], cfg.head_dim, cfg.rope_theta, positions)
+        return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, positions=positions)
+
+    def head(o, x, y):
+        return head_loss(o, rms_norm(x, o["final_norm"], cfg.rms_norm_eps), y, cfg, shard)
+    return embed, layer_for, head

@@ -28,6 +28,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+
+from jaxcolossal.parallel.wire import gather_lowp
 
 QKV = ("query_proj", "key_proj", "value_proj")
 PROJECTIONS = QKV + ("out_proj", "mlp_gate", "mlp_up", "mlp_down")
@@ -73,7 +76,7 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
     :meth:`jaxcolossal.sharding.Sharder.with_layer_prefetch`: ``parallel.overlap``), the scan
     prefetches instead (:func:`prefetched_scan`). With ``shard.lowp_gather`` (ZeRO-3 with
     ``parallel.communication_dtype`` bf16/fp8) each layer's weights are all-gathered in that
-    dtype inside the body (:func:`jaxcolossal.train.compression.gather_lowp`).
+    dtype inside the body (:func:`jaxcolossal.parallel.wire.gather_lowp`).
 
     Raises:
         KeyError: an unknown policy name (the config validates it first).
@@ -83,7 +86,6 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
         return prefetched_scan(layer, x, stacked, shard.mesh, *specs)
     lowp = getattr(shard, "lowp_gather", None)
     if lowp is not None:  # ZeRO++ qwZ: each layer's weight shards cross the wire in bf16/fp8
-        from jaxcolossal.train.compression import gather_lowp
         kind, gathered, sharded = lowp
         fetch = lambda p: jax.tree.map(  # noqa: E731
             lambda a, g, s: gather_lowp(a, g, s, shard.mesh, kind), fetch_layer(p), gathered, sharded)
@@ -152,7 +154,6 @@ def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gat
     Returns:
         ``[b, t, d]``, equal to :func:`scan_layers`'s (fp32: to rounding of the summation order).
     """
-    from jax.sharding import NamedSharding
 
     n = jax.tree.leaves(stacked)[0].shape[0]
     put = lambda tree, specs: jax.tree.map(  # noqa: E731

@@ -253,3 +253,27 @@ def _fused_loss(shard: Sharder, vocab_size: int):
 
     fused.defvjp(fwd, bwd)
     return fused
+
+
+def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, Callable]:
+    """A family's ``(head_loss, loss_sum)`` from its ``hidden_states(params, tokens, cfg, shard,
+    vocab_parallel, segment_ids, positions) -> [b, t, d]`` and ``head_weight(params, cfg) -> [d, v]``.
+
+    ``head_loss(params, h, targets, cfg, shard, mask=None)``: the summed cross-entropy of final
+    hidden states ``h [b, t, d]`` through the fused, chunked LM head (:func:`lm_head_loss`).
+    ``loss_sum(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions)``:
+    the summed next-token cross-entropy (nats, fp32 scalar) of int ``tokens``/``targets [b, t]``;
+    with a ``mask [b, t]`` (1 = trained on) only the masked-in tokens count."""
+
+    def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg, shard: Sharder = _no_shard,
+                  mask: jax.Array | None = None) -> jax.Array:
+        return lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens, mask)
+
+    def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg, shard: Sharder = _no_shard,
+                 vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
+        return head_loss(params, h, targets, cfg, shard, mask)
+
+    head_loss.__doc__ = loss_sum.__doc__ = lm_loss.__doc__
+    return head_loss, loss_sum

@@ -28,7 +28,12 @@ from collections.abc import Callable
 
 import jax
 
+from jaxcolossal.dist_logger import get_dist_logger
+from jaxcolossal.errors import StoppedError
 from jaxcolossal.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, _backend_started
+from jaxcolossal.memory.budget import device_limit
+from jaxcolossal.memory.oom import explain_oom as explain
+from jaxcolossal.memory.oom import is_oom
 
 EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}
 """Exit status after a signal-triggered save, ``128 + signal number``, as schedulers expect."""
@@ -78,7 +83,7 @@ class StopSignals:
         return self.received is not None
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(StoppedError, FloatingPointError):
     """Training produced NaN or inf and the policy says stop. ``step`` is the offending step,
     ``metrics`` its metrics (device or host scalars)."""
 
@@ -240,14 +245,11 @@ class StepWatchdog:
 
 def explain_oom(error: BaseException, plan, compiled=None) -> bool:
     """If ``error`` is XLA reporting device memory exhausted, log (rank 0) why and what would fit
-    (:func:`jaxcolossal.plan.explain_oom`) and return True; otherwise return False. Never raises
+    (:func:`jaxcolossal.memory.oom.explain_oom`) and return True; otherwise return False. Never raises
     (a failure to explain must not hide the out-of-memory error itself)."""
-    from jaxcolossal.dist_logger import get_dist_logger
-    from jaxcolossal.plan import explain_oom as explain, is_oom
     if not is_oom(error):
         return False
     try:
-        from jaxcolossal.placement import device_limit
         text = explain(plan, error, compiled, device_limit(plan.cfg, list(plan.mesh.devices.flat)))
     except Exception as e:  # noqa: BLE001
         text = f"out of device memory ({error}); the planner could not explain it: {e!r}"

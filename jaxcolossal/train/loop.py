@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jaxcolossal import metrics as mx
+from jaxcolossal import xla_flags
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
 from jaxcolossal.config import Config, ConfigError
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
@@ -37,16 +38,17 @@ from jaxcolossal.data.chat import load_chat
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.generate import printable, sample_tokens
 from jaxcolossal.launch import collective_timeout
-from jaxcolossal import xla_flags
+from jaxcolossal.memory.budget import formula_bytes
 from jaxcolossal.mesh import make_mesh, platform
 from jaxcolossal.models.hf import check_init_from, init_params_from
-from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind, formula_bytes
-from jaxcolossal.sharding import DATA_AXES, describe, shard_bytes
+from jaxcolossal.models.remat import fetch_layer
+from jaxcolossal.parallel.compression import state_bytes as compression_bytes
+from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind
+from jaxcolossal.sharding import DATA_AXES, Sharder, describe, shard_bytes
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals, explain_oom
+from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
-from jaxcolossal.models.remat import fetch_layer
-from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.step import gathers_lowp, make_eval_step, make_train_step, prefetches_weights
 
 
@@ -93,7 +95,6 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
     lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
     out = {"measured": got, "formula": want}
     if state.residual is not None:  # gradient compression's state, read from the arrays on device 0
-        from jaxcolossal.train.compression import state_bytes as compression_bytes
         dev0 = jax.devices()[0]
         held = sum(s.data.nbytes for a in jax.tree.leaves(state.residual) for s in a.addressable_shards
                    if s.device == dev0)
@@ -499,7 +500,6 @@ def _sample(run: Run, state: Any) -> str:
     cfg, t = run.cfg.model, run.cfg.training
     if t.sample_tokens <= 0:
         return ""
-    from jaxcolossal.sharding import Sharder  # the unconstrained forward for a batch of one
     tok = get_tokenizer(run.cfg.data.tokenizer)
     fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, Sharder(None))[..., : tok.vocab_size])
     out = sample_tokens(fn, state.params, tok.encode(t.sample_prompt), t.sample_tokens, t.seq_len,

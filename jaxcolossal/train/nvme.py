@@ -44,9 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import io_callback
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxcolossal.config import ConfigError
 from jaxcolossal.placement import HOST
+from jaxcolossal.train.state import state_shardings
 
 GENERATIONS = 2
 """The state after ``s`` steps is in ``gen{s % 2}``."""
@@ -80,7 +83,6 @@ class NvmeTier:
     """
 
     def __init__(self, plan: Any, tx: optax.GradientTransformation):
-        from jaxcolossal.train.state import state_shardings
         self.path = os.path.abspath(plan.cfg.offload.nvme_path)
         self.mesh = mesh = plan.mesh
         self.full_shardings = full = state_shardings(plan, tx)
@@ -128,7 +130,6 @@ class NvmeTier:
         Raises:
             ConfigError: the folder cannot be created or written, or the disk is too small.
         """
-        from jaxcolossal.config import ConfigError
         key = f"offload.nvme_path={plan.cfg.offload.nvme_path!r}"
         try:
             for g in range(GENERATIONS):

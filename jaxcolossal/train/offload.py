@@ -14,10 +14,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.placement import DEVICE, HOST
 from jaxcolossal.sharding import constrain
+from jaxcolossal.train.optimizer import optimizer_parts
 
 
 def to_device(tree: Any, shardings: Any, keep: Any = None) -> Any:
@@ -84,8 +87,6 @@ def make_offload_update(plan: Any, shardings: Any, tier: Any = None) -> Callable
     A non-finite step keeps the old values on both sides. Raises nothing beyond the optimizer's own
     errors.
     """
-    from jax.experimental.compute_on import compute_on
-    from jaxcolossal.train.optimizer import optimizer_parts
 
     t, mesh, specs = plan.cfg.training, plan.mesh, plan.specs
     off = plan.placement.optim

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcolossal.config import TrainingConfig
+from jaxcolossal.optim import fused_adamw
 
 
 def lr_schedule(t: TrainingConfig) -> optax.Schedule:
@@ -65,7 +66,7 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
 
     ``momentum_step`` (DGC's momentum correction, ``parallel.momentum_correction``): from update
     ``momentum_step + 1`` on, ``mu = g``: the gradient that arrives is already a momentum, summed
-    from the shards' own (:func:`jaxcolossal.train.compression.topk_reduce`), so none is added on
+    from the shards' own (:func:`jaxcolossal.parallel.compression.topk_reduce`), so none is added on
     top; an element still without a variance takes it from ``(g − b1·mu_prev)/(1 − b1)``, the
     gradient that momentum stands for. ``None``: never.
     """
@@ -118,7 +119,6 @@ def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = Fals
     sched = lr_schedule(t)
     mask = decay_mask  # a callable: optax applies it to the params tree
     if t.optimizer == "fused_adamw":
-        from jaxcolossal.optim import fused_adamw
         if on_host:
             local = {"impl": "reference"}
         else:

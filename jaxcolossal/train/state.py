@@ -28,17 +28,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.config import Config, validate
+from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
+from jaxcolossal.memory.budget import resolve
+from jaxcolossal.mesh import DATA_AXES
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
-from jaxcolossal.placement import Placement, place_state, resolve
-from jaxcolossal.sharding import DATA_AXES, Sharder, StateSpecs, named, rules_for, state_specs
-from jaxcolossal.train.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
-
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-BYTES_PER_PARAM = {"fp32": dict(p=4, g=4, K=8), "bf16": dict(p=2, g=4, K=12), "fp16": dict(p=2, g=4, K=12)}
+from jaxcolossal.parallel.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
+from jaxcolossal.placement import Placement, place_state
+from jaxcolossal.sharding import Sharder, StateSpecs, named, rules_for, state_specs
 
 
 @struct.dataclass
@@ -57,7 +57,7 @@ class TrainState:
             data group), sharded ``P(("dp", "fsdp"), ...)`` (each device its own); with
             ``parallel.momentum_correction``, ``{"error": that, "velocity": the shard's momentum,
             the same shapes}``; with ``powersgd``, ``{"q": {leaf: fp32 [*layers, m, r]} (replicated), "error": {leaf: fp32
-            [N, ...]}}`` for the compressed leaves (:func:`jaxcolossal.train.compression.powersgd_init`);
+            [N, ...]}}`` for the compressed leaves (:func:`jaxcolossal.parallel.compression.powersgd_init`);
             else ``None``.
     """
 
@@ -168,7 +168,7 @@ def keeps_residual(plan: TrainPlan) -> bool:
 
 
 def powersgd_views_of(plan: TrainPlan) -> dict:
-    """The leaves PowerSGD compresses in this plan (:func:`jaxcolossal.train.compression.powersgd_views`)."""
+    """The leaves PowerSGD compresses in this plan (:func:`jaxcolossal.parallel.compression.powersgd_views`)."""
     return powersgd_views(plan.param_shapes, plan.param_axes, plan.cfg.parallel.powersgd_rank)
 
 

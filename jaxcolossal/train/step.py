@@ -18,7 +18,7 @@
      (:mod:`jaxcolossal.models.linear`), so that reduction is fp32 in bf16 runs too. XLA's GPU
      backend emits ``reduce-scatter``; its CPU backend the equivalent ``all-reduce`` +
      ``dynamic-slice``. (``communication_dtype`` bf16/fp8 keep the per-shard form: those
-     reductions are written by hand, :func:`jaxcolossal.train.compression.lowp_reduce`.)
+     reductions are written by hand, :func:`jaxcolossal.parallel.compression.lowp_reduce`.)
 
 2. **Mixed precision**: the forward/backward uses the compute-dtype params; gradients are cast
    to fp32 per shard *before* any reduction (fp32 reduction), and the update is applied to the
@@ -47,15 +47,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxcolossal.config import prefetches_weights, reduces_layerwise, weight_gather_dtype
+from jaxcolossal.mesh import DATA_AXES
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
-from jaxcolossal.sequence import zigzag_batch
+from jaxcolossal.parallel.compression import lowp_reduce, powersgd_reduce, topk_reduce
+from jaxcolossal.parallel.sequence import zigzag_batch
+from jaxcolossal.sharding import constrain
 from jaxcolossal.train.nvme import nvme_tier
-from jaxcolossal.train.compression import lowp_reduce, powersgd_reduce, topk_reduce, weight_gather_dtype
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
-from jaxcolossal.sharding import DATA_AXES, constrain
+from jaxcolossal.train.pipeline import make_pipeline_grad_fn
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
 
 Metrics = dict
@@ -71,24 +75,6 @@ def token_count(inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     if mask is None:
         return jnp.asarray(inputs.shape[0] * inputs.shape[1], jnp.float32)
     return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
-
-
-def reduces_layerwise(cfg) -> bool:
-    """Whether the step takes the gradient of the whole microbatch, so that XLA reduces(-scatters)
-    each layer's weight gradient inside the backward layer scan: ZeRO-2/3 with fp32 communication
-    and no gradient compression, without a pipeline (else each data shard's gradient is reduced
-    after the backward, by hand)."""
-    p = cfg.parallel
-    return (p.zero_stage >= 2 and p.communication_dtype == "fp32" and p.gradient_compression == "none"
-            and p.pipeline_parallel_size == 1)
-
-
-def prefetches_weights(cfg) -> bool:
-    """Whether the layer scan prefetches ZeRO-3's weights (:func:`jaxcolossal.models.remat.prefetched_scan`):
-    ``parallel.overlap`` with ZeRO-3, ``model.remat=full`` and :func:`reduces_layerwise` (offloaded
-    params stream in instead)."""
-    return (reduces_layerwise(cfg) and cfg.parallel.zero_stage == 3 and cfg.parallel.overlap
-            and cfg.model.remat == "full" and cfg.offload.offload_param_frac == 0)
 
 
 def adam_first_moment(opt_state: Any) -> Any:
@@ -107,7 +93,7 @@ def adam_first_moment(opt_state: Any) -> Any:
 
 def gathers_lowp(plan: TrainPlan) -> bool:
     """Whether ZeRO-3's weight all-gathers move ``parallel.communication_dtype`` (bf16/fp8) rather
-    than the compute dtype (ZeRO++'s qwZ, :func:`jaxcolossal.train.compression.gather_lowp`): ZeRO-3
+    than the compute dtype (ZeRO++'s qwZ, :func:`jaxcolossal.parallel.compression.gather_lowp`): ZeRO-3
     over a data group > 1, and a wire dtype narrower than the compute dtype (bf16 in a bf16 run
     already moves bf16). The stacked layers' weights only: the embedding, head and final norm are
     gathered as stored."""
@@ -127,17 +113,16 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     ``segment_ids``/``positions``: optional int ``[B, t]`` of packed rows (``data.packing_mask``).
     The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``; for ZeRO-1 the
     optimizer-state sharding, since the one reduction per step goes straight to each rank's slice).
-    With ``pp > 1`` this is :func:`jaxcolossal.pipeline.make_pipeline_grad_fn` (same contract).
+    With ``pp > 1`` this is :func:`jaxcolossal.train.pipeline.make_pipeline_grad_fn` (same contract).
     """
     if plan.mesh_shape["pp"] > 1:
-        from jaxcolossal.pipeline import make_pipeline_grad_fn
         return make_pipeline_grad_fn(plan)
     cfg, mesh, family = plan.cfg, plan.mesh, plan.family
     k = cfg.training.gradient_accumulation_steps
     n = plan.data_size
     zero = cfg.parallel.zero_stage
     inner = plan.sharder.inner()
-    ring = inner.ring  # ring attention: the batch goes in zig-zag order (jaxcolossal.sequence)
+    ring = inner.ring  # ring attention: the batch goes in zig-zag order (jaxcolossal.parallel.sequence)
     if ring > 1:
         inner = inner.zigzagged()
     if gathers_lowp(plan):  # ZeRO++ qwZ: the layer scan gathers the weight shards in bf16/fp8

@@ -13,8 +13,9 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from jaxcolossal.aot import fleet, target  # noqa: E402
 from tiny import tiny_config  # noqa: E402
+
+from jaxcolossal.aot import fleet, target  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):

@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tiny import random_batches, tiny_config
 
 import jaxcolossal as jc
 from jaxcolossal.config import ConfigError
-from tiny import random_batches, tiny_config
 
 
 def _train(plugin, devices, steps=2):

@@ -131,6 +131,7 @@ def test_sft_from_hugging_face_matches_transformers(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import convert_hf
     import train_tokenizer
+
     from jaxcolossal.data.chat import load_chat
     from jaxcolossal.train.loop import train
 

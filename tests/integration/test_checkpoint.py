@@ -7,12 +7,12 @@ import os
 import jax
 import numpy as np
 import pytest
+from tiny import run_steps, tiny_config
 
 from jaxcolossal.checkpoint import CheckpointError, CheckpointManager, NonFiniteStateError
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
-from tiny import run_steps, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

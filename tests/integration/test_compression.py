@@ -13,20 +13,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 from jaxcolossal import hlo
 from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.compression import (
+    lowp_reduce,
+    orthonormalize,
+    powersgd_reduce,
+    powersgd_wire,
+    topk_count,
+    topk_reduce,
+    wire_bytes,
+)
+from jaxcolossal.parallel.wire import WIRE_BYTES, decode, encode, gather_lowp
 from jaxcolossal.plan import dp_gradient_bytes
 from jaxcolossal.sharding import DATA_AXES, one_layer_specs, shard_bytes
-from jaxcolossal.train.compression import (WIRE_BYTES, decode, encode, gather_lowp, lowp_reduce, orthonormalize,
-                                           powersgd_reduce, powersgd_wire,
-                                           topk_count, topk_reduce, wire_bytes)
 from jaxcolossal.train.loop import memory_report
 from jaxcolossal.train.state import make_plan, powersgd_views_of
-from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 
 def _cfg(**parallel):

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 from jaxcolossal import hlo
-from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 
 @pytest.fixture(scope="module")

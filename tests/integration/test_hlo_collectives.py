@@ -15,9 +15,9 @@ import re
 
 import jax
 import pytest
+from tiny import random_batches, setup, tiny_config
 
 from jaxcolossal import hlo
-from tiny import random_batches, setup, tiny_config
 
 K = 4
 
@@ -241,7 +241,6 @@ def test_zero3_prefetch_equals_no_prefetch():
     """The prefetched layer scan is the same computation: 3 fp32 steps with ``overlap`` on and off
     give the same losses and grad norms (rtol 1e-5; observed bit-equal) and parameters."""
     import numpy as np
-
     from tiny import assert_params_match, run_steps
     out = {}
     for overlap in (False, True):

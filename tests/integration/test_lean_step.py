@@ -11,14 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tiny import assert_params_match, run_steps, tiny_config
 
 from jaxcolossal import hlo
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.models import vocab
 from jaxcolossal.sharding import Sharder
-from tiny import assert_params_match, run_steps, tiny_config
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tiny import assert_params_match, setup, tiny_config
 
 from jaxcolossal.models import llama
-from tiny import assert_params_match, setup, tiny_config
 
 B, T = 16, 32
 

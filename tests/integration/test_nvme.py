@@ -11,6 +11,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from tiny import run_steps, tiny_config
 
 from jaxcolossal.config import ConfigError, load_config, validate
 from jaxcolossal.mesh import make_mesh
@@ -18,7 +19,6 @@ from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import make_plan
-from tiny import run_steps, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -110,6 +110,7 @@ def test_nvme_settings_are_checked_before_compiling(tmp_path):
         validate(_cfg({"data_parallel_size": 8}, None, nvme_path=str(tmp_path)))
     # a disk too small for both generations: refused with the bytes, before anything compiles
     import collections
+
     import jaxcolossal.train.nvme as nvme
     cfg = _cfg({"data_parallel_size": 8, "zero_stage": 3}, "bf16", offload_optim_frac=1.0, nvme_path=str(tmp_path / "n"))
     plan = make_plan(cfg, make_mesh(cfg.parallel))

@@ -11,20 +11,21 @@ import os
 import jax
 import numpy as np
 import pytest
+from tiny import assert_params_match, random_batches, run_steps, tiny_config
 
 from jaxcolossal import Booster, GeminiPlugin, LowLevelZeroPlugin
 from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, load_config
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.memory.budget import formula_bytes
+from jaxcolossal.mesh import make_mesh, platform
 from jaxcolossal.models import LlamaForCausalLM
-from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind, formula_bytes
+from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind
 from jaxcolossal.sharding import shard_bytes
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import abstract_state, init_state, make_plan
 from jaxcolossal.train.step import make_eval_step, make_train_step
-from tiny import assert_params_match, random_batches, run_steps, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
@@ -219,8 +220,8 @@ def test_too_big_is_refused_before_compiling_and_auto_fits():
     cfg = _cfg(Z3, "bf16")
     mesh = make_mesh(cfg.parallel)
     plan = make_plan(cfg, mesh)
-    from jaxcolossal.placement import device_need
-    need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape)
+    from jaxcolossal.memory.budget import device_need
+    need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, platform(plan.mesh))
     limit = int(need["total"] - 0.5 * need["state"])  # below the need without offload, above it with
     cfg.offload.device_memory_limit = str(limit)
     with pytest.raises(ConfigError, match=r"short by [\d,]+ bytes; offload.offload_optim_frac=[\d.]+ .*would fit"):
@@ -228,7 +229,7 @@ def test_too_big_is_refused_before_compiling_and_auto_fits():
     cfg.offload.placement_policy = "auto"
     plan = make_plan(cfg, mesh)
     assert plan.placement.any_optim and "offload auto: chose" in plan.placement_report
-    assert device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape)["total"] <= limit
+    assert device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, platform(plan.mesh))["total"] <= limit
     cfg.offload.device_memory_limit = "1KB"
     with pytest.raises(ConfigError, match="nothing fits"):
         make_plan(cfg, mesh)
@@ -244,8 +245,8 @@ def test_main_job_trains_under_auto_placement(tmp_path):
              f"logging.run_dir={tmp_path}/run"]
     cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), small)
     plan = make_plan(cfg, make_mesh(cfg.parallel))
-    from jaxcolossal.placement import device_need
-    need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape)
+    from jaxcolossal.memory.budget import device_need
+    need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, platform(plan.mesh))
     limit = [f"offload.device_memory_limit={int(need['total'] - 0.4 * need['state'])}"]
     import subprocess
     import sys
@@ -308,9 +309,10 @@ def test_resume_across_offload_settings_is_bit_exact(tmp_path):
 
 
 def test_plugins_offload():
-    from jaxcolossal.config import ModelConfig
-    from flax import nnx
     import optax
+    from flax import nnx
+
+    from jaxcolossal.config import ModelConfig
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=128, max_position_embeddings=64)
     assert LowLevelZeroPlugin(stage=2, cpu_offload=True).offload.offload_optim_frac == 1.0

@@ -5,12 +5,13 @@ next to what XLA reported, and the cheapest single changes with their predicted 
 import os
 
 import pytest
+from tiny import tiny_config
 
 from jaxcolossal.config import load_config
+from jaxcolossal.memory.budget import need
+from jaxcolossal.memory.oom import explain_oom, is_oom, oom_changes
 from jaxcolossal.mesh import make_mesh
-from jaxcolossal.plan import _need, explain_oom, is_oom, oom_changes
 from jaxcolossal.train.state import make_plan
-from tiny import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OOM = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123,456,789 bytes.")
@@ -20,7 +21,7 @@ def test_the_explanation_ranks_the_changes_that_lower_the_need():
     cfg = tiny_config({"data_parallel_size": 8, "zero_stage": 0}, "bf16", training={"gradient_accumulation_steps": 1})
     plan = make_plan(cfg, make_mesh(cfg.parallel))
     assert is_oom(OOM) and not is_oom(ValueError("shapes do not match"))
-    now = _need(cfg, 8)["total"]
+    now = need(cfg, 8, "cpu")["total"]
     changes = oom_changes(cfg, plan.mesh_shape)
     names = [n for n, _ in changes]
     assert {"parallel.zero_stage=1", "model.remat=full", "training.gradient_accumulation_steps=2",

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (jaxcolossal.pipeline): equivalence, schedules, memory, errors.
+"""Pipeline parallelism (jaxcolossal.parallel.schedule, jaxcolossal.train.pipeline): equivalence, schedules, memory, errors.
 
 Equivalence: each pipelined configuration trains 3 steps (fp32, AdamW) on the same random tokens
 as the single-device run and matches it in loss and gradient norm (rtol 1e-5) and in the updated
@@ -23,7 +23,7 @@ import pytest
 
 from jaxcolossal.config import ConfigError, config_from_dict, pipeline_microbatches, validate
 from jaxcolossal.mesh import make_mesh
-from jaxcolossal.pipeline import check_schedule, make_schedule
+from jaxcolossal.parallel.schedule import check_schedule, make_schedule
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
 from jaxcolossal.train.step import make_grad_fn, make_train_step

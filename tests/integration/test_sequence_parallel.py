@@ -13,16 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
+from jaxcolossal import hlo
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.data.loader import packing_fields
-from jaxcolossal import hlo
 from jaxcolossal.hlo import collective_totals
 from jaxcolossal.mesh import make_mesh
-from jaxcolossal.sequence import zigzag_order
+from jaxcolossal.parallel.sequence import zigzag_order
 from jaxcolossal.train.state import make_plan
 from jaxcolossal.train.step import make_eval_step
-from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 # 16 heads over 8 kv heads (GQA, head dim 4), so Ulysses and Megatron-SP can split them over up to 8 devices
 MODEL = dict(num_attention_heads=16, num_key_value_heads=8)

@@ -9,12 +9,12 @@ import math
 
 import jax
 import pytest
+from tiny import tiny_config
 
 from jaxcolossal import metrics as mx
 from jaxcolossal.mesh import make_mesh
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import BYTES_PER_PARAM, init_state, make_plan
-from tiny import tiny_config
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

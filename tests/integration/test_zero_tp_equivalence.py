@@ -9,7 +9,6 @@ Tolerance (fp32): loss and gradient norm rtol 1e-5; updated parameters as
 import jax
 import numpy as np
 import pytest
-
 from tiny import assert_params_match, run_steps, tiny_config
 
 CONFIGS = {

@@ -21,7 +21,8 @@ launch_from_env(verbose=False)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 steps = int(os.environ.get("JAXCOLOSSAL_TEST_STEPS", "6"))
 kind, fault_rank, fault_step = (os.environ.get("JAXCOLOSSAL_TEST_FAULT", "none:-1:-1").split(":") + ["-1", "-1"])[:3]

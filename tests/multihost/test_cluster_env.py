@@ -14,7 +14,6 @@ import sys
 import jax
 import pytest
 from jax._src import clusters
-
 from mh import REPO, clean_env, free_port, tagged_json
 
 L = importlib.import_module("jaxcolossal.launch")  # the module (jaxcolossal.launch is the function)

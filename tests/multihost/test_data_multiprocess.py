@@ -6,7 +6,6 @@ process would build. A batch that does not split evenly must fail with a clear e
 """
 
 import pytest
-
 from mh import clean_env, launcher, run, tagged_json
 
 WORKER = r"""

@@ -15,9 +15,9 @@ import sys
 import time
 
 import pytest
+from mh import REPO, TINY, clean_env, free_port, launcher, run
 
 from jaxcolossal.run import build_env
-from mh import REPO, TINY, clean_env, free_port, launcher, run
 
 WORKER = str(REPO / "tests" / "multihost" / "collective_worker.py")
 OVERRIDES = str(REPO / "tests" / "multihost" / "rank_overrides.py")

@@ -6,9 +6,9 @@ the launcher is in test_train_multiprocess.py, the JAX failure cases in test_fai
 import textwrap
 
 import pytest
+from mh import clean_env, launcher, run, tagged_json
 
 from jaxcolossal import run as R
-from mh import clean_env, launcher, run, tagged_json
 
 ENV_DUMP = textwrap.dedent("""
     import json, os, sys

@@ -17,7 +17,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from mh import TINY, TRAIN, clean_env, launcher, read_metrics, run, train_losses
 
 ZERO3 = ["parallel.zero_stage=3", "parallel.tensor_parallel_size=1"]

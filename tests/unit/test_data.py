@@ -6,7 +6,8 @@ import types
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.data import (
     ByteTokenizer,

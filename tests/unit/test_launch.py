@@ -3,6 +3,7 @@
 ``jax.distributed.initialize`` is replaced by a recorder: these tests check what the
 launchers would pass to it. tests/multihost/test_launch_real.py runs the real thing.
 """
+import importlib
 import logging
 import os
 import random
@@ -14,8 +15,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
-import importlib
 
 from jaxcolossal import dist_logger
 

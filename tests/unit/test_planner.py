@@ -131,6 +131,7 @@ def test_predicted_flops_equal_the_compiled_step(case):
     tick of every stage), within 5% (measured: equal to the FLOP)."""
     import jax
     import jax.numpy as jnp
+    from tiny import tiny_config
 
     from jaxcolossal import hlo
     from jaxcolossal.mesh import make_mesh
@@ -138,7 +139,6 @@ def test_predicted_flops_equal_the_compiled_step(case):
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import abstract_state, make_plan
     from jaxcolossal.train.step import make_train_step
-    from tiny import tiny_config
 
     par, model, training = FLOP_CASES[case]
     cfg = tiny_config(parallel=par, model=model, training=dict(seq_len=64, batch_size=16, **training))
@@ -150,7 +150,7 @@ def test_predicted_flops_equal_the_compiled_step(case):
         assert hlo.dot_flops(text)["flops"] == pytest.approx(compiled_flops(cfg, 8), rel=0.01)
     else:  # the program counts every tick's compute, idle ticks too: the layers' work over 1 − bubble, and
         # the head's (which only the last stage runs, m times) in every tick of every stage
-        from jaxcolossal.pipeline import pipeline_schedule_for
+        from jaxcolossal.parallel.schedule import pipeline_schedule_for
         pp = cfg.parallel.pipeline_parallel_size
         sched = pipeline_schedule_for(cfg, pp)
         head = 6 * cfg.model.hidden_size * cfg.model.vocab_size * 16 * 64 / 8  # per device, as executed
@@ -199,6 +199,7 @@ def test_predicted_collective_bytes_per_kind_equal_the_compiled_step(case):
     tp), ring attention, Ulysses, fp8 communication, top-k and PowerSGD."""
     import jax
     import jax.numpy as jnp
+    from tiny import tiny_config
 
     from jaxcolossal import hlo
     from jaxcolossal.mesh import make_mesh
@@ -206,7 +207,6 @@ def test_predicted_collective_bytes_per_kind_equal_the_compiled_step(case):
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import abstract_state, make_plan
     from jaxcolossal.train.step import make_train_step
-    from tiny import tiny_config
 
     par, precision, model, training = COMM_CASES[case]
     batch = 16 * training.get("gradient_accumulation_steps", 1)
@@ -301,14 +301,15 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
     each remat policy saves less than the one before it, none more than ``none``; one layer's
     backward working set is the same under every policy; residuals grow with the microbatch and
     tensor parallelism divides the per-layer ones."""
-    from jaxcolossal.activations import residuals
-    from jaxcolossal.plan import _layout
     from tiny import tiny_config
+
+    from jaxcolossal.memory.activations import residuals
+    from jaxcolossal.memory.budget import layout
 
     def res(policy, batch=2, tp=1, dtype="fp32"):
         cfg = tiny_config({"data_parallel_size": 8 // tp, "tensor_parallel_size": tp, "zero_stage": 0}, None,
                           model={"remat": policy}, training={"seq_len": 64, "batch_size": 16})
-        return residuals(cfg, _layout(cfg, 8)[0], batch, cfg.model.num_layers, dtype=dtype)
+        return residuals(cfg, layout(cfg, 8)[0], batch, cfg.model.num_layers, dtype=dtype)
 
     saved = [res(p)["saved"] for p in ("none", "dots", "save_qkv_proj", "full")]
     assert saved == sorted(saved, reverse=True) and saved[0] > 2 * saved[-1]

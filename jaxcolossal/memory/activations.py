@@ -35,9 +35,18 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config import Config, ModelConfig
-
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+from jaxcolossal.config import (
+    COMPUTE_DTYPES,
+    Config,
+    ModelConfig,
+    gib,
+    pipeline_microbatches,
+    prefetches_weights,
+    reduces_layerwise,
+)
+from jaxcolossal.models import get_family, param_layout
+from jaxcolossal.models.vocab import fused_pays
+from jaxcolossal.sharding import rules_for, state_specs
 
 
 def _is_shape(x: Any) -> bool:
@@ -48,8 +57,6 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
     """Per-device compute shapes of every param leaf with ``layers`` of 1: each dimension divided
     by the sizes of the mesh axes its spec names, except ``fsdp`` (ZeRO-3 gathers before the
     compute) and ``pp`` (the stage's layers are counted separately)."""
-    from jaxcolossal.models import param_layout
-    from jaxcolossal.sharding import rules_for, state_specs
     _, shapes, axes = param_layout(cfg.model, mesh_shape["tp"])
     specs = state_specs(axes, shapes, 0, mesh_shape, rules_for(cfg.parallel, pipeline=True)).base
 
@@ -69,12 +76,11 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
     """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, the
     part of them in a 16-bit float dtype, and the largest layer residual's bytes per layer (the
     scan stacks them ``[num_layers, ...]``; 0 with one layer) (cached)."""
-    from jaxcolossal.models import get_family
     model = ModelConfig(**dict(model_items))
     model.remat = remat
     shapes = jax.tree_util.tree_unflatten(shapes_items[0], list(shapes_items[1]))
     family = get_family(model)
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, DTYPES[dtype]), shapes, is_leaf=_is_shape)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, COMPUTE_DTYPES[dtype]), shapes, is_leaf=_is_shape)
     tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def res(p, x, y):
@@ -143,7 +149,6 @@ def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
     """The non-layer residuals for ``batch`` sequences, linear in the batch within each of the LM
     head's two paths (:func:`jaxcolossal.models.vocab.fused_pays`): traced at the smallest batch
     of the path and the next, then extrapolated, so that the planner traces a few batches only."""
-    from jaxcolossal.models.vocab import fused_pays
     b0 = 1  # the full logits' path: from one sequence; the fused one from its first batch
     if fused_pays(batch * seq, m.hidden_size, m.loss_chunk_tokens):
         b0 = min(batch, (m.hidden_size + 3 * m.loss_chunk_tokens) // (2 * seq) + 1)
@@ -222,8 +227,6 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts
         of the head's phase).
     """
-    from jaxcolossal.config import pipeline_microbatches
-    from jaxcolossal.train.step import prefetches_weights, reduces_layerwise
     m, t, p = cfg.model, cfg.training, cfg.parallel
     pp, n = mesh_shape["pp"], mesh_shape["dp"] * mesh_shape["fsdp"]
     lowp = cfg.precision.mode != "fp32"
@@ -319,7 +322,6 @@ HEAD_PARTS = ("residuals", "head", "cpu_fp32", "zero3", "accumulator", "stash") 
 
 def describe(peak: dict) -> str:
     """One line naming :func:`step_peak`'s non-zero parts (MiB/GiB) and its phase."""
-    from jaxcolossal.placement import gib
     keys = HEAD_PARTS if peak["phase"] == "head" else [k for k in PART_NAMES if k != "head"]
     parts = ", ".join(f"{PART_NAMES[k]} {gib(peak[k])}" for k in keys if peak.get(k))
     where = {"backward": "backward pass", "head": "LM head's backward", "update": "optimizer update"}[peak["phase"]]

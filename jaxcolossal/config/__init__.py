@@ -1,0 +1,57 @@
+"""Configuration: the schema (dataclasses), loading (YAML and ``key=value`` overrides),
+validation, and the pure functions of a config that later stages share.
+
+The sections and key names follow Colossal-AI's config vocabulary (``model``, ``training``,
+``parallel``, ``precision``, plus ``data``, ``checkpoint``, ``logging`` and ``offload``). Every
+check here runs before anything is compiled: unknown keys, wrong types and impossible
+combinations raise :class:`ConfigError`, whose message names the key and the allowed values.
+
+Example::
+
+    cfg = load_config("configs/llama_tiny.yaml", overrides=["parallel.zero_stage=3"])
+    cfg.parallel.resolve(num_devices=8)   # fills -1 sizes, checks the product
+"""
+
+from jaxcolossal.config.checks import RANGES, Range, check_ranges, validate
+from jaxcolossal.config.derived import (
+                                        BYTES_PER_PARAM,
+                                        COMPUTE_DTYPES,
+                                        WIRE_BYTES,
+                                        pipeline_microbatches,
+                                        prefetches_weights,
+                                        reduces_layerwise,
+                                        weight_gather_dtype,
+)
+from jaxcolossal.config.load import (
+                                        ALIASES,
+                                        PATH_KEYS,
+                                        all_keys,
+                                        config_from_dict,
+                                        expand_path,
+                                        expand_paths,
+                                        load_config,
+                                        parse_overrides,
+)
+from jaxcolossal.config.schema import (
+                                        Bytes,
+                                        CheckpointConfig,
+                                        Config,
+                                        DataConfig,
+                                        LoggingConfig,
+                                        ModelConfig,
+                                        OffloadConfig,
+                                        ParallelConfig,
+                                        PrecisionConfig,
+                                        TrainingConfig,
+                                        gib,
+                                        parse_bytes,
+)
+from jaxcolossal.errors import ConfigError
+
+__all__ = [
+    "ALIASES", "BYTES_PER_PARAM", "COMPUTE_DTYPES", "PATH_KEYS", "RANGES", "WIRE_BYTES", "Bytes", "CheckpointConfig",
+    "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OffloadConfig", "ParallelConfig",
+    "PrecisionConfig", "Range", "TrainingConfig", "all_keys", "check_ranges", "config_from_dict", "expand_path",
+    "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "pipeline_microbatches", "prefetches_weights",
+    "reduces_layerwise", "validate", "weight_gather_dtype",
+]

@@ -1,0 +1,388 @@
+"""Validation: every numeric key's range, and every combination the sharding, the pipeline and
+the kernels cannot run, refused before anything is compiled with the key and what to set."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from jaxcolossal.config.derived import pipeline_microbatches
+from jaxcolossal.config.schema import Config, ModelConfig, ParallelConfig, parse_bytes, yaml_list
+from jaxcolossal.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``lo``/``hi`` bounds (closed unless ``*_open``), plus
+    ``special`` values outside them with the meaning given in ``note``. NaN and ±inf are never
+    accepted."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    special: tuple = ()
+    note: str = ""
+
+    def contains(self, v: float) -> bool:
+        """True when ``v`` is finite and inside the bounds, or one of ``special``."""
+        if v in self.special:
+            return True
+        if not math.isfinite(v):
+            return False
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below
+
+    def describe(self, what: str = "must be") -> str:
+        """The bounds in words, e.g. ``must be > 0`` or ``must be in [0, 1)``."""
+        if self.hi == math.inf:
+            text = f"{what} {'>' if self.lo_open else '>='} {self.lo:g}"
+        else:
+            text = (f"{what} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+                    f"{')' if self.hi_open else ']'}")
+        return text + (f" ({self.note})" if self.note else "")
+
+
+_POS = Range(1)                      # a count or a size: 1, 2, ...
+_NONNEG = Range(0)
+_GT0 = Range(0, lo_open=True)        # a strictly positive real
+_MESH = Range(1, special=(-1,), note="or -1: the remaining devices")
+_BETA = Range(0, 1, hi_open=True)
+
+RANGES: dict[str, Range] = {
+    "model.num_layers": _POS, "model.hidden_size": _POS, "model.num_attention_heads": _POS,
+    "model.num_key_value_heads": _POS, "model.intermediate_size": _POS,
+    "model.max_position_embeddings": _POS, "model.vocab_size": _POS, "model.vocab_pad_multiple": _POS,
+    "model.rms_norm_eps": _GT0, "model.layer_norm_eps": _GT0, "model.rope_theta": _GT0,
+    "model.initializer_range": _GT0,
+    "model.loss_chunk_tokens": Range(0, note="0: materialize the logits of all tokens"),
+    "training.batch_size": _POS, "training.micro_batch_size": Range(0, note="0: use batch_size"),
+    "training.seq_len": _POS, "training.gradient_accumulation_steps": _POS,
+    "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
+    "training.max_steps": _POS, "training.warmup_steps": _NONNEG, "training.weight_decay": _NONNEG,
+    "training.adam_beta1": _BETA, "training.adam_beta2": _BETA, "training.adam_eps": _GT0,
+    "training.adam_freeze_step": Range(0, note="0: never; else Adam's variance is frozen after that many steps"),
+    "training.max_grad_norm": Range(0, note="0: no clipping"), "training.seed": Range(0, 2**32 - 1),
+    "training.eval_every": Range(0, note="0: only at the start and the end"),
+    "training.eval_batches": _POS, "training.sample_tokens": Range(0, note="0: no sample"),
+    "parallel.data_parallel_size": _MESH, "parallel.tensor_parallel_size": _MESH,
+    "parallel.pipeline_parallel_size": _MESH, "parallel.sequence_parallel_size": _MESH,
+    "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
+    "parallel.compression_ratio": Range(0, 1, lo_open=True), "parallel.powersgd_rank": _POS,
+    "parallel.collective_matmul_min_seq": Range(0, note="0: every sequence length"),
+    "parallel.compression_warmup_steps": Range(0, note="0: compress from the first step"),
+    "parallel.bucket_size_mb": Range(0, note="0: XLA's default thresholds"),
+    "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
+    "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,
+    "precision.hysteresis": _POS, "precision.min_scale": _GT0, "precision.max_scale": _GT0,
+    "precision.max_consecutive_skips": _POS,
+    "data.val_fraction": Range(0, 1, hi_open=True), "data.max_corpus_bytes": Range(0, note="0: all of it"),
+    "checkpoint.save_every": Range(0, note="0: only at evaluations and the end"), "checkpoint.max_to_keep": _POS,
+    "logging.log_every": _POS,
+    "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
+    "offload.devices_per_host": _POS,
+}
+"""Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
+
+
+def check_ranges(cfg: Config) -> None:
+    """Check every key of :data:`RANGES` (NaN and ±inf are refused everywhere).
+
+    Raises:
+        ConfigError: ``section.key=value: must be ...``.
+    """
+    for key, rng in RANGES.items():
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if not rng.contains(v):
+            raise ConfigError(f"{key}={v!r}: {rng.describe('must be' if math.isfinite(v) else 'must be a finite number')}")
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Reject impossible combinations before anything is compiled.
+
+    With ``num_devices`` also resolves the mesh and checks every divisibility that the
+    sharding needs (heads by tp, hidden size by the ZeRO group, batch by the data group).
+
+    Raises:
+        ConfigError: naming the key(s) and the allowed values.
+    """
+    m, t, p, pr = cfg.model, cfg.training, cfg.parallel, cfg.precision
+    check_ranges(cfg)
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model.num_key_value_heads={m.num_key_value_heads} (grouped-query attention)")
+    if m.head_dim % 2:
+        raise ConfigError(f"head_dim = hidden_size / num_attention_heads = {m.head_dim} must be even for RoPE")
+    if t.seq_len > m.max_position_embeddings:
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    if t.micro_batch_size == 0 and t.batch_size % t.gradient_accumulation_steps:
+        raise ConfigError(
+            f"training.batch_size={t.batch_size} (global) is not divisible by "
+            f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}")
+    if pr.bf16 and pr.fp16:
+        raise ConfigError("precision: bf16 and fp16 are both true; choose one (neither means fp32)")
+    if pr.min_scale > pr.max_scale:
+        raise ConfigError(f"precision.min_scale={pr.min_scale:g} is above precision.max_scale={pr.max_scale:g}")
+    if cfg.data.tokenizer == "auto":  # resolved here, once: everything after sees a concrete tokenizer
+        init = cfg.model.init_from
+        cfg.data.tokenizer = init if init and os.path.isfile(os.path.join(init, "tokenizer.json")) else "byte"
+    tok = cfg.data.tokenizer
+    if tok != "byte" and not (os.path.isfile(tok) or any(os.path.isfile(os.path.join(tok, f))
+                                                         for f in ("tokenizer.json", "tokenizer.model"))):
+        raise ConfigError(f"data.tokenizer={tok!r}: expected 'byte' or a tokenizer folder holding tokenizer.json "
+                          "(Hugging Face) or tokenizer.model (SentencePiece), or that file; "
+                          + ("the folder has no tokenizer.json" if os.path.isdir(tok) else "no such file or folder"))
+    if cfg.data.format == "chat" and cfg.data.corpus == "stdlib":
+        raise ConfigError("data.format=chat needs data.corpus: JSON-lines files of conversations "
+                          "({'messages': [...]} or {'prompt', 'response'} per line)")
+    if cfg.data.packing_mask and cfg.data.format == "chat":
+        raise ConfigError("data.packing_mask=true applies to the pre-training formats, not data.format=chat "
+                          "(a chat row holds one conversation)")
+    if cfg.data.format in ("parquet", "datasets", "jsonl") and cfg.data.corpus == "stdlib":
+        raise ConfigError(f"data.format={cfg.data.format} needs data.corpus: the files (or, for datasets, "
+                          "the saved folder) to read")
+    if m.attention_impl == "flash" and p.pipeline_parallel_size not in (1,):
+        raise ConfigError("model.attention_impl=flash is not supported with pipeline parallelism yet (the Pallas "
+                          "kernel inside the pipeline's shard_map): use xla"
+                          + ("" if p.sequence_parallelism_mode == "ring_attn" else " or cudnn")
+                          + ", or pipeline_parallel_size=1")
+    if cfg.data.packing_mask and m.attention_impl == "cudnn":
+        raise ConfigError("data.packing_mask=true needs model.attention_impl xla or flash (segment ids), not 'cudnn'")
+    if cfg.data.packing_mask and p.pipeline_parallel_size not in (1,):
+        raise ConfigError("data.packing_mask=true is not supported with pipeline parallelism yet: "
+                          "set parallel.pipeline_parallel_size=1")
+    if cfg.data.format == "chat" and p.pipeline_parallel_size not in (1,):
+        raise ConfigError("data.format=chat (a loss mask) is not supported with pipeline parallelism yet: "
+                          "set parallel.pipeline_parallel_size=1")
+    if t.resume is not False and not cfg.checkpoint.dir:
+        raise ConfigError(f"training.resume={yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
+                          "resume from)")
+    _check_offload(cfg)
+    _check_compression(p)
+    _check_freeze(cfg)
+    _check_momentum_correction(cfg)
+    _check_sequence(cfg, p)
+    tp = p.tensor_parallel_size
+    if tp != -1:
+        _check_tp(m, tp)
+    if p.pipeline_parallel_size != -1:
+        _check_pipeline(cfg, p.pipeline_parallel_size)
+    if num_devices is not None:
+        rp = p.resolve(num_devices)
+        _check_tp(m, rp.tensor_parallel_size)
+        _check_sequence(cfg, rp)
+        dp = rp.data_parallel_size
+        if t.micro_batch_size:
+            t.batch_size = t.micro_batch_size * t.gradient_accumulation_steps * dp
+        micro = t.batch_size // t.gradient_accumulation_steps
+        if micro % dp:
+            raise ConfigError(
+                f"the microbatch of training.batch_size / gradient_accumulation_steps = {micro} sequences "
+                f"is not divisible by the data-parallel size {dp}")
+        if rp.pipeline_parallel_size > 1:
+            _check_pipeline(cfg, rp.pipeline_parallel_size)
+            mb = pipeline_microbatches(cfg, rp.pipeline_parallel_size)
+            if t.batch_size % (dp * mb):
+                raise ConfigError(
+                    f"training.batch_size={t.batch_size} does not split into parallel.num_microbatches={mb} "
+                    f"pipeline microbatches per data-parallel shard (data_parallel_size={dp}): "
+                    f"it must be divisible by {dp} × {mb} = {dp * mb}")
+        if p.zero_stage > 0 and m.hidden_size % dp:
+            raise ConfigError(
+                f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
+                f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
+
+
+def _check_sequence(cfg: Config, p: ParallelConfig) -> None:
+    """Sequence parallelism against the model and the other sizes (:mod:`jaxcolossal.parallel.sequence`).
+    Sizes still ``-1`` are checked again once resolved."""
+    m, t = cfg.model, cfg.training
+    mode, sp, tp = p.sequence_parallelism_mode, p.sequence_parallel_size, p.tensor_parallel_size
+    if sp == -1 or tp == -1:
+        return
+    if sp < 1:
+        raise ConfigError(f"parallel.sequence_parallel_size={sp}: must be a positive integer or -1")
+    if mode == "none":
+        if sp > 1:
+            raise ConfigError(f"parallel.sequence_parallel_size={sp} needs parallel.sequence_parallelism_mode: "
+                              "all_to_all (DeepSpeed-Ulysses) or ring_attn (ring attention)")
+        return
+    if mode == "split_gather":
+        if sp != 1:
+            raise ConfigError("parallel.sequence_parallelism_mode=split_gather (Megatron-SP) splits the sequence "
+                              f"over the tensor-parallel group: set sequence_parallel_size=1 (got {sp}), or use "
+                              "all_to_all / ring_attn for a separate sp axis")
+        if tp < 2:
+            raise ConfigError("parallel.sequence_parallelism_mode=split_gather (Megatron-SP) needs "
+                              f"tensor_parallel_size > 1 (got {tp}): it splits the sequence over the tp group")
+        if t.seq_len % tp:
+            raise ConfigError(f"training.seq_len={t.seq_len} is not divisible by tensor_parallel_size={tp} "
+                              "(split_gather splits the sequence over the tp group)")
+        return
+    if sp < 2:
+        raise ConfigError(f"parallel.sequence_parallelism_mode={mode} needs sequence_parallel_size > 1 (got {sp})")
+    if p.pipeline_parallel_size != 1 and mode != "ring_attn":
+        raise ConfigError(f"parallel.sequence_parallelism_mode={mode} is not supported with pipeline parallelism "
+                          "yet (ring_attn is): set pipeline_parallel_size=1 or sequence_parallelism_mode=ring_attn")
+    if p.gradient_compression != "none":
+        raise ConfigError("parallel.gradient_compression is not supported with sequence parallelism yet: set "
+                          "sequence_parallel_size=1 or gradient_compression=none")
+    blocks = 2 * sp if mode == "ring_attn" else sp
+    if t.seq_len % blocks:
+        why = "2·sp blocks, the zig-zag split" if mode == "ring_attn" else "sp blocks"
+        raise ConfigError(f"training.seq_len={t.seq_len} is not divisible by {blocks} "
+                          f"(sequence_parallelism_mode={mode} splits it into {why})")
+    if mode == "all_to_all":
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(m, key) % (sp * tp):
+                raise ConfigError(
+                    f"parallel.sequence_parallelism_mode=all_to_all (Ulysses) splits the heads over "
+                    f"sequence_parallel_size × tensor_parallel_size = {sp} × {tp} = {sp * tp}, which does not "
+                    f"divide model.{key}={getattr(m, key)}; use ring_attn, or sizes that divide")
+    if mode == "ring_attn" and m.attention_impl != "xla":
+        raise ConfigError("parallel.sequence_parallelism_mode=ring_attn runs its own blockwise attention (the "
+                          f"ring's online softmax): set model.attention_impl=xla, not {m.attention_impl!r}")
+
+
+def _check_freeze(cfg: Config) -> None:
+    """``training.adam_freeze_step`` (1-bit Adam's frozen variance) is built for ``optax``'s AdamW
+    in device memory only."""
+    t, o = cfg.training, cfg.offload
+    if t.adam_freeze_step > 0:
+        if t.optimizer != "adamw":
+            raise ConfigError(f"training.adam_freeze_step is supported with training.optimizer=adamw, not "
+                              f"{t.optimizer!r}: set training.optimizer=adamw or training.adam_freeze_step=0")
+        if o.offload_optim_frac > 0 or o.placement_policy == "auto" or o.nvme_path:
+            raise ConfigError("training.adam_freeze_step is not supported with an offloaded optimizer state yet: "
+                              "set offload.offload_optim_frac=0 offload.placement_policy=static offload.nvme_path='', "
+                              "or training.adam_freeze_step=0")
+
+
+def _check_momentum_correction(cfg: Config) -> None:
+    """``parallel.momentum_correction`` (DGC) replaces the optimizer's momentum from the first
+    compressed step: it needs top-k with error feedback and Adam's variance frozen."""
+    p, t = cfg.parallel, cfg.training
+    if not p.momentum_correction:
+        return
+    fixes = []
+    if p.gradient_compression != "topk":
+        fixes.append(f"parallel.gradient_compression=topk (got {p.gradient_compression})")
+    elif not p.error_feedback:
+        fixes.append("parallel.error_feedback=true (the velocity's unsent part is the residual)")
+    if t.adam_freeze_step <= 0:
+        fixes.append("training.adam_freeze_step > 0 (the variance frozen, so that the update is linear in what "
+                     "arrives), e.g. equal to parallel.compression_warmup_steps")
+    if fixes:
+        raise ConfigError("parallel.momentum_correction=true needs " + " and ".join(fixes)
+                          + "; or set parallel.momentum_correction=false")
+
+
+def _check_compression(p: ParallelConfig) -> None:
+    """``parallel.gradient_compression`` and ``communication_dtype`` against the rest (see
+    :class:`ParallelConfig`; the ratio's and rank's ranges are in :data:`RANGES`)."""
+    c = p.gradient_compression
+    if c != "none":
+        fixes = []  # every change it needs, in one message
+        if p.zero_stage > 1:
+            fixes.append(f"zero_stage 0 or 1 (got {p.zero_stage}: ZeRO-2/3 split the one gradient reduction per "
+                         "step over the microbatches)")
+        if p.tensor_parallel_size not in (1,) or p.pipeline_parallel_size not in (1,):
+            fixes.append("no tensor or pipeline parallelism yet (set tensor_parallel_size=1 and "
+                         "pipeline_parallel_size=1)")
+        if fixes:
+            raise ConfigError(f"parallel.gradient_compression={c} is supported with " + "; and ".join(fixes))
+    if p.communication_dtype != "fp32":
+        if c != "none":
+            raise ConfigError(f"parallel.communication_dtype={p.communication_dtype} applies to the plain gradient "
+                              f"reduction, not with gradient_compression={c}: set one of them")
+        if p.pipeline_parallel_size not in (1,):
+            raise ConfigError(f"parallel.communication_dtype={p.communication_dtype} is not supported with pipeline "
+                              "parallelism yet: set pipeline_parallel_size=1 or communication_dtype=fp32")
+        if p.sequence_parallel_size not in (1,):
+            raise ConfigError(f"parallel.communication_dtype={p.communication_dtype} is not supported with sequence "
+                              "parallelism yet: set sequence_parallel_size=1 or communication_dtype=fp32")
+
+
+def _check_offload(cfg: Config) -> None:
+    """The ``offload`` section against the rest (see :class:`OffloadConfig`)."""
+    o, m = cfg.offload, cfg.model
+    parse_bytes(o.device_memory_limit, "offload.device_memory_limit")
+    parse_bytes(o.host_memory_limit, "offload.host_memory_limit")
+    if o.offload_param_frac > 0 and cfg.parallel.zero_stage != 3:
+        raise ConfigError(f"offload.offload_param_frac={o.offload_param_frac:g} needs parallel.zero_stage=3 "
+                          f"(got {cfg.parallel.zero_stage}): below ZeRO-3 every device keeps the whole compute "
+                          "copy; offload the optimizer state with offload.offload_optim_frac instead")
+    if o.offload_param_frac > 0 and cfg.parallel.pipeline_parallel_size != 1:
+        raise ConfigError("offload.offload_param_frac > 0 is not supported with pipeline parallelism yet: set "
+                          "parallel.pipeline_parallel_size=1 or offload only the optimizer state")
+    if o.nvme_path:
+        if o.optimizer_device != "device":
+            raise ConfigError(f"offload.nvme_path={o.nvme_path!r} streams each leaf's optimizer state from its files "
+                              "through the device: set offload.optimizer_device=device (got "
+                              f"{o.optimizer_device!r})")
+        if o.placement_policy == "static" and not o.offload_optim_frac:
+            raise ConfigError(f"offload.nvme_path={o.nvme_path!r} holds the offloaded optimizer state, but "
+                              "offload.offload_optim_frac is 0: set the fraction to put there (e.g. 1.0)")
+        if os.path.exists(o.nvme_path) and not os.path.isdir(o.nvme_path):
+            raise ConfigError(f"offload.nvme_path={o.nvme_path!r} is a file, not a folder")
+    if o.activations == "host":
+        if m.remat not in ("none", "offload"):
+            raise ConfigError(f"offload.activations=host saves the layer projections in host memory "
+                              f"(model.remat=offload), but model.remat={m.remat!r}; choose one")
+        m.remat = "offload"
+    if o.placement_policy == "auto" and (o.offload_optim_frac or o.offload_param_frac):
+        raise ConfigError("offload.placement_policy=auto chooses offload_optim_frac and offload_param_frac itself; "
+                          "leave them at 0, or set placement_policy=static to give them")
+
+
+def _check_pipeline(cfg: Config, pp: int) -> None:
+    """The pipeline errors that need no device count (docs/pipeline.md)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    v = p.num_model_chunks
+    if pp == 1:
+        return
+    if p.pipeline_schedule == "interleaved" and v < 2:
+        raise ConfigError("parallel.pipeline_schedule=interleaved needs parallel.num_model_chunks >= 2 "
+                          f"(got {v}); use 1f1b for one chunk per device")
+    if p.pipeline_schedule == "1f1b" and v > 1:
+        raise ConfigError(f"parallel.num_model_chunks={v} needs parallel.pipeline_schedule interleaved "
+                          "(or gpipe, the circular pipeline); 1f1b runs one chunk per device")
+    if m.num_layers % (pp * v):
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is not divisible by pipeline_parallel_size × num_model_chunks "
+            f"= {pp} × {v} = {pp * v}: every (virtual) stage must hold the same number of layers")
+    if p.num_microbatches > 0 and t.gradient_accumulation_steps > 1 \
+            and t.gradient_accumulation_steps != p.num_microbatches:
+        raise ConfigError(
+            f"with pipeline parallelism the pipeline microbatches replace gradient accumulation: "
+            f"parallel.num_microbatches={p.num_microbatches} and training.gradient_accumulation_steps="
+            f"{t.gradient_accumulation_steps} disagree; set only one of them")
+    mb = pipeline_microbatches(cfg, pp)
+    if v > 1 and mb % pp:
+        raise ConfigError(
+            f"parallel.num_microbatches={mb} with {v} model chunks: the interleaved schedule runs microbatches "
+            f"in groups of pipeline_parallel_size={pp}, so it needs a multiple of {pp} (at least {pp})")
+    if t.micro_batch_size == 0 and t.batch_size % mb:
+        raise ConfigError(
+            f"training.batch_size={t.batch_size} is not divisible by parallel.num_microbatches={mb}")
+
+
+def _check_tp(m: ModelConfig, tp: int) -> None:
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    g = math.gcd(*(getattr(m, k) for k in keys))
+    valid = [d for d in range(1, g + 1) if g % d == 0]
+    for key in keys:
+        v = getattr(m, key)
+        if v % tp:
+            raise ConfigError(
+                f"parallel.tensor_parallel_size={tp} does not divide model.{key}={v} "
+                f"(Megatron tensor parallelism splits heads and the MLP evenly over tp); "
+                f"allowed values for this model: {valid}")

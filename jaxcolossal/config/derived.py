@@ -1,0 +1,65 @@
+"""Pure functions of the config that several stages need: the bytes per parameter of each
+precision, the compute dtype, the pipeline's microbatches, and which path the train step takes
+(the layer-wise gradient reduction, ZeRO-3's weight prefetch, a narrower weight gather)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxcolossal.config.schema import Config
+
+
+def pipeline_microbatches(cfg: Config, pp: int) -> int:
+    """Pipeline microbatches per step for ``pp`` stages (see docs/pipeline.md).
+
+    With pipeline parallelism the pipeline microbatches *replace* gradient accumulation: the
+    batch of a step is split into ``m`` microbatches that flow through the stages. ``m`` is
+    ``parallel.num_microbatches`` when set, else ``training.gradient_accumulation_steps`` when
+    that is above 1, else ``2 · pp``.
+    """
+    p, t = cfg.parallel, cfg.training
+    if p.num_microbatches > 0:
+        return p.num_microbatches
+    if t.gradient_accumulation_steps > 1:
+        return t.gradient_accumulation_steps
+    return 2 * pp
+
+
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+"""The forward/backward dtype of each precision mode (``precision.mode``)."""
+
+BYTES_PER_PARAM = {"fp32": dict(p=4, g=4, K=8), "bf16": dict(p=2, g=4, K=12), "fp16": dict(p=2, g=4, K=12)}
+"""The ZeRO paper's bytes per parameter of each precision mode: ``p`` the compute copy, ``g`` the
+gradients (always fp32), ``K`` the optimizer state with any fp32 master copy (docs/zero.md)."""
+
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+"""Bytes per element of each ``parallel.communication_dtype``."""
+
+
+def reduces_layerwise(cfg: Config) -> bool:
+    """Whether the step takes the gradient of the whole microbatch, so that XLA reduces(-scatters)
+    each layer's weight gradient inside the backward layer scan: ZeRO-2/3 with fp32 communication
+    and no gradient compression, without a pipeline (else each data shard's gradient is reduced
+    after the backward, by hand)."""
+    p = cfg.parallel
+    return (p.zero_stage >= 2 and p.communication_dtype == "fp32" and p.gradient_compression == "none"
+            and p.pipeline_parallel_size == 1)
+
+
+def prefetches_weights(cfg: Config) -> bool:
+    """Whether the layer scan prefetches ZeRO-3's weights (:func:`jaxcolossal.models.remat.prefetched_scan`):
+    ``parallel.overlap`` with ZeRO-3, ``model.remat=full`` and :func:`reduces_layerwise` (offloaded
+    params stream in instead)."""
+    return (reduces_layerwise(cfg) and cfg.parallel.zero_stage == 3 and cfg.parallel.overlap
+            and cfg.model.remat == "full" and cfg.offload.offload_param_frac == 0)
+
+
+def weight_gather_dtype(cfg: Config, data_size: int) -> str | None:
+    """The dtype ZeRO-3's layer-weight all-gathers move when it is not the compute dtype
+    (ZeRO++'s qwZ, :func:`jaxcolossal.parallel.wire.gather_lowp`): ``parallel.communication_dtype``
+    under ZeRO-3 over a data group of ``data_size`` > 1, where it is narrower than the compute
+    dtype (fp8 in any run, bf16 in an fp32 run). ``None``: the weights are gathered as stored.
+    The one rule the train step, the planner and the dry run read."""
+    p = cfg.parallel
+    narrower = WIRE_BYTES[p.communication_dtype] < BYTES_PER_PARAM[cfg.precision.mode]["p"]
+    return p.communication_dtype if p.zero_stage == 3 and data_size > 1 and narrower else None

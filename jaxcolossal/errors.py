@@ -1,0 +1,72 @@
+"""The errors a user can cause, one small kind each, with the exit status the command line gives it.
+
+A traceback from ``scripts/train.py`` means a bug; every input a user can get wrong raises one of
+these instead, and :func:`exit_status` (the one place the CLI consults) turns it into one line on
+stderr and its documented exit code:
+
+============================  ====  ================================================================
+kind                          exit  for
+============================  ====  ================================================================
+:class:`ConfigError`          2     a key, a value or a combination the run cannot take; a
+                                    checkpoint folder that does not fit ``training.resume``
+:class:`DataError`            3     a data file that is missing, unreadable or malformed
+:class:`TokenizerError`       3     a tokenizer file that cannot be loaded
+:class:`CheckpointError`      3     a checkpoint that cannot be written or restored
+:class:`StoppedError`         3     training stopped on purpose: NaN/inf under ``nonfinite_policy``
+============================  ====  ================================================================
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """An error the user's input or run caused (not a bug). ``label`` starts its one line and
+    ``exit_code`` is what the command line returns."""
+
+    label = "error"
+    exit_code = 1
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is unknown, of the wrong type, or impossible."""
+
+    label = "config error"
+    exit_code = 2
+
+
+class DataError(UserError, ValueError):
+    """A data file is missing, unreadable, or holds what its format does not allow (the message
+    names the file, and the line where there is one)."""
+
+    label = "data error"
+    exit_code = 3
+
+
+class TokenizerError(DataError):
+    """A tokenizer file or folder that cannot be loaded."""
+
+    label = "tokenizer error"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be written, or that does not restore."""
+
+    label = "checkpoint error"
+    exit_code = 3
+
+
+class StoppedError(UserError):
+    """Training stopped by its own policy (a NaN or inf step under ``training.nonfinite_policy=stop``)."""
+
+    label = "error"
+    exit_code = 3
+
+
+def exit_status(error: BaseException) -> tuple[str, int] | None:
+    """``(one line, exit code)`` for a user error; ``None`` for anything else (a bug: let it raise).
+    A missing config or corpus file (``FileNotFoundError``) counts as a data error."""
+    if isinstance(error, UserError):
+        return f"{error.label}: {error}", error.exit_code
+    if isinstance(error, FileNotFoundError):
+        return f"{DataError.label}: {error}", DataError.exit_code
+    return None

@@ -1,0 +1,127 @@
+"""``scripts/train.py --dry-run``: the plan of one config, with no device: parameters, per-device
+model state and memory, the mesh, the traffic of the gradient reduction, the offload plan and the
+pipeline's schedule. Arithmetic over the same sharding rules as the train step."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, validate, weight_gather_dtype
+from jaxcolossal.memory.activations import describe
+from jaxcolossal.memory.budget import device_need, layout, resolve
+from jaxcolossal.metrics import flops_per_token, param_count
+from jaxcolossal.models import param_layout
+from jaxcolossal.parallel.compression import check_powersgd
+from jaxcolossal.parallel.schedule import pipeline_schedule_for
+from jaxcolossal.plan.collectives import dp_gradient_bytes
+from jaxcolossal.sharding import shard_bytes
+
+
+def dry_run(cfg: Config, num_devices: int | None = None) -> str:
+    """A printable plan for ``cfg`` on ``num_devices`` (default: the product of the explicit
+    parallel sizes).
+
+    Raises:
+        ConfigError: a ``-1`` size without ``num_devices``, or any impossible setting.
+    """
+    p = cfg.parallel
+    if num_devices is None:
+        sizes = (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.sequence_parallel_size)
+        if -1 in sizes:
+            raise ConfigError("--dry-run needs explicit parallel sizes (no -1) to know the device count")
+        num_devices = math.prod(sizes)
+    validate(cfg, num_devices=num_devices)
+    rp = p.resolve(num_devices)
+    shape, vocab, shapes, specs = layout(cfg, num_devices)
+    check_powersgd(cfg.parallel, shapes, param_layout(cfg.model, shape["tp"])[2])
+    b = BYTES_PER_PARAM[cfg.precision.mode]
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+    def per_device(spec_tree, nbytes):
+        vals = jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, shape) * nbytes, shapes, spec_tree,
+                            is_leaf=is_shape)
+        return sum(jax.tree.leaves(vals))
+
+    params = per_device(specs.params, b["p"])
+    grads = per_device(specs.grads, b["g"])
+    opt = per_device(specs.opt, b["K"])
+    n = param_count(cfg.model)
+    t = cfg.training
+    fpt = flops_per_token(cfg.model, t.seq_len, cfg.model.remat != "none")
+    gib = lambda x: f"{x / 2**30:,.2f} GiB" if x >= 2**30 else f"{x / 2**20:,.2f} MiB"
+    lines = [
+        f"model      {cfg.model.type}, {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+        f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "
+        f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
+        f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)",
+        f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × sp × tp)",
+        f"precision  {cfg.precision.mode}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
+        f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
+        f"total {gib(params + grads + opt)}",
+        f"batch      {t.batch_size} sequences × {t.seq_len} tokens per step, "
+        + (f"{t.gradient_accumulation_steps} accumulation microbatches" if rp.pipeline_parallel_size == 1
+           else "in the pipeline's microbatches (below)"),
+        f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
+    ]
+    lines += _offload_lines(cfg, shapes, specs, shape)
+    lines.append(_communication_line(cfg, rp))
+    if p.zero_stage > 0 and rp.data_parallel_size == 1:
+        lines.append(f"note       zero_stage {p.zero_stage} with data_parallel_size 1 shards nothing: "
+                     "ZeRO splits state over the data-parallel group")
+    if rp.pipeline_parallel_size > 1:
+        s = pipeline_schedule_for(cfg, rp.pipeline_parallel_size)
+        lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
+                     f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
+    return "\n".join(lines)
+
+
+def _communication_line(cfg: Config, rp) -> str:
+    """The dry run's line on the data-parallel traffic: how the gradients are reduced
+    (``parallel.communication_dtype``, ``gradient_compression`` and its options) and the bytes each
+    device sends for it per step (:func:`dp_gradient_bytes`), and whether ZeRO-3 gathers the
+    layers' weights in ``communication_dtype`` (ZeRO++'s qwZ)."""
+    p = cfg.parallel
+    dp = rp.data_parallel_size
+    if p.gradient_compression == "topk":
+        how = (f"top-k {p.compression_ratio:g}" + (" with error feedback" if p.error_feedback else " without error feedback")
+               + (" and momentum correction" if p.momentum_correction else ""))
+    elif p.gradient_compression == "powersgd":
+        how = f"PowerSGD rank {p.powersgd_rank}" + ("" if p.error_feedback else " without error feedback")
+    else:
+        how = ("all-reduce" if p.zero_stage == 0 else "reduce-scatter") + f" in {p.communication_dtype}"
+    if p.compression_warmup_steps and p.gradient_compression != "none":
+        how += f" after {p.compression_warmup_steps} dense steps"
+    sent = dp_gradient_bytes(cfg, dp, rp.tensor_parallel_size, rp.pipeline_parallel_size)
+    line = f"comm       data-parallel gradients over {dp}: {how}, {sent / 2**20:,.2f} MiB sent per device per step"
+    kind = weight_gather_dtype(cfg, dp)
+    return line + (f"; ZeRO-3 layer weights gathered in {kind}" if kind else "")
+
+
+def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
+    """The offload plan (:mod:`jaxcolossal.placement`): device and host bytes per device and per
+    8-device node, and whether the run fits ``offload.device_memory_limit`` when one is given."""
+    o = cfg.offload
+    limit = o.device_memory_limit
+    try:
+        pl, report = resolve(cfg, shapes, specs, shape, backend="gpu")
+    except ConfigError as e:
+        return [f"offload    does not fit: {e}"]
+    need = device_need(pl, cfg, shapes, specs, shape, "gpu")
+    lines = [report] if report else []
+    lines.append(f"offload    optim {pl.asked_optim_frac:g} (reached {pl.optim_frac:.3f}), params {pl.asked_param_frac:g} "
+                 f"(reached {pl.param_frac:.3f}), update on the {pl.optimizer_device}, activations {o.activations}")
+    lines.append(f"memory     per device: device {gib(need['total'])} (state {gib(need['state'])}"
+                 + (f" incl. {cfg.parallel.gradient_compression} state {gib(need['compression'])}"
+                    if need["compression"] else "") + ", fp32 grads "
+                 f"{gib(need['grads'])}, activations ≈{gib(need['activations'])}"
+                 + (f", optimizer stream {gib(need['stream'])}" if need["stream"] else "")
+                 + f"); pinned host {gib(need['host'])} per device, {gib(o.devices_per_host * need['host'])} per "
+                 f"{o.devices_per_host}-device host"
+                 + (f"; NVMe tier {gib(need['nvme'])} per device in {o.nvme_path}" if need["nvme"] else "")
+                 + (f"; fits offload.device_memory_limit={limit}" if limit else "")
+                 + (f" and offload.host_memory_limit={o.host_memory_limit}" if o.host_memory_limit else ""))
+    lines.append(f"           {describe(need['peak'])}")
+    return lines
