@@ -109,8 +109,27 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     Raises:
         ConfigError: naming the key(s) and the allowed values.
     """
-    m, t, p, pr = cfg.model, cfg.training, cfg.parallel, cfg.precision
+    p = cfg.parallel
     check_ranges(cfg)
+    _check_model(cfg)
+    _check_data(cfg)
+    _check_features(cfg)
+    _check_offload(cfg)
+    _check_compression(p)
+    _check_freeze(cfg)
+    _check_momentum_correction(cfg)
+    _check_sequence(cfg, p)
+    if p.tensor_parallel_size != -1:
+        _check_tp(cfg.model, p.tensor_parallel_size)
+    if p.pipeline_parallel_size != -1:
+        _check_pipeline(cfg, p.pipeline_parallel_size)
+    if num_devices is not None:
+        _check_devices(cfg, num_devices)
+
+
+def _check_model(cfg: Config) -> None:
+    """The model's shape, the batch's split into microbatches, and the precision flags."""
+    m, t, pr = cfg.model, cfg.training, cfg.precision
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
@@ -131,74 +150,81 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError("precision: bf16 and fp16 are both true; choose one (neither means fp32)")
     if pr.min_scale > pr.max_scale:
         raise ConfigError(f"precision.min_scale={pr.min_scale:g} is above precision.max_scale={pr.max_scale:g}")
-    if cfg.data.tokenizer == "auto":  # resolved here, once: everything after sees a concrete tokenizer
+    if t.resume is not False and not cfg.checkpoint.dir:
+        raise ConfigError(f"training.resume={yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
+                          "resume from)")
+
+
+def _check_data(cfg: Config) -> None:
+    """The tokenizer (``auto`` resolved here, once) and the data format against the corpus."""
+    d = cfg.data
+    if d.tokenizer == "auto":  # resolved here, once: everything after sees a concrete tokenizer
         init = cfg.model.init_from
-        cfg.data.tokenizer = init if init and os.path.isfile(os.path.join(init, "tokenizer.json")) else "byte"
-    tok = cfg.data.tokenizer
+        d.tokenizer = init if init and os.path.isfile(os.path.join(init, "tokenizer.json")) else "byte"
+    tok = d.tokenizer
     if tok != "byte" and not (os.path.isfile(tok) or any(os.path.isfile(os.path.join(tok, f))
                                                          for f in ("tokenizer.json", "tokenizer.model"))):
         raise ConfigError(f"data.tokenizer={tok!r}: expected 'byte' or a tokenizer folder holding tokenizer.json "
                           "(Hugging Face) or tokenizer.model (SentencePiece), or that file; "
                           + ("the folder has no tokenizer.json" if os.path.isdir(tok) else "no such file or folder"))
-    if cfg.data.format == "chat" and cfg.data.corpus == "stdlib":
+    if d.format == "chat" and d.corpus == "stdlib":
         raise ConfigError("data.format=chat needs data.corpus: JSON-lines files of conversations "
                           "({'messages': [...]} or {'prompt', 'response'} per line)")
-    if cfg.data.packing_mask and cfg.data.format == "chat":
+    if d.packing_mask and d.format == "chat":
         raise ConfigError("data.packing_mask=true applies to the pre-training formats, not data.format=chat "
                           "(a chat row holds one conversation)")
-    if cfg.data.format in ("parquet", "datasets", "jsonl") and cfg.data.corpus == "stdlib":
-        raise ConfigError(f"data.format={cfg.data.format} needs data.corpus: the files (or, for datasets, "
+    if d.format in ("parquet", "datasets", "jsonl") and d.corpus == "stdlib":
+        raise ConfigError(f"data.format={d.format} needs data.corpus: the files (or, for datasets, "
                           "the saved folder) to read")
-    if m.attention_impl == "flash" and p.pipeline_parallel_size not in (1,):
+
+
+def _check_features(cfg: Config) -> None:
+    """Attention kernels, packing and loss masks against pipeline parallelism."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    pipelined = p.pipeline_parallel_size not in (1,)
+    if m.attention_impl == "flash" and pipelined:
         raise ConfigError("model.attention_impl=flash is not supported with pipeline parallelism yet (the Pallas "
                           "kernel inside the pipeline's shard_map): use xla"
                           + ("" if p.sequence_parallelism_mode == "ring_attn" else " or cudnn")
                           + ", or pipeline_parallel_size=1")
-    if cfg.data.packing_mask and m.attention_impl == "cudnn":
+    if d.packing_mask and m.attention_impl == "cudnn":
         raise ConfigError("data.packing_mask=true needs model.attention_impl xla or flash (segment ids), not 'cudnn'")
-    if cfg.data.packing_mask and p.pipeline_parallel_size not in (1,):
+    if d.packing_mask and pipelined:
         raise ConfigError("data.packing_mask=true is not supported with pipeline parallelism yet: "
                           "set parallel.pipeline_parallel_size=1")
-    if cfg.data.format == "chat" and p.pipeline_parallel_size not in (1,):
+    if d.format == "chat" and pipelined:
         raise ConfigError("data.format=chat (a loss mask) is not supported with pipeline parallelism yet: "
                           "set parallel.pipeline_parallel_size=1")
-    if t.resume is not False and not cfg.checkpoint.dir:
-        raise ConfigError(f"training.resume={yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
-                          "resume from)")
-    _check_offload(cfg)
-    _check_compression(p)
-    _check_freeze(cfg)
-    _check_momentum_correction(cfg)
-    _check_sequence(cfg, p)
-    tp = p.tensor_parallel_size
-    if tp != -1:
-        _check_tp(m, tp)
-    if p.pipeline_parallel_size != -1:
-        _check_pipeline(cfg, p.pipeline_parallel_size)
-    if num_devices is not None:
-        rp = p.resolve(num_devices)
-        _check_tp(m, rp.tensor_parallel_size)
-        _check_sequence(cfg, rp)
-        dp = rp.data_parallel_size
-        if t.micro_batch_size:
-            t.batch_size = t.micro_batch_size * t.gradient_accumulation_steps * dp
-        micro = t.batch_size // t.gradient_accumulation_steps
-        if micro % dp:
+
+
+def _check_devices(cfg: Config, num_devices: int) -> None:
+    """The sizes resolved on ``num_devices``: tp and sp again, the batch over the data group (and
+    over the pipeline's microbatches), the hidden size over the ZeRO group. Sets
+    ``training.batch_size`` from ``micro_batch_size`` when that is given."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    rp = p.resolve(num_devices)
+    _check_tp(m, rp.tensor_parallel_size)
+    _check_sequence(cfg, rp)
+    dp = rp.data_parallel_size
+    if t.micro_batch_size:
+        t.batch_size = t.micro_batch_size * t.gradient_accumulation_steps * dp
+    micro = t.batch_size // t.gradient_accumulation_steps
+    if micro % dp:
+        raise ConfigError(
+            f"the microbatch of training.batch_size / gradient_accumulation_steps = {micro} sequences "
+            f"is not divisible by the data-parallel size {dp}")
+    if rp.pipeline_parallel_size > 1:
+        _check_pipeline(cfg, rp.pipeline_parallel_size)
+        mb = pipeline_microbatches(cfg, rp.pipeline_parallel_size)
+        if t.batch_size % (dp * mb):
             raise ConfigError(
-                f"the microbatch of training.batch_size / gradient_accumulation_steps = {micro} sequences "
-                f"is not divisible by the data-parallel size {dp}")
-        if rp.pipeline_parallel_size > 1:
-            _check_pipeline(cfg, rp.pipeline_parallel_size)
-            mb = pipeline_microbatches(cfg, rp.pipeline_parallel_size)
-            if t.batch_size % (dp * mb):
-                raise ConfigError(
-                    f"training.batch_size={t.batch_size} does not split into parallel.num_microbatches={mb} "
-                    f"pipeline microbatches per data-parallel shard (data_parallel_size={dp}): "
-                    f"it must be divisible by {dp} × {mb} = {dp * mb}")
-        if p.zero_stage > 0 and m.hidden_size % dp:
-            raise ConfigError(
-                f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
-                f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
+                f"training.batch_size={t.batch_size} does not split into parallel.num_microbatches={mb} "
+                f"pipeline microbatches per data-parallel shard (data_parallel_size={dp}): "
+                f"it must be divisible by {dp} × {mb} = {dp * mb}")
+    if p.zero_stage > 0 and m.hidden_size % dp:
+        raise ConfigError(
+            f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
+            f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
 
 
 def _check_sequence(cfg: Config, p: ParallelConfig) -> None:

@@ -23,6 +23,33 @@ forward gathers), and the sequence by ``sp``. A layer's residuals grow linearly 
 microbatch, so they are traced at one and two layers of one sequence and scaled; the rest
 (embedding, head, loss) is traced with no layers at the microbatch itself. The traces are
 cached, so that the planner traces each (tp, remat, dtype) once.
+
+The buffers each layout adds to :func:`step_peak`'s phases:
+
+* ZeRO-2/3 reduce each layer's gradient inside the scan (``reduces_layerwise``), so the
+  compute-dtype gradients in flight are the data shard's ``1/N``; at the end of a layer's
+  backward its whole weight gradient (fp32 under ZeRO-3's prefetch) is live beside the
+  reduction's output (``1/N`` of it after a reduce-scatter; XLA:CPU computes it in fp32 and
+  reduces it with an all-reduce, so twice the layer's fp32 gradient there), while most of
+  the working set is dead: the larger of the two is counted;
+* ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered
+  (on XLA:CPU in low precision the current one in fp32, with the CPU's copies below) and its
+  residual copy of the sharded weights (on XLA:CPU in low precision, the shards converted
+  to fp32);
+* GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
+  is autodiff of the tick scan), and in the backward copies the tick's layer residuals out
+  of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
+  interleaved) keep one chunk's (``layers / v``), its gradients in the compute dtype, and the
+  stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; GPipe's tick scan saves the head's
+  residuals with each tick's;
+* ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
+  once, outside the layer loop. So the stage's layer weights are also held in fp32: one layer
+  under ZeRO-3's prefetching scan; under ZeRO-3 without it, the converted shards and one
+  gathered layer. Each tick of the interleaved schedule slices its chunk out of the stage's
+  bf16 and fp32 stacks and converts both: two more chunk-sized fp32 copies. The layers' saved
+  16-bit residuals are held in fp32 at the backward's start, in place of the 16-bit ones
+  (counted as one more copy of them). In fp32, ZeRO-1/2's update slices the layers' data
+  shard at the step's start and holds it through the step. ``"gpu"`` holds no such copies.
 """
 
 from __future__ import annotations
@@ -30,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
@@ -167,12 +195,8 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     (read from XLA's buffer assignments: docs/planner.md):
 
     * the layers' backward, inside the layer scan's transpose: the state; the gradient buffers in
-      flight (the microbatch's gradients in the compute dtype, plus the fp32 accumulator with
-      gradient accumulation; in fp32 they are the one buffer, twice with accumulation); the
-      layers' saved residuals (:func:`residuals`: ``saved`` less ``head``); one layer's backward
-      working set (``layer``: its residuals without checkpointing, recomputed under
-      ``remat=full``, plus two buffers of its largest activation, the cotangents of the op whose
-      backward runs, such as attention's dP and dS beside P);
+      flight; the layers' saved residuals (:func:`residuals`: ``saved`` less ``head``); one layer's
+      backward working set (:func:`_layer_working_set`);
     * the LM head's backward, which runs before the layers' (without a pipeline, before the layer
       scan's transpose; with 1F1B or interleaved, before the chunk's pullback in the backward
       slot): every saved residual, the head's among them, and what lives through the whole
@@ -180,36 +204,10 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
       working set yet;
     * the update: the state, the fp32 gradients, and the compute-dtype gradients they were cast from.
 
-    Layouts add their own buffers:
-
-    * ZeRO-2/3 reduce each layer's gradient inside the scan (``reduces_layerwise``), so the
-      compute-dtype gradients in flight are the data shard's ``1/N``; at the end of a layer's
-      backward its whole weight gradient (fp32 under ZeRO-3's prefetch) is live beside the
-      reduction's output (``1/N`` of it after a reduce-scatter; XLA:CPU computes it in fp32 and
-      reduces it with an all-reduce, so twice the layer's fp32 gradient there), while most of
-      the working set is dead: the larger of the two is counted;
-    * ZeRO-3's prefetching scan (``remat=full``) holds the current and the next layer gathered
-      (on XLA:CPU in low precision the current one in fp32, with the CPU's copies below) and its
-      residual copy of the sharded weights (on XLA:CPU in low precision, the shards converted
-      to fp32);
-    * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
-      is autodiff of the tick scan), and in the backward copies the tick's layer residuals out
-      of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
-      interleaved) keep one chunk's (``layers / v``), its gradients in the compute dtype, and the
-      stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; GPipe's tick scan saves the head's
-      residuals with each tick's;
-    * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
-      once, outside the layer loop. So the stage's layer weights are also held in fp32: one layer
-      under ZeRO-3's prefetching scan; under ZeRO-3 without it, the converted shards and one
-      gathered layer. Each tick of the interleaved schedule slices its chunk out of the stage's
-      bf16 and fp32 stacks and converts both: two more chunk-sized fp32 copies. The layers' saved
-      16-bit residuals are held in fp32 at the backward's start, in place of the 16-bit ones
-      (counted as one more copy of them). In fp32, ZeRO-1/2's update slices the layers' data
-      shard at the step's start and holds it through the step. ``"gpu"`` holds no such copies.
-
-    What it leaves out: Megatron-SP's sequence split of the norms' activations (counted whole),
-    and the allocator's packing waste (on XLA:CPU under 4% in ``scripts/plan_vs_compiler.py``'s
-    sweep).
+    Layouts add their own buffers (:func:`_cpu_copies`, :func:`_prefetch_buffers`,
+    :func:`_schedule_buffers`; the module doc lists them). What it leaves out: Megatron-SP's
+    sequence split of the norms' activations (counted whole), and the allocator's packing waste
+    (on XLA:CPU under 4% in ``scripts/plan_vs_compiler.py``'s sweep).
 
     Args:
         cfg: the run's config (model, training batch/seq/accumulation, parallel, precision).
@@ -224,91 +222,143 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         live in the backward (not in a low-precision step without accumulation or pipeline, which
         makes it afterwards; then the phase's parts add up to activations + grads), and the
         parts: "residuals", "layer", "grads_compute", "accumulator", "zero3", "stash",
-        "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts
-        of the head's phase).
+        "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts of the head's phase).
     """
-    m, t, p = cfg.model, cfg.training, cfg.parallel
-    pp, n = mesh_shape["pp"], mesh_shape["dp"] * mesh_shape["fsdp"]
-    lowp = cfg.precision.mode != "fp32"
-    item = 2 if lowp else 4
-    micro = pipeline_microbatches(cfg, pp) if pp > 1 else t.gradient_accumulation_steps
-    b = max(1, t.batch_size // (micro * n))
-    stage = max(1, m.num_layers // pp)
-    v = max(1, p.num_model_chunks) if pp > 1 else 1  # chunks per device (GPipe's v > 1: the circular pipeline)
-    lockstep = pp > 1 and p.pipeline_schedule != "gpipe"
-    kept = micro * v + pp - 1 if pp > 1 and not lockstep else 1  # GPipe keeps every tick's residuals
-    shapes = _compute_shapes(cfg, mesh_shape)
-    layer_el = _elements(shapes["layers"]) / m.num_layers  # one layer, tp-local
-    r = residuals(cfg, mesh_shape, b, max(1, stage // v), shapes=shapes)  # a tick runs one chunk of the stage
-    cpu_lowp = backend == "cpu" and lowp
-    layerwise, prefetch = reduces_layerwise(cfg), prefetches_weights(cfg)
-    # the LM head's backward runs before the layers' (without a pipeline, before the layer scan's
-    # transpose; in a lock-step backward slot, before the chunk's pullback): its residuals are
-    # dead by the time the layers' backward runs, so the two are separate phases. GPipe's tick
-    # scan saves the head's residuals with each tick's, for its transpose
-    split_head = pp == 1 or lockstep
-    parts = {"residuals": r["saved"] - (r["head"] if split_head else 0), "layer": r["layer"], "grads_compute": 0.0,
-             "accumulator": 0.0, "zero3": 0.0, "stash": 0.0, "cpu_fp32": 0.0, "tick": 0.0}
-    chunk_el = layer_el * stage / v
-    gc = chunk_el * item / (n if layerwise else 1)  # the microbatch's (chunk's) gradients
-    # a layer's backward holds, beside its residuals, the cotangents of the op whose backward runs:
-    # two buffers of the layer's largest activation at most (attention's dP and dS beside P)
-    parts["layer"] += 2 * r["largest"]
-    if layerwise:
-        # the end of a layer's backward: its whole weight gradient beside the reduction's result,
-        # when most of the working set is dead (the dumps show the MLP's activations gone), so
-        # the larger of the two counts. XLA:CPU computes the gradient in fp32 and reduces it with
-        # an all-reduce (no reduce-scatter): twice the layer's fp32 gradient there. A
-        # reduce-scatter's output is 1/N; ZeRO-3's prefetching scan takes it in fp32
-        grad_item = 4 if prefetch else item
-        transient = 2 * 4 * layer_el if backend == "cpu" else grad_item * layer_el * (1 + 1 / n)
-        parts["layer"] = max(parts["layer"], transient)
-    if cpu_lowp:
-        if prefetch:
-            parts["cpu_fp32"] = 4 * layer_el
-        elif p.zero_stage == 3 and n > 1:  # the shards are converted, then gathered one layer at a time
-            parts["cpu_fp32"] = 4 * layer_el * stage / n + 4 * layer_el
-        else:
-            parts["cpu_fp32"] = 4 * layer_el * stage
-        if lockstep and v > 1:  # each interleaved tick slices its chunk out of both stacks and converts it
-            parts["cpu_fp32"] += 2 * 4 * layer_el * stage / v
-        parts["cpu_fp32"] += r["saved_16bit_layers"] * kept
-    elif backend == "cpu" and p.zero_stage in (1, 2) and n > 1:
-        # fp32 ZeRO-1/2: XLA:CPU slices the layers' data shard for the update at the step's start
-        # and holds it through the step (buffer dumps)
-        parts["cpu_fp32"] = 4 * layer_el * stage / n
-    if prefetch:
-        # on XLA:CPU in low precision the layer being computed is held in fp32 (``cpu_fp32``), not in bf16
-        # and its copy of the stage's shards is the fp32 conversion there (the dumps: no bf16 copy)
-        gathered = 1 if cpu_lowp else 2
-        shard_item = 4 if cpu_lowp else item
-        parts["zero3"] = layer_el * stage * shard_item / n + gathered * layer_el * item
-    if pp > 1 and not lockstep:
-        # GPipe's backward copies the tick's layer residuals out of the stacks and carries the chunk's
-        # gradients (fp32 on XLA:CPU, which computes the matmuls in fp32) beside the stage's
-        parts["tick"] = r["saved"] - r["head"] + (r["saved_16bit_layers"] if cpu_lowp else 0.0) \
-            + chunk_el * (4 if backend == "cpu" else item)
-    parts["residuals"] *= kept
-    if lockstep:
-        parts["grads_compute"] = gc
-        sp = mesh_shape.get("sp", 1)
-        parts["stash"] = (2 * v * pp - 1) * b * (t.seq_len // sp) * m.hidden_size * item
-    elif pp == 1 and lowp:
-        parts["grads_compute"] = gc
-    elif pp == 1 and micro > 1:  # fp32: the microbatch's gradients beside the accumulator
-        parts["accumulator"] = grads
+    s = _peak_shape(cfg, mesh_shape, backend)
+    r = residuals(cfg, mesh_shape, s.b, max(1, s.stage // s.v), shapes=s.shapes)  # a tick runs one chunk
+    parts = {"residuals": (r["saved"] - (r["head"] if s.split_head else 0)) * s.kept,
+             "layer": _layer_working_set(s, r), "cpu_fp32": _cpu_copies(cfg, s, r), "zero3": _prefetch_buffers(s),
+             **_schedule_buffers(cfg, s, r, grads, mesh_shape)}
     # the fp32 buffer is live in the backward pass except in a low-precision step without
     # accumulation or pipeline, where it is made from the compute-dtype gradients afterwards
-    fp32_live = 0.0 if lowp and pp == 1 and micro == 1 else grads
+    fp32_live = 0.0 if s.lowp and s.pp == 1 and s.micro == 1 else grads
     backward = sum(parts.values()) + fp32_live
-    # the LM head's backward (no pipeline): every saved residual, the head's among them, and what
-    # lives through the whole backward pass; not yet a layer's working set or the layers' gradients
-    head = (parts["residuals"] + r["head"] + parts["cpu_fp32"] + parts["zero3"] + parts["accumulator"]
-            + parts["stash"] + fp32_live) if split_head else 0.0
-    update = grads + (gc if lowp else 0.0)
+    # the LM head's backward: every saved residual, the head's among them, and what lives through
+    # the whole backward pass; not yet a layer's working set or the layers' gradients
+    head = (sum(parts[k] for k in HEAD_PARTS if k in parts) + r["head"] + fp32_live) if s.split_head else 0.0
+    update = grads + (s.grads_compute if s.lowp else 0.0)
     phase = max((backward, "backward"), (head, "head"), (update, "update"))[1]
     return {"activations": int(max(backward, head, update) - grads), "phase": phase, "head": int(r["head"]),
             "fp32_grads_live": bool(fp32_live), **{k: int(x) for k, x in parts.items()}}
+
+
+@dataclass(frozen=True)
+class _PeakShape:
+    """The per-device quantities :func:`step_peak`'s parts are written in."""
+
+    backend: str
+    shapes: Any       # per-device compute shapes (:func:`_compute_shapes`)
+    pp: int
+    n: int            # the data group
+    lowp: bool        # a 16-bit compute dtype
+    item: int         # bytes of a compute-dtype element
+    micro: int        # microbatches (pipeline microbatches, or accumulation steps)
+    b: int            # sequences per microbatch per data shard
+    stage: int        # layers per stage
+    v: int            # chunks per device
+    lockstep: bool    # 1F1B or interleaved
+    kept: int         # ticks whose residuals are kept (GPipe: every tick's)
+    layer_el: float   # one layer's parameters, tp-local
+    layerwise: bool   # ZeRO-2/3 reduce each layer's gradient inside the scan
+    prefetch: bool    # ZeRO-3's prefetching scan
+    split_head: bool  # the LM head's backward is a phase of its own
+
+    @property
+    def cpu_lowp(self) -> bool:
+        return self.backend == "cpu" and self.lowp
+
+    @property
+    def chunk_el(self) -> float:
+        return self.layer_el * self.stage / self.v
+
+    @property
+    def grads_compute(self) -> float:
+        """The microbatch's (chunk's) gradients in the compute dtype (the data shard's 1/N when layerwise)."""
+        return self.chunk_el * self.item / (self.n if self.layerwise else 1)
+
+
+def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _PeakShape:
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    pp, n = mesh_shape["pp"], mesh_shape["dp"] * mesh_shape["fsdp"]
+    lowp = cfg.precision.mode != "fp32"
+    micro = pipeline_microbatches(cfg, pp) if pp > 1 else t.gradient_accumulation_steps
+    v = max(1, p.num_model_chunks) if pp > 1 else 1  # chunks per device (GPipe's v > 1: the circular pipeline)
+    lockstep = pp > 1 and p.pipeline_schedule != "gpipe"
+    shapes = _compute_shapes(cfg, mesh_shape)
+    # GPipe's tick scan saves the head's residuals with each tick's, for its transpose; elsewhere
+    # the head's backward runs before the layers', so its residuals are dead by then
+    return _PeakShape(backend=backend, shapes=shapes, pp=pp, n=n, lowp=lowp, item=2 if lowp else 4, micro=micro,
+                      b=max(1, t.batch_size // (micro * n)), stage=max(1, m.num_layers // pp), v=v,
+                      lockstep=lockstep, kept=micro * v + pp - 1 if pp > 1 and not lockstep else 1,
+                      layer_el=_elements(shapes["layers"]) / m.num_layers, layerwise=reduces_layerwise(cfg),
+                      prefetch=prefetches_weights(cfg), split_head=pp == 1 or lockstep)
+
+
+def _layer_working_set(s: _PeakShape, r: dict) -> float:
+    """One layer's backward working set: its residuals without checkpointing (recomputed under
+    ``remat=full``) and two buffers of its largest activation, the cotangents of the op whose
+    backward runs (attention's dP and dS beside P). Under ZeRO-2/3's layer-wise reduction, the end
+    of a layer's backward holds its whole weight gradient beside the reduction's result while most
+    of the working set is dead, so the larger of the two counts (XLA:CPU: twice the fp32 gradient,
+    an all-reduce; a reduce-scatter's output is 1/N; ZeRO-3's prefetching scan takes it in fp32)."""
+    working = r["layer"] + 2 * r["largest"]
+    if not s.layerwise:
+        return working
+    grad_item = 4 if s.prefetch else s.item
+    transient = 2 * 4 * s.layer_el if s.backend == "cpu" else grad_item * s.layer_el * (1 + 1 / s.n)
+    return max(working, transient)
+
+
+def _cpu_copies(cfg: Config, s: _PeakShape, r: dict) -> float:
+    """XLA:CPU's fp32 copies: in low precision the stage's layer weights converted (one layer under
+    the prefetching scan; under ZeRO-3 the shards and one gathered layer), the interleaved ticks'
+    chunk slices of both stacks, and the saved 16-bit residuals in fp32; in fp32, ZeRO-1/2's data
+    shard of the layers sliced at the step's start. 0 on the GPU."""
+    p = cfg.parallel
+    if s.cpu_lowp:
+        if s.prefetch:
+            copies = 4 * s.layer_el
+        elif p.zero_stage == 3 and s.n > 1:  # the shards are converted, then gathered one layer at a time
+            copies = 4 * s.layer_el * s.stage / s.n + 4 * s.layer_el
+        else:
+            copies = 4 * s.layer_el * s.stage
+        if s.lockstep and s.v > 1:  # each interleaved tick slices its chunk out of both stacks and converts it
+            copies += 2 * 4 * s.layer_el * s.stage / s.v
+        return copies + r["saved_16bit_layers"] * s.kept
+    if s.backend == "cpu" and p.zero_stage in (1, 2) and s.n > 1:
+        return 4 * s.layer_el * s.stage / s.n  # held through the step (buffer dumps)
+    return 0.0
+
+
+def _prefetch_buffers(s: _PeakShape) -> float:
+    """ZeRO-3's prefetching scan: the current and the next layer gathered (on XLA:CPU in low
+    precision only the next, the current one being in ``cpu_fp32``) and its copy of the stage's
+    shards (the fp32 conversion there)."""
+    if not s.prefetch:
+        return 0.0
+    gathered = 1 if s.cpu_lowp else 2
+    shard_item = 4 if s.cpu_lowp else s.item
+    return s.layer_el * s.stage * shard_item / s.n + gathered * s.layer_el * s.item
+
+
+def _schedule_buffers(cfg: Config, s: _PeakShape, r: dict, grads: float, mesh_shape: Mapping[str, int]) -> dict:
+    """The buffers the schedule adds: GPipe's backward copy of the tick's layer residuals and the
+    chunk's gradients (``tick``); the lock-step schedules' chunk gradients in the compute dtype and
+    their stash of ``2·v·p − 1`` stage inputs; without a pipeline, the compute-dtype gradients in
+    low precision, or in fp32 with accumulation the microbatch's gradients beside the accumulator."""
+    out = {"tick": 0.0, "grads_compute": 0.0, "stash": 0.0, "accumulator": 0.0}
+    if s.pp > 1 and not s.lockstep:
+        out["tick"] = r["saved"] - r["head"] + (r["saved_16bit_layers"] if s.cpu_lowp else 0.0) \
+            + s.chunk_el * (4 if s.backend == "cpu" else s.item)
+    if s.lockstep:
+        out["grads_compute"] = s.grads_compute
+        t = cfg.training
+        out["stash"] = (2 * s.v * s.pp - 1) * s.b * (t.seq_len // mesh_shape.get("sp", 1)) * cfg.model.hidden_size * s.item
+    elif s.pp == 1 and s.lowp:
+        out["grads_compute"] = s.grads_compute
+    elif s.pp == 1 and s.micro > 1:
+        out["accumulator"] = grads
+    return out
 
 
 PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals", "layer": "one layer's backward",

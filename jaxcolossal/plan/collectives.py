@@ -5,6 +5,8 @@ the bytes each device sends (ring counts, as :attr:`jaxcolossal.hlo.Collective.s
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import jax
 
 from jaxcolossal.config import BYTES_PER_PARAM, WIRE_BYTES, Config, prefetches_weights, weight_gather_dtype
@@ -102,118 +104,186 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    cpu = backend == "cpu"
+    st = _step(cfg, num_devices, backend == "cpu")
+    if st.n > 1:
+        _gradient_terms(st)
+        _embedding_terms(st)
+        _gather_terms(st)
+    if st.tp > 1:
+        _tp_terms(st)
+    if st.pp > 1:
+        _pp_terms(st)
+    if st.sp > 1:
+        _sp_terms(st)
+    return st.terms
+
+
+@dataclass
+class _Step:
+    """The quantities of one step that the collective terms are written in (per device)."""
+
+    cfg: Config
+    cpu: bool
+    n: int            # the data group
+    tp: int
+    pp: int
+    sp: int
+    k: int            # microbatches
+    ticks: int        # pipeline ticks (0 without a pipeline)
+    layers: int       # layers per stage
+    a_bytes: int      # an activation element (fp32 on the CPU's promoted collectives)
+    p_bytes: int      # a compute parameter
+    psi: float        # parameters per tp (and pp) shard
+    embed: float      # the embedding table's share of it
+    per_layer: float
+    shared: float     # embedding, head, final norm
+    rows: int         # b: per data shard and microbatch
+    tokens: int       # b·s/sp
+    act: float        # one [b, s, d] activation, bytes
+    terms: list = field(default_factory=list)
+
+    def add(self, kind: str, axis: str, nbytes: float, what: str) -> None:
+        """One term, kept where its axis has more than one device and it moves bytes."""
+        if {"dp": self.n, "tp": self.tp, "sp": self.sp, "pp": self.pp}[axis] > 1 and nbytes:
+            self.terms.append((kind, axis, nbytes, what))
+
+
+def _step(cfg: Config, num_devices: int, cpu: bool) -> _Step:
     p, m, t = cfg.parallel, cfg.model, cfg.training
     rp = p.resolve(num_devices)
-    n, tp, pp, sp = (rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size,
-                     rp.sequence_parallel_size)
+    n, tp, pp, sp = rp.data_parallel_size, rp.tensor_parallel_size, rp.pipeline_parallel_size, rp.sequence_parallel_size
     shape, _, shapes, specs = layout(cfg, num_devices)
     k, ticks = t.gradient_accumulation_steps, 0
     if pp > 1:
         sched = pipeline_schedule_for(cfg, pp)
         k, ticks = sched.m, sched.num_ticks
-    zero, layers = p.zero_stage, m.num_layers // pp
+    layers = m.num_layers // pp
     wide = lambda nbytes: 4 if cpu and nbytes == 2 else nbytes  # noqa: E731  (the CPU's fp32 promotion)
     a_bytes = wide(2 if cfg.precision.mode != "fp32" else 4)
-    p_bytes = wide(BYTES_PER_PARAM[cfg.precision.mode]["p"])
     flat = jax.tree_util.tree_flatten_with_path(local_elements(shapes, specs.base, shape))[0]
     name = lambda path: str(getattr(path[-1], "key", path[-1]))  # noqa: E731
     in_layers = lambda path: any(getattr(q, "key", None) == "layers" for q in path)  # noqa: E731
     psi = sum(e for _, e in flat)
-    embed = sum(e for path, e in flat if name(path) in ("embed_tokens", "wte", "wpe"))
     per_layer = sum(e for path, e in flat if in_layers(path)) / max(layers, 1)
-    shared = psi - per_layer * layers                               # embedding, head, final norm
-    rows = t.batch_size // (n * k)                                 # b: per data shard and microbatch
+    rows = t.batch_size // (n * k)
     tokens = rows * t.seq_len // sp
-    act = tokens * m.hidden_size * a_bytes                          # one [b, s, d] activation
-    ring = ring_factor
-    terms: list[tuple[str, str, float, str]] = []
-    size = {"dp": n, "tp": tp, "sp": sp, "pp": pp}
-    add = lambda kind, axis, b, what: terms.append((kind, axis, b, what)) if size[axis] > 1 and b else None  # noqa: E731
-    # ---- the data group
-    if n > 1:
-        if p.gradient_compression != "none" or p.communication_dtype != "fp32":
-            kind = {"topk": "all-gather", "powersgd": "all-reduce"}.get(p.gradient_compression, "all-to-all")
-            add(kind, "dp", dp_gradient_bytes(cfg, n, tp, pp, k), "gradient reduction")
-        elif zero <= 1 or pp > 1:  # once per step (a pipeline reduces every ZeRO stage once per step)
-            # the pipeline's ZeRO 1-3 is a psum_scatter of its own; with tp, an all-reduce and a slice
-            summed = pp > 1 and (zero == 0 or tp > 1)
-            rs = zero >= 1 and (not cpu or pp > 1) and not summed
-            own = psi - (shared if summed else 0)  # the stages' shared leaves: summed over pp, below
-            add("reduce-scatter" if rs else "all-reduce", "dp", (1 if rs else 2) * ring(n) * 4 * own,
-                "gradient reduction")
-        else:
-            rest = psi - (embed if tp == 1 else 0)  # a vocab-parallel embedding's gradient is reduced too
-            add("all-reduce" if cpu else "reduce-scatter", "dp", k * (2 if cpu else 1) * ring(n) * 4 * rest,
-                "gradient reduction, per microbatch")
-        lowp = p.communication_dtype != "fp32"  # the embedding's gradient is then in the gradient reduction
-        if zero >= 2 and embed and tp == 1 and pp == 1 and (zero == 3 or not lowp):
-            # the embedding's gradient (and ZeRO-3's lookup): the microbatch's tokens and its [b, s, d] rows
-            times = k * ((2 if zero == 3 else 1) - (1 if lowp else 0))
-            add("all-gather", "dp", times * ring(n) * 4 * n * rows * t.seq_len, "embedding: the tokens")
-            add("all-to-all", "dp", times * ring(n) * act, "embedding: the [b, s, d] rows")
-        if zero in (1, 2) or (zero == 3 and pp > 1):  # (a pipeline's ZeRO-3: the stage's weights, once per step)
-            add("all-gather", "dp", ring(n) * p_bytes * psi, "parameters after the update")
-        if zero == 3 and pp == 1:
-            lowp = weight_gather_dtype(cfg, n)
-            w_bytes = WIRE_BYTES[lowp] if lowp else p_bytes
-            gathers = 2 * (k * layers + 1) if prefetches_weights(cfg) else 2 * k * layers
-            add("all-gather", "dp", gathers * ring(n) * w_bytes * per_layer, "ZeRO-3 layer weights")
-            # the head and final norm: once per step (the gather is loop-invariant), but with a compute
-            # dtype narrower than the params' and a remat policy, once more per microbatch (as compiled)
-            heads = 1 + (k if cfg.precision.mode != "fp32" and m.remat != "none" else 0)
-            add("all-gather", "dp", heads * ring(n) * p_bytes * (shared - embed),
-                "ZeRO-3 head and norm")
-    # ---- tensor parallelism
-    if tp > 1:
-        table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
-        column = sum(1 for sh, ax in table.values() if len(ax) >= 3 and ax[1] == "embed")
-        full = m.remat == "full"
-        per = 2 + (column if cpu else 2) + (1 if full else 0)  # all-reduces per layer: forward, backward, redone
-        count = k * (per * layers + 2)
-        if pp > 1:
-            # a pipeline tick runs its chunk's forward and backward under a cond (GPipe: the forward ticks,
-            # then the backward ticks, from stashed activations; 1F1B and interleaved: both in every tick, the
-            # forward again in the backward), on idle ticks too as far as the program says
-            v = p.num_model_chunks if p.pipeline_schedule == "interleaved" else 1
-            per += 0 if p.pipeline_schedule == "gpipe" else 2
-            add("all-reduce", "tp", ticks * (per * layers / v + 2) * 2 * ring(tp) * act, "Megatron TP activations")
-        elif p.sequence_parallelism_mode == "split_gather":
-            if p.overlap and t.seq_len >= p.collective_matmul_min_seq:  # 4 rings forward, 4 backward, 3 redone
-                add("collective-permute", "tp", k * layers * (8 + (3 if full else 0)) * ring(tp) * act,
-                    "TP collective matmul")
-                add("all-gather", "tp", k * 3 * ring(tp) * act, "Megatron-SP: embedding and head")
-                add("all-reduce", "tp", k * 2 * 2 * ring(tp) * act, "Megatron-SP: embedding and head")
-            else:  # each all-reduce a reduce-scatter; the gathers also again for the weights' gradients
-                gathers = k * ((per + 1 + (1 if full else 0)) * layers + 3)
-                add("all-gather", "tp", gathers * ring(tp) * act, "Megatron-SP")
-                add("all-reduce" if cpu else "reduce-scatter", "tp", count * (2 if cpu else 1) * ring(tp) * act,
-                    "Megatron-SP")
-        else:
-            add("all-reduce", "tp", count * 2 * ring(tp) * act, "Megatron TP activations")
-        add("all-reduce", "tp", (ticks if pp > 1 else k) * 3 * 2 * ring(tp) * tokens * 4,
-            "vocab-parallel cross-entropy")
-    # ---- pipeline and ring attention
-    if pp > 1:
-        add("collective-permute", "pp", 2 * ticks * act, "pipeline: an activation and a gradient per tick")
-        if p.pipeline_schedule == "interleaved":  # the stage's layers re-laid out into chunks, and back
-            stage = 4 * per_layer * layers
-            add("all-to-all", "pp", ring(pp) * stage * (p_bytes / 4 / (n if zero == 3 else 1) + (1 / n if zero >= 1 else 1)),
-                "interleaved: the layers into chunks and their gradients back")
-        # the embedding, head and final norm, held by every stage: their gradients summed over pp (over
-        # the data group too in the same all-reduce under ZeRO-0, and ZeRO-1 with tp)
-        group = pp * (n if zero == 0 or tp > 1 else 1)
-        add("all-reduce", "pp", 2 * ring(group) * 4 * shared, "pipeline: shared leaves' gradients")
-    if sp > 1:
-        heads = lambda h: tokens * h * m.head_dim * a_bytes / max(tp, 1)  # noqa: E731  (one [b, s/sp, h, hd])
-        if p.sequence_parallelism_mode == "all_to_all":  # Ulysses: q, k, v to heads and the output back, per
-            add("all-to-all", "sp", 2 * layers * k * ring(sp) * (2 * heads(m.num_attention_heads)  # layer, fwd + bwd
-                                                               + 2 * heads(m.num_key_value_heads)), "Ulysses")
-        else:
-            add("collective-permute", "sp", 2 * layers * k * (sp - 1) * 2 * heads(m.num_key_value_heads),
-                "ring attention k/v, forward and backward")
-        add("all-reduce", "sp", 2 * ring(sp) * 4 * psi, "gradients over sp")
-    return terms
+    return _Step(cfg=cfg, cpu=cpu, n=n, tp=tp, pp=pp, sp=sp, k=k, ticks=ticks, layers=layers, a_bytes=a_bytes,
+                 p_bytes=wide(BYTES_PER_PARAM[cfg.precision.mode]["p"]), psi=psi,
+                 embed=sum(e for path, e in flat if name(path) in ("embed_tokens", "wte", "wpe")),
+                 per_layer=per_layer, shared=psi - per_layer * layers, rows=rows, tokens=tokens,
+                 act=tokens * m.hidden_size * a_bytes)
+
+
+def _gradient_terms(st: _Step) -> None:
+    """The data group's gradient reduction: once per step (ZeRO 0/1, any pipeline) or per microbatch
+    (ZeRO 2/3), or with ``communication_dtype`` / compression :func:`dp_gradient_bytes`."""
+    p, ring, n = st.cfg.parallel, ring_factor, st.n
+    zero = p.zero_stage
+    if p.gradient_compression != "none" or p.communication_dtype != "fp32":
+        kind = {"topk": "all-gather", "powersgd": "all-reduce"}.get(p.gradient_compression, "all-to-all")
+        st.add(kind, "dp", dp_gradient_bytes(st.cfg, n, st.tp, st.pp, st.k), "gradient reduction")
+    elif zero <= 1 or st.pp > 1:  # once per step (a pipeline reduces every ZeRO stage once per step)
+        # the pipeline's ZeRO 1-3 is a psum_scatter of its own; with tp, an all-reduce and a slice
+        summed = st.pp > 1 and (zero == 0 or st.tp > 1)
+        rs = zero >= 1 and (not st.cpu or st.pp > 1) and not summed
+        own = st.psi - (st.shared if summed else 0)  # the stages' shared leaves: summed over pp, below
+        st.add("reduce-scatter" if rs else "all-reduce", "dp", (1 if rs else 2) * ring(n) * 4 * own,
+               "gradient reduction")
+    else:
+        rest = st.psi - (st.embed if st.tp == 1 else 0)  # a vocab-parallel embedding's gradient is reduced too
+        st.add("all-reduce" if st.cpu else "reduce-scatter", "dp", st.k * (2 if st.cpu else 1) * ring(n) * 4 * rest,
+               "gradient reduction, per microbatch")
+
+
+def _embedding_terms(st: _Step) -> None:
+    """ZeRO-2/3's embedding gradient (and ZeRO-3's lookup): the microbatch's tokens and its rows."""
+    p, ring, n = st.cfg.parallel, ring_factor, st.n
+    zero = p.zero_stage
+    lowp = p.communication_dtype != "fp32"  # the embedding's gradient is then in the gradient reduction
+    if zero >= 2 and st.embed and st.tp == 1 and st.pp == 1 and (zero == 3 or not lowp):
+        times = st.k * ((2 if zero == 3 else 1) - (1 if lowp else 0))
+        st.add("all-gather", "dp", times * ring(n) * 4 * n * st.rows * st.cfg.training.seq_len, "embedding: the tokens")
+        st.add("all-to-all", "dp", times * ring(n) * st.act, "embedding: the [b, s, d] rows")
+
+
+def _gather_terms(st: _Step) -> None:
+    """The parameter all-gathers: ZeRO-1/2 after the update, ZeRO-3 per layer and microbatch."""
+    cfg, ring, n = st.cfg, ring_factor, st.n
+    zero = cfg.parallel.zero_stage
+    if zero in (1, 2) or (zero == 3 and st.pp > 1):  # (a pipeline's ZeRO-3: the stage's weights, once per step)
+        st.add("all-gather", "dp", ring(n) * st.p_bytes * st.psi, "parameters after the update")
+    if zero == 3 and st.pp == 1:
+        lowp = weight_gather_dtype(cfg, n)
+        w_bytes = WIRE_BYTES[lowp] if lowp else st.p_bytes
+        gathers = 2 * (st.k * st.layers + 1) if prefetches_weights(cfg) else 2 * st.k * st.layers
+        st.add("all-gather", "dp", gathers * ring(n) * w_bytes * st.per_layer, "ZeRO-3 layer weights")
+        # the head and final norm: once per step (the gather is loop-invariant), but with a compute
+        # dtype narrower than the params' and a remat policy, once more per microbatch (as compiled)
+        heads = 1 + (st.k if cfg.precision.mode != "fp32" and cfg.model.remat != "none" else 0)
+        st.add("all-gather", "dp", heads * ring(n) * st.p_bytes * (st.shared - st.embed), "ZeRO-3 head and norm")
+
+
+def _tp_terms(st: _Step) -> None:
+    """Megatron TP's activation all-reduces (Megatron-SP's gathers and reduce-scatters, or the TP
+    collective matmul's rings) and the vocab-parallel cross-entropy's."""
+    p, m, t, ring, tp, k = st.cfg.parallel, st.cfg.model, st.cfg.training, ring_factor, st.tp, st.k
+    table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
+    column = sum(1 for sh, ax in table.values() if len(ax) >= 3 and ax[1] == "embed")
+    full = m.remat == "full"
+    per = 2 + (column if st.cpu else 2) + (1 if full else 0)  # all-reduces per layer: forward, backward, redone
+    count = k * (per * st.layers + 2)
+    if st.pp > 1:
+        # a pipeline tick runs its chunk's forward and backward under a cond (GPipe: the forward ticks,
+        # then the backward ticks, from stashed activations; 1F1B and interleaved: both in every tick, the
+        # forward again in the backward), on idle ticks too as far as the program says
+        v = p.num_model_chunks if p.pipeline_schedule == "interleaved" else 1
+        per += 0 if p.pipeline_schedule == "gpipe" else 2
+        st.add("all-reduce", "tp", st.ticks * (per * st.layers / v + 2) * 2 * ring(tp) * st.act,
+               "Megatron TP activations")
+    elif p.sequence_parallelism_mode == "split_gather":
+        if p.overlap and t.seq_len >= p.collective_matmul_min_seq:  # 4 rings forward, 4 backward, 3 redone
+            st.add("collective-permute", "tp", k * st.layers * (8 + (3 if full else 0)) * ring(tp) * st.act,
+                   "TP collective matmul")
+            st.add("all-gather", "tp", k * 3 * ring(tp) * st.act, "Megatron-SP: embedding and head")
+            st.add("all-reduce", "tp", k * 2 * 2 * ring(tp) * st.act, "Megatron-SP: embedding and head")
+        else:  # each all-reduce a reduce-scatter; the gathers also again for the weights' gradients
+            gathers = k * ((per + 1 + (1 if full else 0)) * st.layers + 3)
+            st.add("all-gather", "tp", gathers * ring(tp) * st.act, "Megatron-SP")
+            st.add("all-reduce" if st.cpu else "reduce-scatter", "tp", count * (2 if st.cpu else 1) * ring(tp) * st.act,
+                   "Megatron-SP")
+    else:
+        st.add("all-reduce", "tp", count * 2 * ring(tp) * st.act, "Megatron TP activations")
+    st.add("all-reduce", "tp", (st.ticks if st.pp > 1 else k) * 3 * 2 * ring(tp) * st.tokens * 4,
+           "vocab-parallel cross-entropy")
+
+
+def _pp_terms(st: _Step) -> None:
+    """The pipeline's sends, the interleaved schedule's re-layout, the shared leaves' gradients."""
+    p, ring, n, pp = st.cfg.parallel, ring_factor, st.n, st.pp
+    zero = p.zero_stage
+    st.add("collective-permute", "pp", 2 * st.ticks * st.act, "pipeline: an activation and a gradient per tick")
+    if p.pipeline_schedule == "interleaved":  # the stage's layers re-laid out into chunks, and back
+        stage = 4 * st.per_layer * st.layers
+        st.add("all-to-all", "pp",
+               ring(pp) * stage * (st.p_bytes / 4 / (n if zero == 3 else 1) + (1 / n if zero >= 1 else 1)),
+               "interleaved: the layers into chunks and their gradients back")
+    # the embedding, head and final norm, held by every stage: their gradients summed over pp (over
+    # the data group too in the same all-reduce under ZeRO-0, and ZeRO-1 with tp)
+    group = pp * (n if zero == 0 or st.tp > 1 else 1)
+    st.add("all-reduce", "pp", 2 * ring(group) * 4 * st.shared, "pipeline: shared leaves' gradients")
+
+
+def _sp_terms(st: _Step) -> None:
+    """Ulysses' all-to-alls or ring attention's k/v hops, and the gradients' all-reduce over sp."""
+    p, m, ring, sp, k = st.cfg.parallel, st.cfg.model, ring_factor, st.sp, st.k
+    heads = lambda h: st.tokens * h * m.head_dim * st.a_bytes / max(st.tp, 1)  # noqa: E731  (one [b, s/sp, h, hd])
+    if p.sequence_parallelism_mode == "all_to_all":  # Ulysses: q, k, v to heads and the output back, per
+        st.add("all-to-all", "sp", 2 * st.layers * k * ring(sp) * (2 * heads(m.num_attention_heads)  # layer, fwd + bwd
+                                                                   + 2 * heads(m.num_key_value_heads)), "Ulysses")
+    else:
+        st.add("collective-permute", "sp", 2 * st.layers * k * (sp - 1) * 2 * heads(m.num_key_value_heads),
+               "ring attention k/v, forward and backward")
+    st.add("all-reduce", "sp", 2 * ring(sp) * 4 * st.psi, "gradients over sp")
 
 
 def collective_bytes(cfg: Config, num_devices: int, backend: str = "gpu") -> dict[str, float]:

@@ -51,7 +51,6 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
     n = param_count(cfg.model)
     t = cfg.training
     fpt = flops_per_token(cfg.model, t.seq_len, cfg.model.remat != "none")
-    gib = lambda x: f"{x / 2**30:,.2f} GiB" if x >= 2**30 else f"{x / 2**20:,.2f} MiB"
     lines = [
         f"model      {cfg.model.type}, {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
         f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "

@@ -1,0 +1,48 @@
+"""The house stays one-way: import-linter's contracts in pyproject.toml (layers, no model importing
+training code, no circle in any package), imports at the top of their files except heavy optional
+ones (each marked), and functions short enough to read."""
+
+import ast
+import os
+import pathlib
+
+from importlinter.cli import lint_imports
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "jaxcolossal"
+MAX_FUNCTION_LINES = 80
+
+
+def _trees():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(ROOT), ast.parse(path.read_text())
+
+
+def test_the_import_contracts_hold():
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+    finally:
+        os.chdir(cwd)
+
+
+def test_imports_sit_at_the_top_except_marked_heavy_optional_ones():
+    lines = {}
+    late = []
+    for path, tree in _trees():
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                text = lines.setdefault(path, (ROOT / path).read_text().splitlines())[node.lineno - 1]
+                if not any(w in text for w in ("# heavy", "# optional")):
+                    late.append(f"{path}:{node.lineno}: {text.strip()}")
+    assert not late, "function-local imports without a '# heavy' or '# optional' mark:\n" + "\n".join(late)
+
+
+def test_every_function_is_short_enough_to_read():
+    long = [(node.end_lineno - node.lineno + 1, f"{path}:{node.lineno} {node.name}")
+            for path, tree in _trees() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {sorted(long, reverse=True)}"
