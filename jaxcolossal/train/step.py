@@ -117,127 +117,143 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     """
     if plan.mesh_shape["pp"] > 1:
         return make_pipeline_grad_fn(plan)
-    cfg, mesh, family = plan.cfg, plan.mesh, plan.family
-    k = cfg.training.gradient_accumulation_steps
-    n = plan.data_size
-    zero = cfg.parallel.zero_stage
-    inner = plan.sharder.inner()
-    ring = inner.ring  # ring attention: the batch goes in zig-zag order (jaxcolossal.parallel.sequence)
-    if ring > 1:
-        inner = inner.zigzagged()
-    if gathers_lowp(plan):  # ZeRO++ qwZ: the layer scan gathers the weight shards in bf16/fp8
-        inner = inner.with_lowp_gather(cfg.parallel.communication_dtype, plan.specs.params["layers"])
-    vocab_parallel = inner.is_sharded("vocab")
-    grad_specs = plan.specs.grads
-    per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,
-                                   is_leaf=lambda x: isinstance(x, P))
+    return _GradFn(plan)
 
-    def shard_loss(params, x, y, aux, coef):
-        s = family.loss_sum(params, x, y, cfg.model, inner, vocab_parallel, **aux)
-        return s * coef, s
 
-    per_shard = jax.vmap(jax.value_and_grad(shard_loss, has_aux=True), in_axes=(None, 0, 0, 0, None),
-                         spmd_axis_name=DATA_AXES)
+class _GradFn:
+    """:func:`make_grad_fn`'s function, its phases as methods: each microbatch's loss and gradient
+    (:meth:`micro`), their accumulation (:meth:`accumulate`), and the data group's reduction
+    (:meth:`reduce`, or :meth:`compress` under gradient compression)."""
 
-    p = cfg.parallel
-    topk = p.gradient_compression == "topk"
-    psgd = p.gradient_compression == "powersgd"
-    views = powersgd_views_of(plan) if psgd else None
-    compress = topk or psgd
-    lowp = p.communication_dtype  # fp32, or the dtype the reduction moves (compression.lowp_reduce)
-    # ZeRO-2/3 with fp32 communication: the gradient of the whole microbatch, so that XLA reduces
-    # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
-    layerwise = reduces_layerwise(cfg)
-    outer = plan.sharder.zigzagged() if ring > 1 else plan.sharder
-    if prefetches_weights(cfg):  # the layer scan gathers layer i+1's weights before layer i's compute
-        outer = outer.with_layer_prefetch(plan.specs.params["layers"])
+    def __init__(self, plan: TrainPlan):
+        cfg = plan.cfg
+        self.plan, self.cfg, self.mesh, self.family = plan, cfg, plan.mesh, plan.family
+        self.k, self.n, self.zero = cfg.training.gradient_accumulation_steps, plan.data_size, cfg.parallel.zero_stage
+        inner = plan.sharder.inner()
+        self.ring = inner.ring  # ring attention: the batch goes in zig-zag order (jaxcolossal.parallel.sequence)
+        if self.ring > 1:
+            inner = inner.zigzagged()
+        if gathers_lowp(plan):  # ZeRO++ qwZ: the layer scan gathers the weight shards in bf16/fp8
+            inner = inner.with_lowp_gather(cfg.parallel.communication_dtype, plan.specs.params["layers"])
+        self.inner, self.vocab_parallel = inner, inner.is_sharded("vocab")
+        outer = plan.sharder.zigzagged() if self.ring > 1 else plan.sharder
+        if prefetches_weights(cfg):  # the layer scan gathers layer i+1's weights before layer i's compute
+            outer = outer.with_layer_prefetch(plan.specs.params["layers"])
+        self.outer = outer
+        self.grad_specs = plan.specs.grads
+        self.per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,
+                                            is_leaf=lambda x: isinstance(x, P))
+        p = cfg.parallel
+        self.compressing = p.gradient_compression in ("topk", "powersgd")
+        self.views = powersgd_views_of(plan) if p.gradient_compression == "powersgd" else None
+        # ZeRO-2/3 with fp32 communication: the gradient of the whole microbatch, so that XLA reduces
+        # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
+        self.layerwise = reduces_layerwise(cfg)
+        self.per_shard = jax.vmap(jax.value_and_grad(self._loss(inner), has_aux=True), in_axes=(None, 0, 0, 0, None),
+                                  spmd_axis_name=DATA_AXES)
+        self.global_grad = jax.value_and_grad(self._loss(outer), has_aux=True)
 
-    def global_loss(params, x, y, aux, coef):
-        s = family.loss_sum(params, x, y, cfg.model, outer, vocab_parallel, **aux)
-        return s * coef, s
+    def _loss(self, sharder):
+        def loss(params, x, y, aux, coef):
+            s = self.family.loss_sum(params, x, y, self.cfg.model, sharder, self.vocab_parallel, **aux)
+            return s * coef, s
+        return loss
 
-    global_grad = jax.value_and_grad(global_loss, has_aux=True)
+    def micro(self, params, xs, ys, aux, coef, j):
+        """Microbatch ``j``'s summed loss and fp32 gradient: of the whole microbatch (layer-wise
+        reduction), or per data shard (``[N, ...]``, unreduced)."""
+        if self.layerwise:  # [N, b, t] -> [N·b, t]: each device keeps its rows
+            t = xs.shape[-1]
+            rows = lambda a: a[:, j].reshape(-1, t)  # noqa: E731
+            (_, loss), g = self.global_grad(params, rows(xs), rows(ys), {k: rows(a) for k, a in aux.items()}, coef)
+            g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
+            return loss, constrain(g, self.mesh, self.grad_specs)
+        (_, loss), g = self.per_shard(params, xs[:, j], ys[:, j], {k: a[:, j] for k, a in aux.items()}, coef)
+        # offloaded layers' gradients come back from host memory; fp32 before any reduction
+        g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
+        return jnp.sum(loss), constrain(g, self.mesh, self.per_shard_specs)
 
-    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
-                step=None, first_moment=None):
+    def reduce(self, g, specs=None):
+        """``[N, ...]`` per-shard fp32 gradients summed over the data group onto ``specs`` (in
+        ``parallel.communication_dtype`` by all-to-all and all-gather when it is not fp32)."""
+        specs = self.grad_specs if specs is None else specs
+        lowp = self.cfg.parallel.communication_dtype
+        if lowp != "fp32":  # all-to-all (+ all-gather) in bf16/fp8, summed in fp32
+            return lowp_reduce(g, self.per_shard_specs, specs, lowp, self.mesh)
+        return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), self.mesh, specs)
+
+    def accumulate(self, params, xs, ys, aux, coef):
+        """The loss and the gradients summed over the ``k`` microbatches: ZeRO 2/3 into a sharded
+        persistent buffer (each microbatch reduced into it), ZeRO 0/1 into the unreduced per-shard one."""
+        sharded = self.zero >= 2
+
+        def body(carry, j):
+            loss_acc, acc = carry
+            loss, g = self.micro(params, xs, ys, aux, coef, j)
+            if sharded and not self.layerwise:
+                g = self.reduce(g)
+            return (loss_acc + loss, jax.tree.map(jnp.add, acc, g)), None
+
+        if sharded:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            zeros = constrain(zeros, self.mesh, self.grad_specs)
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros((self.n,) + p.shape, jnp.float32), params)
+            zeros = constrain(zeros, self.mesh, self.per_shard_specs)
+        init = (jnp.zeros((), jnp.float32), zeros)
+        if self.k == 1:
+            return body(init, 0)[0]
+        return jax.lax.scan(body, init, jnp.arange(self.k))[0]
+
+    def compress(self, acc, residual, step, first_moment):
+        """Gradient compression (+ error feedback): top-k or PowerSGD, after the dense warm-up steps."""
+        p, mesh, plan = self.cfg.parallel, self.mesh, self.plan
+
+        def compressed(acc, residual):
+            if p.momentum_correction:  # the first compressed step: each shard starts from its share
+                # of the optimizer's momentum (1/N of it), so that none of the warm-up's is lost; a
+                # cond, so that a ZeRO-1 momentum is gathered at that step only
+                share = lambda v: constrain(jax.tree.map(  # noqa: E731
+                    lambda a, mu: jnp.broadcast_to(mu / self.n, a.shape), v, first_moment), mesh, self.per_shard_specs)
+                vel = jax.lax.cond(step == p.compression_warmup_steps, share, lambda v: v, residual["velocity"])
+                residual = {**residual, "velocity": vel}
+            if p.gradient_compression == "topk":  # each shard sends its largest elements
+                summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh,
+                                               self.cfg.training.adam_beta1 if p.momentum_correction else None)
+            else:  # rank-r factors of each weight matrix
+                summed, residual = powersgd_reduce(acc, residual, self.views, mesh)
+            return constrain(summed, mesh, plan.specs.base), residual
+
+        def dense(acc, residual):  # the warm-up: a plain all-reduce, the residual untouched
+            return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), acc), mesh, plan.specs.base), residual
+
+        if p.compression_warmup_steps > 0 and step is not None:
+            summed, residual = jax.lax.cond(step < p.compression_warmup_steps, dense, compressed, acc, residual)
+        else:
+            summed, residual = compressed(acc, residual)
+        return constrain(summed, mesh, plan.specs.opt if self.zero == 1 else self.grad_specs), residual
+
+    def __call__(self, params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
+                 step=None, first_moment=None):
         B, t = inputs.shape
+        n, k = self.n, self.k
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
-                                                                     ring)
-        split = lambda a: jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),
-                                                           NamedSharding(mesh, P(DATA_AXES)))
-        xs, ys = split(inputs), split(targets)
+                                                                     self.ring)
+        split = lambda a: jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),  # noqa: E731
+                                                           NamedSharding(self.mesh, P(DATA_AXES)))
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None}
-
-        def micro(j):
-            if layerwise:  # [N, b, t] -> [N·b, t]: each device keeps its rows
-                rows = lambda a: a[:, j].reshape(-1, t)
-                (_, loss), g = global_grad(params, rows(xs), rows(ys), {name: rows(a) for name, a in aux.items()},
-                                           coef)
-                g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
-                return loss, constrain(g, mesh, grad_specs)
-            (_, loss), g = per_shard(params, xs[:, j], ys[:, j], {name: a[:, j] for name, a in aux.items()}, coef)
-            # offloaded layers' gradients come back from host memory; fp32 before any reduction
-            g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
-            return jnp.sum(loss), constrain(g, mesh, per_shard_specs)
-
-        def reduce(g, specs=grad_specs):  # [N, ...] per-shard fp32 -> summed over the data group
-            if lowp != "fp32":  # all-to-all (+ all-gather) in bf16/fp8, summed in fp32
-                return lowp_reduce(g, per_shard_specs, specs, lowp, mesh)
-            return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), mesh, specs)
-
-        if zero >= 2:  # sharded persistent buffer: reduce(-scatter) each microbatch into it
-            def body(carry, j):
-                loss_acc, acc = carry
-                loss, g = micro(j)
-                return (loss_acc + loss, jax.tree.map(jnp.add, acc, g if layerwise else reduce(g))), None
-            zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), mesh, grad_specs)
-        else:  # unreduced per-shard buffer: one reduction per step
-            def body(carry, j):
-                loss_acc, acc = carry
-                loss, g = micro(j)
-                return (loss_acc + loss, jax.tree.map(jnp.add, acc, g)), None
-            zeros = constrain(jax.tree.map(lambda p: jnp.zeros((n,) + p.shape, jnp.float32), params),
-                              mesh, per_shard_specs)
-
-        if k == 1:
-            (loss_sum, acc), _ = body((jnp.zeros((), jnp.float32), zeros), 0)
-        else:
-            (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jnp.arange(k))
+        loss_sum, acc = self.accumulate(params, split(inputs), split(targets), aux, coef)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
-        if compress:  # parallel.gradient_compression (+ error feedback)
-            def compressed(acc, residual):
-                if p.momentum_correction:  # the first compressed step: each shard starts from its share
-                    # of the optimizer's momentum (1/N of it), so that none of the warm-up's is lost; a
-                    # cond, so that a ZeRO-1 momentum is gathered at that step only
-                    share = lambda v: constrain(jax.tree.map(  # noqa: E731
-                        lambda a, mu: jnp.broadcast_to(mu / n, a.shape), v, first_moment), mesh, per_shard_specs)
-                    vel = jax.lax.cond(step == p.compression_warmup_steps, share, lambda v: v, residual["velocity"])
-                    residual = {**residual, "velocity": vel}
-                if topk:  # each shard sends its largest elements
-                    summed, residual = topk_reduce(acc, residual, p.compression_ratio, mesh,
-                                                   cfg.training.adam_beta1 if p.momentum_correction else None)
-                else:  # rank-r factors of each weight matrix
-                    summed, residual = powersgd_reduce(acc, residual, views, mesh)
-                return constrain(summed, mesh, plan.specs.base), residual
-
-            def dense(acc, residual):  # the warm-up: a plain all-reduce, the residual untouched
-                return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), acc), mesh, plan.specs.base), residual
-
-            if p.compression_warmup_steps > 0 and step is not None:
-                summed, residual = jax.lax.cond(step < p.compression_warmup_steps, dense, compressed, acc, residual)
-            else:
-                summed, residual = compressed(acc, residual)
-            grads = constrain(summed, mesh, plan.specs.opt if zero == 1 else grad_specs)
+        if self.compressing:
+            grads, residual = self.compress(acc, residual, step, first_moment)
         else:
-            grads = acc if zero >= 2 else reduce(acc, plan.specs.opt if zero == 1 else grad_specs)
+            grads = acc if self.zero >= 2 else self.reduce(acc, self.plan.specs.opt if self.zero == 1 else None)
         grads = jax.tree.map(lambda g: g / scale, grads)
-        return (loss_sum, grads, residual) if compress else (loss_sum, grads)
-
-    return grad_fn
+        return (loss_sum, grads, residual) if self.compressing else (loss_sum, grads)
 
 
 def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
@@ -267,84 +283,107 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     ``lr``; int32 ``nonfinite`` (1: the step was not applied); in fp16 also ``loss_scale``,
     ``skipped`` and ``consecutive_skips``.
     """
-    grad_fn = make_grad_fn(plan)
-    mesh, specs, pc = plan.mesh, plan.specs, plan.cfg.precision
-    compress = plan.cfg.parallel.gradient_compression != "none"
-    momentum_correction = plan.cfg.parallel.momentum_correction
-    fp16 = plan.precision == "fp16"
-    shardings = state_shardings(plan, tx)
+    step = _TrainStep(plan, tx, schedule, tx_from_config)
+    # one sharding for every leaf of the batch dict (inputs, targets and the optional loss_mask)
+    return jax.jit(step, in_shardings=(step.runtime, plan.batch_sharding), out_shardings=(step.runtime, None),
+                   donate_argnums=(0,))
+
+
+def _check_tx(plan: TrainPlan, tier: Any, tx_from_config: bool) -> None:
+    """The settings that need the config's own optimizer (updated part by part)."""
     pl = plan.placement
-    if plan.cfg.parallel.momentum_correction and not tx_from_config:
+    if tx_from_config:
+        return
+    if plan.cfg.parallel.momentum_correction:
         raise ValueError("parallel.momentum_correction needs the config's optimizer (tx_from_config=True): its "
                          "first moment is replaced by the shards' momentum from the first compressed step")
-    if pl is not None and pl.any_optim and pl.optimizer_device == "host" and not tx_from_config:
+    if pl is not None and pl.any_optim and pl.optimizer_device == "host":
         raise ValueError("offload.optimizer_device=host needs the config's optimizer (tx_from_config=True)")
-    split_update = pl is not None and pl.any_optim and tx_from_config
-    tier = nvme_tier(plan, tx)
-    if tier is not None and not tx_from_config:
+    if tier is not None:
         raise ValueError("offload.nvme_path needs the config's optimizer (tx_from_config=True)")
-    offload_update = make_offload_update(plan, shardings, tier) if split_update else None
-    runtime = tier.shardings if tier is not None else shardings  # NVMe leaves: tokens in the state
-    streamed = streamed_in_scan(plan)
 
-    def apply_update(master, opt_state, grads):  # the optimizer step proper (a finite step)
-        updates, opt_state = tx.update(grads, opt_state, master)
+
+class _TrainStep:
+    """:func:`make_train_step`'s step, its phases as methods: the gradients (:meth:`gradients`),
+    the update (:meth:`update`), the new state and the metrics (:meth:`__call__`)."""
+
+    def __init__(self, plan: TrainPlan, tx: optax.GradientTransformation, schedule, tx_from_config: bool):
+        self.plan, self.tx, self.schedule = plan, tx, schedule
+        self.grad_fn = make_grad_fn(plan)
+        self.compress = plan.cfg.parallel.gradient_compression != "none"
+        self.fp16 = plan.precision == "fp16"
+        self.shardings = state_shardings(plan, tx)
+        tier = nvme_tier(plan, tx)
+        _check_tx(plan, tier, tx_from_config)
+        pl = plan.placement
+        split_update = pl is not None and pl.any_optim and tx_from_config
+        self.offload_update = make_offload_update(plan, self.shardings, tier) if split_update else None
+        self.runtime = tier.shardings if tier is not None else self.shardings  # NVMe leaves: tokens in the state
+        self.streamed = streamed_in_scan(plan)
+
+    def gradients(self, state: TrainState, batch: dict, scale):
+        """``(loss_sum, fp32 grads, residual)`` of the step (:func:`make_grad_fn`)."""
+        # offloaded compute params: the stacked layers stream in inside the layer scan, the rest come in first
+        params = to_device(state.params, self.shardings.params, self.streamed)
+        extra = {"residual": state.residual, "step": state.step} if self.compress else {}
+        if self.plan.cfg.parallel.momentum_correction:
+            extra["first_moment"] = adam_first_moment(state.opt_state)
+        out = self.grad_fn(params, batch["inputs"], batch["targets"], scale, batch.get("loss_mask"),
+                           batch.get("segment_ids"), batch.get("positions"), **extra)
+        return out[0], out[1], (out[2] if self.compress else None)
+
+    def _apply(self, master, opt_state, grads):  # the optimizer step proper (a finite step)
+        updates, opt_state = self.tx.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), opt_state
 
-    def step(state: TrainState, batch: dict):
-        scale = state.scaler.scale if fp16 else jnp.ones((), jnp.float32)
-        mask = batch.get("loss_mask")
-        # offloaded compute params: the stacked layers stream in inside the layer scan, the rest come in first
-        params = to_device(state.params, shardings.params, streamed)
-        out = grad_fn(params, batch["inputs"], batch["targets"], scale, mask, batch.get("segment_ids"),
-                      batch.get("positions"), **({"residual": state.residual, "step": state.step} if compress else {}),
-                      **({"first_moment": adam_first_moment(state.opt_state)} if momentum_correction else {}))
-        loss_sum, grads = out[:2]
-        residual = out[2] if compress else None
-        n_tok = token_count(batch["inputs"], mask)
-        grad_norm = optax.tree.norm(grads)
-
-        # every precision: a step whose loss or gradients hold NaN/inf is not applied (the norm is
-        # non-finite exactly when a gradient is, and the clipping computes it anyway)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
-        keep = lambda new, old: jax.tree.map(lambda x, y: jnp.where(finite, x, y), new, old)
-
+    def update(self, state: TrainState, grads, finite):
+        """``(new master, new compute params, new optimizer state)``; a non-finite step changes nothing."""
+        plan, mesh, specs, sh = self.plan, self.plan.mesh, self.plan.specs, self.shardings
         master = state.master if plan.mixed else state.params
-        master_sh = shardings.master if plan.mixed else shardings.params
         grads = constrain(grads, mesh, specs.opt)  # ZeRO-1: each rank keeps its slice
-        if split_update:  # offloaded leaves: updated on the host, or streamed through the device one by one
-            new_master, new_params, opt_state = offload_update(grads, state.opt_state, master, finite, state.step)
+        if self.offload_update is not None:  # offloaded leaves: on the host, or streamed through the device
+            new_master, new_params, opt_state = self.offload_update(grads, state.opt_state, master, finite, state.step)
         else:  # any offloaded leaves (another optax tx) are moved in whole, and out by out_shardings
-            master = constrain(to_device(master, master_sh), mesh, specs.opt)
+            master = constrain(to_device(master, sh.master if plan.mixed else sh.params), mesh, specs.opt)
             # a cond, not a select of new and old: with `where(finite, new, old)` XLA must keep the
             # old Adam moments while the new ones are written, and copies both (8 bytes per
             # parameter more at the step's peak); each branch of a cond updates in place
-            new_master, opt_state = jax.lax.cond(finite, apply_update, lambda m, o, g: (m, o), master,
-                                                 to_device(state.opt_state, shardings.opt_state), grads)
+            new_master, opt_state = jax.lax.cond(finite, self._apply, lambda m, o, g: (m, o), master,
+                                                 to_device(state.opt_state, sh.opt_state), grads)
             new_master = constrain(new_master, mesh, specs.opt)
             # cast each rank's shard first, so the ZeRO all-gather moves compute-dtype values
             new_params = constrain(jax.tree.map(lambda x: x.astype(plan.compute_dtype), new_master), mesh, specs.opt)
-        new_params = constrain(new_params, mesh, specs.params)
-        scaler = state.scaler
-        if fp16:
-            scaler = scaler_update(state.scaler, finite, growth_factor=pc.growth_factor,
-                                   backoff_factor=pc.backoff_factor, growth_interval=pc.growth_interval,
-                                   hysteresis=pc.hysteresis, min_scale=pc.min_scale, max_scale=pc.max_scale)
+        return new_master, constrain(new_params, mesh, specs.params), opt_state
+
+    def _scaler(self, state: TrainState, finite):
+        if not self.fp16:
+            return state.scaler
+        pc = self.plan.cfg.precision
+        return scaler_update(state.scaler, finite, growth_factor=pc.growth_factor, backoff_factor=pc.backoff_factor,
+                             growth_interval=pc.growth_interval, hysteresis=pc.hysteresis, min_scale=pc.min_scale,
+                             max_scale=pc.max_scale)
+
+    def __call__(self, state: TrainState, batch: dict):
+        scale = state.scaler.scale if self.fp16 else jnp.ones((), jnp.float32)
+        loss_sum, grads, residual = self.gradients(state, batch, scale)
+        grad_norm = optax.tree.norm(grads)
+        # every precision: a step whose loss or gradients hold NaN/inf is not applied (the norm is
+        # non-finite exactly when a gradient is, and the clipping computes it anyway)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
+        new_master, new_params, opt_state = self.update(state, grads, finite)
+        scaler = self._scaler(state, finite)
         if residual is not None:  # error feedback: a skipped (non-finite) step keeps the old residual
-            residual = keep(residual, state.residual)
-        new = TrainState(step=state.step + 1, params=new_params, master=new_master if plan.mixed else None,
+            residual = jax.tree.map(lambda x, y: jnp.where(finite, x, y), residual, state.residual)
+        new = TrainState(step=state.step + 1, params=new_params, master=new_master if self.plan.mixed else None,
                          opt_state=opt_state, scaler=scaler, residual=residual)
+        n_tok = token_count(batch["inputs"], batch.get("loss_mask"))
         metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
-        if schedule is not None:
-            metrics["lr"] = schedule(state.step)
-        if fp16:
+        if self.schedule is not None:
+            metrics["lr"] = self.schedule(state.step)
+        if self.fp16:
             metrics.update(loss_scale=state.scaler.scale, skipped=(~finite).astype(jnp.int32),
                            consecutive_skips=scaler.consecutive_skips)
         return new, metrics
-
-    # one sharding for every leaf of the batch dict (inputs, targets and the optional loss_mask)
-    return jax.jit(step, in_shardings=(runtime, plan.batch_sharding), out_shardings=(runtime, None),
-                   donate_argnums=(0,))
 
 
 def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
