@@ -352,15 +352,11 @@ def launch(
 ) -> jax.Array:
     """Join the distributed JAX job and seed the RNGs; mirrors ``colossalai.launch``.
 
-    Order of operations: validate the arguments; if the CPU platform may be used (see
-    :func:`simulate_devices` for the rule) set ``jax_cpu_collectives_implementation``
-    to ``cpu_collectives``; call ``jax.distributed.initialize(coordinator_address=
-    "host:port", num_processes=world_size, process_id=rank, local_device_ids=...,
-    initialization_timeout=...)``; seed with :func:`set_seed`; log on process 0.
-
-    ``world_size == 1`` skips ``jax.distributed.initialize``: a single process needs
-    no coordinator, and not starting one keeps single-process runs (tests, notebooks)
-    free of ports and timeouts.
+    Validates the arguments; where the CPU may be used (:func:`simulate_devices`'s rule) sets
+    ``jax_cpu_collectives_implementation``; calls ``jax.distributed.initialize`` (skipped for
+    ``world_size == 1``: one process needs no coordinator); seeds with :func:`set_seed`; logs on
+    process 0. With ``world_size > 1`` an uncaught exception then ends the process at once, after
+    its traceback (``os._exit(1)``), instead of at the distributed shutdown barrier.
 
     Args:
       rank: global process index, ``0 <= rank < world_size`` (Colossal-AI's rank is
@@ -388,11 +384,6 @@ def launch(
         ``jax.distributed.initialize``; when the CPU may be used,
         ``--xla_cpu_collective_timeout_seconds`` is added to ``XLA_FLAGS`` unless already there.
 
-    With ``world_size > 1`` it also installs a ``sys.excepthook`` that, after printing the
-    traceback, ends the process with status 1 at once (``os._exit``) instead of waiting for the
-    other processes at the distributed shutdown barrier: an uncaught exception then stops the
-    job in seconds, not after the collective timeout.
-
     Returns:
       ``jax.random.key(seed)``.
 
@@ -406,6 +397,28 @@ def launch(
         must come first) or the distributed runtime is already initialised; errors
         from ``jax.distributed.initialize`` itself (e.g. timeout) propagate.
     """
+    world_size, rank, host, port, local_rank, initialization_timeout, collective_timeout_s = _check_launch_args(
+        rank, world_size, host, port, local_rank, initialization_timeout, cpu_collectives, collective_timeout_s)
+    device_ids = _device_ids(local_device_ids, local_rank)
+    coordinator = _format_address(host, port)
+    if world_size > 1:
+        _initialize(coordinator, world_size, rank, device_ids, initialization_timeout, cpu_collectives,
+                    collective_timeout_s)
+    key = set_seed(seed)
+    if verbose:
+        get_dist_logger().info(
+            f"Distributed environment is initialized, world size: {jax.process_count()} "
+            f"process(es), {jax.device_count()} device(s); coordinator {coordinator}; "
+            f"seed {seed}",
+            ranks=[0],
+        )
+    return key
+
+
+def _check_launch_args(rank, world_size, host, port, local_rank, initialization_timeout, cpu_collectives,
+                       collective_timeout_s) -> tuple:
+    """:func:`launch`'s arguments checked (its ``Raises``), with ``host`` stripped and the default
+    collective timeout filled in."""
     world_size = _check_int("world_size", world_size, 1)
     rank = _check_int("rank", rank, 0)
     if rank >= world_size:
@@ -424,55 +437,48 @@ def launch(
     collective_timeout_s = _check_int("collective_timeout_s", collective_timeout_s, 1)
     if cpu_collectives is not None and not isinstance(cpu_collectives, str):
         raise TypeError(f"cpu_collectives must be a str or None, got {cpu_collectives!r}")
+    return world_size, rank, host, port, local_rank, initialization_timeout, collective_timeout_s
 
+
+def _device_ids(local_device_ids, local_rank: int | None) -> list[int] | None:
+    """The ``local_device_ids`` :func:`launch` passes on (its argument's rules)."""
     if isinstance(local_device_ids, str):
         if local_device_ids != "all":
             raise ValueError(f"local_device_ids string must be 'all', got {local_device_ids!r}")
-        device_ids = None
-    elif local_device_ids is None:
-        device_ids = None if local_rank is None else [local_rank]
-    elif _is_int(local_device_ids):
-        device_ids = [_check_int("local_device_ids", local_device_ids, 0)]
-    else:
-        device_ids = [_check_int("local_device_ids[i]", d, 0) for d in local_device_ids]
+        return None
+    if local_device_ids is None:
+        return None if local_rank is None else [local_rank]
+    if _is_int(local_device_ids):
+        return [_check_int("local_device_ids", local_device_ids, 0)]
+    return [_check_int("local_device_ids[i]", d, 0) for d in local_device_ids]
 
-    coordinator = _format_address(host, port)
 
-    if world_size > 1:
-        if _backend_started():
-            raise RuntimeError(
-                "launch() must run before any JAX computation: the backend has already "
-                "started, so jax.distributed.initialize can no longer take effect."
-            )
-        if _cpu_may_be_used():
-            if cpu_collectives is not None:
-                jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-            os.environ["XLA_FLAGS"] = _set_flag_default(
-                os.environ.get("XLA_FLAGS", ""), _CPU_COLLECTIVE_TIMEOUT_FLAG, collective_timeout_s)
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=world_size,
-            process_id=rank,
-            local_device_ids=device_ids,
-            # every value is given: keep JAX's Slurm/Open MPI detection from replacing
-            # local_device_ids=None ("all") with [SLURM_LOCALID] and hiding the other GPUs
-            cluster_detection_method="deactivate",
-            initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT),
-            shutdown_timeout_seconds=collective_timeout_s,
+def _initialize(coordinator: str, world_size: int, rank: int, device_ids, initialization_timeout: int,
+                cpu_collectives: str | None, collective_timeout_s: int) -> None:
+    """``jax.distributed.initialize`` with CPU collectives and timeouts set, and the fail-fast hook."""
+    if _backend_started():
+        raise RuntimeError(
+            "launch() must run before any JAX computation: the backend has already "
+            "started, so jax.distributed.initialize can no longer take effect."
         )
-        _install_fail_fast_excepthook()
-
-    key = set_seed(seed)
-
-    if verbose:
-        get_dist_logger().info(
-            f"Distributed environment is initialized, world size: {jax.process_count()} "
-            f"process(es), {jax.device_count()} device(s); coordinator {coordinator}; "
-            f"seed {seed}",
-            ranks=[0],
-        )
-    return key
+    if _cpu_may_be_used():
+        if cpu_collectives is not None:
+            jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+        os.environ["XLA_FLAGS"] = _set_flag_default(
+            os.environ.get("XLA_FLAGS", ""), _CPU_COLLECTIVE_TIMEOUT_FLAG, collective_timeout_s)
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=world_size,
+        process_id=rank,
+        local_device_ids=device_ids,
+        # every value is given: keep JAX's Slurm/Open MPI detection from replacing
+        # local_device_ids=None ("all") with [SLURM_LOCALID] and hiding the other GPUs
+        cluster_detection_method="deactivate",
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT),
+        shutdown_timeout_seconds=collective_timeout_s,
+    )
+    _install_fail_fast_excepthook()
 
 
 def _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives):

@@ -35,6 +35,7 @@ the processes as ``JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, the collective timeout of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import collections
 import os
 import re
@@ -214,84 +215,94 @@ def run_processes(
     """
     os.makedirs(log_dir, exist_ok=True)
     procs: list[_Proc] = []
-    stop_signal: list[int] = []
+    with _caught_signals() as stop_signal:
+        try:
+            for rank, env in zip(ranks, envs):
+                procs.append(_start(cmd, env, rank, os.path.join(log_dir, f"rank{rank}.log"), rank == stream_rank))
+            first_clean_exit: list[float] = []
+            while True:
+                status = _check(procs, stop_signal, stream_rank, exit_timeout, kill_grace, first_clean_exit)
+                if status is not None:
+                    return status
+                time.sleep(poll)
+        finally:
+            _clean_up(procs)
 
-    def on_signal(signum, _frame):
-        stop_signal.append(signum)
 
-    old_handlers = {}
+@contextlib.contextmanager
+def _caught_signals():
+    """SIGINT and SIGTERM recorded (in the list yielded) instead of acted on, in the main thread."""
+    caught: list[int] = []
+    old = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            old_handlers[sig] = signal.signal(sig, on_signal)
+            old[sig] = signal.signal(sig, lambda signum, _frame: caught.append(signum))
     try:
-        for rank, env in zip(ranks, envs):
-            path = os.path.join(log_dir, f"rank{rank}.log")
-            log_file = open(path, "wb")
-            if rank == stream_rank:
-                popen = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-                p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file)
-                out = getattr(sys.stdout, "buffer", None)
-                err = getattr(sys.stderr, "buffer", None)
-                for src, dst in ((popen.stdout, out), (popen.stderr, err)):
-                    t = threading.Thread(target=_pump, args=(src, [d for d in (dst, log_file) if d]),
-                                         daemon=True)
-                    t.start()
-                    p.threads.append(t)
-            else:
-                popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log_file,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-                p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file)
-            procs.append(p)
-
-        status = 0
-        first_clean_exit: float | None = None
-        while True:
-            running = [p for p in procs if p.popen.poll() is None]
-            failed = [p for p in procs if p.popen.returncode not in (None, 0)]
-            if stop_signal:
-                _say(f"received signal {stop_signal[0]}; stopping {len(running)} process(es)")
-                _stop_all(procs, kill_grace)
-                status = 128 + stop_signal[0]
-                break
-            if failed:
-                first = min(failed, key=lambda p: p.rank)
-                code = first.popen.returncode
-                what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                _say(f"rank {first.rank} {what} after {time.monotonic() - first.started:.1f} s; "
-                     f"stopping the other {len(running)} process(es)")
-                _stop_all(procs, kill_grace)
-                status = _exit_status(code)
-                if first.rank != stream_rank:
-                    tail = _tail(first.log_path)
-                    _say(f"last lines of {first.log_path}:\n{tail}" if tail else f"log: {first.log_path}")
-                break
-            if not running:
-                break
-            if len(running) < len(procs):  # some ended with 0, the rest still runs
-                now = time.monotonic()
-                first_clean_exit = first_clean_exit or now
-                if now - first_clean_exit > exit_timeout + kill_grace:
-                    ranks_left = ", ".join(str(p.rank) for p in running)
-                    _say(f"rank(s) {ranks_left} still running {exit_timeout + kill_grace:.0f} s after "
-                         f"another rank finished; stopping them (a collective mismatch or a hang?)")
-                    _stop_all(procs, kill_grace)
-                    status = 1
-                    break
-            time.sleep(poll)
-        return status
+        yield caught
     finally:
-        for p in procs:
-            if p.popen.poll() is None:
-                _stop_all([p], 0)
-            for t in p.threads:
-                t.join(timeout=5)
-            if p.log_file:
-                p.log_file.close()
-        for sig, handler in old_handlers.items():
+        for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def _start(cmd: Sequence[str], env: Mapping[str, str], rank: int, path: str, stream: bool) -> _Proc:
+    """One process, its output to ``path`` (and, when ``stream``, to this process's stdout/stderr too)."""
+    log_file = open(path, "wb")
+    if not stream:
+        popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log_file, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        return _Proc(rank, popen, path, time.monotonic(), log_file=log_file)
+    popen = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file)
+    out, err = getattr(sys.stdout, "buffer", None), getattr(sys.stderr, "buffer", None)
+    for src, dst in ((popen.stdout, out), (popen.stderr, err)):
+        t = threading.Thread(target=_pump, args=(src, [d for d in (dst, log_file) if d]), daemon=True)
+        t.start()
+        p.threads.append(t)
+    return p
+
+
+def _check(procs: list[_Proc], stop_signal: list[int], stream_rank: int | None, exit_timeout: float,
+           kill_grace: float, first_clean_exit: list[float]) -> int | None:
+    """One look at the processes: the job's exit status once it is over (a signal, a failure, all
+    done, or the rest not following a clean exit in time), else ``None``."""
+    running = [p for p in procs if p.popen.poll() is None]
+    failed = [p for p in procs if p.popen.returncode not in (None, 0)]
+    if stop_signal:
+        _say(f"received signal {stop_signal[0]}; stopping {len(running)} process(es)")
+        _stop_all(procs, kill_grace)
+        return 128 + stop_signal[0]
+    if failed:
+        first = min(failed, key=lambda p: p.rank)
+        code = first.popen.returncode
+        what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        _say(f"rank {first.rank} {what} after {time.monotonic() - first.started:.1f} s; "
+             f"stopping the other {len(running)} process(es)")
+        _stop_all(procs, kill_grace)
+        if first.rank != stream_rank:
+            tail = _tail(first.log_path)
+            _say(f"last lines of {first.log_path}:\n{tail}" if tail else f"log: {first.log_path}")
+        return _exit_status(code)
+    if not running:
+        return 0
+    if len(running) < len(procs):  # some ended with 0, the rest still runs
+        first_clean_exit[:] = first_clean_exit or [time.monotonic()]
+        if time.monotonic() - first_clean_exit[0] > exit_timeout + kill_grace:
+            _say(f"rank(s) {', '.join(str(p.rank) for p in running)} still running {exit_timeout + kill_grace:.0f} s "
+                 "after another rank finished; stopping them (a collective mismatch or a hang?)")
+            _stop_all(procs, kill_grace)
+            return 1
+    return None
+
+
+def _clean_up(procs: list[_Proc]) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            _stop_all([p], 0)
+        for t in p.threads:
+            t.join(timeout=5)
+        if p.log_file:
+            p.log_file.close()
 
 
 # ------------------------------------------------------------------------ CLI

@@ -248,37 +248,39 @@ def adamw_update_kernel(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
         jnp.asarray(lr, jnp.float32), bc1.astype(jnp.float32),
         bc2.astype(jnp.float32), jnp.zeros((), jnp.float32)])
 
-    kernel = functools.partial(_adamw_kernel, b1=b1, b2=b2, eps=eps,
-                               weight_decay=weight_decay)
+    kernel = functools.partial(_adamw_kernel, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    new_p, new_m, new_v = _pallas_update(kernel, scalars, [flat(x) for x in (p, g, m, v)], block, interpret)
+
+    def unflat(x):
+        return (x[:n] if n_pad != n else x).reshape(shape)
+
+    return unflat(new_p), unflat(new_m), unflat(new_v)
+
+
+def _pallas_update(kernel, scalars, flat: list, block: int, interpret: bool):
+    """The ``pl.pallas_call`` over 1-D ``p, g, m, v`` of a whole number of blocks: ``(new p, m, v)``,
+    p, m, v aliased input->output (updated in place when donated)."""
+    p, g = flat[0], flat[1]
+    n_pad = p.shape[0]
     vec = pl.BlockSpec((block,), lambda i: (i,))
     compiler_params = None
     if not interpret:  # Triton, not Mosaic GPU (jax's default Pallas GPU backend since 0.10)
         from jax.experimental.pallas import triton as pltriton  # heavy: loads the CUDA plugin's Triton bindings
         compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=1)
     p_bytes = 2 * p.dtype.itemsize + g.dtype.itemsize + 16  # 28 for f32
-    new_p, new_m, new_v = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((n_pad,), p.dtype),
-            jax.ShapeDtypeStruct((n_pad,), jnp.float32),
-            jax.ShapeDtypeStruct((n_pad,), jnp.float32),
-        ),
+        out_shape=(jax.ShapeDtypeStruct((n_pad,), p.dtype), jax.ShapeDtypeStruct((n_pad,), jnp.float32),
+                   jax.ShapeDtypeStruct((n_pad,), jnp.float32)),
         grid=(n_pad // block,),
         in_specs=[pl.BlockSpec((4,), lambda i: (0,)), vec, vec, vec, vec],
         out_specs=(vec, vec, vec),
         input_output_aliases={1: 0, 3: 1, 4: 2},
         interpret=interpret,
         compiler_params=compiler_params,
-        cost_estimate=pl.CostEstimate(
-            flops=16 * n_pad, transcendentals=n_pad,
-            bytes_accessed=p_bytes * n_pad),
+        cost_estimate=pl.CostEstimate(flops=16 * n_pad, transcendentals=n_pad, bytes_accessed=p_bytes * n_pad),
         name="fused_adamw",
-    )(scalars, flat(p), flat(g), flat(m), flat(v))
-
-    def unflat(x):
-        return (x[:n] if n_pad != n else x).reshape(shape)
-
-    return unflat(new_p), unflat(new_m), unflat(new_v)
+    )(scalars, *flat)
 
 
 def _concrete_platform(x) -> str | None:

@@ -8,22 +8,19 @@ import math
 import os
 import sys
 
-from jaxcolossal.config import ConfigError, config_from_dict, load_config
+from jaxcolossal.config import Config, ConfigError, config_from_dict, load_config
 from jaxcolossal.models.hf import config_from_hf, read_hf_config
-from jaxcolossal.plan.devices import DEVICES
+from jaxcolossal.plan.devices import DEVICES, Device
 from jaxcolossal.plan.search import report
 from jaxcolossal.plan.seed_table import seed_table
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxcolossal.plan``: pick a layout for a model on a cluster before renting it."""
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The repository (for ``configs/``)."""
 
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxcolossal.plan", description=main.__doc__)
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--seed-table" in argv:  # Colossal-AI's published rows beside the planner's predictions
-        print(seed_table())
-        return 0
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a benchmark preset: configs/bench/<name>.yaml (llama_1b, llama3_8b, llama3_70b, ...)")
     src.add_argument("--config", help="a config file")
@@ -40,66 +37,88 @@ def main(argv: list[str] | None = None) -> int:
                     "micro_batch_size × --devices)")
     ap.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the matmuls reach (0.45)")
     ap.add_argument("--top", type=int, default=8)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _device(a: argparse.Namespace) -> Device:
+    """The ``--device`` with the overrides given.
+
+    Raises:
+        ConfigError: an unknown device, or a value that is not positive.
+    """
+    name = a.device.lower()
+    if name not in DEVICES:
+        raise ConfigError(f"--device {a.device!r}: known devices are {sorted(DEVICES)}; or give --memory-gb and "
+                          "--peak-tflops with the closest one")
+    for flag, value in (("--memory-gb", a.memory_gb), ("--peak-tflops", a.peak_tflops),
+                        ("--intra-gbps", a.intra_gbps), ("--inter-gbps", a.inter_gbps)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} {value:g}: must be a positive number")
+    if a.devices_per_node is not None and a.devices_per_node < 1:
+        raise ConfigError(f"--devices-per-node {a.devices_per_node}: must be at least 1")
+    if not (math.isfinite(a.efficiency) and 0 < a.efficiency <= 1):
+        raise ConfigError(f"--efficiency {a.efficiency:g}: the fraction of the peak the matmuls reach, in (0, 1]")
+    if a.top < 1:
+        raise ConfigError(f"--top {a.top}: must be at least 1")
+    if a.devices < 1:
+        raise ConfigError(f"--devices {a.devices}: must be at least 1")
+    dev = DEVICES[name]
+    pick = lambda given, scale, default: given * scale if given is not None else default  # noqa: E731
+    return dataclasses.replace(dev, memory=pick(a.memory_gb, 1e9, dev.memory), peak=pick(a.peak_tflops, 1e12, dev.peak),
+                               per_node=pick(a.devices_per_node, 1, dev.per_node),
+                               intra_bw=pick(a.intra_gbps, 1e9, dev.intra_bw), inter_bw=pick(a.inter_gbps, 1e9, dev.inter_bw))
+
+
+def _config(a: argparse.Namespace) -> tuple[Config, str, dict | None]:
+    """``(config, the --config part of the command that runs it, model overrides)`` from ``--model``,
+    ``--config`` or ``--hf-config``, with ``--seq`` and ``--global-batch``.
+
+    Raises:
+        ConfigError: no such config or Hugging Face file, or the config's own errors.
+    """
+    training = {k: v for k, v in (("seq_len", a.seq), ("batch_size", a.global_batch)) if v is not None}
+    if a.model or a.config:
+        path = a.config or os.path.join(ROOT, "configs", "bench", f"{a.model}.yaml")
+        if not os.path.exists(path):
+            presets = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "bench")) if f.endswith(".yaml"))
+            raise ConfigError(f"no such config: {path}" + (f"; the presets are {presets}" if a.model else ""))
+        cfg = load_config(path, overrides=[f"training.{k}={v}" for k, v in training.items()])
+        return cfg, f"--config {path if a.config else f'configs/bench/{a.model}.yaml'}", None
+    if not os.path.exists(a.hf_config):
+        raise ConfigError(f"--hf-config {a.hf_config}: no such file or folder")
+    folder = a.hf_config if os.path.isdir(a.hf_config) else os.path.dirname(os.path.abspath(a.hf_config))
+    model = dataclasses.asdict(config_from_hf(read_hf_config(folder)))
+    cfg = config_from_dict({"model": model, "training": training, "precision": {"bf16": True}})
+    default = dataclasses.asdict(load_config(os.path.join(ROOT, "configs", "llama_tiny.yaml")).model)
+    return cfg, "", {f"model.{k}": v for k, v in model.items() if v != default.get(k) and k != "remat"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxcolossal.plan``: pick a layout for a model on a cluster before renting it."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--seed-table" in argv:  # Colossal-AI's published rows beside the planner's predictions
+        print(seed_table())
+        return 0
+    a = _parser().parse_args(argv)
     try:
-        a.device = a.device.lower()
-        if a.device not in DEVICES:
-            raise ConfigError(f"--device {a.device!r}: known devices are {sorted(DEVICES)}; or give --memory-gb and "
-                              "--peak-tflops with the closest one")
-        for flag, value in (("--memory-gb", a.memory_gb), ("--peak-tflops", a.peak_tflops),
-                            ("--intra-gbps", a.intra_gbps), ("--inter-gbps", a.inter_gbps)):
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"{flag} {value:g}: must be a positive number")
-        if a.devices_per_node is not None and a.devices_per_node < 1:
-            raise ConfigError(f"--devices-per-node {a.devices_per_node}: must be at least 1")
-        if not (math.isfinite(a.efficiency) and 0 < a.efficiency <= 1):
-            raise ConfigError(f"--efficiency {a.efficiency:g}: the fraction of the peak the matmuls reach, in (0, 1]")
-        if a.top < 1:
-            raise ConfigError(f"--top {a.top}: must be at least 1")
-        dev = DEVICES[a.device]
-        dev = dataclasses.replace(
-            dev, memory=a.memory_gb * 1e9 if a.memory_gb is not None else dev.memory,
-            peak=a.peak_tflops * 1e12 if a.peak_tflops is not None else dev.peak,
-            per_node=a.devices_per_node if a.devices_per_node is not None else dev.per_node,
-            intra_bw=a.intra_gbps * 1e9 if a.intra_gbps is not None else dev.intra_bw,
-            inter_bw=a.inter_gbps * 1e9 if a.inter_gbps is not None else dev.inter_bw)
-        if a.devices < 1:
-            raise ConfigError(f"--devices {a.devices}: must be at least 1")
-        training = {k: v for k, v in (("seq_len", a.seq), ("batch_size", a.global_batch)) if v is not None}
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        model_overrides = None
-        if a.model or a.config:
-            path = a.config or os.path.join(root, "configs", "bench", f"{a.model}.yaml")
-            if not os.path.exists(path):
-                presets = sorted(f[:-5] for f in os.listdir(os.path.join(root, "configs", "bench")) if f.endswith(".yaml"))
-                raise ConfigError(f"no such config: {path}" + (f"; the presets are {presets}" if a.model else ""))
-            cfg = load_config(path, overrides=[f"training.{k}={v}" for k, v in training.items()])
-            source = f"--config {path if a.config else f'configs/bench/{a.model}.yaml'}"
-        else:
-            if not os.path.exists(a.hf_config):
-                raise ConfigError(f"--hf-config {a.hf_config}: no such file or folder")
-            folder = a.hf_config if os.path.isdir(a.hf_config) else os.path.dirname(os.path.abspath(a.hf_config))
-            model = dataclasses.asdict(config_from_hf(read_hf_config(folder)))
-            cfg = config_from_dict({"model": model, "training": training, "precision": {"bf16": True}})
-            default = dataclasses.asdict(load_config(os.path.join(root, "configs", "llama_tiny.yaml")).model)
-            model_overrides = {f"model.{k}": v for k, v in model.items() if v != default.get(k) and k != "remat"}
-            source = ""
+        dev = _device(a)
+        cfg, source, model_overrides = _config(a)
         if not a.global_batch and cfg.training.micro_batch_size:
             cfg.training.batch_size = cfg.training.micro_batch_size * a.devices
         cfg.training.micro_batch_size = 0
         text = report(cfg, a.devices, dev, a.efficiency, a.top, source, model_overrides)
-        print(text)
-        if text.splitlines()[1].startswith("0 layouts considered"):
-            print(f"error: no layout of this model on {a.devices} devices accepts a global batch of "
-                  f"{cfg.training.batch_size} × {cfg.training.seq_len} tokens (the batch must divide over the "
-                  "data-parallel group, the layers over pp, the heads over tp): try a batch that is a multiple of "
-                  "the device count", file=sys.stderr)
-            return 1
-        if "run the best:" not in text:
-            print(f"error: no layout of this model fits {a.devices} × {dev.name}: more devices, a shorter sequence, "
-                  "a smaller batch, or the offload section (docs/offload.md)", file=sys.stderr)
-            return 1
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(text)
+    if text.splitlines()[1].startswith("0 layouts considered"):
+        print(f"error: no layout of this model on {a.devices} devices accepts a global batch of "
+              f"{cfg.training.batch_size} × {cfg.training.seq_len} tokens (the batch must divide over the "
+              "data-parallel group, the layers over pp, the heads over tp): try a batch that is a multiple of "
+              "the device count", file=sys.stderr)
+        return 1
+    if "run the best:" not in text:
+        print(f"error: no layout of this model fits {a.devices} × {dev.name}: more devices, a shorter sequence, "
+              "a smaller batch, or the offload section (docs/offload.md)", file=sys.stderr)
+        return 1
     return 0

@@ -283,16 +283,11 @@ def _warn_about_freeze(cfg: Config) -> None:
                     "docs/communication.md); freeze well after it", ranks=[0])
 
 
-def _start(cfg: Config) -> Run:
-    log = get_dist_logger()
-    run_dir, t = cfg.logging.run_dir, cfg.training
-    is_main = jax.process_index() == 0
-    if is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        log.log_to_file(os.path.join(run_dir, "train.log"))
-    mesh = make_mesh(cfg.parallel)
-    plan = make_plan(cfg, mesh)
-    log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} device(s), "
+def _run_line(cfg: Config, plan: TrainPlan, mesh) -> str:
+    """The run's first log line: the mesh and devices, precision, ZeRO stage, and every path the
+    config switches on (sequence parallelism, attention, prefetch, collective matmul, compression)."""
+    t = cfg.training
+    return (f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} device(s), "
              f"{jax.process_count()} process(es); precision {plan.precision}; "
              f"zero_stage {cfg.parallel.zero_stage}"
              + (f"; sequence parallelism {cfg.parallel.sequence_parallelism_mode}"
@@ -315,7 +310,19 @@ def _start(cfg: Config) -> Run:
                 + (" with momentum correction" if cfg.parallel.momentum_correction else "")
                 + (f" after {cfg.parallel.compression_warmup_steps} dense steps"
                    if cfg.parallel.compression_warmup_steps else "")
-                if cfg.parallel.gradient_compression != "none" else ""), ranks=[0])
+                if cfg.parallel.gradient_compression != "none" else ""))
+
+
+def _start(cfg: Config) -> Run:
+    log = get_dist_logger()
+    run_dir, t = cfg.logging.run_dir, cfg.training
+    is_main = jax.process_index() == 0
+    if is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        log.log_to_file(os.path.join(run_dir, "train.log"))
+    mesh = make_mesh(cfg.parallel)
+    plan = make_plan(cfg, mesh)
+    log.info(_run_line(cfg, plan, mesh), ranks=[0])
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
         log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
                     f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])
