@@ -42,6 +42,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jaxcolossal.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError  # noqa: F401
+
 _policies = ocp.checkpoint_managers
 
 DAMAGED_DIR = "damaged"
@@ -50,14 +52,6 @@ DAMAGED_DIR = "damaged"
 LEGACY_ITEM = "default"
 """The item folder of steps written before the ``config`` item existed (one unnamed orbax item);
 they restore and export as before, without a saved config."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read as asked."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The saved state's structure differs from the target's (model, optimizer or precision)."""
 
 
 class NonFiniteStateError(CheckpointError, FloatingPointError):
@@ -288,7 +282,7 @@ class CheckpointManager:
         Raises:
             ValueError: a leaf of ``target`` carries no sharding.
             CheckpointMismatchError: the saved state has other shapes than ``target``.
-            FileNotFoundError: no checkpoint in the directory (or none restores).
+            CheckpointNotFoundError: no checkpoint in the directory, or none restores (a ``FileNotFoundError``).
         """
         abstract = abstract_like(target)
         if step is not None:
@@ -305,7 +299,7 @@ class CheckpointManager:
                 dest = self.quarantine(s)
                 warnings.warn(f"checkpoint step {s} in {self.directory} could not be restored and is skipped "
                               f"(moved to {dest}): {type(e).__name__}: {str(e)[:300]}", RuntimeWarning, stacklevel=2)
-        raise FileNotFoundError(f"no restorable checkpoint in {self.directory}")
+        raise CheckpointNotFoundError(f"no restorable checkpoint in {self.directory}")
 
     def restore_params(self, step: int | None = None, prefer_master: bool = True) -> tuple[dict, int]:
         """Host (numpy) copy of the model weights of ``step`` (default: the newest), for export.
@@ -315,11 +309,11 @@ class CheckpointManager:
         vocabulary padding is still there.
 
         Raises:
-            FileNotFoundError: no step in the directory.
+            CheckpointNotFoundError: no step in the directory (a ``FileNotFoundError``).
         """
         step = self.latest_step() if step is None else int(step)
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+            raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
         tree = self._state_metadata(step).tree
         key = "master" if prefer_master and tree.get("master") is not None else "params"
         is_leaf = lambda x: hasattr(x, "shape")

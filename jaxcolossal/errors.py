@@ -9,6 +9,8 @@ kind                          exit  for
 ============================  ====  ================================================================
 :class:`ConfigError`          2     a key, a value or a combination the run cannot take; a
                                     checkpoint folder that does not fit ``training.resume``
+:class:`CheckpointMismatchError` 2  a checkpoint of another model size, optimizer or precision
+:class:`DependencyError`      2     an optional package the config needs is missing
 :class:`DataError`            3     a data file that is missing, unreadable or malformed
 :class:`TokenizerError`       3     a tokenizer file that cannot be loaded
 :class:`CheckpointError`      3     a checkpoint that cannot be written or restored
@@ -34,6 +36,10 @@ class ConfigError(UserError, ValueError):
     exit_code = 2
 
 
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """The config file given does not exist."""
+
+
 class DataError(UserError, ValueError):
     """A data file is missing, unreadable, or holds what its format does not allow (the message
     names the file, and the line where there is one)."""
@@ -48,11 +54,30 @@ class TokenizerError(DataError):
     label = "tokenizer error"
 
 
-class CheckpointError(UserError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written, or that does not restore."""
 
     label = "checkpoint error"
     exit_code = 3
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint, or none that restores, in the folder."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The saved state's structure differs from the run's (model size, optimizer or precision): a
+    config that does not fit ``training.resume``, so a config error."""
+
+    label = "config error"
+    exit_code = 2
+
+
+class DependencyError(UserError, ImportError):
+    """An optional package that the config needs is not installed (the message says which)."""
+
+    label = "error"
+    exit_code = 2
 
 
 class StoppedError(UserError):

@@ -35,8 +35,8 @@ the processes as ``JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, the collective timeout of
 from __future__ import annotations
 
 import argparse
-import contextlib
 import collections
+import contextlib
 import os
 import re
 import signal

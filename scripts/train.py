@@ -17,15 +17,19 @@ Several processes on one machine (2 x 4 simulated CPU devices here):
 The launcher sets each process's device count in ``XLA_FLAGS``; without ``--devices`` that
 count is kept.
 
-Exit status: 0 done (with --compile-for: the step fits); 1 with --compile-for: it does not fit the
-fleet's memory; 2 a config error (one line, before anything compiles; a resume with nothing
-left to train too); 3 training stopped on NaN/inf, a checkpoint error or a missing corpus file;
-143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
+Exit status (one line on stderr for each error a user can cause, jaxcolossal.errors): 0 done
+(with --compile-for: the step fits); 1 with --compile-for or --dry-run: it does not fit; 2 a config
+error (before anything compiles; also a resume with nothing left to train, a checkpoint of another
+model size, optimizer or precision, a missing optional package); 3 a data, tokenizer or checkpoint
+error, or training stopped on NaN/inf; 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
 """
 
 import argparse
+import json
 import os
 import sys
+
+from jaxcolossal.errors import exit_status
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "llama_tiny.yaml")
 
@@ -40,23 +44,13 @@ def _devices_in_xla_flags() -> int | None:
 
 
 def compile_for_fleet(cfg, args) -> int:
-    """``--compile-for``: 0 when the step fits the fleet's HBM, 1 when it does not, 2 on bad input."""
-    import json
-
+    """``--compile-for``: 0 when the step fits the fleet's HBM, 1 when it does not."""
     from jaxcolossal.aot import fleet, report, target
-    from jaxcolossal.config import ConfigError
 
     target.prepare_environment()  # before jax's backends start
-    try:
-        gpu, count = target.parse_fleet(args.compile_for)
-        fleet.check_fleet(cfg, count, args.devices_per_host or gpu.devices_per_host)
-        result = fleet.compile_for(cfg, gpu, count, args.devices_per_host, keep_hlo=False)
-    except (ConfigError, ValueError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # the GPU compiler is not installed
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    gpu, count = target.parse_fleet(args.compile_for)
+    fleet.check_fleet(cfg, count, args.devices_per_host or gpu.devices_per_host)
+    result = fleet.compile_for(cfg, gpu, count, args.devices_per_host, keep_hlo=False)
     print(report.text(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -64,7 +58,38 @@ def compile_for_fleet(cfg, args) -> int:
     return 0 if result.fits else 1
 
 
-def main(argv=None) -> int:
+def dry_run(cfg, args) -> int:
+    """``--dry-run``: the plan; 1 when the run would be refused for ``offload.device_memory_limit``."""
+    from jaxcolossal.plan import dry_run as plan_of
+
+    p = cfg.parallel
+    explicit = -1 not in (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
+    # explicit sizes give the device count; otherwise plan for --devices (default 8)
+    text = plan_of(cfg, None if explicit else (args.devices or _devices_in_xla_flags() or 8))
+    print(text)
+    if "offload    does not fit:" in text:  # the run itself would be refused before compiling
+        print("error: this run does not fit offload.device_memory_limit (the offload line above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args) -> int:
+    """Load and validate the config (before JAX starts), then compile for a fleet, plan, or train."""
+    import jaxcolossal as jc
+    from jaxcolossal.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.compile_for:
+        return compile_for_fleet(cfg, args)
+    if args.dry_run:
+        return dry_run(cfg, args)
+    jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
+    jc.launch_from_env(seed=cfg.training.seed, verbose=False)
+    from jaxcolossal.train.loop import train
+    return train(cfg)["exit_code"]  # 0, or 143 / 130 after SIGTERM / Ctrl-C (128 + signal), as schedulers expect
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/llama_tiny.yaml)")
     ap.add_argument("--devices", type=int, default=None,
@@ -79,50 +104,22 @@ def main(argv=None) -> int:
                     help="with --compile-for: GPUs per host (default 8)")
     ap.add_argument("--json", metavar="PATH", default=None, help="with --compile-for: also write the report as JSON")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = ap.parse_intermixed_args(argv)  # overrides may come before and after the flags
+    return ap
 
-    import jaxcolossal as jc
-    from jaxcolossal.config import ConfigError, load_config
 
+def main(argv=None) -> int:
+    args = _parser().parse_intermixed_args(argv)  # overrides may come before and after the flags
     try:
-        cfg = load_config(args.config, args.overrides)  # validated before JAX starts
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.compile_for:
-        return compile_for_fleet(cfg, args)
-    if args.dry_run:
-        from jaxcolossal.plan import dry_run
-        p = cfg.parallel
-        explicit = -1 not in (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
-        try:  # explicit sizes give the device count; otherwise plan for --devices (default 8)
-            text = dry_run(cfg, None if explicit else (args.devices or _devices_in_xla_flags() or 8))
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-        print(text)
-        if "offload    does not fit:" in text:  # the run itself would be refused before compiling
-            print("error: this run does not fit offload.device_memory_limit (the offload line above)", file=sys.stderr)
-            return 1
-        return 0
-    jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
-    jc.launch_from_env(seed=cfg.training.seed, verbose=False)
-    from jaxcolossal.checkpoint import CheckpointError
-    from jaxcolossal.train.guard import NonFiniteError
-    from jaxcolossal.train.loop import train
-
-    try:
-        out = train(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, CheckpointError, FileNotFoundError) as e:  # FileNotFoundError: corpus, checkpoints
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+        return run(args)
     except KeyboardInterrupt:  # a second Ctrl-C
         print("aborted (second Ctrl-C): nothing saved since the last checkpoint", file=sys.stderr)
         return 130
-    return out["exit_code"]  # 0, or 143 / 130 after SIGTERM / Ctrl-C (128 + signal), as schedulers expect
+    except Exception as e:  # a user's error: one line and its exit code (jaxcolossal.errors); a bug raises
+        status = exit_status(e)
+        if status is None:
+            raise
+        print(status[0], file=sys.stderr)
+        return status[1]
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 import jax
 from jax.experimental import topologies
 
+from jaxcolossal.errors import ConfigError, DependencyError
+
 SPECS = Path(__file__).with_name("specs")
 """The folder of the target files (``<name>.txtpb``)."""
 
@@ -136,11 +138,11 @@ def get_target(name: str) -> Target:
     """The :class:`Target` called ``name`` (case-insensitive; :data:`ALIASES` too).
 
     Raises:
-        ValueError: an unknown name, listing the known ones.
+        ConfigError: an unknown name, listing the known ones.
     """
     key = ALIASES.get(name.lower(), name.lower())
     if key not in TARGETS:
-        raise ValueError(f"unknown GPU target {name!r}; known: {', '.join(sorted(TARGETS))}")
+        raise ConfigError(f"unknown GPU target {name!r}; known: {', '.join(sorted(TARGETS))}")
     return TARGETS[key]
 
 
@@ -148,16 +150,16 @@ def parse_fleet(fleet: str) -> tuple[Target, int]:
     """``"h200x16"`` -> (the H200 target, 16). A bare name means one host's worth of devices.
 
     Raises:
-        ValueError: not ``NAMExCOUNT`` with a known name and a positive count.
+        ConfigError: not ``NAMExCOUNT`` with a known name and a positive count.
     """
     m = re.fullmatch(r"([A-Za-z0-9_\-]+?)(?:[x×](\d+))?", fleet.strip())
     if not m:
-        raise ValueError(f"--compile-for {fleet!r}: expected NAMExCOUNT, e.g. h200x16; targets: "
+        raise ConfigError(f"--compile-for {fleet!r}: expected NAMExCOUNT, e.g. h200x16; targets: "
                          f"{', '.join(sorted(TARGETS))}")
     target = get_target(m.group(1))
     count = int(m.group(2)) if m.group(2) else target.devices_per_host
     if count < 1:
-        raise ValueError(f"--compile-for {fleet!r}: the device count must be at least 1")
+        raise ConfigError(f"--compile-for {fleet!r}: the device count must be at least 1")
     return target, count
 
 
@@ -191,8 +193,8 @@ def compile_only_devices(target: Target | str, num_devices: int, devices_per_hos
 
     Raises:
         ValueError: an unknown target, or a device count that does not split into hosts.
-        RuntimeError: the GPU compiler is not installed (the message says what to install), or the
-            installed jaxlib cannot parse the target file.
+        DependencyError: the GPU compiler is not installed (the message says what to install).
+        RuntimeError: the installed jaxlib cannot parse the target file.
     """
     if isinstance(target, str):
         target = get_target(target)
@@ -200,7 +202,7 @@ def compile_only_devices(target: Target | str, num_devices: int, devices_per_hos
     try:
         desc = topologies.get_topology_desc(platform="cuda", target_config=target.text, topology=topo)
     except NotImplementedError as e:  # no CUDA plugin, or its import failed
-        raise RuntimeError(
+        raise DependencyError(
             "the XLA GPU compiler is not available: install it with pip install -e \".[gpu-compile]\" "
             "(jax-cuda12-plugin and jax-cuda12-pjrt at jax's version, and cuDNN), and set "
             "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax starts on a machine without a GPU") from e
@@ -213,6 +215,6 @@ def gpu_compiler_available() -> bool:
     """Whether the CUDA plugin can make compile-only devices here (tests skip without it)."""
     try:
         compile_only_devices("h200", 1)
-    except RuntimeError:
+    except (DependencyError, RuntimeError):
         return False
     return True

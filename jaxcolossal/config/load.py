@@ -20,7 +20,7 @@ import yaml
 
 from jaxcolossal.config.checks import validate
 from jaxcolossal.config.schema import Bytes, Config, parse_bytes, yaml_list
-from jaxcolossal.errors import ConfigError
+from jaxcolossal.errors import ConfigError, ConfigFileNotFoundError
 
 PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir", "checkpoint.dir",
              "logging.run_dir", "offload.nvme_path")
@@ -216,14 +216,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load a YAML config (or the defaults when ``path`` is None) and apply overrides.
 
     Raises:
-        FileNotFoundError: the YAML file does not exist.
+        ConfigFileNotFoundError: the YAML file does not exist (a ``ConfigError`` and a ``FileNotFoundError``).
         ConfigError: the file is not valid YAML (line and column), or see :func:`config_from_dict`.
     """
     raw = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+            raise ConfigFileNotFoundError(f"config file {str(path)!r} does not exist")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:

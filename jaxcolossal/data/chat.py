@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import jinja2
 import numpy as np
 
+from jaxcolossal.errors import DataError, TokenizerError
+
 from .corpus import iter_json_lines, resolve_files
 
 __all__ = ["ChatData", "load_chat", "render_segments"]
@@ -56,17 +58,17 @@ def _conversation(record, where: str) -> list[dict]:
     if isinstance(record, dict) and "messages" in record:
         msgs = record["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+            raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: messages[{i}] must be {{'role': one of {list(ROLES)}, "
+                raise DataError(f"{where}: messages[{i}] must be {{'role': one of {list(ROLES)}, "
                                  f"'content': a string}}, got {str(m)[:80]}")
         if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{where}: the conversation has no assistant turn, so nothing to train on")
+            raise DataError(f"{where}: the conversation has no assistant turn, so nothing to train on")
         return msgs
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
-    raise ValueError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str, 'response': str}}")
+    raise DataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str, 'response': str}}")
 
 
 def _chat_template(tokenizer):
@@ -113,7 +115,7 @@ def render_segments(messages: list[dict], template=None, eos_text: str = "") -> 
         prompt = template(messages[:i], True)
         full = template(messages[: i + 1], False)
         if not prompt.startswith(done) or not full.startswith(prompt):
-            raise ValueError("the chat template does not render conversations as growing prefixes; "
+            raise TokenizerError("the chat template does not render conversations as growing prefixes; "
                              "use a tokenizer without chat_template for the plain format")
         out += [(prompt[len(done):], False), (full[len(prompt):], True)]
         done = full
@@ -150,7 +152,7 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
                 truncated += 1
                 tokens, trained = tokens[: seq_len + 1], trained[: seq_len + 1]
             if not trained[1:].any():
-                raise ValueError(f"{where}: no response token is left within training.seq_len={seq_len} "
+                raise DataError(f"{where}: no response token is left within training.seq_len={seq_len} "
                                  f"(the text before the first response takes {prompt_len} tokens); raise seq_len or "
                              "shorten the prompt")
             row = np.full(seq_len + 1, pad, np.int32)
@@ -160,5 +162,5 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
             rows.append(row)
             masks.append(m[1:])  # target j is token j + 1
     if not rows:
-        raise ValueError(f"data.corpus={data_cfg.corpus!r} holds no conversations")
+        raise DataError(f"data.corpus={data_cfg.corpus!r} holds no conversations")
     return ChatData(np.stack(rows), np.stack(masks), truncated)

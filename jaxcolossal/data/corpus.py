@@ -15,6 +15,8 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
+from jaxcolossal.errors import DataError, DependencyError
+
 from .cache import cached, corpus_key
 from .tokenizer import get_tokenizer
 
@@ -80,7 +82,7 @@ def resolve_files(corpus: str) -> list[str]:
         return stdlib_files()
     patterns = [p.strip() for p in str(corpus).split(",") if p.strip()]
     if not patterns:
-        raise ValueError(f"data corpus must be 'stdlib' or a glob pattern, got {corpus!r}")
+        raise DataError(f"data corpus must be 'stdlib' or a glob pattern, got {corpus!r}")
     files = set()
     for pattern in patterns:
         for path in glob.glob(pattern, recursive=True):
@@ -111,22 +113,22 @@ def iter_json_lines(path: str) -> Iterator[tuple[str, object]]:
         try:
             yield f"{path}:{lineno}", json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON line ({e.msg})") from None
+            raise DataError(f"{path}:{lineno}: invalid JSON line ({e.msg})") from None
 
 
 def _parquet_documents(path: str, text_key: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq  # optional (the data extra): parquet corpora only
     except ImportError as e:
-        raise ImportError("data.format=parquet needs pyarrow: pip install pyarrow") from e
+        raise DependencyError("data.format=parquet needs pyarrow: pip install pyarrow") from e
     f = pq.ParquetFile(path)
     names = f.schema_arrow.names
     if text_key not in names:
-        raise ValueError(f"{path}: parquet file has no column {text_key!r} (data.text_key); its columns: {names}")
+        raise DataError(f"{path}: parquet file has no column {text_key!r} (data.text_key); its columns: {names}")
     for batch in f.iter_batches(columns=[text_key], batch_size=1024):
         for i, text in enumerate(batch.column(0).to_pylist()):
             if not isinstance(text, str):
-                raise ValueError(f"{path}: column {text_key!r} holds {type(text).__name__}, expected strings")
+                raise DataError(f"{path}: column {text_key!r} holds {type(text).__name__}, expected strings")
             yield text
 
 
@@ -134,14 +136,14 @@ def _dataset_documents(folder: str, text_key: str) -> Iterator[str]:
     try:
         import datasets  # optional (the data extra), heavy: saved datasets folders only
     except ImportError as e:
-        raise ImportError("data.format=datasets needs the datasets package: pip install datasets") from e
+        raise DependencyError("data.format=datasets needs the datasets package: pip install datasets") from e
     ds = datasets.load_from_disk(folder)
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise ValueError(f"{folder}: a DatasetDict without a 'train' split (splits: {list(ds)})")
+            raise DataError(f"{folder}: a DatasetDict without a 'train' split (splits: {list(ds)})")
         ds = ds["train"]
     if text_key not in ds.column_names:
-        raise ValueError(f"{folder}: dataset has no column {text_key!r} (data.text_key); its columns: "
+        raise DataError(f"{folder}: dataset has no column {text_key!r} (data.text_key); its columns: "
                          f"{ds.column_names}")
     for batch in ds.select_columns([text_key]).iter(batch_size=1024):
         yield from batch[text_key]
@@ -176,10 +178,10 @@ def iter_documents(files: list[str], text_key: str = "text", fmt: str = "text") 
             continue
         for where, record in iter_json_lines(path):
             if not isinstance(record, dict) or text_key not in record:
-                raise ValueError(f"{where}: JSON line has no field {text_key!r} (text_key)")
+                raise DataError(f"{where}: JSON line has no field {text_key!r} (text_key)")
             text = record[text_key]
             if not isinstance(text, str):
-                raise ValueError(f"{where}: field {text_key!r} is {type(text).__name__}, expected str")
+                raise DataError(f"{where}: field {text_key!r} is {type(text).__name__}, expected str")
             yield text
 
 
@@ -267,7 +269,7 @@ def load_corpus(data_cfg, with_docs: bool = False):
     out = cached(cache_dir, key, build) if cache_dir else build()
     stream = out["tokens"]
     if len(stream) < MIN_STREAM_TOKENS:
-        raise ValueError(
+        raise DataError(
             f"corpus {corpus!r} gives only {len(stream)} tokens; "
             f"at least {MIN_STREAM_TOKENS} are needed"
         )
@@ -304,7 +306,7 @@ def split_corpus(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
     n_val = int(n * val_fraction)
     train, val = tokens[: n - n_val], tokens[n - n_val:]
     if len(train) < MIN_STREAM_TOKENS or (val_fraction > 0 and len(val) < MIN_STREAM_TOKENS):
-        raise ValueError(
+        raise DataError(
             f"stream of {n} tokens is too short for val_fraction={val_fraction}: "
             f"train has {len(train)} and val {len(val)} tokens, each needs >= "
             f"{MIN_STREAM_TOKENS} (raise max_corpus_bytes or use more files)"

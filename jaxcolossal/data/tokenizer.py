@@ -15,6 +15,8 @@ import os
 import numpy as np
 from tokenizers import Tokenizer
 
+from jaxcolossal.errors import DependencyError, TokenizerError
+
 __all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "get_tokenizer", "TOKENIZERS"]
 
 
@@ -101,7 +103,7 @@ class HFTokenizer:
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as e:  # the library raises a bare Exception for a malformed file
-            raise ValueError(f"data.tokenizer={path!r}: {file} is not a readable tokenizers file: {e}") from None
+            raise TokenizerError(f"data.tokenizer={path!r}: {file} is not a readable tokenizers file: {e}") from None
         self.name = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos(os.path.dirname(os.path.abspath(file)))
@@ -159,11 +161,11 @@ class SentencePieceTokenizer:
         try:
             import sentencepiece  # optional (the data extra): SentencePiece tokenizers only
         except ImportError as e:
-            raise ImportError(f"data.tokenizer={path!r} is a SentencePiece model: pip install sentencepiece") from e
+            raise DependencyError(f"data.tokenizer={path!r} is a SentencePiece model: pip install sentencepiece") from e
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         except Exception as e:  # the library raises OSError/RuntimeError for a bad file
-            raise ValueError(f"data.tokenizer={path!r}: not a readable SentencePiece model: {e}") from None
+            raise TokenizerError(f"data.tokenizer={path!r}: not a readable SentencePiece model: {e}") from None
         self.name = path
         self.vocab_size = int(self._sp.get_piece_size())
         eos = int(self._sp.eos_id())

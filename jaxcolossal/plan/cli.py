@@ -14,7 +14,6 @@ from jaxcolossal.plan.devices import DEVICES, Device
 from jaxcolossal.plan.search import report
 from jaxcolossal.plan.seed_table import seed_table
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The repository (for ``configs/``)."""
 
