@@ -7,7 +7,6 @@ changes its checkpoints works on a copy.
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -231,11 +230,12 @@ def test_cli_errors_are_one_line_before_compiling(overrides, message):
     assert "compiled" not in r.stderr
 
 
-def test_readme_resume_recipe_continues():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    row = next(line for line in readme.splitlines() if line.startswith("| resume"))
-    first, second = re.findall(r"`(python [^`]*)`", row)[:2]
+def test_the_documented_resume_recipe_continues():
+    """docs/training.md's resume commands: the second continues the first's folder past its steps."""
+    guide = open(os.path.join(ROOT, "docs", "training.md")).read()
+    block = guide.split("## Checkpoints and resume", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    first, second = [line for line in block.splitlines() if line.startswith("python ")][:2]
     default_steps = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml")).training.max_steps
     more = [int(a.split("=")[1]) for a in second.split() if a.startswith("training.max_steps=")]
-    assert "training.resume=true" in second and more and more[0] > default_steps, row
+    assert "training.resume=true" in second and more and more[0] > default_steps, block
     assert first.split("checkpoint.dir=")[1].split()[0] == second.split("checkpoint.dir=")[1].split()[0]

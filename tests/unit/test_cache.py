@@ -1,6 +1,7 @@
 """The pre-tokenization cache: built once, memory-mapped after, keyed by files and tokenizer,
 rebuilt when a file changes or the cached file is damaged; writes are atomic."""
 
+import logging
 import os
 import time
 
@@ -35,7 +36,12 @@ def test_damaged_cache_is_rebuilt(tmp_path, caplog):
     cached(str(tmp_path), "k", lambda: {"tokens": np.arange(1000, dtype=np.uint8)})
     with open(tmp_path / "k.tokens.npy", "r+b") as f:
         f.truncate(20)  # a header cut short, as by a disk error
-    out = cached(str(tmp_path), "k", lambda: {"tokens": np.arange(10, dtype=np.uint8)})
+    log = logging.getLogger("jaxcolossal")  # it does not propagate once the run's logger is set up
+    log.addHandler(caplog.handler)
+    try:
+        out = cached(str(tmp_path), "k", lambda: {"tokens": np.arange(10, dtype=np.uint8)})
+    finally:
+        log.removeHandler(caplog.handler)
     np.testing.assert_array_equal(out["tokens"], np.arange(10))
     assert "unreadable" in caplog.text
 
