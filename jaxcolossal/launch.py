@@ -30,7 +30,6 @@ for that long.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import re
@@ -42,6 +41,7 @@ import numpy as np
 from jax._src import xla_bridge as _xla_bridge
 
 from jaxcolossal.dist_logger import get_dist_logger
+from jaxcolossal.platforms import cuda_plugin_installed, nvidia_device_present
 
 # Colossal-AI sets this at import so that communication kernels are issued in order
 # with compute on a single hardware queue; keep a user's own value.
@@ -117,15 +117,7 @@ def _cuda_plugin_without_gpu() -> bool:
     """A CUDA plugin is installed (``pip install -e ".[gpu-compile]"``, for compiling for GPUs
     without one) on a machine with no NVIDIA device node: jax would try to start a GPU backend,
     fail, and log the failure before falling back to the CPU."""
-    if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
-        return False
-    for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except (ImportError, ValueError):
-            continue
-    return False
+    return cuda_plugin_installed() and not nvidia_device_present()
 
 
 def _with_device_count_flag(xla_flags: str, n: int) -> str:

@@ -80,3 +80,9 @@ def platform(mesh: Mesh | jax.sharding.AbstractMesh | Sequence[jax.Device]) -> s
         kind = next(iter(mesh)).platform
     kind = kind.lower()
     return "gpu" if kind in ("gpu", "cuda", "rocm") else kind
+
+
+def entry_axes(entry) -> tuple:
+    """The mesh axis names of one ``PartitionSpec`` entry: ``None`` -> ``()``, ``"tp"`` ->
+    ``("tp",)``, ``("dp", "fsdp")`` -> itself."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.mesh import DATA_AXES, MESH_AXES, ZERO_AXIS  # noqa: F401  (re-exported: the sharding vocabulary)
+from jaxcolossal.mesh import DATA_AXES, MESH_AXES, ZERO_AXIS, entry_axes  # noqa: F401  (re-exported: the sharding vocabulary)
 
 ZERO_LOGICAL_AXIS = "embed"
 
@@ -86,9 +86,6 @@ def rules_for(parallel, pipeline: bool = False) -> dict[str, Any]:
     return rules
 
 
-def _names(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
 LogicalAxes = tuple  # tuple[str | None, ...], one name per array dimension
 
 
@@ -108,8 +105,8 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] = RULES
             out.append(rules[a])
     for i, a in enumerate(axes):  # a yielding axis drops the mesh axes that another dimension uses
         if a in YIELDING and out[i] is not None:
-            used = {m for j, e in enumerate(out) if j != i for m in _names(e)}
-            kept = tuple(m for m in _names(out[i]) if m not in used)
+            used = {m for j, e in enumerate(out) if j != i for m in entry_axes(e)}
+            kept = tuple(m for m in entry_axes(out[i]) if m not in used)
             out[i] = None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*out)
 
@@ -159,7 +156,7 @@ def zero_spec(name: str, axes: Sequence[str | None], shape: Sequence[int], mesh_
     # last resort: split a dimension that tensor parallelism already splits further over fsdp
     for i, e in enumerate(base):
         if e is not None:
-            names = (e,) if isinstance(e, str) else tuple(e)
+            names = entry_axes(e)
             if shape[i] % (_axis_size(mesh_shape, names) * n) == 0:
                 base[i] = names + (ZERO_AXIS,)
                 return P(*base)
@@ -316,7 +313,7 @@ def one_layer_specs(layer_param_specs: Any) -> tuple[Any, Any]:
     (``P`` leaves ``[L, ...]``): as stored (the leading ``L`` dropped), and without ``fsdp``
     (ZeRO-3's all-gathered form; tp stays)."""
     def drop(entry):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        names = entry_axes(entry)
         kept = tuple(a for a in names if a != "fsdp")
         return kept[0] if len(kept) == 1 else (kept or None)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731

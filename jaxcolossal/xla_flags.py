@@ -24,7 +24,6 @@ The flags only matter on GPUs: :func:`apply` does nothing where no CUDA plugin i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +31,8 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
+
+from jaxcolossal.platforms import cuda_plugin_installed
 
 OVERLAP_GROUPS: tuple[tuple[str, ...], ...] = (
     ("--xla_gpu_enable_latency_hiding_scheduler=true",),
@@ -120,14 +121,7 @@ def gpu_expected() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "").lower()
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return False
-    names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-    for name in names:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except (ImportError, ValueError):
-            continue
-    return False
+    return cuda_plugin_installed()
 
 
 def merge(xla_flags: str, flags: list[str]) -> str:

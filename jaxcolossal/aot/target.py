@@ -26,6 +26,7 @@ import jax
 from jax.experimental import topologies
 
 from jaxcolossal.errors import ConfigError, DependencyError
+from jaxcolossal.platforms import nvidia_device_present
 
 SPECS = Path(__file__).with_name("specs")
 """The folder of the target files (``<name>.txtpb``)."""
@@ -182,7 +183,7 @@ def prepare_environment() -> None:
     when no NVIDIA device node exists and none was chosen (so that jax does not try to start a GPU
     backend). Values already set are kept."""
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    if not os.path.exists("/dev/nvidia0") and not jax.config.jax_platforms:
+    if not nvidia_device_present() and not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
 
 

@@ -72,6 +72,7 @@ from jaxcolossal.config import (
     prefetches_weights,
     reduces_layerwise,
 )
+from jaxcolossal.mesh import entry_axes
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.models.vocab import fused_pays
 from jaxcolossal.sharding import rules_for, state_specs
@@ -91,7 +92,7 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
     def local(shape, spec):
         out = []
         for n, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            names = entry_axes(entry)
             div = math.prod(mesh_shape.get(a, 1) for a in names if a not in ("fsdp", "pp"))
             out.append(n // div if n % div == 0 else n)
         return tuple(out)

@@ -51,14 +51,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.mesh import DATA_AXES
+from jaxcolossal.mesh import DATA_AXES, entry_axes
 from jaxcolossal.parallel.wire import decode, encode
 
 
 def _data_dim(spec: P) -> int | None:
     """The dimension of ``spec`` that a data axis (``dp``/``fsdp``) shards, or None."""
     for i, e in enumerate(spec):
-        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        names = entry_axes(e)
         if any(a in DATA_AXES for a in names):
             return i
     return None

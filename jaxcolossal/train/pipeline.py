@@ -90,7 +90,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.mesh import DATA_AXES, PP_AXIS, SP_AXIS, ZERO_AXIS
+from jaxcolossal.mesh import DATA_AXES, PP_AXIS, SP_AXIS, ZERO_AXIS, entry_axes
 from jaxcolossal.models.remat import scan_chunk, scan_layers
 from jaxcolossal.parallel.schedule import CHUNK, FIRST, LAST, MB, SLOT, VALID, PipelineSchedule, pipeline_schedule_for
 from jaxcolossal.parallel.sequence import zigzag_batch, zigzag_order
@@ -107,7 +107,7 @@ def _keep(spec: P, keep) -> P:
     """``spec`` with only the mesh axes for which ``keep(name)`` holds, in every entry."""
     out = []
     for e in spec:
-        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        names = entry_axes(e)
         kept = tuple(a for a in names if keep(a))
         out.append(kept if len(kept) > 1 else kept[0] if kept else None)
     return P(*out)

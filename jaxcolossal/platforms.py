@@ -1,0 +1,25 @@
+"""What this machine offers JAX, decided without starting a backend: a CUDA plugin installed (the
+``gpu-compile`` extra, or ``jax[cuda12]``) and an NVIDIA device present."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether a CUDA plugin for jax can be imported here."""
+    for name in CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def nvidia_device_present() -> bool:
+    """Whether the machine has an NVIDIA device node (``/dev/nvidiactl`` or ``/dev/nvidia0``)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
