@@ -46,3 +46,16 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line that shows the ``gpu_compile`` tests ran (CI's log runs with ``-q``, which names no test)."""
+    counts = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        reports = terminalreporter.stats.get(outcome, [])
+        n = sum(1 for r in reports if (outcome in ("error", "skipped") or r.when == "call") and "gpu_compile" in getattr(r, "keywords", {}))
+        if n:
+            counts[outcome] = n
+    if counts:
+        terminalreporter.write_line("gpu_compile tests (XLA's GPU compiler, no GPU): "
+                                    + ", ".join(f"{n} {k}" for k, n in counts.items()))

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxcolossal.aot.fleet import FleetCompile, GiB
+from jaxcolossal.config import gib
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
 def _gib(x: float) -> str:
-    return f"{x / GiB:,.2f} GiB" if abs(x) >= GiB / 10 else f"{x / 2**20:,.2f} MiB"
+    """GiB from a tenth of one up (the scale of a fleet), else the unit that shows the value."""
+    return f"{x / GiB:,.2f} GiB" if abs(x) >= GiB / 10 else gib(x)
 
 
 def _ms(s: float) -> str:

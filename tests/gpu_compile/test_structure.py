@@ -7,6 +7,7 @@ Each assertion reads the compiled (scheduled) HLO, so it holds for the program a
 import re
 
 import pytest
+from tiny import TINY_MODEL, TINY_TRAINING
 
 from jaxcolossal import hlo
 from jaxcolossal.aot import report
@@ -89,6 +90,22 @@ def test_offload_compiles_host_buffers_where_the_jaxlib_can(compile_tiny):
         pytest.skip("jaxlib 0.10's compile-only devices have no memory kinds (docs/gpu.md)")
     fc = compile_tiny({"zero_stage": 2}, offload=OFFLOAD)
     assert fc.memory["host_argument"] > 0 and fc.memory_kinds
+
+
+@pytest.mark.parametrize("precision,size", [(None, 4), ("bf16", 2)])
+def test_activation_offload_compiles_host_buffers(compile_tiny, precision, size):
+    """``model.remat=offload`` moves the saved projections to host memory inside the step, so even
+    compile-only devices keep the kind: the GPU compile holds them as pinned-host temporaries, one
+    per saved projection output of every layer (``S(5)`` in the HLO). The MLP's down projection is
+    tagged but not saved: the residual add after it needs nothing from it in the backward pass."""
+    fc = compile_tiny({"zero_stage": 2}, precision, {"remat": "offload"})
+    m = TINY_MODEL
+    head = m["hidden_size"] // m["num_attention_heads"]
+    widths = (m["num_attention_heads"] * head, 2 * m["num_key_value_heads"] * head,  # q; k and v
+              m["hidden_size"], 2 * m["intermediate_size"])  # attention out; MLP gate and up
+    tokens = TINY_TRAINING["batch_size"] // 8 * TINY_TRAINING["seq_len"]  # per device (dp 8)
+    assert fc.memory["host_temp"] == m["num_layers"] * tokens * sum(widths) * size
+    assert "S(5)" in fc.hlo_text
 
 
 # ----------------------------------------------------------------------------- overlap
