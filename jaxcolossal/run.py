@@ -19,8 +19,9 @@ Platform (``--platform``, default ``auto``: ``gpu`` when ``/dev/nvidia0`` exists
 * ``gpu``: nothing is added; ``launch_from_env`` gives process ``LOCAL_RANK`` the GPU of the
   same index (one process per GPU).
 
-Output: rank 0's stdout and stderr are streamed to this terminal and copied to
-``<log-dir>/rank0.log``; every other rank writes to ``<log-dir>/rank<r>.log``. ``--log-dir``
+Output: rank 0's stdout and stderr are streamed to this terminal line by line and copied to
+``<log-dir>/rank0.log``; every other rank writes to ``<log-dir>/rank<r>.log``. Gloo's
+"connected to N peer ranks" lines go to the logs only. ``--log-dir``
 defaults to a new temporary folder, printed at start.
 
 Failure handling: when a process exits with a non-zero status, the others get SIGTERM and,
@@ -126,20 +127,47 @@ class _Proc:
     log_file: IO | None = None
 
 
-def _pump(src: IO[bytes], dests: Sequence[IO[bytes]]) -> None:
-    """Copy ``src`` to every stream in ``dests`` as data arrives (keeps ``\\r`` progress bars)."""
+_QUIET = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks "
+                    rb"is : \d+\n")
+"""Messages kept out of the terminal (they stay in the rank's log): Gloo prints one per process and
+communicator from C++, several per run, unsynchronised with the program's own output (so one can
+land in the middle of a line of it)."""
+
+
+def _pump(src: IO[bytes], dests: Sequence[IO[bytes]], terminal: IO[bytes] | None = None) -> None:
+    """Copy ``src`` to every stream in ``dests`` as data arrives (keeps ``\\r`` progress bars), and to
+    ``terminal`` by whole lines, without Gloo's connection messages (:data:`_QUIET`), also where one
+    landed in the middle of a line; ``\\r`` updates still pass as they come."""
+    pending = b""
+
+    def write(d: IO[bytes], data: bytes) -> None:
+        try:
+            d.write(data)
+            d.flush()
+        except (OSError, ValueError):
+            pass
+
+    def to_terminal(data: bytes) -> bytes:
+        *lines, rest = _QUIET.sub(b"", data).split(b"\n")
+        if lines:
+            write(terminal, b"".join(line + b"\n" for line in lines))
+        if b"\r" in rest:  # a progress bar's update: show it, keep its last segment for the line's end
+            head, _, rest = rest.rpartition(b"\r")
+            write(terminal, head + b"\r")
+        return rest
+
     try:
         while True:
             chunk = src.read1(65536) if hasattr(src, "read1") else src.read(65536)
             if not chunk:
                 break
             for d in dests:
-                try:
-                    d.write(chunk)
-                    d.flush()
-                except (OSError, ValueError):
-                    pass
+                write(d, chunk)
+            if terminal is not None:
+                pending = to_terminal(pending + chunk)
     finally:
+        if terminal is not None and pending:
+            write(terminal, pending)
         src.close()
 
 
@@ -256,7 +284,7 @@ def _start(cmd: Sequence[str], env: Mapping[str, str], rank: int, path: str, str
     p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file)
     out, err = getattr(sys.stdout, "buffer", None), getattr(sys.stderr, "buffer", None)
     for src, dst in ((popen.stdout, out), (popen.stderr, err)):
-        t = threading.Thread(target=_pump, args=(src, [d for d in (dst, log_file) if d]), daemon=True)
+        t = threading.Thread(target=_pump, args=(src, [log_file], dst), daemon=True)
         t.start()
         p.threads.append(t)
     return p

@@ -184,3 +184,28 @@ def test_ctrl_c_to_the_launcher_stops_every_process(tmp_path):
     for pid in pids:  # reaped by the launcher: gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+class _Chunks:
+    """A pipe that hands out the given chunks, one per read (as a process writes them)."""
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+
+    def read1(self, n):
+        return self.chunks.pop(0) if self.chunks else b""
+
+    def close(self):
+        pass
+
+
+def test_terminal_gets_whole_lines_without_gloos_connection_lines():
+    import io
+    gloo = b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
+    chunks = [b"step 1: lo", gloo, b"ss 5.2\n", b"train:  50%\r", b"train: 100%\r", gloo + b"done"]
+    log, term = io.BytesIO(), io.BytesIO()
+    R._pump(_Chunks(chunks), [log], term)
+    assert log.getvalue() == b"".join(chunks)  # the log keeps everything, as it came
+    shown = term.getvalue()
+    assert b"Gloo" not in shown
+    assert shown == b"step 1: loss 5.2\ntrain:  50%\rtrain: 100%\rdone"  # the line split by Gloo's is whole
