@@ -178,7 +178,7 @@ def auto(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], li
             f"offload.placement_policy=auto: nothing fits offload.device_memory_limit={gib(limit)}: the smallest "
             f"predicted need is {gib(best[4]['total'])} (offload_optim_frac={best[3].asked_optim_frac:g}, "
             f"offload_param_frac={best[3].asked_param_frac:g}; activations {gib(best[4]['activations'])}); "
-            "use more devices, a higher zero_stage, model.remat=full or a smaller microbatch")
+            + _ways_to_fit(cfg, mesh_shape))
     _, tr, _, pl, need = min(fits, key=lambda r: (r[1], r[2]))
     lines.append(f"offload auto: chose offload_optim_frac={pl.asked_optim_frac:g} offload_param_frac="
                  f"{pl.asked_param_frac:g} (device {gib(need['total'])} ≤ {gib(limit)}, traffic {gib(tr)}/step)")
@@ -213,11 +213,19 @@ def _no_offload_fits(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[s
         host = make_placement(1.0, cfg.offload.offload_param_frac, "host", shapes, specs, mesh_shape)
         if device_need(host, cfg, shapes, specs, mesh_shape, backend)["total"] <= limit:
             return "offload.offload_optim_frac=1 offload.optimizer_device=host would fit (the update on the CPU)"
-    ways = ["use more devices"] + (["a higher zero_stage"] if cfg.parallel.zero_stage < 3 else []) \
+    return "no offload setting fits either: " + _ways_to_fit(cfg, mesh_shape)
+
+
+def _ways_to_fit(cfg: Config, mesh_shape: Mapping[str, int]) -> str:
+    """The changes beyond offload that lower the need and are not already set: more devices, a
+    higher ``zero_stage`` (below 3), ``model.remat=full`` (when not full), a smaller microbatch
+    (more accumulation steps, or more pipeline microbatches)."""
+    ways = ["use more devices"] + ([f"parallel.zero_stage={cfg.parallel.zero_stage + 1}"]
+                                   if cfg.parallel.zero_stage < 3 else []) \
         + (["model.remat=full"] if cfg.model.remat != "full" else []) \
-        + (["a smaller microbatch (gradient accumulation)"] if mesh_shape.get("pp", 1) == 1 else
+        + (["a smaller microbatch (training.gradient_accumulation_steps)"] if mesh_shape.get("pp", 1) == 1 else
            ["more pipeline microbatches"])
-    return "no offload setting fits either: " + ", ".join(ways[:-1]) + " or " + ways[-1]
+    return ", ".join(ways[:-1]) + " or " + ways[-1]
 
 
 def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],

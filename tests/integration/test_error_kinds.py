@@ -62,3 +62,11 @@ def test_checkpoint_that_does_not_restore(tmp_path):
     (tmp_path / "ckpt" / "5").mkdir(parents=True)  # a step folder with nothing in it
     _one_line(_cli(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "training.resume=true"), 3, "checkpoint error",
               "no restorable checkpoint")
+
+
+def test_resume_with_another_model_size_is_a_config_error(tmp_path):
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    first = _cli(tmp_path, ckpt, "checkpoint.save_every=2", "training.sample_tokens=0", "training.eval_every=0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    _one_line(_cli(tmp_path, ckpt, "training.resume=true", "training.max_steps=4", "model.intermediate_size=96"),
+              2, "config error", "model.intermediate_size: saved 128, now 96")

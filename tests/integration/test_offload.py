@@ -235,6 +235,25 @@ def test_too_big_is_refused_before_compiling_and_auto_fits():
         make_plan(cfg, mesh)
 
 
+@pytest.mark.parametrize("policy", ["auto", "static"])
+def test_a_refusal_suggests_only_changes_not_already_set(policy):
+    """ZeRO-3 with full remat, refused: no 'higher zero_stage', no 'model.remat=full', and a budget
+    of one KiB shown as one KiB."""
+    cfg = _cfg(Z3, "bf16")
+    cfg.model.remat = "full"
+    cfg.offload.placement_policy = policy
+    cfg.offload.device_memory_limit = "1KiB"
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg, make_mesh(cfg.parallel))
+    msg = str(e.value)
+    assert "1.00 KiB" in msg and "0.00" not in msg
+    assert "use more devices or a smaller microbatch (training.gradient_accumulation_steps)" in msg
+    assert "zero_stage=" not in msg and "remat" not in msg
+    cfg.parallel.zero_stage, cfg.model.remat = 2, "selective"
+    with pytest.raises(ConfigError, match=r"parallel.zero_stage=3, model.remat=full or a smaller microbatch"):
+        make_plan(cfg, make_mesh(cfg.parallel))
+
+
 def test_main_job_trains_under_auto_placement(tmp_path):
     """A simulated device budget below the run's need: auto picks fractions, the dry run shows the
     plan, and training's val loss falls as without offload."""
