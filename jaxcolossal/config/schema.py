@@ -86,6 +86,11 @@ class TrainingConfig:
     optimizer steps Adam's second moment stops changing (1-bit Adam, Tang et al., 2021;
     :func:`jaxcolossal.train.optimizer.scale_by_adam_frozen_variance`). Top-k's error feedback
     needs it: set it to ``parallel.compression_warmup_steps`` (docs/communication.md).
+
+    ``sample_tokens`` / ``sample_prompt``: the text generated at the end of the run (0: none).
+    An empty prompt means ``"def "`` for text corpora, and for ``data.format=chat`` the first
+    held-out conversation up to its response, rendered by the chat template; with chat a prompt
+    you give is the user's turn, and the sample ends at the end-of-text token.
     """
 
     batch_size: int = 16
@@ -109,7 +114,7 @@ class TrainingConfig:
     nonfinite_policy: Literal["stop", "skip"] = "stop"
     optimizer: Literal["adamw", "fused_adamw"] = "adamw"
     sample_tokens: int = 200
-    sample_prompt: str = "def "
+    sample_prompt: str = ""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jinja2
 import numpy as np
@@ -30,7 +30,7 @@ from jaxcolossal.errors import DataError, TokenizerError
 
 from .corpus import iter_json_lines, resolve_files
 
-__all__ = ["ChatData", "load_chat", "render_segments"]
+__all__ = ["ChatData", "generation_prompt", "load_chat", "render_segments"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -38,11 +38,16 @@ ROLES = ("system", "user", "assistant")
 @dataclass
 class ChatData:
     """Rendered conversations. ``examples`` int32 ``[N, seq_len + 1]``; ``masks`` float32
-    ``[N, seq_len]`` aligned with the targets ``examples[:, 1:]``; ``truncated``: rows cut to fit."""
+    ``[N, seq_len]`` aligned with the targets ``examples[:, 1:]``; ``truncated``: rows cut to fit;
+    ``prompts``: each conversation's rendered text before its first response (what a model is
+    asked to continue: the chat template's generation prompt included); ``files``: how many
+    files were read."""
 
     examples: np.ndarray
     masks: np.ndarray
     truncated: int
+    prompts: list = field(default_factory=list)
+    files: int = 0
 
     def split(self, val_fraction: float) -> tuple["ChatData", "ChatData"]:
         """The last ``ceil(N · val_fraction)`` rows (at least one when ``val_fraction > 0`` and
@@ -50,8 +55,8 @@ class ChatData:
         n = len(self.examples)
         k = 0 if val_fraction <= 0 or n < 2 else max(1, int(np.ceil(n * val_fraction)))
         cut = n - k
-        return (ChatData(self.examples[:cut], self.masks[:cut], self.truncated),
-                ChatData(self.examples[cut:], self.masks[cut:], 0))
+        return (ChatData(self.examples[:cut], self.masks[:cut], self.truncated, self.prompts[:cut], self.files),
+                ChatData(self.examples[cut:], self.masks[cut:], 0, self.prompts[cut:], self.files))
 
 
 def _conversation(record, where: str) -> list[dict]:
@@ -125,6 +130,16 @@ def render_segments(messages: list[dict], template=None, eos_text: str = "") -> 
     return out
 
 
+def generation_prompt(messages: list[dict], tokenizer) -> str:
+    """The text a model continues to answer ``messages`` (system/user turns): the tokenizer's chat
+    template with ``add_generation_prompt=True`` when it has one, else the plain form's turns and
+    ``"assistant: "`` (module docstring)."""
+    template = _chat_template(tokenizer) if hasattr(tokenizer, "encode_batch") else None
+    if template is not None:
+        return template(messages, True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
 def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
     """Read ``data_cfg.corpus`` (JSON-lines globs) as conversations and render them (module doc).
 
@@ -140,10 +155,13 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
     eos = getattr(tokenizer, "eos_id", None)
     pad = 0 if eos is None else eos
     eos_text = tokenizer.decode([eos]) if (eos is not None and template is None) else ""
-    rows, masks, truncated = [], [], 0
-    for path in resolve_files(data_cfg.corpus):
+    rows, masks, prompts, truncated = [], [], [], 0
+    files = resolve_files(data_cfg.corpus)
+    for path in files:
         for where, record in iter_json_lines(path):
             segments = render_segments(_conversation(record, where), template, eos_text)
+            first = next((i for i, (_, trained) in enumerate(segments) if trained), len(segments))
+            prompts.append("".join(text for text, _ in segments[:first]))
             ids = [tokenizer.encode(text).astype(np.int64) for text, _ in segments]
             flags = [np.full(len(i), trained, np.float32) for i, (_, trained) in zip(ids, segments)]
             tokens, trained = np.concatenate(ids), np.concatenate(flags)
@@ -163,4 +181,4 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
             masks.append(m[1:])  # target j is token j + 1
     if not rows:
         raise DataError(f"data.corpus={data_cfg.corpus!r} holds no conversations")
-    return ChatData(np.stack(rows), np.stack(masks), truncated)
+    return ChatData(np.stack(rows), np.stack(masks), truncated, prompts, len(files))

@@ -34,7 +34,7 @@ from jaxcolossal import xla_flags
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
 from jaxcolossal.config import Config, ConfigError
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
-from jaxcolossal.data.chat import load_chat
+from jaxcolossal.data.chat import generation_prompt, load_chat
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.generate import printable, sample_tokens
 from jaxcolossal.launch import collective_timeout
@@ -166,6 +166,10 @@ def preflight(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- start
 
 
+TEXT_SAMPLE_PROMPT = "def "
+"""The end-of-run sample's prompt for text corpora when ``training.sample_prompt`` is empty."""
+
+
 @dataclass
 class Run:
     """Everything the phases share; built by :func:`_start`."""
@@ -182,6 +186,7 @@ class Run:
     compiled_peak: int
     metrics: mx.MetricsWriter
     nvme: NvmeTier | None = None
+    sample_prompt: str = TEXT_SAMPLE_PROMPT
 
     def full(self, state: Any) -> Any:
         """``state`` whole: with the NVMe tier, its leaves read back from their files (for a save)."""
@@ -238,21 +243,14 @@ def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
     return state
 
 
-def _data(cfg: Config, mesh) -> tuple[DataLoader, list]:
-    """The training loader and the fixed evaluation batches for ``data.format``: ``text`` windows
-    of one token stream (with ``data.packing_mask`` also segment ids and positions), or ``chat``
-    conversations with a loss mask on the responses."""
+def _data(cfg: Config, mesh) -> tuple[DataLoader, list, str]:
+    """The training loader, the fixed evaluation batches and the end-of-run sample's prompt for
+    ``data.format``: ``text`` windows of one token stream (with ``data.packing_mask`` also segment
+    ids and positions), or ``chat`` conversations with a loss mask on the responses."""
     t, spec = cfg.training, jax.sharding.PartitionSpec(DATA_AXES)
     eval_bs = t.batch_size // t.gradient_accumulation_steps
     if cfg.data.format == "chat":
-        chat = load_chat(cfg.data, get_tokenizer(cfg.data.tokenizer), t.seq_len)
-        train_part, val_part = chat.split(cfg.data.val_fraction)
-        if chat.truncated:
-            get_dist_logger().warning(f"data.format=chat: {chat.truncated} of {len(chat.examples)} conversations "
-                                      f"were cut to training.seq_len={t.seq_len} tokens", ranks=[0])
-        loader = ExampleLoader(train_part.examples, train_part.masks, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
-        held = val_part if len(val_part.examples) else train_part
-        return loader, loader.eval_batches(held.examples, held.masks, eval_bs, t.eval_batches)
+        return _chat_data(cfg, mesh, spec, eval_bs)
     if cfg.data.packing_mask:  # documents' starts too: segment ids, positions, cross-document targets masked
         (train_tokens, train_docs), (val_tokens, val_docs) = load_splits(cfg.data, with_docs=True)
     else:
@@ -262,7 +260,30 @@ def _data(cfg: Config, mesh) -> tuple[DataLoader, list]:
     evals = [tuple(loader.to_global(a) for a in batch)
              for batch in eval_batches(val_tokens if use_val else train_tokens, eval_bs, t.seq_len, t.eval_batches,
                                        doc_starts=val_docs if use_val else train_docs)]
-    return loader, evals
+    return loader, evals, t.sample_prompt or TEXT_SAMPLE_PROMPT
+
+
+def _chat_data(cfg: Config, mesh, spec, eval_bs: int) -> tuple[ExampleLoader, list, str]:
+    """:func:`_data` for ``data.format=chat``; says how many conversations were loaded, cut and held
+    out. The sample's prompt is ``training.sample_prompt`` as a user turn, else the first held-out
+    conversation's text before its response (the chat template's generation prompt included)."""
+    t = cfg.training
+    tok = get_tokenizer(cfg.data.tokenizer)
+    chat = load_chat(cfg.data, tok, t.seq_len)
+    train_part, val_part = chat.split(cfg.data.val_fraction)
+    log = get_dist_logger()
+    log.info(f"data.format=chat: {len(chat.examples)} conversations from {chat.files} file(s): "
+             f"{len(train_part.examples)} to train, {len(val_part.examples)} held out for validation "
+             f"(data.val_fraction={cfg.data.val_fraction:g}); {chat.truncated} cut to training.seq_len={t.seq_len} "
+             "tokens", ranks=[0])
+    if chat.truncated:
+        log.warning(f"data.format=chat: {chat.truncated} of {len(chat.examples)} conversations were cut to "
+                    f"training.seq_len={t.seq_len} tokens", ranks=[0])
+    loader = ExampleLoader(train_part.examples, train_part.masks, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
+    held = val_part if len(val_part.examples) else train_part
+    prompt = generation_prompt([{"role": "user", "content": t.sample_prompt}], tok) if t.sample_prompt \
+        else held.prompts[0]
+    return loader, loader.eval_batches(held.examples, held.masks, eval_bs, t.eval_batches), prompt
 
 
 def _warn_about_freeze(cfg: Config) -> None:
@@ -329,7 +350,7 @@ def _start(cfg: Config) -> Run:
     _warn_about_freeze(cfg)
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
-    loader, evals = _data(cfg, mesh)
+    loader, evals, sample_prompt = _data(cfg, mesh)
 
     tx = build_optimizer(t, plan)
     # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
@@ -371,7 +392,8 @@ def _start(cfg: Config) -> Run:
              f"{(getattr(mem, 'temp_size_in_bytes', 0) or 0) / 2**20:.1f} MiB", ranks=[0])
     metrics = mx.MetricsWriter(run_dir, cfg.logging.tensorboard, enabled=is_main)
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
-               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier)
+               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
+               sample_prompt=sample_prompt)
 
 
 # ----------------------------------------------------------------------------- evaluate, save
@@ -503,15 +525,19 @@ def _save_last_finite(run: Run, state: Any) -> None:
 
 
 def _sample(run: Run, state: Any) -> str:
-    """A short generated text (the tokenizer's ids only; control characters escaped)."""
+    """A short generated text from the run's sample prompt (:func:`_data`), the tokenizer's ids only;
+    after chat fine-tuning it ends at the first end-of-text token (the end of the response)."""
     cfg, t = run.cfg.model, run.cfg.training
     if t.sample_tokens <= 0:
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
     fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, Sharder(None))[..., : tok.vocab_size])
-    out = sample_tokens(fn, state.params, tok.encode(t.sample_prompt), t.sample_tokens, t.seq_len,
+    out = sample_tokens(fn, state.params, tok.encode(run.sample_prompt), t.sample_tokens, t.seq_len,
                         jax.random.key(t.seed + 1))
-    return t.sample_prompt + tok.decode(out)
+    eos = getattr(tok, "eos_id", None) if run.cfg.data.format == "chat" else None
+    if eos is not None and eos in out.tolist():
+        out = out[: out.tolist().index(eos)]
+    return run.sample_prompt + tok.decode(out)
 
 
 ORBAX_NOISE = ("did not provide metrics", "Metadata file does not exist")

@@ -105,17 +105,30 @@ def test_chat_needs_a_corpus():
 
 
 def test_main_job_fine_tunes_on_chat(tmp_path):
+    """The response loss falls; the log counts the conversations loaded, cut and held out; the
+    end-of-run sample continues the first held-out conversation's prompt, not a text prompt."""
     from jaxcolossal.train.loop import train
 
     corpus = _write_chat(tmp_path / "c.jsonl", n=128)
     cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [
         "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=48",
-        "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=0", "logging.progress_bar=false",
+        "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=6", "logging.progress_bar=false",
         "training.eval_every=0", "training.max_steps=40", "training.warmup_steps=4", "data.format=chat",
         f"data.corpus={corpus}", "data.val_fraction=0.1", f"logging.run_dir={tmp_path}/run"])
     out = train(cfg)
     # the loss is over response tokens only (a few digits and a newline): it falls well below uniform
     assert out["val_loss_end"] < out["val_loss_start"] - 1.0
+    log = open(tmp_path / "run" / "train.log").read()
+    assert ("data.format=chat: 128 conversations from 1 file(s): 115 to train, 13 held out for validation "
+            "(data.val_fraction=0.1); 0 cut to training.seq_len=48 tokens") in log
+    assert out["sample"].startswith("user: add 115 and 115\nassistant: ")  # conversation 115: the first held out
+    assert len(out["sample"]) > len("user: add 115 and 115\nassistant: ")
+
+
+def test_a_given_sample_prompt_is_the_users_turn():
+    from jaxcolossal.data.chat import generation_prompt
+    assert generation_prompt([{"role": "user", "content": "double 4"}], get_tokenizer("byte")) == \
+        "user: double 4\nassistant: "
 
 
 def test_sft_from_hugging_face_matches_transformers(tmp_path):
