@@ -1,12 +1,15 @@
 """The planner's per-device memory prediction against what XLA compiles, over many layouts.
 
-    python scripts/plan_vs_compiler.py                  # the default sweep, 8 simulated CPU devices
+    python scripts/plan_vs_compiler.py --target h200x8  # XLA's GPU compiler, 8 compile-only H200s
+    python scripts/plan_vs_compiler.py                  # XLA:CPU, 8 simulated CPU devices
     python scripts/plan_vs_compiler.py --limit 5        # the first 5 only
 
 For each configuration it builds the real train step, compiles it, and compares the planner's
-predicted per-device peak (``jaxcolossal.plan._need``: state + fp32 gradients + activation
-estimate) with the compiled step's ``memory_analysis()``: arguments + outputs − aliased + temporaries
-(per device). It prints one row per configuration, the error of each, and the worst and the
+predicted per-device peak (``jaxcolossal.memory.budget.need``: state + fp32 gradients + activation
+estimate, with the memory terms of the compiler's backend) with the compiled step's
+``memory_analysis()``: arguments + outputs − aliased + temporaries (per device). ``--target``
+compiles for a GPU fleet without its GPUs (``jaxcolossal.aot``; the ``gpu-compile`` extra), as
+``scripts/train.py --compile-for`` does; without it, for XLA:CPU's simulated devices. It prints one row per configuration, the error of each, and the worst and the
 median. Issue 13's bar is 10%. A measurement script, not a test: the sweep compiles dozens of
 programs.
 """
@@ -21,6 +24,7 @@ import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # --target: the CUDA plugin without a GPU
 
 MODELS = {  # name: model section (LLaMA); the sizes grow from tiny to ~100M parameters
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
@@ -79,18 +83,9 @@ SWEEP = [  # (model, parallel, precision, remat, accumulation)
 ]
 
 
-def measure(model: str, parallel: dict, precision: str | None, remat: str, k: int, seq: int = 128,
-            batch: int = 16) -> tuple[float, float, dict]:
-    """(predicted bytes, compiled bytes, predicted parts) per device for one configuration."""
-    import jax
-    import numpy as np
-
+def config(model: str, parallel: dict, precision: str | None, remat: str, k: int, seq: int = 128, batch: int = 16):
+    """One sweep row's config (a pipeline row's ``k``: its microbatches, at least ``2·pp``)."""
     from jaxcolossal.config import config_from_dict
-    from jaxcolossal.memory.budget import need
-    from jaxcolossal.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
-    from jaxcolossal.train.state import abstract_state, make_plan
-    from jaxcolossal.train.step import make_train_step
 
     raw = {"model": {**MODELS[model], "max_position_embeddings": seq, "remat": remat},
            "training": {"batch_size": batch, "seq_len": seq, "gradient_accumulation_steps": k},
@@ -101,6 +96,36 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
     if cfg.parallel.pipeline_parallel_size > 1:
         cfg.training.gradient_accumulation_steps = 1
         cfg.parallel.num_microbatches = max(k, 2 * cfg.parallel.pipeline_parallel_size)
+    return cfg
+
+
+def measure_gpu(cfg, fleet_name: str) -> tuple[float, float, dict]:
+    """(predicted bytes, compiled bytes, predicted parts) per device, compiled by XLA's GPU compiler."""
+    from jaxcolossal.aot import fleet, target
+    from jaxcolossal.memory.budget import need
+
+    tgt, n = target.parse_fleet(fleet_name)
+    fc = fleet.compile_for(cfg, tgt, n, keep_hlo=False)
+    predicted = need(cfg, n, backend="gpu")
+    return float(predicted["total"]), float(fc.peak), predicted
+
+
+def measure(model: str, parallel: dict, precision: str | None, remat: str, k: int, seq: int = 128,
+            batch: int = 16, fleet_name: str = "") -> tuple[float, float, dict]:
+    """(predicted bytes, compiled bytes, predicted parts) per device for one configuration, on
+    ``fleet_name`` (``h200x8``: XLA:GPU) or, when empty, XLA:CPU's 8 simulated devices."""
+    import jax
+    import numpy as np
+
+    from jaxcolossal.memory.budget import need
+    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
+    from jaxcolossal.train.state import abstract_state, make_plan
+    from jaxcolossal.train.step import make_train_step
+
+    cfg = config(model, parallel, precision, remat, k, seq, batch)
+    if fleet_name:
+        return measure_gpu(cfg, fleet_name)
     predicted = need(cfg, 8, backend="cpu")
     plan = make_plan(cfg, make_mesh(cfg.parallel))
     tx = build_optimizer(cfg.training, plan)
@@ -122,6 +147,8 @@ def _rows(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="", help="compile for this GPU fleet with XLA's GPU compiler, e.g. h200x8 "
+                    "(default: XLA:CPU on 8 simulated devices)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
     ap.add_argument("--rows", type=_rows, default=[],
                     help=f"only these rows of the sweep, e.g. 31,32 (0-based, below {len(SWEEP)})")
@@ -137,7 +164,7 @@ def main(argv=None) -> int:
     for model, par, prec, remat, k in rows:
         t0 = time.time()
         try:
-            pred, comp, need = measure(model, par, prec, remat, k, batch=16 if k == 1 else 8 * k)
+            pred, comp, need = measure(model, par, prec, remat, k, batch=16 if k == 1 else 8 * k, fleet_name=a.target)
         except Exception as e:  # noqa: BLE001 - a configuration that fails is reported, the rest still run
             print(f"| {model} | {par} | {prec or 'fp32'} | {remat} | {k} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
             continue
