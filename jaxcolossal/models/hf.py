@@ -3,6 +3,7 @@
 Reads and writes LOCAL Hugging Face model directories (nothing is downloaded)::
 
     config.json
+    generation_config.json                    written by save_hf when special-token ids are given
     model.safetensors                         one file, or
     model.safetensors.index.json              {"metadata": {"total_size"}, "weight_map": {key: file}}
     model-00001-of-0000N.safetensors ...
@@ -10,9 +11,12 @@ Reads and writes LOCAL Hugging Face model directories (nothing is downloaded)::
 * :func:`load_hf` ``(path, tp) -> (ModelConfig, params)``: the params dict of
   :mod:`jaxcolossal.models.llama` / :mod:`jaxcolossal.models.gpt2`, fp32 numpy, the vocabulary
   padded for ``tp`` with zero rows.
-* :func:`save_hf` ``(path, cfg, params)``: the inverse; the padding is stripped, the result loads
-  in ``transformers`` (``LlamaForCausalLM`` / ``GPT2LMHeadModel``) with no missing or unexpected keys.
-* :func:`config_from_hf` / :func:`config_to_hf`: ``config.json`` dict <-> :class:`ModelConfig`.
+* :func:`save_hf` ``(path, cfg, params, special_tokens=None)``: the inverse; the padding is
+  stripped, the result loads in ``transformers`` (``LlamaForCausalLM`` / ``GPT2LMHeadModel``) with
+  no missing or unexpected keys; ``special_tokens`` (bos/eos/pad ids) go into ``config.json`` and
+  ``generation_config.json``.
+* :func:`config_from_hf` / :func:`config_to_hf`: ``config.json`` dict <-> :class:`ModelConfig`;
+  :func:`read_special_tokens`: the bos/eos/pad ids a directory names.
 * :func:`init_params_from` ``(cfg_model, tp)``: the weights behind ``model.init_from`` (fine-tuning).
 
 Key mapping, LLaMA (torch ``Linear`` weights are ``[out, in]``; L layers, i a layer)::
@@ -74,6 +78,8 @@ from jaxcolossal.models import get_family
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+GENERATION_CONFIG = "generation_config.json"
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Buffers that some checkpoints carry and that are not parameters.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
@@ -206,6 +212,21 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if not f.exists():
         raise FileNotFoundError(f"{str(f)!r} does not exist (a local Hugging Face model directory is needed)")
     return json.loads(f.read_text())
+
+
+def read_special_tokens(path: str | os.PathLike) -> dict:
+    """The ``bos_token_id``/``eos_token_id``/``pad_token_id`` a local HF model directory names:
+    each from ``generation_config.json`` (what ``generate()`` uses), else from ``config.json``;
+    keys that neither file sets (or sets to null) are left out, so a directory without ids, or
+    without either file, gives ``{}``.
+    """
+    out: dict = {}
+    for name in ("config.json", GENERATION_CONFIG):  # the second wins
+        f = Path(path) / name
+        if f.is_file():
+            d = json.loads(f.read_text())
+            out.update({k: d[k] for k in SPECIAL_TOKENS if d.get(k) is not None})
+    return out
 
 
 # ----------------------------------------------------------------------------- safetensors I/O
@@ -492,7 +513,36 @@ def load_hf(path: str | os.PathLike, tp: int = 1, **overrides: Any) -> tuple[Mod
     return cfg, params
 
 
-def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_size: int | str = "5GB") -> list[str]:
+def check_special_tokens(special_tokens: dict, vocab_size: int) -> dict:
+    """``special_tokens`` checked against a vocabulary of ``vocab_size`` entries: keys among
+    ``bos_token_id, eos_token_id, pad_token_id``, values an id in ``[0, vocab_size)``, a list of
+    such ids (several end tokens, as LLaMA-3's ``generation_config.json`` has), or None.
+    Returns a copy with plain ``int`` ids.
+
+    Raises:
+        ConfigError: an unknown key, or an id that is not an integer or lies outside the vocabulary.
+    """
+    out = {}
+    for key, value in special_tokens.items():
+        if key not in SPECIAL_TOKENS:
+            raise ConfigError(f"special token {key!r}: expected one of {', '.join(SPECIAL_TOKENS)}")
+        if value is None:
+            out[key] = None
+            continue
+        many = isinstance(value, (list, tuple))
+        ids = list(value) if many else [value]
+        if not ids or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
+            raise ConfigError(f"{key}={value!r}: expected a token id (an integer), a list of them, or None")
+        for i in ids:
+            if not 0 <= int(i) < vocab_size:
+                raise ConfigError(f"{key}={int(i)} lies outside the model's vocabulary (model.vocab_size="
+                                  f"{vocab_size}: ids 0..{vocab_size - 1})")
+        out[key] = [int(i) for i in ids] if many else int(value)
+    return out
+
+
+def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_size: int | str = "5GB",
+            special_tokens: dict | None = None) -> list[str]:
     """Export ``params`` as a Hugging Face model directory that ``transformers`` loads
     (``AutoModelForCausalLM.from_pretrained(path)``) with no missing or unexpected keys.
 
@@ -504,16 +554,27 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_si
             Vocabulary padding is removed: rows/columns beyond ``cfg.vocab_size`` are dropped.
         max_shard_size: bytes or HF-style ``"5GB"``/``"200MiB"``; a larger model is written as
             shards plus ``model.safetensors.index.json``.
+        special_tokens: ``{"bos_token_id": int | None, "eos_token_id": ..., "pad_token_id": ...}``
+            (any of the keys; :func:`check_special_tokens`): written into ``config.json`` (None as
+            ``null``), and the ids that are set into ``generation_config.json`` as
+            ``transformers.GenerationConfig.save_pretrained`` writes it (``"_from_model_config":
+            true``), so that ``generate()`` stops at ``eos_token_id``. None: ``config.json`` carries
+            only :func:`config_to_hf`'s ids (``transformers`` assumes its own defaults for the
+            rest) and no ``generation_config.json`` is written.
 
-    Writes ``config.json`` (:func:`config_to_hf`) and the safetensors file(s) (module doc for
-    the key names; tied embeddings are written once, as HF does). Returns the weight file names.
+    Writes ``config.json`` (:func:`config_to_hf`, plus the ids), the safetensors file(s) (module
+    doc for the key names; tied embeddings are written once, as HF does) and, when ids are set,
+    ``generation_config.json``; an earlier ``generation_config.json`` in ``path`` is removed
+    otherwise. Returns the weight file names.
 
     Raises:
-        ConfigError: an unknown ``cfg.type``.
+        ConfigError: an unknown ``cfg.type``; a special-token id outside ``[0, cfg.vocab_size)``
+            or an unknown key in ``special_tokens`` (nothing is written then).
     """
 
     if cfg.type not in _TO:
         raise ConfigError(f"model.type={cfg.type!r}: Hugging Face export supports {sorted(_TO)}")
+    ids = check_special_tokens(special_tokens, cfg.vocab_size) if special_tokens is not None else None
     p = jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), params)
     emb = _EMBED[cfg.type]
     p[emb] = p[emb][: cfg.vocab_size]
@@ -522,7 +583,13 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_si
     tensors = _TO[cfg.type](p, cfg)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps({**config_to_hf(cfg), **(ids or {})}, indent=2) + "\n")
+    generation = {k: v for k, v in (ids or {}).items() if v is not None}
+    if generation:
+        (path / GENERATION_CONFIG).write_text(
+            json.dumps({"_from_model_config": True, **dict(sorted(generation.items()))}, indent=2) + "\n")
+    elif (path / GENERATION_CONFIG).exists():
+        (path / GENERATION_CONFIG).unlink()
     return write_safetensors(path, tensors, max_shard_size)
 
 

@@ -2,9 +2,14 @@
 with ``load_hf`` and exported with ``save_hf``; logits must match transformers' (fp32, eager
 attention) within 1e-4, and transformers must load the exports with no missing or unexpected keys.
 Also: GPT-2 trains under ZeRO-3 + TP on 8 simulated devices like on one device, and
-``model.init_from`` starts the main job from HF weights."""
+``model.init_from`` starts the main job from HF weights. ``scripts/convert_hf.py`` carries the
+special-token ids (``config.json``, ``generation_config.json``) and the tokenizer files, so that
+``generate()`` on an export stops at the end-of-text token."""
 
+import dataclasses
+import importlib.util
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +20,30 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from jaxcolossal.checkpoint import CheckpointManager  # noqa: E402
 from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
+from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.mesh import make_mesh  # noqa: E402
 from jaxcolossal.models import get_family, gpt2  # noqa: E402
-from jaxcolossal.models.hf import config_from_hf, init_params_from, load_hf, save_hf  # noqa: E402
+from jaxcolossal.models.hf import config_from_hf, init_params_from, load_hf, read_special_tokens, save_hf  # noqa: E402
 from jaxcolossal.train.optimizer import build_optimizer  # noqa: E402
 from jaxcolossal.train.state import init_state, make_plan  # noqa: E402
 from jaxcolossal.train.step import make_train_step  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 100  # not a multiple of 64: exercises the padding
+SCRIPTS = pathlib.Path(__file__).parents[2] / "scripts"
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+conv = _script("convert_hf")
+train_tokenizer = _script("train_tokenizer")
 
 
 def _randomize(model, seed=0):
@@ -41,11 +60,12 @@ def _randomize(model, seed=0):
     return model.eval()
 
 
-def hf_llama(tie: bool, vocab: int = VOCAB):
+def hf_llama(tie: bool, vocab: int = VOCAB, **ids):
+    """``ids``: special-token ids (default bos 0, eos 1, no pad)."""
     cfg = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500.0,
-        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, attn_implementation="eager")
+        tie_word_embeddings=tie, attn_implementation="eager", **{"bos_token_id": 0, "eos_token_id": 1, **ids})
     return _randomize(transformers.LlamaForCausalLM(cfg))
 
 
@@ -139,13 +159,6 @@ def test_vocab_padding_removed_on_export(family, tmp_path):
 
 
 def test_convert_script_round_trip(tmp_path):
-    import importlib.util
-    import pathlib
-
-    spec = importlib.util.spec_from_file_location(
-        "convert_hf", pathlib.Path(__file__).parents[2] / "scripts" / "convert_hf.py")
-    conv = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conv)
     model = hf_gpt2()
     model.save_pretrained(tmp_path / "hf")
     assert conv.main(["--to-jax", str(tmp_path / "hf"), str(tmp_path / "jax"), "--tp", "2",
@@ -185,6 +198,154 @@ def test_config_errors(tmp_path):
                        tie_word_embeddings=True, layer_norm_eps=1e-5, init_from=str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match=r"model\.num_layers=3 \(the Hugging Face config has 2\)"):
         init_params_from(mism)
+
+
+# ----------------------------------------------------------------------------- special tokens and tokenizer files
+
+IDS = {"bos_token_id": 3, "eos_token_id": 5, "pad_token_id": 4}  # none of them LLaMA's defaults (1, 2)
+
+
+def ids_of(path, name="config.json"):
+    d = json.loads((pathlib.Path(path) / name).read_text())
+    return {k: d.get(k) for k in IDS}
+
+
+def eos_llama(eos=IDS["eos_token_id"]):
+    """A LLaMA whose next token is ``eos`` after any prompt: every weight zero except the first
+    embedding column (so the residual stream is e0 at every position), the final norm (1) and
+    ``lm_head[eos, 0]``, which makes the eos logit about 57 and every other logit 0."""
+    model = hf_llama(tie=False, **IDS)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight[eos, 0] = 10.0
+    return model
+
+
+def generated(path):
+    model, info = reload(path)
+    assert_clean(info)
+    prompt = torch.tensor([[3, 10, 11, 12]])
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
+    return out[0].tolist()
+
+
+def make_tokenizer(tmp_path, extra=("<s>", "<pad>")):
+    """A byte-level BPE trained by scripts/train_tokenizer.py (eos ``</s>`` = 0) with ``extra``
+    special tokens appended, named as bos (the ``{"content": ...}`` form) and pad (a string)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the answer to {i} plus {i} is {2 * i}.\n" for i in range(200)))
+    out = tmp_path / "tok"
+    train_tokenizer.train(str(corpus), 300, str(out), chat_template=True)
+    if extra:
+        tk = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json")).backend_tokenizer
+        tk.add_special_tokens(list(extra))
+        tk.save(str(out / "tokenizer.json"))
+        cfg = json.loads((out / "tokenizer_config.json").read_text())
+        cfg.update(bos_token={"__type": "AddedToken", "content": extra[0], "lstrip": False, "normalized": False,
+                              "rstrip": False, "single_word": False, "special": True}, pad_token=extra[1])
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_special_token_ids_survive_to_jax_and_back(tmp_path):
+    hf_llama(tie=False, **IDS).save_pretrained(tmp_path / "hf")
+    assert conv.main(["--to-jax", str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+    assert ids_of(tmp_path / "jax", "generation_config.json") == IDS  # copied for the way back
+    assert conv.main(["--to-hf", str(tmp_path / "jax"), str(tmp_path / "out")]) == 0
+    assert ids_of(tmp_path / "out") == IDS
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert gen == {"_from_model_config": True, **IDS}
+    loaded = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (3, 5, 4)
+    assert not (tmp_path / "out" / "tokenizer.json").exists()  # ids only: there is no tokenizer to copy
+
+
+def test_generation_stops_at_eos_only_with_the_ids(tmp_path, capsys):
+    eos_llama().save_pretrained(tmp_path / "hf")
+    assert conv.main(["--to-jax", str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+    assert conv.main(["--to-hf", str(tmp_path / "jax"), str(tmp_path / "out")]) == 0
+    with_ids = generated(tmp_path / "out")
+    print("with ids:", with_ids)
+    assert with_ids == [3, 10, 11, 12, 5]  # stopped at the first eos
+
+    (tmp_path / "jax" / "generation_config.json").unlink()  # as a byte-tokenizer run: no ids anywhere
+    assert conv.main(["--to-hf", str(tmp_path / "jax"), str(tmp_path / "none")]) == 0
+    assert "will not stop by itself; pass --tokenizer DIR" in capsys.readouterr().out
+    assert ids_of(tmp_path / "none") == dict.fromkeys(IDS)  # null, not transformers' LLaMA defaults
+    assert not (tmp_path / "none" / "generation_config.json").exists()
+    without = generated(tmp_path / "none")
+    print("without ids:", without)
+    assert without == [3, 10, 11, 12] + [5] * 20  # the same weights run on to max_new_tokens
+
+    cfg, params = load_hf(tmp_path / "hf")
+    save_hf(tmp_path / "none", cfg, params, special_tokens=IDS)  # an earlier export gets the ids
+    assert generated(tmp_path / "none") == with_ids
+    save_hf(tmp_path / "none", cfg, params)  # and loses them again: no stale generation_config.json
+    assert not (tmp_path / "none" / "generation_config.json").exists()
+
+
+def test_tokenizer_flag_copies_the_files_and_sets_its_ids(tmp_path, capsys):
+    tok = make_tokenizer(tmp_path)
+    t = get_tokenizer(str(tok))
+    bos, pad = t.vocab_size - 2, t.vocab_size - 1
+    hf_llama(tie=True, vocab=t.vocab_size).save_pretrained(tmp_path / "hf")  # its own ids: bos 0, eos 1
+    assert conv.main(["--to-jax", str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+    assert conv.main(["--to-hf", str(tmp_path / "jax"), str(tmp_path / "out"), "--tokenizer", str(tok)]) == 0
+    assert f"copied tokenizer.json, tokenizer_config.json from {tok}" in capsys.readouterr().out
+    want = {"bos_token_id": bos, "eos_token_id": 0, "pad_token_id": pad}  # the tokenizer wins over the HF config
+    assert ids_of(tmp_path / "out") == want and ids_of(tmp_path / "out", "generation_config.json") == want
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / f).read_bytes() == (tok / f).read_bytes()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert (hf_tok.eos_token_id, hf_tok.bos_token_id, hf_tok.pad_token_id) == (0, bos, pad)
+    ids = hf_tok("the answer to 7", add_special_tokens=False)["input_ids"]
+    assert list(ids) == t.encode("the answer to 7").tolist() and hf_tok.decode(ids) == "the answer to 7"
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).config.eos_token_id == 0
+
+
+def test_checkpoint_export_finds_the_run_tokenizer_or_the_init_from_ids(tmp_path, capsys):
+    tok = make_tokenizer(tmp_path, extra=())  # eos only: pad falls back to eos, bos stays unset
+    vocab = get_tokenizer(str(tok)).vocab_size
+    hf_llama(tie=True, vocab=vocab, **IDS).save_pretrained(tmp_path / "hf")
+    cfg, params = load_hf(tmp_path / "hf", tp=2, vocab_pad_multiple=64)
+    for name, data, init_from in [("run_tok", {"tokenizer": str(tok)}, ""),
+                                  ("init", {"tokenizer": "byte"}, str(tmp_path / "hf"))]:
+        ckpt = CheckpointManager(str(tmp_path / name), async_save=False, config={
+            "model": {**dataclasses.asdict(cfg), "init_from": init_from}, "data": data})
+        ckpt.save(1, {"params": jax.tree.map(jnp.asarray, params)})
+        ckpt.close()
+    assert conv.main(["--to-hf", str(tmp_path / "run_tok"), str(tmp_path / "a")]) == 0
+    assert f"using the run's tokenizer {tok} (data.tokenizer)" in capsys.readouterr().out
+    assert ids_of(tmp_path / "a") == {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 0}
+    assert (tmp_path / "a" / "tokenizer.json").exists()
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "a")).eos_token == "</s>"
+    assert conv.main(["--to-hf", str(tmp_path / "init"), str(tmp_path / "b")]) == 0
+    assert f"special tokens from {tmp_path / 'hf'}" in capsys.readouterr().out
+    assert ids_of(tmp_path / "b") == IDS == read_special_tokens(tmp_path / "b")
+    assert not (tmp_path / "b" / "tokenizer.json").exists()
+
+
+def test_special_token_outside_the_vocabulary_is_an_error(tmp_path, capsys):
+    tok = make_tokenizer(tmp_path)  # about 300 tokens; its bos and pad lie beyond the model's 100
+    hf_llama(tie=False).save_pretrained(tmp_path / "hf")
+    assert conv.main(["--to-jax", str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+    capsys.readouterr()
+    assert conv.main(["--to-hf", str(tmp_path / "jax"), str(tmp_path / "out"), "--tokenizer", str(tok)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: bos_token_id=") and "model.vocab_size=100" in err, err
+    assert not (tmp_path / "out" / "config.json").exists() and not (tmp_path / "out" / "tokenizer.json").exists()
+    cfg, params = load_hf(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=r"eos_token_id=100 lies outside the model's vocabulary"):
+        save_hf(tmp_path / "x", cfg, params, special_tokens={"eos_token_id": 100})
+    with pytest.raises(ConfigError, match="special token 'eos_id'"):
+        save_hf(tmp_path / "x", cfg, params, special_tokens={"eos_id": 1})
+    assert conv.main(["--to-hf", str(tmp_path / "jax"), str(tmp_path / "out"), "--tokenizer",
+                      str(tmp_path / "nowhere")]) == 2
+    assert "no tokenizer.json or tokenizer.model there" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- ZeRO and training
