@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 
+import yaml
+
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # --target: the CUDA plugin without a GPU
@@ -83,6 +85,10 @@ SWEEP = [  # (model, parallel, precision, remat, accumulation)
 ]
 
 
+OVERRIDES: list = []
+"""``--set section.key=value`` overrides, applied to every row."""
+
+
 def config(model: str, parallel: dict, precision: str | None, remat: str, k: int, seq: int = 128, batch: int = 16):
     """One sweep row's config (a pipeline row's ``k``: its microbatches, at least ``2·pp``)."""
     from jaxcolossal.config import config_from_dict
@@ -92,6 +98,10 @@ def config(model: str, parallel: dict, precision: str | None, remat: str, k: int
            "parallel": {"data_parallel_size": -1, **parallel}}
     if precision:
         raw["precision"] = {precision: True}
+    for item in OVERRIDES:
+        key, value = item.split("=", 1)
+        section, name = key.split(".", 1)
+        raw.setdefault(section, {})[name] = yaml.safe_load(value)
     cfg = config_from_dict(raw)
     if cfg.parallel.pipeline_parallel_size > 1:
         cfg.training.gradient_accumulation_steps = 1
@@ -149,10 +159,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="", help="compile for this GPU fleet with XLA's GPU compiler, e.g. h200x8 "
                     "(default: XLA:CPU on 8 simulated devices)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config override for every row, e.g. --set parallel.overlap=false")
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
     ap.add_argument("--rows", type=_rows, default=[],
                     help=f"only these rows of the sweep, e.g. 31,32 (0-based, below {len(SWEEP)})")
     a = ap.parse_args(argv)
+    OVERRIDES[:] = a.set
     rows = SWEEP[: a.limit] if a.limit else SWEEP
     if a.rows:
         if not all(0 <= i < len(SWEEP) for i in a.rows):
