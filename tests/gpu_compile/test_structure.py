@@ -108,6 +108,19 @@ def test_activation_offload_compiles_host_buffers(compile_tiny, precision, size)
     assert "S(5)" in fc.hlo_text
 
 
+def test_the_update_writes_the_optimizer_state_in_place(compile_tiny):
+    """A non-finite step must leave the state unchanged; on XLA:GPU the step selects new or old
+    inside each leaf's update kernel, which writes the donated buffers in place. (A cond returned its
+    branch's results in new buffers: a whole copy of master, m and v among the temporaries; here
+    the temporaries were 33.1 MB against 12Ψ = 26.8 MB, and are 15.7 MB with the select.)"""
+    model = {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 4}
+    fc = compile_tiny({"zero_stage": 0}, "bf16", model, {"batch_size": 8, "seq_len": 16})
+    h, f, v, n = 256, 1024, 256, TINY_MODEL["num_layers"]
+    psi = n * (4 * h * h + 3 * h * f + 2 * h) + 2 * v * h + h  # attention, MLP, norms; embedding, head, final norm
+    assert "conditional(" not in fc.hlo_text
+    assert fc.memory["temp"] < 12 * psi  # no second copy of the fp32 master, m and v
+
+
 # ----------------------------------------------------------------------------- overlap
 
 
