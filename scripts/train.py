@@ -4,6 +4,7 @@
     python scripts/train.py --config X parallel.zero_stage=3 training.max_steps=50
     python scripts/train.py --config configs/llama_80l_example.yaml --dry-run
     python scripts/train.py --config configs/bench/llama2_7b.yaml --compile-for h200x8
+    python scripts/train.py --config configs/bench/llama2_7b.yaml --dry-run --compile-for h200x8   # both, side by side
 
 On a machine with no accelerator it simulates 8 CPU devices (``--devices`` to change);
 on GPUs it uses the real ones. With torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR,
@@ -43,8 +44,9 @@ def _devices_in_xla_flags() -> int | None:
     return None
 
 
-def compile_for_fleet(cfg, args) -> int:
-    """``--compile-for``: 0 when the step fits the fleet's HBM, 1 when it does not."""
+def compile_for_fleet(cfg, args, predicted: bool = False) -> int:
+    """``--compile-for``: 0 when the step fits the fleet's HBM, 1 when it does not; with
+    ``predicted`` (``--dry-run`` too) also the planner's prediction against the compiled peak."""
     from jaxcolossal.aot import fleet, report, target
 
     target.prepare_environment()  # before jax's backends start
@@ -52,6 +54,8 @@ def compile_for_fleet(cfg, args) -> int:
     fleet.check_fleet(cfg, count, args.devices_per_host or gpu.devices_per_host)
     result = fleet.compile_for(cfg, gpu, count, args.devices_per_host, keep_hlo=False)
     print(report.text(result))
+    if predicted:
+        print(report.against_prediction(cfg, result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.as_json(result), f, indent=1)
@@ -79,6 +83,10 @@ def run(args) -> int:
     from jaxcolossal.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.compile_for and args.dry_run:  # the plan, then what the GPU compiler made of it
+        status = dry_run(cfg, args)
+        print()
+        return max(status, compile_for_fleet(cfg, args, predicted=True))
     if args.compile_for:
         return compile_for_fleet(cfg, args)
     if args.dry_run:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxcolossal.aot.fleet import FleetCompile, GiB
-from jaxcolossal.config import gib
+from jaxcolossal.config import Config, gib
+from jaxcolossal.memory.budget import need
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -106,3 +107,11 @@ def as_json(fc: FleetCompile) -> dict:
         "compiler_options": fc.compiler_options, "compiler_messages": fc.compiler_messages,
         "async_pairs": [dataclasses.asdict(p) for p in fc.pairs if p.sent >= 4096],
     }
+
+
+def against_prediction(cfg: Config, fc: FleetCompile) -> str:
+    """One line: the planner's predicted per-device peak (:func:`jaxcolossal.memory.budget.need`, the
+    GPU's memory terms) against the compiled one, for ``--dry-run --compile-for``."""
+    predicted = need(cfg, fc.num_devices, backend="gpu")["total"]
+    return (f"memory per device: predicted {_gib(predicted)} by the planner, compiled {_gib(fc.peak)} "
+            f"({(predicted - fc.peak) / fc.peak:+.1%}); the compiled figure is the one to trust (docs/planner.md)")

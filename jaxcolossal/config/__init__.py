@@ -17,6 +17,7 @@ from jaxcolossal.config.derived import (
                                         BYTES_PER_PARAM,
                                         COMPUTE_DTYPES,
                                         WIRE_BYTES,
+                                        attention_kernel,
                                         pipeline_microbatches,
                                         prefetches_weights,
                                         reduces_layerwise,

@@ -1,8 +1,11 @@
 """Pure functions of the config that several stages need: the bytes per parameter of each
 precision, the compute dtype, the pipeline's microbatches, and which path the train step takes
-(the layer-wise gradient reduction, ZeRO-3's weight prefetch, a narrower weight gather)."""
+(the layer-wise gradient reduction, ZeRO-3's weight prefetch, a narrower weight gather, the
+attention kernel)."""
 
 from __future__ import annotations
+
+from typing import Mapping
 
 import jax.numpy as jnp
 
@@ -63,3 +66,11 @@ def weight_gather_dtype(cfg: Config, data_size: int) -> str | None:
     p = cfg.parallel
     narrower = WIRE_BYTES[p.communication_dtype] < BYTES_PER_PARAM[cfg.precision.mode]["p"]
     return p.communication_dtype if p.zero_stage == 3 and data_size > 1 and narrower else None
+
+
+def attention_kernel(cfg: Config, mesh_shape: Mapping[str, int]) -> str:
+    """The attention the step runs for ``model.attention_impl`` on ``mesh_shape``: ``cudnn`` becomes
+    ``xla`` inside a pipeline (cuDNN's partitioner cannot run in the pipeline's partly manual
+    ``shard_map`` on jax 0.10: :mod:`jaxcolossal.parallel.sequence`); otherwise the config's."""
+    impl = cfg.model.attention_impl
+    return "xla" if impl == "cudnn" and mesh_shape.get("pp", 1) > 1 else impl

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jaxcolossal.config import (
     COMPUTE_DTYPES,
     Config,
+    attention_kernel,
     ModelConfig,
     gib,
     pipeline_microbatches,
@@ -153,7 +154,8 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     shapes = _compute_shapes(cfg, mesh_shape) if shapes is None else shapes
     # cuDNN's fused attention traces only where cuDNN is; it keeps what the flash kernels keep
     # (q, k, v, the output and the softmax statistics), so those stand in for it
-    impl = "flash" if m.attention_impl == "cudnn" else m.attention_impl
+    impl = attention_kernel(cfg, mesh_shape)
+    impl = "flash" if impl == "cudnn" else impl
 
     def at(n_layers: int, policy: str, b: int = 1, part: int = 0) -> int:
         one = {**shapes, "layers": jax.tree.map(lambda s: (n_layers,) + s[1:], shapes["layers"], is_leaf=_is_shape)}

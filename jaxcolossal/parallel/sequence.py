@@ -95,8 +95,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, imp
     mesh, mode ``none``/``split_gather``) or does not divide (sampling one token at a time)."""
     mode = getattr(shard, "sequence_mode", "none")
     mesh = getattr(shard, "mesh", None)
-    if impl == "cudnn" and mesh is not None and platform(mesh) != "gpu":
-        impl = "xla"  # cuDNN's fused attention exists on GPUs only: the mesh's platform decides
+    if impl == "cudnn" and mesh is not None and (platform(mesh) != "gpu" or _in_pipeline(shard)):
+        impl = "xla"  # cuDNN's fused attention: on GPUs only, and not where its partitioner cannot run
     if mode == "ring_attn" and _manual_over_sp(mesh):
         return ring_attention_manual(q, k, v, positions, segment_ids, bool(getattr(shard, "zigzag", False)))
     if mesh is None or mode not in ("all_to_all", "ring_attn") or not shard.is_sharded("seq"):
@@ -124,14 +124,29 @@ def per_device_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local:
     batch or heads do not divide (sampling one row), and inside another ``shard_map``."""
     sizes = {"batch": shard.axis_size("batch"), "heads": shard.axis_size("heads"),
              "kv_heads": shard.axis_size("kv_heads")}
-    manual = any(t == jax.sharding.AxisType.Manual for t in getattr(shard.mesh, "axis_types", ()))
-    if manual or q.shape[0] % sizes["batch"] or q.shape[2] % sizes["heads"] or k.shape[2] % sizes["kv_heads"]:
+    if (_partly_manual(shard.mesh) or q.shape[0] % sizes["batch"] or q.shape[2] % sizes["heads"]
+            or k.shape[2] % sizes["kv_heads"]):
         # inside the pipeline's shard_map (manual over pp and the data axes) each device already
         # holds its own rows; only tp stays with the partitioner there
         return local(q, k, v, impl, segment_ids)
     segs = (segment_ids,) if segment_ids is not None else ()
     return _per_shard(lambda q, k, v, *seg: local(q, k, v, impl, seg[0] if seg else None), shard, None, q, k, v,
                       *segs)
+
+
+def _partly_manual(mesh) -> bool:
+    """Whether the code runs inside a ``shard_map`` that is manual over some of the mesh's axes."""
+    return any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ()))
+
+
+def _in_pipeline(shard) -> bool:
+    """Whether attention runs inside a partly manual ``shard_map`` (the pipeline's). cuDNN's
+    attention is a ``custom_partitioning`` op, whose partitioner fails there on jax 0.10 (with the
+    heads on tp: "'GSPMDSharding' object has no attribute 'spec'"; with tp 1 an assertion on the
+    sharded shapes), and a nested ``shard_map`` over tp fails Shardy's verifier; XLA's attention
+    runs instead (:func:`jaxcolossal.config.attention_kernel` says so for the memory model)."""
+    mesh = getattr(shard, "mesh", None)
+    return mesh is not None and _partly_manual(mesh)
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,

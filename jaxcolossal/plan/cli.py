@@ -7,8 +7,10 @@ import dataclasses
 import math
 import os
 import sys
+from typing import Callable
 
 from jaxcolossal.config import Config, ConfigError, config_from_dict, load_config
+from jaxcolossal.errors import DependencyError
 from jaxcolossal.models.hf import config_from_hf, read_hf_config
 from jaxcolossal.plan.devices import DEVICES, Device
 from jaxcolossal.plan.search import report
@@ -36,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                     "micro_batch_size × --devices)")
     ap.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the matmuls reach (0.45)")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--confirm", type=int, default=0, metavar="K",
+                    help="compile the K fastest fitting layouts for the fleet with XLA's GPU compiler (no GPU needed; "
+                    "the gpu-compile extra) and rank them again by the compiled memory and schedule")
     return ap
 
 
@@ -92,8 +97,10 @@ def _config(a: argparse.Namespace) -> tuple[Config, str, dict | None]:
     return cfg, "", {f"model.{k}": v for k, v in model.items() if v != default.get(k) and k != "remat"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxcolossal.plan``: pick a layout for a model on a cluster before renting it."""
+def main(argv: list[str] | None = None, confirm: Callable[..., str] | None = None) -> int:
+    """``python -m jaxcolossal.plan``: pick a layout for a model on a cluster before renting it.
+    ``confirm``: :func:`jaxcolossal.aot.confirm.report`, which ``--confirm K`` calls (the command
+    line passes it in; the planner never imports the compiler, which builds the train step)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--seed-table" in argv:  # Colossal-AI's published rows beside the planner's predictions
         print(seed_table())
@@ -105,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         if not a.global_batch and cfg.training.micro_batch_size:
             cfg.training.batch_size = cfg.training.micro_batch_size * a.devices
         cfg.training.micro_batch_size = 0
+        if a.confirm and confirm is None:
+            raise ConfigError("--confirm is offered by the command line, python -m jaxcolossal.plan")
         text = report(cfg, a.devices, dev, a.efficiency, a.top, source, model_overrides)
-    except (ConfigError, OSError) as e:
+        print(text)
+        if a.confirm and "run the best:" in text:
+            print("\n" + confirm(cfg, a.devices, a.device, dev, a.confirm, a.efficiency, source, model_overrides))
+    except (ConfigError, OSError, DependencyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(text)
     if text.splitlines()[1].startswith("0 layouts considered"):
         print(f"error: no layout of this model on {a.devices} devices accepts a global batch of "
               f"{cfg.training.batch_size} × {cfg.training.seq_len} tokens (the batch must divide over the "
