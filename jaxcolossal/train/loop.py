@@ -166,6 +166,10 @@ def preflight(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- start
 
 
+SAMPLE_WINDOW = 2048
+"""The end-of-run sample's context in tokens, at most: it runs unsharded on one device, with the
+whole window through every layer per token (a 16k window of a long-context run did not fit a
+23 GiB host)."""
 TEXT_SAMPLE_PROMPT = "def "
 """The end-of-run sample's prompt for text corpora when ``training.sample_prompt`` is empty."""
 
@@ -532,8 +536,8 @@ def _sample(run: Run, state: Any) -> str:
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
     fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, Sharder(None))[..., : tok.vocab_size])
-    out = sample_tokens(fn, state.params, tok.encode(run.sample_prompt), t.sample_tokens, t.seq_len,
-                        jax.random.key(t.seed + 1))
+    out = sample_tokens(fn, state.params, tok.encode(run.sample_prompt), t.sample_tokens,
+                        min(t.seq_len, SAMPLE_WINDOW), jax.random.key(t.seed + 1))
     eos = getattr(tok, "eos_id", None) if run.cfg.data.format == "chat" else None
     if eos is not None and eos in out.tolist():
         out = out[: out.tolist().index(eos)]
