@@ -50,9 +50,15 @@ BUCKET_FLAGS = ("--xla_gpu_all_reduce_combine_threshold_bytes", "--xla_gpu_all_g
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxcolossal" / "xla_flags.json"
 
 
-def groups_for(overlap: bool, bucket_size_mb: float) -> list[tuple[str, ...]]:
-    """The flag groups a ``parallel`` section asks for (each: alternatives, first accepted wins)."""
-    groups = list(OVERLAP_GROUPS) if overlap else []
+DOUBLE_BUFFERING = OVERLAP_GROUPS[1]
+"""While-loop double buffering: asked for only where it pays (``double_buffer``,
+:func:`jaxcolossal.config.double_buffers_loops`)."""
+
+
+def groups_for(overlap: bool, bucket_size_mb: float, double_buffer: bool = True) -> list[tuple[str, ...]]:
+    """The flag groups a ``parallel`` section asks for (each: alternatives, first accepted wins);
+    ``double_buffer=False`` leaves :data:`DOUBLE_BUFFERING` out of the overlap groups."""
+    groups = [g for g in OVERLAP_GROUPS if double_buffer or g != DOUBLE_BUFFERING] if overlap else []
     if bucket_size_mb > 0:
         groups += [(f"{name}={int(bucket_size_mb * 2**20)}",) for name in BUCKET_FLAGS]
     return groups
@@ -130,7 +136,7 @@ def merge(xla_flags: str, flags: list[str]) -> str:
     return " ".join(xla_flags.split() + [f for f in flags if f.split("=", 1)[0] not in have])
 
 
-def apply(overlap: bool, bucket_size_mb: float, force: bool = False) -> list[str]:
+def apply(overlap: bool, bucket_size_mb: float, force: bool = False, double_buffer: bool = True) -> list[str]:
     """Add the communication flags for ``parallel.overlap`` / ``bucket_size_mb`` to
     ``os.environ["XLA_FLAGS"]``; call before JAX's backend starts (as :func:`jaxcolossal.launch.simulate_devices`).
 
@@ -141,7 +147,7 @@ def apply(overlap: bool, bucket_size_mb: float, force: bool = False) -> list[str
     Returns:
         The flags added (empty off GPUs, or when nothing is asked or accepted).
     """
-    groups = groups_for(overlap, bucket_size_mb)
+    groups = groups_for(overlap, bucket_size_mb, double_buffer)
     if not groups or not (force or gpu_expected()):
         return []
     kept, _ = resolve(groups)
@@ -150,7 +156,8 @@ def apply(overlap: bool, bucket_size_mb: float, force: bool = False) -> list[str
     return [f for f in kept if f.split("=", 1)[0] not in {t.split("=", 1)[0] for t in before.split()}]
 
 
-def compiler_options(overlap: bool, bucket_size_mb: float, platform: str) -> dict[str, bool | int | str]:
+def compiler_options(overlap: bool, bucket_size_mb: float, platform: str,
+                     double_buffer: bool = True) -> dict[str, bool | int | str]:
     """The same flags as ``compile(compiler_options=...)`` entries, for a mesh on ``platform``
     (``"gpu"``/``"cuda"``; ``{}`` for any other): how they reach a deviceless compile for a GPU
     fleet, where no GPU backend starts to read ``XLA_FLAGS``
@@ -160,7 +167,7 @@ def compiler_options(overlap: bool, bucket_size_mb: float, platform: str) -> dic
     spellings are those :func:`resolve` found this jaxlib to accept."""
     if platform not in ("gpu", "cuda"):
         return {}
-    groups = groups_for(overlap, bucket_size_mb)
+    groups = groups_for(overlap, bucket_size_mb, double_buffer)
     if not groups:
         return {}
     kept, _ = resolve(groups)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcolossal import hlo, xla_flags
 from jaxcolossal.aot import schedule
 from jaxcolossal.aot.target import Target, compile_only_devices, topology
-from jaxcolossal.config import Config, ConfigError, validate
+from jaxcolossal.config import Config, ConfigError, double_buffers_loops, validate
 from jaxcolossal.mesh import make_mesh, platform
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import abstract_state, make_plan
@@ -192,7 +192,8 @@ def compile_for(cfg: Config, target: Target, num_devices: int, devices_per_host:
     plan = make_plan(cfg, mesh)
     tx = build_optimizer(cfg.training, plan)
     step = make_train_step(plan, tx, lr_schedule(cfg.training))
-    options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(mesh))
+    options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(mesh),
+                                         double_buffers_loops(cfg))
     messages: list = []
     t0 = time.perf_counter()
     with _captured_stderr(messages):

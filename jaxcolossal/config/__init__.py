@@ -18,6 +18,7 @@ from jaxcolossal.config.derived import (
                                         COMPUTE_DTYPES,
                                         WIRE_BYTES,
                                         attention_kernel,
+                                        double_buffers_loops,
                                         pipeline_microbatches,
                                         prefetches_weights,
                                         reduces_layerwise,

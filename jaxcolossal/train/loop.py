@@ -32,7 +32,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from jaxcolossal import metrics as mx
 from jaxcolossal import xla_flags
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
-from jaxcolossal.config import Config, ConfigError
+from jaxcolossal.config import Config, ConfigError, double_buffers_loops
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.data.chat import generation_prompt, load_chat
 from jaxcolossal.dist_logger import get_dist_logger
@@ -375,7 +375,8 @@ def _start(cfg: Config) -> Run:
 
     step_fn = make_train_step(plan, tx, lr_schedule(t))
     # parallel.overlap / bucket_size_mb: XLA's GPU flags, for a mesh of GPUs (none on other platforms)
-    options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(mesh))
+    options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(mesh),
+                                         double_buffers_loops(cfg))
     if options:
         log.info("XLA GPU options (parallel.overlap / bucket_size_mb): "
                  + " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()),

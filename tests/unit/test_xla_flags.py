@@ -13,6 +13,14 @@ def test_groups_per_setting():
     assert xla_flags.groups_for(True, 0) == list(xla_flags.OVERLAP_GROUPS)
     bucket = xla_flags.groups_for(False, 25)
     assert bucket == [(f"{name}={25 * 2**20}",) for name in xla_flags.BUCKET_FLAGS]
+    no_db = xla_flags.groups_for(True, 0, double_buffer=False)
+    assert xla_flags.DOUBLE_BUFFERING not in no_db and len(no_db) == len(xla_flags.OVERLAP_GROUPS) - 1
+
+
+def test_double_buffering_only_under_zero3():
+    from jaxcolossal.config import double_buffers_loops
+    assert [double_buffers_loops(tiny_config({"zero_stage": z})) for z in range(4)] == [False, False, False, True]
+    assert not double_buffers_loops(tiny_config({"zero_stage": 3, "overlap": False}))
 
 
 def test_first_accepted_spelling_wins_and_answers_are_cached(tmp_path):
