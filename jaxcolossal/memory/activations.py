@@ -172,7 +172,9 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     none_layer = at(2, "none") - at(1, "none") if remat != "none" else per_layer
     head = _rest(lambda b: at(0, remat, b), batch, seq, m)
     low_layer = at(2, remat, part=1) - at(1, remat, part=1)
+    low_none = at(2, "none", part=1) - at(1, "none", part=1)
     return {"saved": head + layers * per_layer * batch, "head": head, "layer": none_layer * batch,
+            "layer_16bit": low_none * batch,
             "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * low_layer * batch}
 
 
@@ -239,7 +241,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     # the LM head's backward: every saved residual, the head's among them, and what lives through
     # the whole backward pass; not yet a layer's working set or the layers' gradients
     head = (sum(parts[k] for k in HEAD_PARTS if k in parts) + r["head"] + fp32_live) if s.split_head else 0.0
-    update = grads + (s.grads_compute if s.lowp else 0.0)
+    update = grads + _update_compute_grads(s)
     phase = max((backward, "backward"), (head, "head"), (update, "update"))[1]
     return {"activations": int(max(backward, head, update) - grads), "phase": phase, "head": int(r["head"]),
             "fp32_grads_live": bool(fp32_live), **{k: int(x) for k, x in parts.items()}}
@@ -265,6 +267,8 @@ class _PeakShape:
     layerwise: bool   # ZeRO-2/3 reduce each layer's gradient inside the scan
     prefetch: bool    # ZeRO-3's prefetching scan
     split_head: bool  # the LM head's backward is a phase of its own
+    overlap: bool = False   # parallel.overlap: XLA:GPU's collective pipeliner
+    zero3: bool = False     # ZeRO-3 over a data group > 1: the layers' weights gathered in the scan
 
     @property
     def cpu_lowp(self) -> bool:
@@ -294,22 +298,54 @@ def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _Pe
                       b=max(1, t.batch_size // (micro * n)), stage=max(1, m.num_layers // pp), v=v,
                       lockstep=lockstep, kept=micro * v + pp - 1 if pp > 1 and not lockstep else 1,
                       layer_el=_elements(shapes["layers"]) / m.num_layers, layerwise=reduces_layerwise(cfg),
-                      prefetch=prefetches_weights(cfg), split_head=pp == 1 or lockstep)
+                      prefetch=prefetches_weights(cfg), split_head=pp == 1 or lockstep,
+                      overlap=cfg.parallel.overlap, zero3=p.zero_stage == 3 and n > 1)
+
+
+def _update_compute_grads(s: _PeakShape) -> float:
+    """The compute-dtype gradients live beside the fp32 ones in the update phase: in low precision
+    the microbatch's (the data shard's 1/N when layer-wise). XLA:GPU converts a step's whole
+    compute-dtype gradient to fp32 leaf by leaf for the one reduction of ZeRO-0/1 (each leaf's
+    16-bit buffer dies as its fp32 one is made), so none counts there."""
+    if not s.lowp:
+        return 0.0
+    if s.backend == "gpu" and not s.layerwise and s.pp == 1 and s.micro == 1:
+        return 0.0
+    return s.grads_compute
 
 
 def _layer_working_set(s: _PeakShape, r: dict) -> float:
     """One layer's backward working set: its residuals without checkpointing (recomputed under
-    ``remat=full``) and two buffers of its largest activation, the cotangents of the op whose
-    backward runs (attention's dP and dS beside P). Under ZeRO-2/3's layer-wise reduction, the end
-    of a layer's backward holds its whole weight gradient beside the reduction's result while most
-    of the working set is dead, so the larger of the two counts (XLA:CPU: twice the fp32 gradient,
-    an all-reduce; a reduce-scatter's output is 1/N; ZeRO-3's prefetching scan takes it in fp32)."""
-    working = r["layer"] + 2 * r["largest"]
+    ``remat=full``) and buffers of its largest activation, the cotangents of the op whose backward
+    runs: two on XLA:CPU (attention's dP and dS beside P); one on XLA:GPU, where the fused attention
+    keeps no P, and where, in low precision, only the 16-bit residuals count (the fp32 upcasts of the
+    norms are fused into their consumers). Under ZeRO-2/3's layer-wise reduction the end of a layer's
+    backward also holds its whole weight gradient: on XLA:CPU beside the reduction's result while
+    most of the working set is dead, so the larger of the two counts (twice the fp32 gradient, an
+    all-reduce); on XLA:GPU see :func:`_gpu_layerwise`."""
+    if s.backend == "gpu":
+        working = (r["layer_16bit"] if s.lowp else r["layer"]) + r["largest"]
+    else:
+        working = r["layer"] + 2 * r["largest"]
     if not s.layerwise:
         return working
+    if s.backend == "gpu":
+        return working + _gpu_layerwise(s)
     grad_item = 4 if s.prefetch else s.item
     transient = 2 * 4 * s.layer_el if s.backend == "cpu" else grad_item * s.layer_el * (1 + 1 / s.n)
     return max(working, transient)
+
+
+def _gpu_layerwise(s: _PeakShape) -> float:
+    """XLA:GPU's buffers of ZeRO-2/3's layer-wise reduction beside a layer's backward working set:
+    the layer's weight gradient in fp32 (the weight-gradient matmuls output fp32,
+    :mod:`jaxcolossal.models.linear`); with ``parallel.overlap`` the collective pipeliner moves each
+    layer's reduce-scatter into the next iteration, so the previous layer's gradient is held too
+    (else the reduce-scatter's 1/N output); under ZeRO-3 without the prefetching scan, the gathered
+    weights of the layer, and with the pipeliner's all-gather the next layer's as well."""
+    held = 2 if s.overlap else 1 + 1 / s.n
+    gathered = (2 if s.overlap else 1) * s.layer_el * s.item if s.zero3 and not s.prefetch else 0.0
+    return 4 * s.layer_el * held + gathered
 
 
 def _cpu_copies(cfg: Config, s: _PeakShape, r: dict) -> float:
@@ -349,12 +385,18 @@ def _schedule_buffers(cfg: Config, s: _PeakShape, r: dict, grads: float, mesh_sh
     chunk's gradients (``tick``); the lock-step schedules' chunk gradients in the compute dtype and
     their stash of ``2·v·p − 1`` stage inputs; without a pipeline, the compute-dtype gradients in
     low precision, or in fp32 with accumulation the microbatch's gradients beside the accumulator."""
-    out = {"tick": 0.0, "grads_compute": 0.0, "stash": 0.0, "accumulator": 0.0}
+    out = {"tick": 0.0, "grads_compute": 0.0, "stash": 0.0, "accumulator": 0.0, "hoisted": 0.0}
+    if s.backend == "gpu" and s.overlap and s.pp == 1 and s.micro > 1 and s.layerwise and cfg.model.remat != "full":
+        # the collective pipeliner peels the microbatch loop of ZeRO-2/3's per-microbatch reduction, and
+        # the zero-initialised stacks of the layers' saved residuals are hoisted out of it: a second copy
+        out["hoisted"] = r["saved"] - r["head"]
     if s.pp > 1 and not s.lockstep:
         out["tick"] = r["saved"] - r["head"] + (r["saved_16bit_layers"] if s.cpu_lowp else 0.0) \
             + s.chunk_el * (4 if s.backend == "cpu" else s.item)
     if s.lockstep:
-        out["grads_compute"] = s.grads_compute
+        # XLA:GPU adds each tick's chunk gradient into the stage's fp32 accumulator out of place: the
+        # add's output, a second copy of the accumulator, is live beside the carried one
+        out["grads_compute"] = grads if s.backend == "gpu" else s.grads_compute
         t = cfg.training
         out["stash"] = (2 * s.v * s.pp - 1) * s.b * (t.seq_len // mesh_shape.get("sp", 1)) * cfg.model.hidden_size * s.item
     elif s.pp == 1 and s.lowp:
@@ -367,7 +409,8 @@ def _schedule_buffers(cfg: Config, s: _PeakShape, r: dict, grads: float, mesh_sh
 PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals", "layer": "one layer's backward",
               "grads_compute": "compute-dtype gradients in flight", "accumulator": "the microbatch's fp32 gradients",
               "zero3": "ZeRO-3 prefetch buffers", "stash": "pipeline stash",
-              "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals", "tick": "GPipe's tick copy and chunk gradients"}
+              "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals", "tick": "GPipe's tick copy and chunk gradients",
+              "hoisted": "a second copy of the saved residuals' stacks (XLA:GPU, accumulation under ZeRO-2/3)"}
 
 
 HEAD_PARTS = ("residuals", "head", "cpu_fp32", "zero3", "accumulator", "stash")  # what :func:`step_peak` sums in the head's phase
