@@ -267,15 +267,18 @@ def test_main_job_trains_under_auto_placement(tmp_path):
     from jaxcolossal.memory.budget import device_need
     need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, platform(plan.mesh))
     limit = [f"offload.device_memory_limit={int(need['total'] - 0.4 * need['state'])}"]
+    # the dry run plans with the GPU's memory terms, the run here with the CPU's: a budget below each
+    gpu = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, "gpu")
+    gpu_limit = [f"offload.device_memory_limit={int(gpu['total'] - 0.4 * gpu['state'])}"]
     import subprocess
     import sys
     dry = subprocess.run([sys.executable, os.path.join(ROOT, "scripts/train.py"), "--config",
-                          os.path.join(ROOT, "configs/llama_tiny.yaml"), "--dry-run", *small, *limit,
+                          os.path.join(ROOT, "configs/llama_tiny.yaml"), "--dry-run", *small, *gpu_limit,
                           "offload.placement_policy=auto"], capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr
     assert "offload auto: chose offload_optim_frac=" in dry.stdout and "pinned host" in dry.stdout
     refused = subprocess.run([sys.executable, os.path.join(ROOT, "scripts/train.py"), "--config",
-                              os.path.join(ROOT, "configs/llama_tiny.yaml"), "--dry-run", *small, *limit],
+                              os.path.join(ROOT, "configs/llama_tiny.yaml"), "--dry-run", *small, *gpu_limit],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "short by" in refused.stdout, refused.stdout + refused.stderr
     with pytest.raises(ConfigError, match="short by"):

@@ -240,20 +240,25 @@ def test_long_sequences_consider_ring_attention():
     assert predict(c, 8, DEVICES["h200"]).need["total"] == pytest.approx(best.need["total"])
 
 
-def test_seed_table_prints_each_published_row_beside_the_prediction():
-    """``python -m jaxcolossal.plan --seed-table``: Colossal-AI's rows, each with the planner's
-    prediction for that layout and its own choice; 70B ZeRO-2 on 16 H200 is predicted not to fit
-    (2Ψ of bf16 params alone is 140 GB per device)."""
-    from jaxcolossal.plan import SEED_TABLE, main, seed_table
-    text = seed_table()
+def test_seed_table_prints_each_published_row_beside_the_prediction(capsys):
+    """``python -m jaxcolossal.plan --seed-table``: Colossal-AI's, MaxText's and torchtitan's rows,
+    each with the planner's prediction for that layout, its error and the planner's own choice; 70B
+    ZeRO-2 on 16 H200 is predicted not to fit (2Ψ of bf16 params alone is 140 GB per device); one
+    efficiency constant for every row that fits keeps each within 15% of its published figure."""
+    from jaxcolossal.plan import SEED_TABLE, main
+    assert main(["--seed-table"]) == 0
+    text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == len(SEED_TABLE) == 4
-    assert "17.13 samples/s, 534.18 TFLOPS (8N) = 401 (6N)" in rows[0]
+    assert len(rows) == len(SEED_TABLE) == 6
+    assert "17.13 samples/s, 534.18 TFLOPS (8N) = 401 (6N) = 8,771 tok/s/GPU" in rows[0]
     assert "**does not fit**" in rows[1] and "3.27 samples/s" in rows[1]
+    assert "MaxText" in rows[2] and "torchtitan" in rows[3]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert "samples/s" in cells[3] and "no layout fits" not in cells[3], row
-    assert main(["--seed-table"]) == 0
+        assert "tok/s/GPU" in cells[5] and "no layout fits" not in cells[5], row
+    last = text.strip().splitlines()[-1]
+    errors = [float(x) for x in re.findall(r"([+-]\d+\.\d)%", last)]
+    assert len(errors) == 3 and max(abs(e) for e in errors) <= 15.0, last
 
 
 def test_benchmark_prints_the_planners_step_time_beside_the_measured_one():
