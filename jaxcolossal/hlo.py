@@ -377,6 +377,35 @@ def dot_flops(hlo_text: str) -> dict[str, int]:
     return {"flops": out.get("flops", 0), "dots": out.get("dots", 0)}
 
 
+_TYPED = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[")
+FP8_GEMM_CALL = "__cublas$lt$matmul$f8"
+"""XLA:GPU's cuBLASLt FP8 GEMM custom call (Hopper and later)."""
+
+
+def fp8_matmuls(hlo_text: str) -> dict[str, int]:
+    """Matmul executions per step by their inputs, loops multiplied out: ``{"fp8": dots whose
+    operands are FP8 (e4m3/e5m2), "cublaslt": of those, cuBLASLt FP8 GEMM calls
+    (:data:`FP8_GEMM_CALL`), "fusion": of those, dots in XLA's GEMM fusions (Triton), "other":
+    every other matmul}``. A ``conditional`` counts its costliest branch per key."""
+    comps, _ = computations(hlo_text)
+    types = {name: {m.group(1): m.group(2) for m in map(_TYPED.match, lines) if m} for name, lines in comps.items()}
+
+    def count(name: str, line: str) -> dict:
+        if " custom-call(" in line and FP8_GEMM_CALL + '"' in line:
+            return {"fp8": 1, "cublaslt": 1}
+        if " custom-call(" in line and ("__cublas$gemm" in line or "__cublas$lt$matmul" in line):
+            return {"other": 1}
+        m = re.search(r" dot\(([^)]*)\)", line)
+        if not m:
+            return {}
+        operands = re.findall(r"%([\w.\-]+)", m.group(1))
+        fp8 = any(types[name].get(o, "").startswith("f8") for o in operands)
+        return {"fp8": 1, "fusion": 1} if fp8 else {"other": 1}
+
+    out = _per_step(hlo_text, count)
+    return {k: out.get(k, 0) for k in ("fp8", "cublaslt", "fusion", "other")}
+
+
 _HOST_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64|u16|s16|f8e4m3fn|f8e5m2)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
 
 

@@ -242,6 +242,9 @@ class Sharder:
         self.collective_matmul_min_seq: int | None = None
         """Megatron-SP with ``parallel.overlap``: the shortest sequence for which the projections
         run as TP collective matmuls (:mod:`jaxcolossal.parallel.collective_matmul`); ``None``: off."""
+        self.fp8 = False
+        """``precision.fp8``: the layers' projections multiply in FP8
+        (:func:`jaxcolossal.models.linear.project_fp8`)."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         if self.mesh is None:
@@ -283,6 +286,10 @@ class Sharder:
         n = int(dict(self.mesh.shape).get("tp", 1))
         manual = any(a == jax.sharding.AxisType.Manual for a in getattr(self.mesh, "axis_types", ()))
         return n > 1 and not manual and t % n == 0 and t >= self.collective_matmul_min_seq
+
+    def with_fp8(self, on: bool = True) -> "Sharder":
+        """This sharder, with the layers' projections in FP8 (:attr:`fp8`)."""
+        return self._copy(fp8=bool(on))
 
     def with_layer_prefetch(self, layer_param_specs: Any) -> "Sharder":
         """This sharder, with :attr:`layer_specs` from the stacked layers' param specs

@@ -51,7 +51,7 @@ def compile_for_fleet(cfg, args, predicted: bool = False) -> int:
 
     target.prepare_environment()  # before jax's backends start
     gpu, count = target.parse_fleet(args.compile_for)
-    fleet.check_fleet(cfg, count, args.devices_per_host or gpu.devices_per_host)
+    fleet.check_fleet(cfg, count, args.devices_per_host or gpu.devices_per_host, gpu)
     result = fleet.compile_for(cfg, gpu, count, args.devices_per_host, keep_hlo=False)
     print(report.text(result))
     if predicted:

@@ -69,6 +69,9 @@ class FleetCompile:
     offloaded: bool
     compiler_messages: list = field(default_factory=list)
     hlo_text: str = ""
+    matmuls: dict = field(default_factory=dict)
+    """Matmul executions per step by inputs (:func:`jaxcolossal.hlo.fp8_matmuls`): ``fp8``,
+    ``cublaslt``, ``fusion``, ``other``."""
 
     @property
     def peak(self) -> int:
@@ -98,14 +101,18 @@ class FleetCompile:
 # ----------------------------------------------------------------------------- build and compile
 
 
-def check_fleet(cfg: Config, num_devices: int, devices_per_host: int) -> None:
+def check_fleet(cfg: Config, num_devices: int, devices_per_host: int, target: Target | None = None) -> None:
     """Everything about the fleet that can be refused before anything compiles.
 
     Raises:
         ConfigError: the layout does not fit ``num_devices`` (the config's sizes do not multiply
-            to it, a batch that does not split, ...), the hosts do not split the devices, or a
-            setting ``--compile-for`` cannot build (the NVMe tier's files).
+            to it, a batch that does not split, ...), the hosts do not split the devices, a
+            setting ``--compile-for`` cannot build (the NVMe tier's files), or ``precision.fp8``
+            on a ``target`` without FP8 tensor cores (compute capability below 8.9: the A100).
     """
+    if target is not None and cfg.precision.fp8 and float(target.compute_capability.rstrip("a")) < 8.9:
+        raise ConfigError(f"precision.fp8=true: {target.description} (compute capability {target.compute_capability}) "
+                          "has no FP8 tensor cores; FP8 needs Ada, Hopper or Blackwell (8.9 and up)")
     try:
         topology(num_devices, devices_per_host)
     except ValueError as e:
@@ -185,7 +192,7 @@ def compile_for(cfg: Config, target: Target, num_devices: int, devices_per_host:
         RuntimeError: the GPU compiler is not installed.
     """
     per_host = devices_per_host or target.devices_per_host
-    check_fleet(cfg, num_devices, per_host)
+    check_fleet(cfg, num_devices, per_host, target)
     cfg = _fleet_config(cfg, target)
     devices = compile_only_devices(target, num_devices, per_host)
     mesh = make_mesh(cfg.parallel, devices)
@@ -214,7 +221,7 @@ def _read(compiled, target: Target, n: int, per_host: int, plan, compile_s: floa
         target=target, num_devices=n, devices_per_host=per_host, mesh_shape=dict(plan.mesh_shape),
         compile_s=compile_s, memory=memory, collectives=hlo.collective_totals(text), pairs=pairs,
         exposure=schedule.exposure(text, target.peak_bf16, target.nvlink_bw, target.network_bw, per_host),
-        custom_calls=schedule.custom_calls(text), flops=float(hlo.dot_flops(text)["flops"]),
+        custom_calls=schedule.custom_calls(text), flops=float(hlo.dot_flops(text)["flops"]), matmuls=hlo.fp8_matmuls(text),
         compiler_options=options, memory_kinds=memory_kinds_supported(list(plan.mesh.devices.flat)),
         offloaded=bool(plan.placement is not None and plan.placement.active), compiler_messages=messages,
         hlo_text=text if keep_hlo else "")

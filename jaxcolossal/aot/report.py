@@ -84,9 +84,12 @@ def text(fc: FleetCompile) -> str:
     calls = ", ".join(f"{k} ×{v:,}" for k, v in sorted(fc.custom_calls.items(), key=lambda kv: -kv[1])) or "none"
     options = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
                        for k, v in fc.compiler_options.items()) or "none"
+    m = fc.matmuls
+    fp8 = ([f"FP8 matmuls per step: {m['fp8']:,} (cuBLASLt FP8 GEMMs {m['cublaslt']:,}, GEMM fusions with FP8 "
+            f"operands {m['fusion']:,}); other matmuls {m['other']:,}"] if m.get("fp8") else [])
     return "\n".join(_header(fc) + _memory(fc) + _collectives(fc) + _worst_pairs(fc)
-                     + [f"custom calls per step: {calls}", f"XLA GPU options (parallel.overlap, bucket_size_mb): {options}",
-                        fc.verdict()])
+                     + [f"custom calls per step: {calls}"] + fp8
+                     + [f"XLA GPU options (parallel.overlap, bucket_size_mb): {options}", fc.verdict()])
 
 
 def as_json(fc: FleetCompile) -> dict:
@@ -104,6 +107,7 @@ def as_json(fc: FleetCompile) -> dict:
         "exposure": {"by_kind": fc.exposure.by_kind, "time_s": fc.exposure.time_s, "hidden_s": fc.exposure.hidden_s,
                      "exposed_s": fc.exposure.exposed_s, "hidden_fraction": fc.exposure.hidden_fraction},
         "matmul_flops": fc.flops, "compute_s_at_peak": fc.compute_s, "custom_calls": fc.custom_calls,
+        "matmuls": fc.matmuls,
         "compiler_options": fc.compiler_options, "compiler_messages": fc.compiler_messages,
         "async_pairs": [dataclasses.asdict(p) for p in fc.pairs if p.sent >= 4096],
     }

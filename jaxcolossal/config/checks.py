@@ -148,6 +148,8 @@ def _check_model(cfg: Config) -> None:
             f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}")
     if pr.bf16 and pr.fp16:
         raise ConfigError("precision: bf16 and fp16 are both true; choose one (neither means fp32)")
+    if pr.fp8 and not pr.bf16:
+        raise ConfigError(f"precision.fp8=true runs on top of bf16: set precision.bf16=true (now {pr.mode})")
     if pr.min_scale > pr.max_scale:
         raise ConfigError(f"precision.min_scale={pr.min_scale:g} is above precision.max_scale={pr.max_scale:g}")
     if t.resume is not False and not cfg.checkpoint.dir:

@@ -236,10 +236,18 @@ class ParallelConfig:
 class PrecisionConfig:
     """Mixed precision. Neither flag: fp32 everywhere. ``bf16``: bf16 compute, fp32 master
     weights and fp32 gradient reduction. ``fp16``: the same in fp16 with dynamic loss scaling
-    (Colossal-AI's DynamicGradScaler defaults)."""
+    (Colossal-AI's DynamicGradScaler defaults).
+
+    ``fp8`` (with ``bf16``): the layers' projections (q, k, v, o and the MLP's) multiply in FP8,
+    Transformer Engine's recipe with current per-tensor scaling: activations and weights in e4m3,
+    gradients in e5m2, each tensor scaled by its own amax in the step that uses it
+    (:func:`jaxcolossal.models.linear.project_fp8`). Master weights, optimizer state, the
+    embedding, the LM head and attention stay as in bf16. On GPUs with FP8 tensor cores (Hopper,
+    Blackwell) XLA turns each into an FP8 GEMM; elsewhere the numerics are emulated."""
 
     bf16: bool = False
     fp16: bool = False
+    fp8: bool = False
     fp16_opt_level: Literal["O1", "O2"] = "O2"
     initial_scale: float = 2.0**16
     growth_factor: float = 2.0

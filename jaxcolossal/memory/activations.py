@@ -76,7 +76,7 @@ from jaxcolossal.config import (
 from jaxcolossal.mesh import entry_axes
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.models.vocab import fused_pays
-from jaxcolossal.sharding import rules_for, state_specs
+from jaxcolossal.sharding import Sharder, rules_for, state_specs
 
 
 def _is_shape(x: Any) -> bool:
@@ -102,10 +102,11 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str,
-            batch: int = 1) -> tuple[int, int, int]:
+            batch: int = 1, fp8: bool = False) -> tuple[int, int, int]:
     """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, the
     part of them in a 16-bit float dtype, and the largest layer residual's bytes per layer (the
-    scan stacks them ``[num_layers, ...]``; 0 with one layer) (cached)."""
+    scan stacks them ``[num_layers, ...]``; 0 with one layer) (cached). ``fp8``: the projections
+    in FP8 (``precision.fp8``), which save their inputs in one byte per element."""
     model = ModelConfig(**dict(model_items))
     model.remat = remat
     shapes = jax.tree_util.tree_unflatten(shapes_items[0], list(shapes_items[1]))
@@ -113,8 +114,10 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, COMPUTE_DTYPES[dtype]), shapes, is_leaf=_is_shape)
     tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
+    shard = Sharder(None).with_fp8(fp8)
+
     def res(p, x, y):
-        return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model), p)[1])
+        return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model, shard), p)[1])
     jaxpr = jax.make_jaxpr(res)(params, tok, tok).jaxpr
     inputs = {id(v) for v in jaxpr.invars}
     seen, total, low, big = set(), 0, 0, 0
@@ -163,7 +166,7 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
         items = tuple(sorted((f.name, impl if f.name == "attention_impl" else getattr(m, f.name))
                              for f in dataclasses.fields(m) if f.name not in ("num_layers", "remat", "init_from")))
         items = items + (("num_layers", n_layers),)
-        return _traced(items, (tree, tuple(flat)), seq, policy, dtype, b)[part]
+        return _traced(items, (tree, tuple(flat)), seq, policy, dtype, b, cfg.precision.fp8)[part]
 
     # a layer's residuals grow linearly with the microbatch (traced at one sequence); the rest
     # (embedding, final norm, the LM head's loss, whose fused chunked path depends on the tokens

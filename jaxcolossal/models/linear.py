@@ -22,6 +22,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 
 from jaxcolossal.parallel.collective_matmul import _operands, all_gather_matmul, matmul_reduce_scatter
 
@@ -85,6 +86,62 @@ def _project_bias_bwd(eq, res, dy):
 _project_bias.defvjp(_project_bias_fwd, _project_bias_bwd)
 
 
+E4M3 = jnp.float8_e4m3fn
+"""Activations and weights in FP8 (Transformer Engine's recipe: more mantissa)."""
+E5M2 = jnp.float8_e5m2
+"""Gradients in FP8 (more range)."""
+
+
+def fp8_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(x / s in dtype, s)`` with the per-tensor scale ``s = amax(|x|) / dtype's max`` (fp32
+    scalar; Transformer Engine's current scaling), so that ``x``'s largest value lands on the
+    format's largest; clipped to the format's range (:func:`flax.linen.fp8_ops.quantize`). Under a
+    sharding the amax is a max over every shard (one small all-reduce per tensor)."""
+    big = jnp.asarray(jnp.finfo(dtype).max, jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x)).astype(jnp.float32), jnp.float32(1e-12)) / big
+    return fp8_ops.quantize(x.astype(jnp.float32), dtype, scale, jnp.float32), scale
+
+
+def project_fp8(eq: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """:func:`project` with its three matmuls in FP8 (``precision.fp8``): forward ``x`` and ``w`` in
+    e4m3, backward the output gradient in e5m2, each with its current per-tensor scale
+    (:func:`fp8_quantize`), accumulated in fp32 and rescaled; the output in ``x``'s dtype, the
+    weight gradient accumulated in fp32 (as :func:`project`'s). The backward reuses the forward's
+    FP8 copies of ``x`` and ``w`` (saved in one byte per element). On Hopper and Blackwell XLA:GPU
+    compiles each to an FP8 GEMM (cuBLASLt's ``__cublas$lt$matmul$f8``, or a Triton GEMM fusion with
+    f8 operands); on other backends the FP8 rounding is emulated.
+
+    Args: as :func:`project` (``x`` and ``w`` bf16). Returns: ``[out]`` in ``x.dtype``.
+    """
+    y = _project_fp8(eq, x, w)
+    return y if bias is None else add_bias(y, bias)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _project_fp8(eq, x, w):
+    return _project_fp8_fwd(eq, x, w)[0]
+
+
+def _project_fp8_fwd(eq, x, w):
+    xq, sx = fp8_quantize(x, E4M3)
+    wq, sw = fp8_quantize(w, E4M3)
+    y = jnp.einsum(eq, xq, wq, preferred_element_type=jnp.float32) * (sx * sw)
+    proto = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))  # the dtypes of the cotangents
+    return y.astype(x.dtype), (xq, sx, wq, sw, proto)
+
+
+def _project_fp8_bwd(eq, res, dy):
+    xq, sx, wq, sw, (x_proto, w_proto) = res
+    lhs, rhs, out = _operands(eq)
+    gq, sg = fp8_quantize(dy, E5M2)
+    dx = jnp.einsum(f"{out},{rhs}->{lhs}", gq, wq, preferred_element_type=jnp.float32) * (sg * sw)
+    dw = jnp.einsum(f"{lhs},{out}->{rhs}", xq, gq, preferred_element_type=jnp.float32) * (sx * sg)
+    return dx.astype(x_proto.dtype), dw.astype(w_proto.dtype)
+
+
+_project_fp8.defvjp(_project_fp8_fwd, _project_fp8_bwd)
+
+
 @jax.custom_vjp
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """``table[ids]`` (rows of ``table [v, d]`` for int ``ids [...]``: ``[..., d]``), whose
@@ -110,6 +167,12 @@ def _take_bwd(res, dy):
 take_rows.defvjp(_take_fwd, _take_bwd)
 
 
+def projection(shard):
+    """The projection the layers use under ``shard``: :func:`project_fp8` where its ``fp8`` is set
+    (``precision.fp8``, :meth:`jaxcolossal.sharding.Sharder.with_fp8`), else :func:`project`."""
+    return project_fp8 if getattr(shard, "fp8", False) else project
+
+
 def tp_overlaps(shard, t: int) -> bool:
     """Whether the projections of a ``t``-token sequence run as TP collective matmuls under
     ``shard`` (a :class:`~jaxcolossal.sharding.Sharder`; the plain functions used without a mesh
@@ -126,7 +189,8 @@ def column_parallel(shard, overlap: bool, x: jax.Array, terms, biases=None) -> l
     (:func:`jaxcolossal.parallel.collective_matmul.all_gather_matmul`); else XLA places the collectives."""
     biases = biases or [None] * len(terms)
     if not overlap:
-        return [project(eq, x, w, b) for (eq, w, _), b in zip(terms, biases)]
+        proj = projection(shard)
+        return [proj(eq, x, w, b) for (eq, w, _), b in zip(terms, biases)]
     outs = all_gather_matmul(shard, x, terms)
     return [o if b is None else add_bias(o, b) for o, b in zip(outs, biases)]
 
@@ -137,7 +201,7 @@ def row_parallel(shard, overlap: bool, eq: str, x: jax.Array, w: jax.Array, lett
     dimension on ``tp``). With ``overlap`` the sum over ``tp`` is reduce-scattered along the
     sequence inside the matmuls (:func:`jaxcolossal.parallel.collective_matmul.matmul_reduce_scatter`)."""
     if not overlap:
-        return project(eq, x, w, bias)
+        return projection(shard)(eq, x, w, bias)
     out = matmul_reduce_scatter(shard, eq, x, w, letter)
     return out if bias is None else add_bias(out, bias)
 

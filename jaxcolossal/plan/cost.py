@@ -76,9 +76,30 @@ def compiled_flops(cfg: Config, num_devices: int) -> float:
     return per_token * t.batch_size * t.seq_len / num_devices
 
 
+def fp8_flops(cfg: Config, num_devices: int) -> float:
+    """The part of :func:`compiled_flops` that ``precision.fp8`` runs in FP8 (0 without it): the
+    layers' projections, forward and backward, and their recompute (the remat policy's, and the
+    1F1B/interleaved backward slot's), per device per step; attention, the embedding and the LM
+    head stay in bf16."""
+    if not cfg.precision.fp8:
+        return 0.0
+    m, t = cfg.model, cfg.training
+    table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
+    matrix = lambda names: sum(math.prod(sh) for k, (sh, ax) in table.items()  # noqa: E731
+                               if k in names and len([a for a in ax if a != "layers"]) >= 2)
+    layers = matrix(table)
+    redone = {"none": 0, "full": layers - matrix(("w_down", "w_proj")),
+              "save_qkv_proj": layers - matrix(("w_down", "w_proj", "wq", "wk", "wv"))}.get(m.remat, 0)
+    pp = cfg.parallel.resolve(num_devices).pipeline_parallel_size
+    if pp > 1 and cfg.parallel.pipeline_schedule != "gpipe":
+        redone += layers
+    return (6 * layers + 2 * redone) * t.batch_size * t.seq_len / num_devices
+
+
 def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend: str = "gpu") -> dict:
     """The quantities :func:`predict` multiplies by a :class:`Device`'s constants, per device per step:
 
+    * ``fp8_flops``: the part of them in FP8 (:func:`fp8_flops`), stretched alike;
     * ``flops``: the matmul FLOPs the step's time pays for (:func:`compiled_flops`), over
       ``1 − bubble`` for a pipeline, except on a ``shared_host`` device, where only GPipe's idle
       ticks cost (they compute on a placeholder; 1F1B and interleaved skip theirs);
@@ -92,16 +113,16 @@ def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend
       :func:`jaxcolossal.placement.device_need` breakdown for ``backend``.
     """
     need = budget.need(cfg, num_devices, backend)
-    flops = compiled_flops(cfg, num_devices)
     pp = cfg.parallel.resolve(num_devices).pipeline_parallel_size
-    bubble = 0.0
+    bubble, stretch = 0.0, 1.0
     micro = cfg.training.gradient_accumulation_steps
     if pp > 1:
         micro = pipeline_microbatches(cfg, pp)
         bubble = pipeline_schedule_for(cfg, pp).bubble_fraction
         if not shared_host or cfg.parallel.pipeline_schedule == "gpipe":  # GPipe's idle ticks compute
-            flops /= 1 - bubble
-    return {"flops": flops, "bubble": bubble, "collectives": collective_count(cfg, num_devices),
+            stretch = 1 / (1 - bubble)
+    flops, fp8 = compiled_flops(cfg, num_devices) * stretch, fp8_flops(cfg, num_devices) * stretch
+    return {"flops": flops, "fp8_flops": fp8, "bubble": bubble, "collectives": collective_count(cfg, num_devices),
             "bytes": [(axis, b) for _, axis, b, _ in collective_terms(cfg, num_devices, backend)],
             "activations": need["activations"], "memory": need["total"] + micro * need["grads"], "need": need}
 
@@ -115,7 +136,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
       against 90% of the device's memory;
     * compute: the matmul FLOPs the compiled step does (:func:`compiled_flops`: dense attention
       and the remat policy's recomputation) at ``efficiency`` × the bf16 peak (half of it in
-      fp32: TF32 tensor cores),
+      fp32: TF32 tensor cores; with ``precision.fp8`` the layers' projections at the FP8 peak,
+      :attr:`Device.fp8_peak`, where the device has one),
       divided by ``1 − bubble`` for a pipeline (on a ``shared_host`` device, GPipe's only); plus
       the memory it touches × :attr:`Device.memory_cost` (0 on GPUs); MFU against the same peak;
     * communication, not overlapped: every collective of the step (:func:`collective_terms`, as
@@ -137,7 +159,9 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     tokens = t.batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)["6N+attn"]
     peak = device.peak if cfg.precision.mode != "fp32" else device.peak / 2  # fp32 matmuls on TF32 tensor cores
-    compute = terms["flops"] / (peak * efficiency) + terms["memory"] * device.memory_cost
+    f8 = terms["fp8_flops"] if device.fp8_peak else 0.0  # precision.fp8's projections at the FP8 peak
+    compute = ((terms["flops"] - f8) / (peak * efficiency) + f8 / (max(device.fp8_peak, 1.0) * efficiency)
+               + terms["memory"] * device.memory_cost)
     bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw  # noqa: E731
     span = {"tp": tp, "sp": sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost, then sp, dp, pp
     comm = sum(b / bw(span[axis]) for axis, b in terms["bytes"]) + terms["collectives"] * device.latency

@@ -39,13 +39,15 @@ class Device:
     latency: float = 10e-6
     shared_host: bool = False
     memory_cost: float = 0.0
+    fp8_peak: float = 0.0
+    """Dense FP8 peak (FLOP/s) where the tensor cores have one (Hopper, Blackwell: twice bf16); 0: none."""
 
 
 DEVICES = {  # NVIDIA datasheets; inter-node: one 400 Gb/s NIC per GPU (200 Gb/s for A100)
     "a100-40": Device("A100 40GB", 40e9, 312e12, 300e9, 25e9),
     "a100-80": Device("A100 80GB", 80e9, 312e12, 300e9, 25e9),
-    "h100": Device("H100 80GB", 80e9, 989e12, 450e9, 50e9),
-    "h200": Device("H200 141GB", 141e9, 989e12, 450e9, 50e9),
-    "b200": Device("B200 192GB", 192e9, 2250e12, 900e9, 50e9),
+    "h100": Device("H100 80GB", 80e9, 989e12, 450e9, 50e9, fp8_peak=1979e12),
+    "h200": Device("H200 141GB", 141e9, 989e12, 450e9, 50e9, fp8_peak=1979e12),
+    "b200": Device("B200 192GB", 192e9, 2250e12, 900e9, 50e9, fp8_peak=4500e12),
 }
 """``--device`` names. NVLink bandwidths are per direction (H100/H200: 900 GB/s bidirectional)."""

@@ -536,7 +536,8 @@ def _sample(run: Run, state: Any) -> str:
     if t.sample_tokens <= 0:
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
-    fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, Sharder(None))[..., : tok.vocab_size])
+    shard = Sharder(None).with_fp8(run.cfg.precision.fp8)
+    fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, shard)[..., : tok.vocab_size])
     out = sample_tokens(fn, state.params, tok.encode(run.sample_prompt), t.sample_tokens,
                         min(t.seq_len, SAMPLE_WINDOW), jax.random.key(t.seed + 1))
     eos = getattr(tok, "eos_id", None) if run.cfg.data.format == "chat" else None

@@ -302,7 +302,7 @@ class _Ticks:
         lay, plan = self.lay, self.lay.plan
         local = {"batch": None, "layers": None, **({"seq": None} if lay.seq_ring else {})}
         shard = Sharder(jax.sharding.get_abstract_mesh(), {**plan.rules, **local},
-                        plan.cfg.parallel.sequence_parallelism_mode)
+                        plan.cfg.parallel.sequence_parallelism_mode).with_fp8(plan.cfg.precision.fp8)
         if not lay.seq_ring:
             return shard, None
         tl = xs.shape[1]

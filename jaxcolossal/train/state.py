@@ -31,9 +31,9 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
+from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, ConfigError, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
 from jaxcolossal.memory.budget import resolve
-from jaxcolossal.mesh import DATA_AXES
+from jaxcolossal.mesh import DATA_AXES, platform
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.parallel.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
@@ -103,7 +103,7 @@ class TrainPlan:
     def sharder(self) -> Sharder:
         """Activation-constraint helper for this mesh and the rules table."""
         p = self.cfg.parallel
-        shard = Sharder(self.mesh, self.rules, p.sequence_parallelism_mode)
+        shard = Sharder(self.mesh, self.rules, p.sequence_parallelism_mode).with_fp8(self.cfg.precision.fp8)
         if p.overlap and p.sequence_parallelism_mode == "split_gather":  # TP collective matmul
             shard = shard.with_collective_matmul(p.collective_matmul_min_seq)
         return shard
@@ -139,6 +139,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
             (:func:`jaxcolossal.placement.resolve`).
     """
     validate(cfg, num_devices=mesh.size)
+    _check_fp8(cfg, mesh)
     shape = {k: int(v) for k, v in mesh.shape.items()}
     vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
     # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
@@ -150,6 +151,20 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     return TrainPlan(cfg=cfg, mesh=mesh, mesh_shape=shape, vocab=vocab, param_axes=axes,
                      param_shapes=shapes, specs=specs, precision=cfg.precision.mode, placement=placement,
                      placement_report=report)
+
+
+def _check_fp8(cfg: Config, mesh: Mesh) -> None:
+    """``precision.fp8`` on GPUs without FP8 tensor cores (compute capability below 8.9) is refused;
+    other platforms emulate it.
+
+    Raises:
+        ConfigError: FP8 on such a GPU.
+    """
+    device = mesh.devices.flat[0]
+    cc = getattr(device, "compute_capability", None)
+    if cfg.precision.fp8 and platform(mesh) == "gpu" and cc and float(str(cc).rstrip("a")) < 8.9:
+        raise ConfigError(f"precision.fp8=true: {device.device_kind} (compute capability {cc}) has no FP8 tensor "
+                          "cores; FP8 needs Ada, Hopper or Blackwell (8.9 and up)")
 
 
 def opt_state_specs(tx: optax.GradientTransformation, params_abstract: Any, param_like_specs: Any) -> Any:

@@ -31,9 +31,10 @@ def _items(d: dict | None) -> tuple | None:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(parallel: tuple, precision: str | None, model: tuple | None, training: tuple | None,
-              offload: tuple | None, devices: int):
+              offload: tuple | None, devices: int, fp8: bool = False):
     as_dict = lambda t: None if t is None else dict(t)  # noqa: E731
     cfg = tiny_config(as_dict(parallel), precision, as_dict(model), as_dict(training))
+    cfg.precision.fp8 = fp8
     for key, value in (as_dict(offload) or {}).items():
         setattr(cfg.offload, key, value)
     return fleet.compile_for(cfg, target.get_target("h200"), devices)
@@ -41,12 +42,12 @@ def _compiled(parallel: tuple, precision: str | None, model: tuple | None, train
 
 @pytest.fixture(scope="session")
 def compile_tiny():
-    """``compile_tiny(parallel, precision=None, model=None, training=None, offload=None, devices=8)``:
+    """``compile_tiny(parallel, precision=None, model=None, training=None, offload=None, devices=8, fp8=False)``:
     the tiny test model's train step compiled for that many H200s (cached per configuration for the
     session)."""
     if not target.gpu_compiler_available():
         pytest.fail("XLA's GPU compiler is not installed: pip install -e \".[gpu-compile]\"", pytrace=False)
 
-    def get(parallel, precision=None, model=None, training=None, offload=None, devices=8):
-        return _compiled(_items(parallel), precision, _items(model), _items(training), _items(offload), devices)
+    def get(parallel, precision=None, model=None, training=None, offload=None, devices=8, fp8=False):
+        return _compiled(_items(parallel), precision, _items(model), _items(training), _items(offload), devices, fp8)
     return get

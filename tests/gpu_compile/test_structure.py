@@ -121,6 +121,30 @@ def test_the_update_writes_the_optimizer_state_in_place(compile_tiny):
     assert fc.memory["temp"] < 12 * psi  # no second copy of the fp32 master, m and v
 
 
+@pytest.mark.parametrize("remat,per_layer", [("none", 21), ("full", 27)])
+def test_fp8_runs_every_projection_as_an_fp8_gemm(compile_tiny, remat, per_layer):
+    """``precision.fp8``: the 7 projections of every layer, forward and both backward matmuls (and
+    under ``remat=full`` the recomputed forward of all but the MLP's down projection), compile to
+    matmuls with FP8 operands; attention and the LM head stay bf16. Without autotuning XLA:GPU
+    makes them GEMM fusions (Triton); ``--xla_gpu_enable_triton_gemm=false`` makes each a cuBLASLt
+    FP8 GEMM (docs/gpu.md)."""
+    fc = compile_tiny({"zero_stage": 2}, "bf16", {"remat": remat}, fp8=True)
+    assert fc.matmuls["fp8"] == per_layer * TINY_MODEL["num_layers"]
+    assert fc.matmuls["fp8"] == fc.matmuls["cublaslt"] + fc.matmuls["fusion"]
+    assert fc.matmuls["other"] > 0  # attention's and the LM head's matmuls, in bf16
+
+
+def test_fp8_on_a100s_is_refused_before_compiling():
+    from tiny import tiny_config
+
+    from jaxcolossal.aot import fleet, target
+    from jaxcolossal.config import ConfigError
+    cfg = tiny_config({"zero_stage": 2}, "bf16")
+    cfg.precision.fp8 = True
+    with pytest.raises(ConfigError, match="compute capability 8.0.*has no FP8 tensor cores"):
+        fleet.compile_for(cfg, target.get_target("a100"), 8)
+
+
 # ----------------------------------------------------------------------------- overlap
 
 
