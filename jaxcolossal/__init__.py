@@ -17,6 +17,7 @@ from jaxcolossal.booster import (
 from jaxcolossal.config import Config, ConfigError, load_config
 from jaxcolossal.dist_logger import get_dist_logger
 from jaxcolossal.launch import (
+    gpu_memory_fraction,
     launch,
     launch_from_env,
     launch_from_openmpi,
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Booster", "DDPPlugin", "GeminiPlugin", "HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin",
     "TorchFSDPPlugin",
-    "Config", "ConfigError", "load_config", "get_dist_logger", "launch", "launch_from_env",
+    "Config", "ConfigError", "load_config", "get_dist_logger", "gpu_memory_fraction", "launch", "launch_from_env",
     "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "set_seed", "simulate_devices",
     "make_mesh", "models",
 ]

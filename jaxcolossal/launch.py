@@ -251,6 +251,20 @@ def _set_flag_default(xla_flags: str, flag: str, value: object) -> str:
 
 
 # --------------------------------------------------------------------------- public
+GPU_MEMORY_FRACTION = "0.9"
+"""The share of each GPU's memory JAX preallocates for the run (``XLA_PYTHON_CLIENT_MEM_FRACTION``;
+jax's own default is 0.75): the planner's rule that a layout fits in 90% of the memory, and
+NVIDIA's recommendation for LLM training (JAX-Toolbox)."""
+
+
+def gpu_memory_fraction(fraction: str = GPU_MEMORY_FRACTION) -> str:
+    """Set ``XLA_PYTHON_CLIENT_MEM_FRACTION`` to ``fraction`` unless it is set already (the user's
+    value wins), before JAX's backend starts; returns the value in effect. It only sizes the GPU
+    allocator's pool (inert on the CPU). ``scripts/train.py`` calls it; call it first in a
+    notebook that trains on GPUs."""
+    return os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+
+
 def simulate_devices(n: int) -> None:
     """Make the host (CPU) platform expose ``n`` devices, for CPU runs and notebooks.
 

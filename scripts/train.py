@@ -91,6 +91,7 @@ def run(args) -> int:
         return compile_for_fleet(cfg, args)
     if args.dry_run:
         return dry_run(cfg, args)
+    jc.gpu_memory_fraction()  # 0.9 of each GPU's memory, as the planner plans (jax's default: 0.75)
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)
     from jaxcolossal.train.loop import train

@@ -21,15 +21,16 @@ from dataclasses import dataclass
 
 from jaxcolossal.aot import fleet
 from jaxcolossal.aot.target import Target, get_target, gpu_compiler_available
-from jaxcolossal.config import Config, ConfigError, config_from_dict, gib
+from jaxcolossal.config import Config, ConfigError, config_from_dict
 from jaxcolossal.errors import DependencyError
 from jaxcolossal.plan.collectives import collective_bytes
 from jaxcolossal.plan.cost import Layout
-from jaxcolossal.plan.devices import Device
+from jaxcolossal.plan.cli import confirm_target
+from jaxcolossal.plan.devices import DEVICES, Device
 from jaxcolossal.plan.search import run_overrides, search
 
-TARGET_OF = {"h100": "h100", "h200": "h200", "b200": "b200", "a100-80": "a100"}
-"""The planner's ``--device`` names that have a GPU compile target (:mod:`jaxcolossal.aot.target`)."""
+TARGET_OF = {name: d.target for name, d in DEVICES.items() if d.target}
+"""The planner's ``--device`` names that have a GPU compile target (:attr:`Device.target`)."""
 
 FIT = 0.9
 """The share of the HBM a layout may use (the planner's margin, :func:`jaxcolossal.plan.cost.predict`)."""
@@ -49,6 +50,9 @@ class Confirmed:
     step_s: float = 0.0
     compile_s: float = 0.0
     error: str = ""
+    warned: bool = False
+    """XLA's rematerialization pass estimated more than its memory limit before scheduling (its
+    warning; the compiled peak above is what the buffer assignment allocates)."""
 
     @property
     def fits(self) -> bool:
@@ -61,11 +65,7 @@ def target_for(device_name: str) -> Target:
     Raises:
         ConfigError: a device without a target (``a100-40``).
     """
-    name = TARGET_OF.get(device_name.lower())
-    if name is None:
-        raise ConfigError(f"--confirm: no GPU compile target for --device {device_name!r}; the targets are "
-                          f"{sorted(TARGET_OF)}")
-    return get_target(name)
+    return get_target(confirm_target(1, device_name))
 
 
 def layout_config(cfg: Config, layout: Layout) -> Config:
@@ -86,7 +86,7 @@ def compile_layout(cfg: Config, layout: Layout, target: Target, num_devices: int
     predicted = collective_bytes(c, num_devices, "gpu")
     kinds = sorted(set(predicted) | set(fc.collectives))
     row.collectives = {k: (predicted.get(k, 0.0), float(fc.collectives.get(k, {}).get("sent", 0.0))) for k in kinds}
-    row.compiled, row.compile_s = float(fc.peak), fc.compile_s
+    row.compiled, row.compile_s, row.warned = float(fc.peak), fc.compile_s, bool(fc.compiler_messages)
     row.step_s = layout.compute_s + fc.exposure.exposed_s
     return row
 
@@ -100,8 +100,7 @@ def confirm(cfg: Config, num_devices: int, device_name: str, device: Device, top
         ConfigError: ``top`` below 1, or a device without a compile target.
         DependencyError: XLA's GPU compiler is not installed (the ``gpu-compile`` extra).
     """
-    if top < 1:
-        raise ConfigError(f"--confirm {top}: the number of layouts to compile, at least 1")
+    confirm_target(top, device_name)
     target = target_for(device_name)
     if not gpu_compiler_available():
         raise DependencyError("--confirm needs XLA's GPU compiler: pip install -e \".[gpu-compile]\"")
@@ -133,7 +132,8 @@ def table(rows: list[Confirmed], num_devices: int, device_name: str) -> str:
             continue
         pred_c = sum(p for p, _ in r.collectives.values())
         comp_c = sum(c for _, c in r.collectives.values())
-        verdict = "fits" if r.fits else f"dropped: {gib(r.compiled)} > {FIT:.0%} of {gib(r.hbm)}"
+        verdict = ("fits" + (" (XLA's remat pass warned)" if r.warned else "") if r.fits
+                   else f"dropped: {_gb(r.compiled)} > {FIT:.0%} of {_gb(r.hbm)}")
         lines.append(f"| {i if r.fits else '-'} | {lay.strategy()} | {k} | {_gb(r.predicted)} | {_gb(r.compiled)} | "
                      f"{(r.predicted - r.compiled) / r.compiled:+.1%} | {_gb(pred_c)} | {_gb(comp_c)} | "
                      f"{lay.step_s:.2f} s | {r.step_s:.2f} s | {verdict} |")

@@ -102,10 +102,11 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str,
-            batch: int = 1, fp8: bool = False) -> tuple[int, int, int]:
+            batch: int = 1, fp8: bool = False) -> tuple[int, int, int, int]:
     """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, the
-    part of them in a 16-bit float dtype, and the largest layer residual's bytes per layer (the
-    scan stacks them ``[num_layers, ...]``; 0 with one layer) (cached). ``fp8``: the projections
+    part of them in a 16-bit float dtype, the largest layer residual's bytes per layer (the scan
+    stacks them ``[num_layers, ...]``; 0 with one layer), and the bytes per layer of the largest
+    fp32 ``[..., t, t]`` one (XLA attention's probabilities) (cached). ``fp8``: the projections
     in FP8 (``precision.fp8``), which save their inputs in one byte per element."""
     model = ModelConfig(**dict(model_items))
     model.remat = remat
@@ -120,7 +121,7 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
         return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model, shard), p)[1])
     jaxpr = jax.make_jaxpr(res)(params, tok, tok).jaxpr
     inputs = {id(v) for v in jaxpr.invars}
-    seen, total, low, big = set(), 0, 0, 0
+    seen, total, low, big, square = set(), 0, 0, 0, 0
     for v in jaxpr.outvars:  # residuals; the params themselves (forwarded inputs) are the state's
         if type(v).__name__ == "Literal" or id(v) in inputs or id(v) in seen:
             continue
@@ -130,7 +131,9 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
             low += v.aval.size * v.aval.dtype.itemsize
         if model.num_layers > 1 and v.aval.ndim and v.aval.shape[0] == model.num_layers:
             big = max(big, v.aval.size // model.num_layers * v.aval.dtype.itemsize)
-    return total, low, big
+            if v.aval.ndim >= 3 and v.aval.shape[-1] == v.aval.shape[-2] == seq and v.aval.dtype == jnp.float32:
+                square = max(square, v.aval.size // model.num_layers * 4)  # attention's fp32 probabilities
+    return total, low, big, square
 
 
 def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: int,
@@ -178,7 +181,8 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     low_none = at(2, "none", part=1) - at(1, "none", part=1)
     return {"saved": head + layers * per_layer * batch, "head": head, "layer": none_layer * batch,
             "layer_16bit": low_none * batch,
-            "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * low_layer * batch}
+            "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * low_layer * batch,
+            "probs_saved": layers * at(2, remat, part=3) * batch}
 
 
 def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
@@ -243,7 +247,8 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     backward = sum(parts.values()) + fp32_live
     # the LM head's backward: every saved residual, the head's among them, and what lives through
     # the whole backward pass; not yet a layer's working set or the layers' gradients
-    head = (sum(parts[k] for k in HEAD_PARTS if k in parts) + r["head"] + fp32_live) if s.split_head else 0.0
+    head = (sum(parts[k] for k in HEAD_PARTS if k in parts) + r["head"] + fp32_live + _relayout(s, r)
+            if s.split_head else 0.0)
     update = grads + _update_compute_grads(s)
     phase = max((backward, "backward"), (head, "head"), (update, "update"))[1]
     return {"activations": int(max(backward, head, update) - grads), "phase": phase, "head": int(r["head"]),
@@ -303,6 +308,16 @@ def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _Pe
                       layer_el=_elements(shapes["layers"]) / m.num_layers, layerwise=reduces_layerwise(cfg),
                       prefetch=prefetches_weights(cfg), split_head=pp == 1 or lockstep,
                       overlap=cfg.parallel.overlap, zero3=p.zero_stage == 3 and n > 1)
+
+
+def _relayout(s: _PeakShape, r: dict) -> float:
+    """XLA:GPU: at the start of the backward the stage's stacked attention probabilities, when the
+    remat policy saves them (XLA's attention: fp32 ``[L, b, heads, s, s]``), are copied into the
+    layout the reverse scan reads, beside the original (an ``input_transpose_fusion`` of the whole
+    stack). 0 elsewhere."""
+    if s.backend != "gpu":
+        return 0.0
+    return r["probs_saved"] * s.kept
 
 
 def _update_compute_grads(s: _PeakShape) -> float:

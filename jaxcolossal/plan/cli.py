@@ -21,7 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jaxcolossal.plan", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m jaxcolossal.plan", description=DESCRIPTION)
+    ap.add_argument("--seed-table", action="store_true",
+                    help="print the published rows (Colossal-AI, MaxText, torchtitan) beside the planner's predictions "
+                    "and nothing else; takes no other option")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a benchmark preset: configs/bench/<name>.yaml (llama_1b, llama3_8b, llama3_70b, ...)")
     src.add_argument("--config", help="a config file")
@@ -37,11 +40,26 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's batch_size, or its "
                     "micro_batch_size × --devices)")
     ap.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the matmuls reach (0.45)")
-    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--top", type=int, default=8, help="how many fitting layouts to list (default 8)")
     ap.add_argument("--confirm", type=int, default=0, metavar="K",
                     help="compile the K fastest fitting layouts for the fleet with XLA's GPU compiler (no GPU needed; "
-                    "the gpu-compile extra) and rank them again by the compiled memory and schedule")
+                    "the gpu-compile extra) and rank them again by the compiled memory and schedule (default 0: off)")
     return ap
+
+
+def confirm_target(top: int, device_name: str) -> str:
+    """The compile target of ``--confirm K`` on ``--device`` (:attr:`Device.target`).
+
+    Raises:
+        ConfigError: ``K`` below 1, or a device without a compile target (``a100-40``).
+    """
+    if top < 1:
+        raise ConfigError(f"--confirm {top}: the number of layouts to compile, at least 1 (0, the default: off)")
+    device = DEVICES.get(device_name.lower())
+    if device is None or not device.target:
+        raise ConfigError(f"--confirm: no GPU compile target for --device {device_name!r}; --confirm compiles for "
+                          f"{sorted(k for k, d in DEVICES.items() if d.target)}")
+    return device.target
 
 
 def _device(a: argparse.Namespace) -> Device:
@@ -91,29 +109,41 @@ def _config(a: argparse.Namespace) -> tuple[Config, str, dict | None]:
     if not os.path.exists(a.hf_config):
         raise ConfigError(f"--hf-config {a.hf_config}: no such file or folder")
     folder = a.hf_config if os.path.isdir(a.hf_config) else os.path.dirname(os.path.abspath(a.hf_config))
-    model = dataclasses.asdict(config_from_hf(read_hf_config(folder)))
+    # planned for GPUs: cuDNN's fused attention (XLA's attention elsewhere), as the bench presets
+    model = {**dataclasses.asdict(config_from_hf(read_hf_config(folder))), "attention_impl": "cudnn"}
     cfg = config_from_dict({"model": model, "training": training, "precision": {"bf16": True}})
     default = dataclasses.asdict(load_config(os.path.join(ROOT, "configs", "llama_tiny.yaml")).model)
     return cfg, "", {f"model.{k}": v for k, v in model.items() if v != default.get(k) and k != "remat"}
 
 
+DESCRIPTION = ("Pick a layout for a model on a GPU cluster before renting it: every dp/tp/pp × ZeRO × remat × "
+               "accumulation, predicted and ranked by step time; --confirm K compiles the K fastest for the fleet "
+               "with XLA's GPU compiler (no GPU needed); --seed-table prints published benchmark rows beside the "
+               "planner's predictions. docs/planner.md")
+
+
 def main(argv: list[str] | None = None, confirm: Callable[..., str] | None = None) -> int:
-    """``python -m jaxcolossal.plan``: pick a layout for a model on a cluster before renting it.
-    ``confirm``: :func:`jaxcolossal.aot.confirm.report`, which ``--confirm K`` calls (the command
-    line passes it in; the planner never imports the compiler, which builds the train step)."""
+    """``python -m jaxcolossal.plan`` (:data:`DESCRIPTION`). ``confirm``:
+    :func:`jaxcolossal.aot.confirm.report`, which ``--confirm K`` calls (the command line passes it
+    in; the planner never imports the compiler, which builds the train step)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--seed-table" in argv:  # Colossal-AI's published rows beside the planner's predictions
+    if "--seed-table" in argv:  # the published rows beside the planner's predictions
+        if len(argv) > 1:
+            print("error: --seed-table takes no other option", file=sys.stderr)
+            return 2
         print(seed_table())
         return 0
     a = _parser().parse_args(argv)
     try:
         dev = _device(a)
+        if a.confirm:  # checked before the search, so that bad input costs nothing
+            if confirm is None:
+                raise ConfigError("--confirm is offered by the command line, python -m jaxcolossal.plan")
+            confirm_target(a.confirm, a.device)
         cfg, source, model_overrides = _config(a)
         if not a.global_batch and cfg.training.micro_batch_size:
             cfg.training.batch_size = cfg.training.micro_batch_size * a.devices
         cfg.training.micro_batch_size = 0
-        if a.confirm and confirm is None:
-            raise ConfigError("--confirm is offered by the command line, python -m jaxcolossal.plan")
         text = report(cfg, a.devices, dev, a.efficiency, a.top, source, model_overrides)
         print(text)
         if a.confirm and "run the best:" in text:

@@ -41,13 +41,18 @@ class Device:
     memory_cost: float = 0.0
     fp8_peak: float = 0.0
     """Dense FP8 peak (FLOP/s) where the tensor cores have one (Hopper, Blackwell: twice bf16); 0: none."""
+    target: str = ""
+    """The GPU compiler's target of this device (:mod:`jaxcolossal.aot.target`; ``--confirm``); "": none."""
 
 
 DEVICES = {  # NVIDIA datasheets; inter-node: one 400 Gb/s NIC per GPU (200 Gb/s for A100)
-    "a100-40": Device("A100 40GB", 40e9, 312e12, 300e9, 25e9),
-    "a100-80": Device("A100 80GB", 80e9, 312e12, 300e9, 25e9),
-    "h100": Device("H100 80GB", 80e9, 989e12, 450e9, 50e9, fp8_peak=1979e12),
-    "h200": Device("H200 141GB", 141e9, 989e12, 450e9, 50e9, fp8_peak=1979e12),
-    "b200": Device("B200 192GB", 192e9, 2250e12, 900e9, 50e9, fp8_peak=4500e12),
+    "a100-40": Device("A100 40GB", 42_949_672_960, 312e12, 300e9, 25e9),
+    "a100-80": Device("A100 80GB", 85_100_068_864, 312e12, 300e9, 25e9, target="a100"),
+    "h100": Device("H100 80GB", 84_942_979_072, 989e12, 450e9, 50e9, fp8_peak=1979e12, target="h100"),
+    "h200": Device("H200 141GB", 151_397_597_184, 989e12, 450e9, 50e9, fp8_peak=1979e12, target="h200"),
+    "b200": Device("B200 180GB", 191_514_411_008, 2250e12, 900e9, 50e9, fp8_peak=4500e12, target="b200"),
 }
-"""``--device`` names. NVLink bandwidths are per direction (H100/H200: 900 GB/s bidirectional)."""
+"""``--device`` names. Memory is the HBM the GPU reports, in bytes: the marketing "80GB", "141GB"
+are close to GiB (the H200's is 141 GiB = 151.4e9 bytes), the same bytes as the GPU compiler's
+targets (:mod:`jaxcolossal.aot.target`; a test keeps them equal). NVLink bandwidths are per
+direction (H100/H200: 900 GB/s bidirectional)."""

@@ -51,3 +51,15 @@ def test_a_layout_that_does_not_fit_the_device_count_is_refused_before_compiling
         check_fleet(cfg, 16, 8)
     with pytest.raises(ConfigError, match="do not split into hosts of 8"):
         check_fleet(cfg, 12, 8)
+
+
+def test_the_planners_devices_are_the_compilers_targets():
+    """The planner's ``--device`` table and the GPU compiler's targets describe the same GPUs with
+    the same HBM bytes and bf16 peak (the planner's 90% rule and ``--confirm``'s agree)."""
+    from jaxcolossal.aot.confirm import TARGET_OF
+    from jaxcolossal.aot.target import get_target
+    from jaxcolossal.plan.devices import DEVICES
+    for name, target_name in TARGET_OF.items():
+        device, tgt = DEVICES[name], get_target(target_name)
+        assert device.memory == tgt.hbm_bytes, name
+        assert abs(device.peak - tgt.peak_bf16) / tgt.peak_bf16 < 0.001, name
