@@ -23,9 +23,9 @@ from jaxcolossal.aot import fleet
 from jaxcolossal.aot.target import Target, get_target, gpu_compiler_available
 from jaxcolossal.config import Config, ConfigError, config_from_dict
 from jaxcolossal.errors import DependencyError
+from jaxcolossal.plan.cli import confirm_target
 from jaxcolossal.plan.collectives import collective_bytes
 from jaxcolossal.plan.cost import Layout
-from jaxcolossal.plan.cli import confirm_target
 from jaxcolossal.plan.devices import DEVICES, Device
 from jaxcolossal.plan.search import run_overrides, search
 

@@ -35,6 +35,7 @@ from jaxcolossal.aot import schedule
 from jaxcolossal.aot.target import Target, compile_only_devices, topology
 from jaxcolossal.config import Config, ConfigError, double_buffers_loops, validate
 from jaxcolossal.mesh import make_mesh, platform
+from jaxcolossal.platforms import fp8_refusal
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import abstract_state, make_plan
 from jaxcolossal.train.step import make_train_step
@@ -110,9 +111,9 @@ def check_fleet(cfg: Config, num_devices: int, devices_per_host: int, target: Ta
             setting ``--compile-for`` cannot build (the NVMe tier's files), or ``precision.fp8``
             on a ``target`` without FP8 tensor cores (compute capability below 8.9: the A100).
     """
-    if target is not None and cfg.precision.fp8 and float(target.compute_capability.rstrip("a")) < 8.9:
-        raise ConfigError(f"precision.fp8=true: {target.description} (compute capability {target.compute_capability}) "
-                          "has no FP8 tensor cores; FP8 needs Ada, Hopper or Blackwell (8.9 and up)")
+    why = fp8_refusal(target.description, target.compute_capability) if target is not None else ""
+    if cfg.precision.fp8 and why:
+        raise ConfigError(why)
     try:
         topology(num_devices, devices_per_host)
     except ValueError as e:

@@ -66,8 +66,8 @@ import jax.numpy as jnp
 from jaxcolossal.config import (
     COMPUTE_DTYPES,
     Config,
-    attention_kernel,
     ModelConfig,
+    attention_kernel,
     gib,
     pipeline_microbatches,
     prefetches_weights,

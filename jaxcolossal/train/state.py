@@ -38,6 +38,7 @@ from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.parallel.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
 from jaxcolossal.placement import Placement, place_state
+from jaxcolossal.platforms import fp8_refusal
 from jaxcolossal.sharding import Sharder, StateSpecs, named, rules_for, state_specs
 
 
@@ -161,10 +162,9 @@ def _check_fp8(cfg: Config, mesh: Mesh) -> None:
         ConfigError: FP8 on such a GPU.
     """
     device = mesh.devices.flat[0]
-    cc = getattr(device, "compute_capability", None)
-    if cfg.precision.fp8 and platform(mesh) == "gpu" and cc and float(str(cc).rstrip("a")) < 8.9:
-        raise ConfigError(f"precision.fp8=true: {device.device_kind} (compute capability {cc}) has no FP8 tensor "
-                          "cores; FP8 needs Ada, Hopper or Blackwell (8.9 and up)")
+    why = fp8_refusal(device.device_kind, getattr(device, "compute_capability", None))
+    if cfg.precision.fp8 and platform(mesh) == "gpu" and why:
+        raise ConfigError(why)
 
 
 def opt_state_specs(tx: optax.GradientTransformation, params_abstract: Any, param_like_specs: Any) -> Any:
