@@ -305,7 +305,8 @@ class CheckpointManager:
         """Host (numpy) copy of the model weights of ``step`` (default: the newest), for export.
 
         Reads only the ``master`` (fp32, in bf16/fp16 runs, when ``prefer_master``) or ``params``
-        subtree, on one process with any number of devices. Returns ``(params, step)``; the
+        subtree, on one process with any number of devices; a LoRA run's adapters come merged into
+        its frozen base's dict (``layers.wq_lora_a`` ... beside ``layers.wq``, as the model reads them). Returns ``(params, step)``; the
         vocabulary padding is still there.
 
         Raises:
@@ -316,12 +317,16 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
         tree = self._state_metadata(step).tree
         key = "master" if prefer_master and tree.get("master") is not None else "params"
+        keys = [key] + (["frozen"] if tree.get("frozen") is not None else [])
         is_leaf = lambda x: hasattr(x, "shape")
-        item = {key: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[key], is_leaf=is_leaf)}
+        item = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[k], is_leaf=is_leaf) for k in keys}
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
         with ocp.PyTreeCheckpointer() as ckptr:
             out = ckptr.restore(self._state_dir(step), args=ocp.args.PyTreeRestore(item=item, restore_args=as_numpy,
                                                                   partial_restore=True))
+        if "frozen" in out:  # LoRA: the trained adapters' layer leaves beside the frozen base's
+            frozen = out["frozen"]
+            return {**frozen, "layers": {**frozen["layers"], **out[key]["layers"]}}, step
         return out[key], step
 
     def wait(self) -> None:

@@ -119,7 +119,7 @@ def model_state_bytes(state: Any, grad_specs: Any, param_shapes: Any, mesh_shape
     """Per-device bytes of params, gradients and optimizer state (the ZeRO paper's (docs/zero.md) p, g, K).
 
     Params and optimizer state (which includes the fp32 master copy in mixed precision) are
-    read from the arrays' shards on the first device; the fp32 gradient buffer, which exists
+    read from the arrays' shards on the first device (so is LoRA's frozen base, ``frozen``); the fp32 gradient buffer, which exists
     only inside the step, from its ZeRO spec.
     """
     params = _local_bytes(state.params)
@@ -127,7 +127,9 @@ def model_state_bytes(state: Any, grad_specs: Any, param_shapes: Any, mesh_shape
     grads = sum(jax.tree.leaves(jax.tree.map(
         lambda shp, spec: shard_bytes(shp, jnp.float32, spec, mesh_shape), param_shapes, grad_specs,
         is_leaf=lambda x: isinstance(x, tuple) and not isinstance(x, P))))
-    return {"params": params, "grads": int(grads), "optimizer": opt, "total": params + int(grads) + opt}
+    frozen = _local_bytes(state.frozen) if getattr(state, "frozen", None) is not None else 0  # LoRA's base
+    return {"params": params, "grads": int(grads), "optimizer": opt, "frozen": frozen,
+            "total": params + int(grads) + opt + frozen}
 
 
 def zero_formula_bytes(num_params: int, n: int, zero_stage: int, p: int, g: int, K: int) -> dict[str, float]:

@@ -55,6 +55,7 @@ RULES: dict[str, Any] = {
     "vocab": "tp",
     "layers": None,
     "stage": "pp",
+    "lora_rank": None,
 }
 """Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)."""
 

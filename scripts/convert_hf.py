@@ -229,8 +229,13 @@ def load_source(src: str, step: int | None = None) -> tuple[dict, dict, dict | N
 
 
 def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = None,
-          tokenizer: str | None = None) -> list[str]:
+          tokenizer: str | None = None, merge_lora: bool = False) -> list[str]:
     """A trained model -> HF directory ``out``; returns the weight files.
+
+    A LoRA run (``model.lora.rank > 0``) exports its adapters as a PEFT folder
+    (``adapter_config.json`` + ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``
+    on the base model), or with ``merge_lora`` the full model with the adapters merged into the
+    weights (``W + alpha/rank · A B``).
 
     ``src`` is either a run's ``checkpoint.dir`` (orbax; ``step`` picks one, default the newest;
     the fp32 master weights are exported in bf16/fp16 runs, and the model section comes from the
@@ -240,11 +245,19 @@ def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = No
     """
     from jaxcolossal.config import config_from_dict
     from jaxcolossal.models.hf import save_hf
+    from jaxcolossal.models.lora import merged_weights, split
+    from jaxcolossal.models.peft import save_adapters
 
     model, params, saved = load_source(src, step)
-    ids, tok = special_tokens(src, saved, tokenizer)
     # validated as a config whose only other setting is a sequence length that any model accepts
     cfg = config_from_dict({"model": {**model, "init_from": ""}, "training": {"seq_len": 1}}).model
+    if cfg.lora.enabled and not merge_lora:  # a LoRA run: its adapters, in PEFT's format
+        return save_adapters(out, cfg, split(params)[1], base_model=model.get("init_from", ""))
+    if cfg.lora.enabled:  # W + (alpha/rank)·A·B: the full model, as PEFT's merge_and_unload
+        params = merged_weights(params, cfg.lora)
+    elif merge_lora:
+        raise ValueError(f"--merge-lora: {src!r} holds no LoRA adapters (its model.lora.rank is 0)")
+    ids, tok = special_tokens(src, saved, tokenizer)
     files = save_hf(out, cfg, params, max_shard_size=max_shard_size, special_tokens=ids)
     if tok is not None:
         print(f"copied {', '.join(copy_tokenizer(tok, out))} from {_tokenizer_folder(tok)}")
@@ -261,6 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="--to-jax: pad the vocabulary for this tensor-parallel size")
     ap.add_argument("--vocab-pad-multiple", type=int, default=1, help="--to-jax: pad the vocabulary to a multiple of this × tp")
     ap.add_argument("--max-shard-size", default="5GB", help="--to-hf: shard above this size (default 5GB)")
+    ap.add_argument("--merge-lora", action="store_true",
+                    help="--to-hf of a LoRA run: write the full model with the adapters merged into its weights "
+                         "(default: the adapters alone, in PEFT's format)")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="--to-hf: a Hugging Face tokenizer folder: its files are copied into OUT and its "
                          "bos/eos/pad ids written (pad = eos when it names no pad token, as most LLaMA exports "
@@ -275,8 +291,10 @@ def main(argv=None) -> int:
             to_jax(*args.to_jax, tp=args.tp, vocab_pad_multiple=args.vocab_pad_multiple)
             print(f"wrote {args.to_jax[1]}/params.npz and {args.to_jax[1]}/model.yaml")
         else:
-            files = to_hf(*args.to_hf, max_shard_size=args.max_shard_size, step=args.step, tokenizer=args.tokenizer)
-            print(f"wrote {args.to_hf[1]}/config.json and {', '.join(files)}")
+            files = to_hf(*args.to_hf, max_shard_size=args.max_shard_size, step=args.step, tokenizer=args.tokenizer,
+                          merge_lora=args.merge_lora)
+            print(f"wrote {', '.join(files) if 'adapter_config.json' in files else 'config.json, ' + ', '.join(files)} "
+                  f"in {args.to_hf[1]}")
     except (ConfigError, DependencyError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

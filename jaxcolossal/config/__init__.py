@@ -40,6 +40,7 @@ from jaxcolossal.config.schema import (
                                         Config,
                                         DataConfig,
                                         LoggingConfig,
+                                        LoraConfig,
                                         ModelConfig,
                                         OffloadConfig,
                                         ParallelConfig,
@@ -53,7 +54,7 @@ from jaxcolossal.errors import ConfigError
 __all__ = [
     "ALIASES", "BYTES_PER_PARAM", "COMPUTE_DTYPES", "PATH_KEYS", "RANGES", "WIRE_BYTES", "Bytes", "CheckpointConfig",
     "attention_kernel", "double_buffers_loops",
-    "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OffloadConfig", "ParallelConfig",
+    "Config", "ConfigError", "DataConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OffloadConfig", "ParallelConfig",
     "PrecisionConfig", "Range", "TrainingConfig", "all_keys", "check_ranges", "config_from_dict", "expand_path",
     "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "pipeline_microbatches", "prefetches_weights",
     "reduces_layerwise", "validate", "weight_gather_dtype",

@@ -3,12 +3,13 @@ the kernels cannot run, refused before anything is compiled with the key and wha
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
 
 from jaxcolossal.config.derived import pipeline_microbatches
-from jaxcolossal.config.schema import Config, ModelConfig, ParallelConfig, parse_bytes, yaml_list
+from jaxcolossal.config.schema import LORA_TARGETS, Config, LoraConfig, ModelConfig, ParallelConfig, parse_bytes, yaml_list
 from jaxcolossal.errors import ConfigError
 
 
@@ -58,6 +59,8 @@ RANGES: dict[str, Range] = {
     "model.rms_norm_eps": _GT0, "model.layer_norm_eps": _GT0, "model.rope_theta": _GT0,
     "model.initializer_range": _GT0,
     "model.loss_chunk_tokens": Range(0, note="0: materialize the logits of all tokens"),
+    "model.lora.rank": Range(0, note="0: LoRA off"), "model.lora.alpha": _GT0,
+    "model.lora.dropout": Range(0, 1, hi_open=True),
     "training.batch_size": _POS, "training.micro_batch_size": Range(0, note="0: use batch_size"),
     "training.seq_len": _POS, "training.gradient_accumulation_steps": _POS,
     "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
@@ -94,8 +97,7 @@ def check_ranges(cfg: Config) -> None:
         ConfigError: ``section.key=value: must be ...``.
     """
     for key, rng in RANGES.items():
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
+        v = functools.reduce(getattr, key.split("."), cfg)
         if not rng.contains(v):
             raise ConfigError(f"{key}={v!r}: {rng.describe('must be' if math.isfinite(v) else 'must be a finite number')}")
 
@@ -114,6 +116,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_model(cfg)
     _check_data(cfg)
     _check_features(cfg)
+    _check_lora(cfg)
     _check_offload(cfg)
     _check_compression(p)
     _check_freeze(cfg)
@@ -178,6 +181,34 @@ def _check_data(cfg: Config) -> None:
     if d.format in ("parquet", "datasets", "jsonl") and d.corpus == "stdlib":
         raise ConfigError(f"data.format={d.format} needs data.corpus: the files (or, for datasets, "
                           "the saved folder) to read")
+
+
+def _check_lora(cfg: Config) -> None:
+    """``model.lora``: known targets, a LLaMA-family model, and the features it does not run with."""
+    lo, m, p, o = cfg.model.lora, cfg.model, cfg.parallel, cfg.offload
+    named = [t.strip() for t in lo.targets.split(",") if t.strip()]
+    unknown = [t for t in named if t not in LORA_TARGETS and named != ["all"]]
+    if unknown or not named:
+        raise ConfigError(f"model.lora.targets={lo.targets!r}: " + (f"unknown target(s) {', '.join(unknown)}; " if unknown
+                          else "no target; ") + f"allowed: comma-separated {', '.join(LORA_TARGETS)}, or all")
+    if not lo.enabled:
+        default = LoraConfig()
+        set_keys = [f"model.lora.{k}" for k in ("alpha", "dropout", "targets", "init_from")
+                    if getattr(lo, k) != getattr(default, k)]
+        if set_keys:
+            raise ConfigError(f"model.lora.rank=0 turns LoRA off, but {', '.join(set_keys)} is set: give "
+                              "model.lora.rank > 0 (e.g. 8; with model.lora.init_from any positive value, the "
+                              "adapter's own rank replaces it)")
+        return
+    if m.type != "llama":
+        raise ConfigError(f"model.lora.rank={lo.rank}: LoRA is implemented for the llama family, not model.type={m.type!r}")
+    off = {"parallel.pipeline_parallel_size": p.pipeline_parallel_size not in (1,),
+           "parallel.gradient_compression": p.gradient_compression != "none",
+           "offload.offload_optim_frac / offload_param_frac": o.offload_optim_frac > 0 or o.offload_param_frac > 0,
+           "offload.placement_policy=auto": o.placement_policy == "auto", "offload.nvme_path": bool(o.nvme_path)}
+    for key, on in off.items():
+        if on:
+            raise ConfigError(f"model.lora.rank={lo.rank}: LoRA does not run with {key} yet (set it to its default)")
 
 
 def _check_features(cfg: Config) -> None:

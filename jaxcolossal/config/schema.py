@@ -16,6 +16,49 @@ from typing import Any, Literal
 from jaxcolossal.errors import ConfigError
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections a LoRA adapter can sit on (PEFT's ``q_proj`` ... ``down_proj``)."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models"), as Hugging
+    Face PEFT's ``LoraConfig``: each target projection ``W`` gains ``(alpha / rank) · B A`` with
+    ``A [rank, in]`` and ``B [out, rank]`` (B starts at zero, so the model starts unchanged). The
+    base weights are frozen in the compute dtype; only the adapters are trained, so the fp32
+    master copy, the gradients and the optimizer state (and ZeRO's sharding of them) cover only
+    them.
+
+    ``rank``: 0 turns LoRA off. ``targets``: comma-separated, any of ``q, k, v, o, gate, up,
+    down`` (``all``: every one). ``dropout``: on the adapters' input, as PEFT's ``lora_dropout``.
+    ``init_from``: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
+    to continue training from; its rank, alpha and targets replace these."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "q,v"
+    init_from: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        """True when ``rank > 0``."""
+        return self.rank > 0
+
+    @property
+    def target_list(self) -> tuple[str, ...]:
+        """``targets`` as a tuple in :data:`LORA_TARGETS` order (``all``: every one)."""
+        named = {t.strip() for t in self.targets.split(",") if t.strip()}
+        if named == {"all"}:
+            return LORA_TARGETS
+        return tuple(t for t in LORA_TARGETS if t in named)
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``, the factor of the adapters' product (PEFT's ``scaling``)."""
+        return self.alpha / self.rank
+
+
 @dataclass
 class ModelConfig:
     """LLaMA/GPT-2 shape. Names follow Hugging Face ``LlamaConfig``.
@@ -58,6 +101,7 @@ class ModelConfig:
     embedding_impl: Literal["gather", "one_hot"] = "gather"
     loss_chunk_tokens: int = 1024
     init_from: str = ""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def head_dim(self) -> int:

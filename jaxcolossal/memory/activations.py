@@ -167,7 +167,7 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
         one = {**shapes, "layers": jax.tree.map(lambda s: (n_layers,) + s[1:], shapes["layers"], is_leaf=_is_shape)}
         flat, tree = jax.tree_util.tree_flatten(one, is_leaf=_is_shape)
         items = tuple(sorted((f.name, impl if f.name == "attention_impl" else getattr(m, f.name))
-                             for f in dataclasses.fields(m) if f.name not in ("num_layers", "remat", "init_from")))
+                             for f in dataclasses.fields(m) if f.name not in ("num_layers", "remat", "init_from", "lora")))
         items = items + (("num_layers", n_layers),)
         return _traced(items, (tree, tuple(flat)), seq, policy, dtype, b, cfg.precision.fp8)[part]
 

@@ -13,7 +13,7 @@ from types import ModuleType
 import jax
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models import gpt2, llama
+from jaxcolossal.models import gpt2, llama, lora
 from jaxcolossal.models.gpt2 import GPT2LMHeadModel
 from jaxcolossal.models.llama import LlamaForCausalLM, count_params, padded_vocab_size, param_axes
 
@@ -43,4 +43,12 @@ def param_layout(cfg: ModelConfig, tp: int = 1) -> tuple[int, dict, dict]:
     return vocab, shapes, axes
 
 
-__all__ = ["param_layout", "LlamaForCausalLM", "GPT2LMHeadModel", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]
+def adapter_layout(cfg: ModelConfig, shapes: dict, axes: dict) -> tuple[dict, dict]:
+    """``(shapes, logical axes)`` of ``cfg.model.lora``'s adapters (:mod:`jaxcolossal.models.lora`)
+    for the base model's :func:`param_layout` trees."""
+    table = lora.adapter_shapes_and_axes(cfg.lora, {n: (shapes["layers"][n], axes["layers"][n]) for n in shapes["layers"]})
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)  # noqa: E731
+    return (jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair), jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair))
+
+
+__all__ = ["adapter_layout", "param_layout", "LlamaForCausalLM", "GPT2LMHeadModel", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]

@@ -43,6 +43,7 @@ from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import vocab
 from jaxcolossal.models.flash_attention import flash_attention
 from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
+from jaxcolossal.models.lora import EQUATIONS, adapt
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
 from jaxcolossal.parallel import sequence
@@ -259,20 +260,25 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
     overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
     column = partial(column_parallel, shard, overlap)
     row = partial(row_parallel, shard, overlap)
+    lora = partial(adapt, lp=lp, lora=cfg.lora)  # + the LoRA adapters where model.lora puts them
     h = rms_norm(x, lp["attn_norm"], eps)
     q, k, v = column(h, [("btd,dhq->bthq", lp["wq"], "h"), ("btd,dkq->btkq", lp["wk"], "k"),
                          ("btd,dkq->btkq", lp["wv"], "k")])
+    q, k, v = (lora(EQUATIONS[n], h, y, name=n) for n, y in (("wq", q), ("wk", k), ("wv", v)))
     q = tag(shard(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = tag(shard(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = tag(shard(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), ("batch", "seq", "heads", "head_dim"))
-    x = shard(x + tag(row("bthq,hqd->btd", a, lp["wo"], "h"), "out_proj"), ("batch", "seq", "embed"))
+    o = lora(EQUATIONS["wo"], a, row("bthq,hqd->btd", a, lp["wo"], "h"), name="wo")
+    x = shard(x + tag(o, "out_proj"), ("batch", "seq", "embed"))
     h = rms_norm(x, lp["mlp_norm"], eps)
     g, u = column(h, [("btd,df->btf", lp["w_gate"], "f"), ("btd,df->btf", lp["w_up"], "f")])
+    g, u = lora(EQUATIONS["w_gate"], h, g, name="w_gate"), lora(EQUATIONS["w_up"], h, u, name="w_up")
     g = tag(shard(g, ("batch", "seq", "mlp")), "mlp_gate")
     u = tag(shard(u, ("batch", "seq", "mlp")), "mlp_up")
-    y = tag(row("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"], "f"), "mlp_down")
+    act = jax.nn.silu(g) * u
+    y = tag(lora(EQUATIONS["w_down"], act, row("btf,fd->btd", act, lp["w_down"], "f"), name="w_down"), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
 
 

@@ -41,6 +41,7 @@ from jaxcolossal.launch import collective_timeout
 from jaxcolossal.memory.budget import formula_bytes
 from jaxcolossal.mesh import make_mesh, platform
 from jaxcolossal.models.hf import check_init_from, init_params_from
+from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
 from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind
@@ -92,8 +93,11 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
              f"N={n}, tp={plan.mesh_shape['tp']}, pp={plan.mesh_shape['pp']})"]
     for k in ("params", "grads", "optimizer"):
         lines.append(f"  {k:<10} {got[k] / 2**20:10.3f} MiB   formula {want[k] / 2**20:10.3f} MiB")
-    lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
     out = {"measured": got, "formula": want}
+    if plan.lora:
+        lines.append(_lora_line(plan, got, n, b))
+        out["full_finetune_optimizer"] = _full_optimizer_bytes(plan, n, b)
+    lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
     if state.residual is not None:  # gradient compression's state, read from the arrays on device 0
         dev0 = jax.devices()[0]
         held = sum(s.data.nbytes for a in jax.tree.leaves(state.residual) for s in a.addressable_shards
@@ -125,6 +129,25 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
     return "\n".join(lines), out
 
 
+def _full_optimizer_bytes(plan: TrainPlan, n: int, b: dict) -> float:
+    """The optimizer-state bytes per device (fp32 master + Adam's moments) of full fine-tuning of the
+    same model in the same layout: the ZeRO formula over the base's Ψ per model-parallel rank."""
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
+    base = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, plan.mesh_shape),
+                                            plan.frozen_shapes, plan.frozen_specs, is_leaf=is_shape)))
+    if plan.cfg.parallel.zero_stage >= 3:  # frozen_specs carry fsdp then: Ψ per model-parallel rank is N× that
+        base *= n
+    return mx.zero_formula_bytes(base, n, plan.cfg.parallel.zero_stage, **b)["optimizer"]
+
+
+def _lora_line(plan: TrainPlan, got: dict, n: int, b: dict) -> str:
+    """LoRA's frozen base and its optimizer state against full fine-tuning's, per device."""
+    full = _full_optimizer_bytes(plan, n, b)
+    return (f"  {'frozen':<10} {got['frozen'] / 2**20:10.3f} MiB   (LoRA's base weights, {jnp.dtype(plan.compute_dtype).name}; "
+            f"optimizer state {got['optimizer'] / 2**20:.3f} MiB against {full / 2**20:.3f} MiB for full fine-tuning: "
+            f"{full / max(got['optimizer'], 1):.0f}x less)")
+
+
 # ----------------------------------------------------------------------------- preflight
 
 
@@ -140,6 +163,8 @@ def preflight(cfg: Config) -> None:
     m, t, c = cfg.model, cfg.training, cfg.checkpoint
     if m.init_from:
         check_init_from(m)
+    if m.lora.init_from:  # a PEFT adapter to continue: its rank, alpha and targets are the run's
+        m.lora = read_adapter_config(m.lora.init_from)
     tok = get_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > m.vocab_size:
         raise ConfigError(
@@ -358,10 +383,14 @@ def _start(cfg: Config) -> Run:
 
     tx = build_optimizer(t, plan)
     # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
-    state = init_state(plan, tx, key=jax.random.key(t.seed),
-                       params=init_params_from(cfg.model, plan.mesh_shape["tp"]))
+    lora = cfg.model.lora
+    state = init_state(plan, tx, key=jax.random.key(t.seed), params=init_params_from(cfg.model, plan.mesh_shape["tp"]),
+                       adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None)
     if cfg.model.init_from:
         log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
+    if lora.enabled:
+        log.info(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_list)}: the base weights are "
+                 "frozen" + (f"; adapters from {lora.init_from}" if lora.init_from else ""), ranks=[0])
     tier = nvme_tier(plan, tx)
     if is_main:
         print(param_table(plan))
@@ -406,7 +435,7 @@ def _start(cfg: Config) -> Run:
 
 def _evaluate(run: Run, state: Any) -> float:
     """Mean validation loss (nats/token) over the fixed evaluation batches."""
-    return float(np.mean([float(run.eval_step(state.params, *batch)) for batch in run.evals]))
+    return float(np.mean([float(run.eval_step(state.model_params, *batch)) for batch in run.evals]))
 
 
 def _save(run: Run, state: Any, val_loss: float | None = None, final: bool = False) -> None:
@@ -538,7 +567,7 @@ def _sample(run: Run, state: Any) -> str:
     tok = get_tokenizer(run.cfg.data.tokenizer)
     shard = Sharder(None).with_fp8(run.cfg.precision.fp8)
     fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, shard)[..., : tok.vocab_size])
-    out = sample_tokens(fn, state.params, tok.encode(run.sample_prompt), t.sample_tokens,
+    out = sample_tokens(fn, state.model_params, tok.encode(run.sample_prompt), t.sample_tokens,
                         min(t.seq_len, SAMPLE_WINDOW), jax.random.key(t.seed + 1))
     eos = getattr(tok, "eos_id", None) if run.cfg.data.format == "chat" else None
     if eos is not None and eos in out.tolist():
@@ -625,6 +654,11 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
         run.ckpt.close()
     if run.nvme is not None:  # the returned state is whole
         out["state"] = state = run.full(state)
+    if run.plan.lora and run.is_main:  # the trained adapters in PEFT's format, beside the logs
+        out["adapter_dir"] = adapter_dir = os.path.join(run.cfg.logging.run_dir, "adapter")
+        save_adapters(adapter_dir, run.cfg.model, jax.device_get(state.master if run.plan.mixed else state.params),
+                      base_model=run.cfg.model.init_from)
+        log.info(f"LoRA adapters saved in PEFT's format in {adapter_dir}", ranks=[0])
     if not stop:
         out["sample"] = _sample(run, state)
         if run.is_main and out["sample"]:

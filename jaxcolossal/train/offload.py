@@ -18,6 +18,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcolossal.models.lora import merge
 from jaxcolossal.placement import DEVICE, HOST
 from jaxcolossal.sharding import constrain
 from jaxcolossal.train.optimizer import optimizer_parts
@@ -36,12 +37,13 @@ def to_device(tree: Any, shardings: Any, keep: Any = None) -> Any:
                         if s.memory_kind == HOST and not k else x, tree, shardings, keep, is_leaf=lambda x: x is None)
 
 
-def streamed_in_scan(plan: Any) -> Any:
+def streamed_in_scan(plan: Any, whole_model: bool = False) -> Any:
     """Param-shaped tree of bool: True for the leaves stacked over ``layers`` (the layer scan's
     inputs), which offloaded compute params keep in host memory until the scan body fetches one
-    layer (without pipeline parallelism, where offloaded params are refused anyway)."""
-    return jax.tree.map(lambda axes: bool(axes) and axes[0] == "layers", plan.param_axes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    layer (without pipeline parallelism, where offloaded params are refused anyway).
+    ``whole_model``: shaped as the model's whole params dict (LoRA's frozen base and adapters)."""
+    axes = merge(plan.frozen_axes, plan.param_axes) if whole_model else plan.param_axes
+    return jax.tree.map(lambda a: bool(a) and a[0] == "layers", axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _split(tree: Any, where: Any) -> Any:

@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, ConfigError, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
 from jaxcolossal.memory.budget import resolve
 from jaxcolossal.mesh import DATA_AXES, platform
-from jaxcolossal.models import get_family, param_layout
+from jaxcolossal.models import adapter_layout, get_family, param_layout
+from jaxcolossal.models.lora import init_adapters, merge
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.parallel.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
 from jaxcolossal.placement import Placement, place_state
@@ -60,6 +61,9 @@ class TrainState:
             the same shapes}``; with ``powersgd``, ``{"q": {leaf: fp32 [*layers, m, r]} (replicated), "error": {leaf: fp32
             [N, ...]}}`` for the compressed leaves (:func:`jaxcolossal.parallel.compression.powersgd_init`);
             else ``None``.
+        frozen: with LoRA (``model.lora.rank > 0``), the base model's weights in the compute dtype,
+            sharded by ``plan.frozen_specs`` and never updated; ``params``, ``master`` and
+            ``opt_state`` then hold only the adapters (:mod:`jaxcolossal.models.lora`). Else ``None``.
     """
 
     step: jax.Array
@@ -68,6 +72,13 @@ class TrainState:
     opt_state: Any
     scaler: Any
     residual: Any = None
+    frozen: Any = None
+
+    @property
+    def model_params(self) -> Any:
+        """The model's whole params dict: ``params``, with the frozen base under LoRA
+        (:func:`jaxcolossal.models.lora.merge`)."""
+        return merge(self.frozen, self.params)
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,21 @@ class TrainPlan:
     precision: str
     placement: Placement = None
     placement_report: str = ""
+    frozen_shapes: Any = None
+    frozen_axes: Any = None
+    frozen_specs: Any = None
+
+    @property
+    def lora(self) -> bool:
+        """True when the run trains LoRA adapters on a frozen base (``model.lora.rank > 0``): then
+        ``param_shapes``/``param_axes``/``specs`` describe the adapters and ``frozen_*`` the base."""
+        return self.frozen_shapes is not None
+
+    @property
+    def layer_param_specs(self) -> Any:
+        """The stacked layers' params specs the forward sees (the frozen base's and the adapters'
+        under LoRA): what the ZeRO-3 layer gathers follow."""
+        return merge(self.frozen_specs, self.specs.params)["layers"]
 
     @property
     def compute_dtype(self):
@@ -145,13 +171,18 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
     # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
     rules = rules_for(cfg.parallel, shape["pp"] > 1)
+    frozen = {}
+    if cfg.model.lora.enabled:  # the base is frozen (held as ZeRO holds params); the adapters are trained
+        frozen = {"frozen_shapes": shapes, "frozen_axes": axes,
+                  "frozen_specs": state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules).params}
+        shapes, axes = adapter_layout(cfg.model, shapes, axes)
     specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
     check_powersgd(cfg.parallel, shapes, axes)
     # which shards live in host memory (offload section), checked against the device limit
     placement, report = resolve(cfg, shapes, specs, shape, list(mesh.devices.flat))
     return TrainPlan(cfg=cfg, mesh=mesh, mesh_shape=shape, vocab=vocab, param_axes=axes,
                      param_shapes=shapes, specs=specs, precision=cfg.precision.mode, placement=placement,
-                     placement_report=report)
+                     placement_report=report, **frozen)
 
 
 def _check_fp8(cfg: Config, mesh: Mesh) -> None:
@@ -222,6 +253,7 @@ def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainS
         opt_state=opt_state_specs(tx, abstract, plan.specs.opt),
         scaler=LossScaleState(P(), P(), P(), P()) if plan.precision == "fp16" else None,
         residual=residual_specs(plan),
+        frozen=plan.frozen_specs,
     )
     shardings = named(plan.mesh, specs)
     if plan.placement is not None and plan.placement.active:
@@ -238,8 +270,13 @@ def abstract_state(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainSt
 
 
 def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array | None = None,
-               params: Any = None) -> TrainState:
+               params: Any = None, adapters: Any = None) -> TrainState:
     """Build the sharded train state, from ``params`` (fp32 pure dict) or fresh from ``key``.
+
+    Under LoRA (``plan.lora``) ``params`` (or the fresh init) is the frozen base, cast to the
+    compute dtype, and the trained params are ``adapters`` (a PEFT import,
+    :func:`jaxcolossal.models.peft.load_adapters`) or fresh ones drawn from ``key``
+    (:func:`jaxcolossal.models.lora.init_adapters`).
 
     Runs under ``jit`` with the target ``out_shardings``: each device materialises only its
     shard.
@@ -247,10 +284,16 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
     shardings = state_shardings(plan, tx)
     pc = plan.cfg.precision
 
-    def build(key, params):
+    def build(key, params, adapters):
         if params is None:
             params = plan.init_model(key)
         params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        frozen = None
+        if plan.lora:  # the base model is frozen; the adapters are what is trained
+            frozen = jax.tree.map(lambda x: x.astype(plan.compute_dtype), params)
+            params = adapters if adapters is not None else init_adapters(
+                plan.cfg.model.lora, plan.param_shapes, jax.random.fold_in(key, 1))
+            params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
         master = params if plan.mixed else None
         return TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -259,8 +302,11 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
             opt_state=tx.init(params),
             scaler=scaler_init(pc.initial_scale) if plan.precision == "fp16" else None,
             residual=init_residual(plan, params),
+            frozen=frozen,
         )
 
-    if key is None and params is None:
-        raise ValueError("init_state needs a PRNG key or an initial params dict")
-    return jax.jit(build, out_shardings=shardings)(key, params)
+    if key is None and (params is None or (plan.lora and adapters is None)):
+        raise ValueError("init_state needs a PRNG key, or an initial params dict (and adapters under LoRA)")
+    if key is None:
+        key = jax.random.key(0)  # unused: everything comes from params and adapters
+    return jax.jit(build, out_shardings=shardings)(key, params, adapters)

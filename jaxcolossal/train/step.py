@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import prefetches_weights, reduces_layerwise, weight_gather_dtype
 from jaxcolossal.mesh import DATA_AXES, platform
+from jaxcolossal.models.lora import merge
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.parallel.compression import lowp_reduce, powersgd_reduce, topk_reduce
@@ -134,11 +135,11 @@ class _GradFn:
         if self.ring > 1:
             inner = inner.zigzagged()
         if gathers_lowp(plan):  # ZeRO++ qwZ: the layer scan gathers the weight shards in bf16/fp8
-            inner = inner.with_lowp_gather(cfg.parallel.communication_dtype, plan.specs.params["layers"])
+            inner = inner.with_lowp_gather(cfg.parallel.communication_dtype, plan.layer_param_specs)
         self.inner, self.vocab_parallel = inner, inner.is_sharded("vocab")
         outer = plan.sharder.zigzagged() if self.ring > 1 else plan.sharder
         if prefetches_weights(cfg):  # the layer scan gathers layer i+1's weights before layer i's compute
-            outer = outer.with_layer_prefetch(plan.specs.params["layers"])
+            outer = outer.with_layer_prefetch(plan.layer_param_specs)
         self.outer = outer
         self.grad_specs = plan.specs.grads
         self.per_shard_specs = jax.tree.map(lambda s: _with_leading(s, DATA_AXES), plan.specs.base,
@@ -149,26 +150,27 @@ class _GradFn:
         # ZeRO-2/3 with fp32 communication: the gradient of the whole microbatch, so that XLA reduces
         # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
         self.layerwise = reduces_layerwise(cfg)
-        self.per_shard = jax.vmap(jax.value_and_grad(self._loss(inner), has_aux=True), in_axes=(None, 0, 0, 0, None),
+        self.per_shard = jax.vmap(jax.value_and_grad(self._loss(inner), has_aux=True), in_axes=(None, 0, 0, 0, None, None),
                                   spmd_axis_name=DATA_AXES)
         self.global_grad = jax.value_and_grad(self._loss(outer), has_aux=True)
 
     def _loss(self, sharder):
-        def loss(params, x, y, aux, coef):
-            s = self.family.loss_sum(params, x, y, self.cfg.model, sharder, self.vocab_parallel, **aux)
+        def loss(params, x, y, aux, coef, frozen):  # LoRA: the gradient of the adapters only
+            s = self.family.loss_sum(merge(frozen, params), x, y, self.cfg.model, sharder, self.vocab_parallel, **aux)
             return s * coef, s
         return loss
 
-    def micro(self, params, xs, ys, aux, coef, j):
+    def micro(self, params, xs, ys, aux, coef, j, frozen=None):
         """Microbatch ``j``'s summed loss and fp32 gradient: of the whole microbatch (layer-wise
-        reduction), or per data shard (``[N, ...]``, unreduced)."""
+        reduction), or per data shard (``[N, ...]``, unreduced). ``frozen``: LoRA's base weights."""
         if self.layerwise:  # [N, b, t] -> [N·b, t]: each device keeps its rows
             t = xs.shape[-1]
             rows = lambda a: a[:, j].reshape(-1, t)  # noqa: E731
-            (_, loss), g = self.global_grad(params, rows(xs), rows(ys), {k: rows(a) for k, a in aux.items()}, coef)
+            (_, loss), g = self.global_grad(params, rows(xs), rows(ys), {k: rows(a) for k, a in aux.items()}, coef,
+                                            frozen)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
             return loss, constrain(g, self.mesh, self.grad_specs)
-        (_, loss), g = self.per_shard(params, xs[:, j], ys[:, j], {k: a[:, j] for k, a in aux.items()}, coef)
+        (_, loss), g = self.per_shard(params, xs[:, j], ys[:, j], {k: a[:, j] for k, a in aux.items()}, coef, frozen)
         # offloaded layers' gradients come back from host memory; fp32 before any reduction
         g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
         return jnp.sum(loss), constrain(g, self.mesh, self.per_shard_specs)
@@ -182,14 +184,14 @@ class _GradFn:
             return lowp_reduce(g, self.per_shard_specs, specs, lowp, self.mesh)
         return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), self.mesh, specs)
 
-    def accumulate(self, params, xs, ys, aux, coef):
+    def accumulate(self, params, xs, ys, aux, coef, frozen=None):
         """The loss and the gradients summed over the ``k`` microbatches: ZeRO 2/3 into a sharded
         persistent buffer (each microbatch reduced into it), ZeRO 0/1 into the unreduced per-shard one."""
         sharded = self.zero >= 2
 
         def body(carry, j):
             loss_acc, acc = carry
-            loss, g = self.micro(params, xs, ys, aux, coef, j)
+            loss, g = self.micro(params, xs, ys, aux, coef, j, frozen)
             if sharded and not self.layerwise:
                 g = self.reduce(g)
             return (loss_acc + loss, jax.tree.map(jnp.add, acc, g)), None
@@ -234,7 +236,7 @@ class _GradFn:
         return constrain(summed, mesh, plan.specs.opt if self.zero == 1 else self.grad_specs), residual
 
     def __call__(self, params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
-                 step=None, first_moment=None):
+                 step=None, first_moment=None, frozen=None):
         B, t = inputs.shape
         n, k = self.n, self.k
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
@@ -245,7 +247,7 @@ class _GradFn:
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None}
-        loss_sum, acc = self.accumulate(params, split(inputs), split(targets), aux, coef)
+        loss_sum, acc = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
         if self.compressing:
@@ -328,6 +330,8 @@ class _TrainStep:
         extra = {"residual": state.residual, "step": state.step} if self.compress else {}
         if self.plan.cfg.parallel.momentum_correction:
             extra["first_moment"] = adam_first_moment(state.opt_state)
+        if self.plan.lora:  # the adapters are differentiated; the frozen base comes along
+            extra["frozen"] = state.frozen
         out = self.grad_fn(params, batch["inputs"], batch["targets"], scale, batch.get("loss_mask"),
                            batch.get("segment_ids"), batch.get("positions"), **extra)
         return out[0], out[1], (out[2] if self.compress else None)
@@ -385,7 +389,7 @@ class _TrainStep:
         if residual is not None:  # error feedback: a skipped (non-finite) step keeps the old residual
             residual = jax.tree.map(lambda x, y: jnp.where(finite, x, y), residual, state.residual)
         new = TrainState(step=state.step + 1, params=new_params, master=new_master if self.plan.mixed else None,
-                         opt_state=opt_state, scaler=scaler, residual=residual)
+                         opt_state=opt_state, scaler=scaler, residual=residual, frozen=state.frozen)
         n_tok = token_count(batch["inputs"], batch.get("loss_mask"))
         metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         if self.schedule is not None:
@@ -405,7 +409,7 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
         sharder = sharder.zigzagged()
     vp = sharder.is_sharded("vocab")
     cfg, family = plan.cfg.model, plan.family
-    streamed = streamed_in_scan(plan)
+    streamed = streamed_in_scan(plan, whole_model=True)
 
     def ev(params, x, y, mask=None, segment_ids=None, positions=None):
         # offloaded params: the stacked layers stream in inside the layer scan, the rest come in now

@@ -1,0 +1,210 @@
+"""LoRA (``model.lora``): the base frozen in the compute dtype and only the adapters trained (so the
+optimizer state is the adapters'), one device equal to ZeRO-2 dp4 × tp2, a bit-exact resume,
+Hugging Face PEFT's format out and in (``peft`` loads the adapters onto the ``transformers`` model
+with the same logits; the merged export equals it), chat SFT from Hugging Face weights, and bad
+input refused before anything compiles."""
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import assert_params_match, run_steps, tiny_config
+
+from jaxcolossal.config import ConfigError, LoraConfig, load_config
+from jaxcolossal.mesh import make_mesh
+from jaxcolossal.models import llama
+from jaxcolossal.models.lora import adapter_shapes_and_axes, merge, merged_weights
+from jaxcolossal.train.loop import memory_report, train
+from jaxcolossal.train.optimizer import build_optimizer
+from jaxcolossal.train.state import init_state, make_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs/llama_tiny.yaml")
+
+
+def _lora(parallel, targets="all", precision=None):
+    return tiny_config(parallel, precision, model={"lora": {"rank": 8, "targets": targets}})
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.lora.rank=8", "model.lora.targets=q,x"], "unknown target.s. x; allowed: comma-separated q, k, v, o"),
+    (["model.lora.rank=-1"], r"model.lora.rank=-1: must be >= 0"),
+    (["model.lora.targets=q,k"], "model.lora.rank=0 turns LoRA off, but model.lora.targets is set"),
+    (["model.lora.rank=8", "model.lora.alpha=0"], r"model.lora.alpha=0.0: must be > 0"),
+    (["model.lora.rank=8", "model.type=gpt2"], "LoRA is implemented for the llama family"),
+    (["model.lora.rank=8", "parallel.pipeline_parallel_size=2"], "LoRA does not run with parallel.pipeline_parallel_size"),
+])
+def test_bad_lora_settings_are_refused_when_loading(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(TINY, overrides)
+
+
+def test_lora_starts_as_the_base_and_trains_only_the_adapters():
+    """B starts at zero (the adapted model's loss is the base's); after 3 steps the frozen base is
+    bit-for-bit the initial one and every adapter moved; the optimizer state of rank 8 on q and v of
+    the main job's model is over 50x smaller than full fine-tuning's, measured from the arrays."""
+    _, base, _ = run_steps(tiny_config({"data_parallel_size": 1}), jax.devices()[:1], steps=1)
+    state, m, plan = run_steps(_lora({"data_parallel_size": 1}), jax.devices()[:1], steps=3)
+    assert m[0]["loss"] == pytest.approx(base[0]["loss"], rel=1e-6)
+    fresh = init_state(plan, build_optimizer(plan.cfg.training, plan), key=jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.frozen), jax.device_get(fresh.frozen))
+    assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(state.params)),
+                                                        jax.tree.leaves(jax.device_get(fresh.params))))
+
+    for precision in ("fp32", "bf16"):
+        cfg = load_config(TINY, ["model.lora.rank=8", "parallel.data_parallel_size=1", "parallel.tensor_parallel_size=1",
+                                 *(["precision.bf16=true"] if precision == "bf16" else [])])
+        plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()[:1]))
+        st = init_state(plan, build_optimizer(cfg.training, plan), key=jax.random.key(0))
+        _, report = memory_report(plan, st)
+        ratio = report["full_finetune_optimizer"] / report["measured"]["optimizer"]
+        assert ratio >= 50, (precision, ratio)
+        assert st.frozen["layers"]["wq"].dtype == plan.compute_dtype
+
+
+def test_lora_one_device_equals_zero2_dp4_tp2():
+    """fp32, 3 steps, rank 8 on every projection: the loss and gradient norm to rtol 1e-5, the adapters
+    as :func:`tiny.assert_params_match` (nearly all elements to 1e-6, all within 0.02·lr)."""
+    s1, m1, _ = run_steps(_lora({"data_parallel_size": 1}), jax.devices()[:1], steps=3)
+    s8, m8, plan = run_steps(_lora({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}), steps=3)
+    assert plan.mesh_shape["tp"] == 2 and plan.data_size == 4
+    np.testing.assert_allclose([m["loss"] for m in m8], [m["loss"] for m in m1], rtol=1e-5)
+    np.testing.assert_allclose([m["grad_norm"] for m in m8], [m["grad_norm"] for m in m1], rtol=1e-5)
+    assert_params_match(jax.device_get(s8.params), jax.device_get(s1.params))
+    # an adapter is sharded as its base projection: B of q on tp (heads), A of o on tp, ZeRO-2's moments on fsdp
+    mu = s8.opt_state[1][0].mu["layers"]
+    assert "tp" in str(mu["wq_lora_b"].sharding.spec) and "tp" in str(mu["wo_lora_a"].sharding.spec)
+    assert all("fsdp" in str(a.sharding.spec) for a in jax.tree.leaves(mu))
+
+
+def test_lora_zero3_bf16_runs_like_one_device():
+    """ZeRO-3 shards the frozen base over fsdp as it shards params; bf16, 2 steps: loss to rtol 1e-3."""
+    _, m1, _ = run_steps(_lora({"data_parallel_size": 1}, "q,v", "bf16"), jax.devices()[:1], steps=2)
+    s8, m8, _ = run_steps(_lora({"zero_stage": 3}, "q,v", "bf16"), steps=2)
+    assert "fsdp" in str(s8.frozen["layers"]["wq"].sharding.spec)
+    np.testing.assert_allclose([m["loss"] for m in m8], [m["loss"] for m in m1], rtol=1e-3)
+
+
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=32",
+         "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=0", "data.max_corpus_bytes=200000",
+         "logging.progress_bar=false", "logging.log_every=1", "training.eval_every=0", "model.lora.rank=4",
+         "model.lora.targets=q,k,v,o,down"]
+
+
+def test_lora_resume_is_bit_exact(tmp_path):
+    def cfg(where, *extra):
+        return load_config(TINY, SMALL + [f"logging.run_dir={where}/run", f"checkpoint.dir={where}/ckpt",
+                                          f"data.cache_dir={tmp_path}/cache", *extra])
+    full = train(cfg(tmp_path / "a", "training.max_steps=6"))
+    train(cfg(tmp_path / "b", "training.max_steps=3"))
+    resumed = train(cfg(tmp_path / "b", "training.max_steps=6", "training.resume=true"))
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, open(tmp_path / d / "run" / "metrics.jsonl")) if "loss" in r}
+              for d in ("a", "b")]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    for part in ("params", "opt_state", "frozen"):
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(getattr(full["state"], part)),
+                     jax.device_get(getattr(resumed["state"], part)))
+    assert os.path.isfile(tmp_path / "a" / "run" / "adapter" / "adapter_model.safetensors")
+
+
+# ----------------------------------------------------------------------------- Hugging Face PEFT
+
+
+def _hf_llama(path, vocab=100):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager"))
+    with torch.no_grad():  # HF's init gives near-zero logits: perturb so a wrong mapping shows
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def test_peft_loads_our_adapters_with_the_same_logits(tmp_path):
+    """Adapters with random A and B on every projection, saved in PEFT's format: ``peft`` loads them
+    onto the ``transformers`` model and its logits equal ours to 1e-4; read back, they are bit-exact;
+    the merged weights through ``transformers`` give the same logits as well."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from jaxcolossal.models.hf import load_hf, save_hf
+    from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
+
+    base_model = _hf_llama(tmp_path / "hf")
+    cfg, base = load_hf(tmp_path / "hf")
+    cfg.lora = LoraConfig(rank=4, alpha=8.0, targets="all")
+    table = adapter_shapes_and_axes(cfg.lora, llama.param_shapes_and_axes(cfg, cfg.vocab_size)["layers"])
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    adapters = {"layers": {n: 0.1 * np.asarray(jax.random.normal(next(keys), sa[0])) for n, sa in table["layers"].items()}}
+    save_adapters(tmp_path / "adapter", cfg, adapters)
+    back = load_adapters(tmp_path / "adapter", dataclasses.replace(cfg, lora=read_adapter_config(tmp_path / "adapter")))
+    jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(lambda a: a.astype(np.float32), adapters))
+
+    tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
+    ours = np.asarray(llama.forward(merge(jax.tree.map(jnp.asarray, base), jax.tree.map(jnp.asarray, adapters)),
+                                    jnp.asarray(tokens), cfg))[..., :100]
+    model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    assert np.abs(ours - np.asarray(llama.forward(jax.tree.map(jnp.asarray, base), jnp.asarray(tokens), cfg))[..., :100]).max() > 1e-2
+
+    save_hf(tmp_path / "merged", cfg, merged_weights(merge(base, adapters), cfg.lora))
+    import transformers
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), theirs, atol=1e-4, rtol=0)
+    assert read_adapter_config(tmp_path / "adapter").target_list == ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def test_chat_sft_with_lora_from_hugging_face(tmp_path):
+    """``model.init_from=HF_DIR model.lora.rank=8`` on chat lines: the response loss falls; the run
+    writes PEFT adapters that ``peft`` loads; ``convert_hf.py --to-hf`` exports the same adapters from
+    the checkpoint and ``--merge-lora`` a full model with equal logits; a second run continues from
+    the adapters (``model.lora.init_from``) at the first run's validation loss."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import transformers
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import convert_hf
+    import train_tokenizer
+    from test_chat_sft import _write_chat
+
+    corpus = _write_chat(tmp_path / "chat.jsonl", n=96)
+    hf = tmp_path / "hf"
+    vocab = train_tokenizer.train(str(corpus), 300, str(hf), chat_template=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(str(hf))
+    assert convert_hf.main(["--to-jax", str(hf), str(tmp_path / "out")]) == 0
+    common = [f"model.init_from={hf}", f"data.tokenizer={hf}", "data.format=chat", f"data.corpus={corpus}",
+              "data.val_fraction=0.1", "training.seq_len=48", "training.batch_size=16", "training.warmup_steps=3",
+              "training.learning_rate=1e-2", "training.eval_every=0", "training.eval_batches=2", "training.sample_tokens=0",
+              "logging.log_every=1", "logging.progress_bar=false", "model.lora.rank=8", "model.lora.targets=all"]
+    out = train(load_config(str(tmp_path / "out" / "model.yaml"), common + [
+        "training.max_steps=30", f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"]))
+    assert out["val_loss_end"] < out["val_loss_start"] - 0.5, (out["val_loss_start"], out["val_loss_end"])
+
+    tokens = torch.tensor(np.random.default_rng(0).integers(0, vocab, (2, 16)))
+    base = transformers.LlamaForCausalLM.from_pretrained(str(hf), attn_implementation="eager").eval()
+    with torch.no_grad():
+        tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "run" / "adapter")).eval()(tokens).logits.numpy()
+    assert convert_hf.main(["--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "peft")]) == 0
+    assert sorted(os.listdir(tmp_path / "peft")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert convert_hf.main(["--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(merged(tokens).logits.numpy(), tuned, atol=1e-4, rtol=0)
+
+    again = train(load_config(str(tmp_path / "out" / "model.yaml"), common + [
+        "training.max_steps=1", f"model.lora.init_from={tmp_path}/run/adapter", f"logging.run_dir={tmp_path}/run2"]))
+    assert again["val_loss_start"] == pytest.approx(out["val_loss_end"], rel=1e-5)
