@@ -120,8 +120,9 @@ def _numeric_keys():
 
     out = {}
     for key in all_keys():
-        section, name = key.split(".")
-        ann = typing.get_type_hints(typing.get_type_hints(Config)[section])[name]
+        ann = Config
+        for name in key.split("."):  # nested sections (model.lora.rank)
+            ann = typing.get_type_hints(ann)[name]
         if ann in (int, float):
             out[key] = ann
     assert dataclasses.is_dataclass(Config) and len(out) > 40
