@@ -8,8 +8,16 @@ import math
 import os
 from dataclasses import dataclass
 
-from jaxcolossal.config.derived import pipeline_microbatches
-from jaxcolossal.config.schema import LORA_TARGETS, Config, LoraConfig, ModelConfig, ParallelConfig, parse_bytes, yaml_list
+from jaxcolossal.config.derived import pipeline_microbatches, prefetches_weights, weight_gather_dtype
+from jaxcolossal.config.schema import (
+    LORA_TARGETS,
+    Config,
+    LoraConfig,
+    ModelConfig,
+    ParallelConfig,
+    parse_bytes,
+    yaml_list,
+)
 from jaxcolossal.errors import ConfigError
 
 
@@ -209,6 +217,11 @@ def _check_lora(cfg: Config) -> None:
     for key, on in off.items():
         if on:
             raise ConfigError(f"model.lora.rank={lo.rank}: LoRA does not run with {key} yet (set it to its default)")
+    if lo.dropout > 0 and (prefetches_weights(cfg) or weight_gather_dtype(cfg, 2)):
+        raise ConfigError(f"model.lora.dropout={lo.dropout:g}: ZeRO-3's prefetching layer scan (parallel.overlap with "
+                          "model.remat=full) and its low-precision weight gathers (parallel.communication_dtype) carry "
+                          "no dropout keys yet: set parallel.overlap=false and parallel.communication_dtype=fp32, another "
+                          "model.remat, or model.lora.dropout=0")
 
 
 def _check_features(cfg: Config) -> None:

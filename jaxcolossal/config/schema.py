@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from jaxcolossal.errors import ConfigError
 
-
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections a LoRA adapter can sit on (PEFT's ``q_proj`` ... ``down_proj``)."""
 

@@ -27,7 +27,7 @@ from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, parse_
 from jaxcolossal.memory.activations import step_peak
 from jaxcolossal.mesh import mesh_shape as resolved_shape
 from jaxcolossal.mesh import platform
-from jaxcolossal.models import param_layout
+from jaxcolossal.models import adapter_layout, param_layout
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
 from jaxcolossal.placement import Placement, is_shape, local_elements, make_placement
 from jaxcolossal.sharding import rules_for, state_specs
@@ -87,8 +87,20 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     Offloaded compute params: a leaf stacked over ``layers`` streams in one layer at a time inside
     the layer scan (two layers counted: the one in use and the next), except with
     ``model.remat=none``, where the backward pass keeps every layer's fetched weights (then the
-    whole leaf counts); the other leaves (embedding, head, final norm) move in whole."""
+    whole leaf counts); the other leaves (embedding, head, final norm) move in whole.
+
+    LoRA (``model.lora.rank > 0``): ``shapes``/``specs`` are the base model's; the state is the frozen
+    base in the compute dtype (sharded as ZeRO shards params) plus the adapters' params, gradients and
+    optimizer state; the activations and temporaries are full training's (an over-estimate by the
+    base's weight-gradient buffers, which a LoRA step does not hold)."""
+    frozen = 0
+    if cfg.model.lora.enabled:  # the base frozen in the compute dtype; the trained state is the adapters'
+        frozen = sum(jax.tree.leaves(local_elements(shapes, specs.params, mesh_shape))) * \
+            BYTES_PER_PARAM[cfg.precision.mode]["p"]
+        shapes, specs = lora_layout(cfg, shapes, mesh_shape)
+        placement = make_placement(0.0, 0.0, "device", shapes, specs, mesh_shape)
     sb = state_bytes(placement, shapes, specs, mesh_shape, cfg.precision.mode, bool(cfg.offload.nvme_path))
+    sb["device"] += frozen
     opt = jax.tree.leaves(local_elements(shapes, specs.opt, mesh_shape))
     offl = [s for s, w in zip(opt, jax.tree.leaves(placement.optim)) if w]
     stream = max(offl, default=0) * BYTES_PER_PARAM[cfg.precision.mode]["K"] if placement.optimizer_device == "device" else 0
@@ -273,6 +285,14 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
 
 
 # ----------------------------------------------------------------------------- a config on N devices
+
+
+def lora_layout(cfg: Config, shapes: Any, mesh_shape: Mapping[str, int]) -> tuple[Any, Any]:
+    """``(shapes, ZeRO specs)`` of ``model.lora``'s adapters on the base model of ``shapes``."""
+    _, _, axes = param_layout(cfg.model, mesh_shape["tp"])
+    a_shapes, a_axes = adapter_layout(cfg.model, shapes, axes)
+    return a_shapes, state_specs(a_axes, a_shapes, cfg.parallel.zero_stage, mesh_shape,
+                                 rules_for(cfg.parallel, pipeline=True))
 
 
 def layout(cfg: Config, num_devices: int) -> tuple[dict, int, Any, Any]:

@@ -43,7 +43,7 @@ from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import vocab
 from jaxcolossal.models.flash_attention import flash_attention
 from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
-from jaxcolossal.models.lora import EQUATIONS, adapt
+from jaxcolossal.models.lora import DROPOUT_KEY, EQUATIONS, adapt
 from jaxcolossal.models.remat import scan_layers, tag
 from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
 from jaxcolossal.parallel import sequence
@@ -260,7 +260,8 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
     overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
     column = partial(column_parallel, shard, overlap)
     row = partial(row_parallel, shard, overlap)
-    lora = partial(adapt, lp=lp, lora=cfg.lora)  # + the LoRA adapters where model.lora puts them
+    # + the LoRA adapters where model.lora puts them (with its dropout when the step passes a key)
+    lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
     h = rms_norm(x, lp["attn_norm"], eps)
     q, k, v = column(h, [("btd,dhq->bthq", lp["wq"], "h"), ("btd,dkq->btkq", lp["wk"], "k"),
                          ("btd,dkq->btkq", lp["wv"], "k")])
@@ -284,20 +285,24 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
 
 def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
                   vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
-                  positions: jax.Array | None = None) -> jax.Array:
+                  positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``.
 
     The embedding is :func:`jaxcolossal.models.vocab.embed_lookup` (Megatron's vocab-parallel
     masked gather when ``vocab_parallel``); the layers run in one ``lax.scan`` checkpointed by the
     ``model.remat`` policy (:mod:`jaxcolossal.models.remat`). Packed rows (``data.packing_mask``)
     pass ``segment_ids`` and ``positions`` (int ``[b, t]``): attention stays within a document and
-    RoPE positions restart at each document.
+    RoPE positions restart at each document. ``dropout_key``: LoRA's dropout in a training step
+    (``model.lora.dropout``; one key per layer is split from it).
     """
+    layers = params["layers"]
+    if dropout_key is not None and cfg.lora.dropout > 0:
+        layers = {**layers, DROPOUT_KEY: jax.random.split(dropout_key, cfg.num_layers)}
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
     x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions), x,
-                    params["layers"], cfg.remat, shard)
+                    layers, cfg.remat, shard)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 

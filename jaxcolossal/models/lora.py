@@ -43,6 +43,9 @@ EQUATIONS = {"wq": "btd,dhq->bthq", "wk": "btd,dkq->btkq", "wv": "btd,dkq->btkq"
              "w_gate": "btd,df->btf", "w_up": "btd,df->btf", "w_down": "btf,fd->btd"}
 """Each adaptable weight's projection, as :func:`jaxcolossal.models.llama.decoder_layer` runs it."""
 RANK_AXIS = "lora_rank"
+DROPOUT_KEY = "lora_dropout_key"
+"""The per-layer PRNG keys ``[L]`` that a training step's layer scan carries beside the weights
+when ``model.lora.dropout > 0`` (:func:`jaxcolossal.models.llama.hidden_states`)."""
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
 

@@ -263,7 +263,8 @@ def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, C
     hidden states ``h [b, t, d]`` through the fused, chunked LM head (:func:`lm_head_loss`).
     ``loss_sum(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions)``:
     the summed next-token cross-entropy (nats, fp32 scalar) of int ``tokens``/``targets [b, t]``;
-    with a ``mask [b, t]`` (1 = trained on) only the masked-in tokens count."""
+    with a ``mask [b, t]`` (1 = trained on) only the masked-in tokens count; ``dropout_key``: a PRNG
+    key for ``model.lora.dropout`` in a training step (passed on to ``hidden_states``)."""
 
     def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg, shard: Sharder = _no_shard,
                   mask: jax.Array | None = None) -> jax.Array:
@@ -271,8 +272,9 @@ def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, C
 
     def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg, shard: Sharder = _no_shard,
                  vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
+                 positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
+        extra = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA's dropout, in training
+        h = hidden_states(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, **extra)
         return head_loss(params, h, targets, cfg, shard, mask)
 
     head_loss.__doc__ = loss_sum.__doc__ = lm_loss.__doc__

@@ -5,6 +5,7 @@ the bytes each device sends (ring counts, as :attr:`jaxcolossal.hlo.Collective.s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -12,7 +13,7 @@ import jax
 from jaxcolossal.config import BYTES_PER_PARAM, WIRE_BYTES, Config, prefetches_weights, weight_gather_dtype
 from jaxcolossal.memory.budget import layout
 from jaxcolossal.metrics import param_count
-from jaxcolossal.models import get_family, param_layout
+from jaxcolossal.models import adapter_layout, get_family, param_layout
 from jaxcolossal.parallel.compression import powersgd_views, powersgd_wire, wire_bytes
 from jaxcolossal.parallel.schedule import pipeline_schedule_for
 from jaxcolossal.placement import local_elements
@@ -35,7 +36,8 @@ def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | N
     * ``powersgd``: all-reduces of the rank-r factors, plus the leaves sent whole;
     * ``topk``: all-gathers of ``N·k`` values and int32 indices per leaf.
 
-    ``Ψ`` is per model-parallel shard (``/(tp·pp)``); ``k`` defaults to the accumulation steps.
+    ``Ψ`` is per model-parallel shard (``/(tp·pp)``; under LoRA the adapters'); ``k`` defaults to the
+    accumulation steps.
     """
     p = cfg.parallel
     k = cfg.training.gradient_accumulation_steps if k is None else k
@@ -47,6 +49,10 @@ def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | N
                                             p.powersgd_rank)["powersgd"]
         return ring * wire_bytes(shapes, p.compression_ratio, dp)["topk"]
     psi = param_count(cfg.model)["total"] / (tp * pp)
+    if cfg.model.lora.enabled:  # only the adapters have gradients
+        _, shapes, axes = param_layout(cfg.model, 1)
+        psi = sum(math.prod(s) for s in jax.tree.leaves(adapter_layout(cfg.model, shapes, axes)[0],
+                                                        is_leaf=lambda x: isinstance(x, tuple))) / (tp * pp)
     b = WIRE_BYTES[p.communication_dtype]
     if p.zero_stage == 0:
         return 2 * ring * b * psi

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, validate, weight_gather_dtype
 from jaxcolossal.memory.activations import describe
-from jaxcolossal.memory.budget import device_need, layout, resolve
+from jaxcolossal.memory.budget import device_need, layout, lora_layout, resolve
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
 from jaxcolossal.parallel.compression import check_powersgd
@@ -40,14 +40,20 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
     b = BYTES_PER_PARAM[cfg.precision.mode]
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
-    def per_device(spec_tree, nbytes):
-        vals = jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, shape) * nbytes, shapes, spec_tree,
-                            is_leaf=is_shape)
+    def per_device(spec_tree, nbytes, of=None):
+        vals = jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, shape) * nbytes,
+                            shapes if of is None else of, spec_tree, is_leaf=is_shape)
         return sum(jax.tree.leaves(vals))
 
     params = per_device(specs.params, b["p"])
     grads = per_device(specs.grads, b["g"])
     opt = per_device(specs.opt, b["K"])
+    lora = cfg.model.lora
+    if lora.enabled:  # the base frozen in the compute dtype (as params), the adapters trained
+        frozen = params
+        a_shapes, a_specs = lora_layout(cfg, shapes, shape)
+        params = frozen + per_device(a_specs.params, b["p"], a_shapes)
+        grads, opt = per_device(a_specs.grads, b["g"], a_shapes), per_device(a_specs.opt, b["K"], a_shapes)
     n = param_count(cfg.model)
     t = cfg.training
     fpt = flops_per_token(cfg.model, t.seq_len, cfg.model.remat != "none")
@@ -59,7 +65,10 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × sp × tp)",
         f"precision  {cfg.precision.mode}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
-        f"total {gib(params + grads + opt)}",
+        f"total {gib(params + grads + opt)}"
+        + (f"\nLoRA       rank {lora.rank} on {', '.join(lora.target_list)}: "
+           f"{sum(math.prod(x) for x in jax.tree.leaves(a_shapes, is_leaf=is_shape)):,} trained parameters; the "
+           f"base frozen in {cfg.precision.mode} ({gib(frozen)} of the params)" if lora.enabled else ""),
         f"batch      {t.batch_size} sequences × {t.seq_len} tokens per step, "
         + (f"{t.gradient_accumulation_steps} accumulation microbatches" if rp.pipeline_parallel_size == 1
            else "in the pipeline's microbatches (below)"),

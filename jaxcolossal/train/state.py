@@ -171,15 +171,16 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
     vocab, shapes, axes = param_layout(cfg.model, shape["tp"])
     # pipeline: the stacked layers dimension is split over pp (the layout stays [L, ...])
     rules = rules_for(cfg.parallel, shape["pp"] > 1)
-    frozen = {}
-    if cfg.model.lora.enabled:  # the base is frozen (held as ZeRO holds params); the adapters are trained
-        frozen = {"frozen_shapes": shapes, "frozen_axes": axes,
-                  "frozen_specs": state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules).params}
-        shapes, axes = adapter_layout(cfg.model, shapes, axes)
     specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
     check_powersgd(cfg.parallel, shapes, axes)
-    # which shards live in host memory (offload section), checked against the device limit
+    # which shards live in host memory (offload section), checked against the device limit (LoRA: the
+    # base model's layout, which the memory model turns into the frozen base and the adapters' state)
     placement, report = resolve(cfg, shapes, specs, shape, list(mesh.devices.flat))
+    frozen = {}
+    if cfg.model.lora.enabled:  # the base is frozen (held as ZeRO holds params); the adapters are trained
+        frozen = {"frozen_shapes": shapes, "frozen_axes": axes, "frozen_specs": specs.params}
+        shapes, axes = adapter_layout(cfg.model, shapes, axes)
+        specs = state_specs(axes, shapes, cfg.parallel.zero_stage, shape, rules)
     return TrainPlan(cfg=cfg, mesh=mesh, mesh_shape=shape, vocab=vocab, param_axes=axes,
                      param_shapes=shapes, specs=specs, precision=cfg.precision.mode, placement=placement,
                      placement_report=report, **frozen)

@@ -160,17 +160,28 @@ class _GradFn:
             return s * coef, s
         return loss
 
-    def micro(self, params, xs, ys, aux, coef, j, frozen=None):
+    def dropout_keys(self, step, j):
+        """LoRA's dropout: microbatch ``j``'s key of optimizer step ``step`` (from ``training.seed``),
+        split per data shard for the per-shard gradients (``[N]``); ``None`` without dropout."""
+        if not (self.cfg.model.lora.enabled and self.cfg.model.lora.dropout > 0) or step is None:
+            return None
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.training.seed), step), j)
+        return key if self.layerwise else jax.random.split(key, self.n)
+
+    def micro(self, params, xs, ys, aux, coef, j, frozen=None, step=None):
         """Microbatch ``j``'s summed loss and fp32 gradient: of the whole microbatch (layer-wise
-        reduction), or per data shard (``[N, ...]``, unreduced). ``frozen``: LoRA's base weights."""
+        reduction), or per data shard (``[N, ...]``, unreduced). ``frozen``: LoRA's base weights;
+        ``step``: the optimizer step (LoRA's dropout keys)."""
+        keys = self.dropout_keys(step, j)
         if self.layerwise:  # [N, b, t] -> [N·b, t]: each device keeps its rows
             t = xs.shape[-1]
             rows = lambda a: a[:, j].reshape(-1, t)  # noqa: E731
-            (_, loss), g = self.global_grad(params, rows(xs), rows(ys), {k: rows(a) for k, a in aux.items()}, coef,
-                                            frozen)
+            aux_j = {k: rows(a) for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
+            (_, loss), g = self.global_grad(params, rows(xs), rows(ys), aux_j, coef, frozen)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
             return loss, constrain(g, self.mesh, self.grad_specs)
-        (_, loss), g = self.per_shard(params, xs[:, j], ys[:, j], {k: a[:, j] for k, a in aux.items()}, coef, frozen)
+        aux_j = {k: a[:, j] for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
+        (_, loss), g = self.per_shard(params, xs[:, j], ys[:, j], aux_j, coef, frozen)
         # offloaded layers' gradients come back from host memory; fp32 before any reduction
         g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
         return jnp.sum(loss), constrain(g, self.mesh, self.per_shard_specs)
@@ -184,14 +195,14 @@ class _GradFn:
             return lowp_reduce(g, self.per_shard_specs, specs, lowp, self.mesh)
         return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), self.mesh, specs)
 
-    def accumulate(self, params, xs, ys, aux, coef, frozen=None):
+    def accumulate(self, params, xs, ys, aux, coef, frozen=None, step=None):
         """The loss and the gradients summed over the ``k`` microbatches: ZeRO 2/3 into a sharded
         persistent buffer (each microbatch reduced into it), ZeRO 0/1 into the unreduced per-shard one."""
         sharded = self.zero >= 2
 
         def body(carry, j):
             loss_acc, acc = carry
-            loss, g = self.micro(params, xs, ys, aux, coef, j, frozen)
+            loss, g = self.micro(params, xs, ys, aux, coef, j, frozen, step)
             if sharded and not self.layerwise:
                 g = self.reduce(g)
             return (loss_acc + loss, jax.tree.map(jnp.add, acc, g)), None
@@ -247,7 +258,7 @@ class _GradFn:
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None}
-        loss_sum, acc = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen)
+        loss_sum, acc = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
         if self.compressing:
@@ -330,8 +341,8 @@ class _TrainStep:
         extra = {"residual": state.residual, "step": state.step} if self.compress else {}
         if self.plan.cfg.parallel.momentum_correction:
             extra["first_moment"] = adam_first_moment(state.opt_state)
-        if self.plan.lora:  # the adapters are differentiated; the frozen base comes along
-            extra["frozen"] = state.frozen
+        if self.plan.lora:  # the adapters are differentiated; the frozen base comes along (and the step: dropout)
+            extra.update(frozen=state.frozen, step=state.step)
         out = self.grad_fn(params, batch["inputs"], batch["targets"], scale, batch.get("loss_mask"),
                            batch.get("segment_ids"), batch.get("positions"), **extra)
         return out[0], out[1], (out[2] if self.compress else None)

@@ -208,3 +208,39 @@ def test_chat_sft_with_lora_from_hugging_face(tmp_path):
     again = train(load_config(str(tmp_path / "out" / "model.yaml"), common + [
         "training.max_steps=1", f"model.lora.init_from={tmp_path}/run/adapter", f"logging.run_dir={tmp_path}/run2"]))
     assert again["val_loss_start"] == pytest.approx(out["val_loss_end"], rel=1e-5)
+
+
+def test_lora_dropout_is_a_function_of_the_seed_and_step():
+    """``model.lora.dropout``: a training step drops the adapters' inputs (the first step's gradient
+    differs from the run without dropout), the same on one device and on ZeRO-2 dp4 × tp2 up to the
+    split of the keys over the data shards; the evaluation runs without it (the loss of step 1,
+    taken before any update, equals the dropout-free one since B starts at zero)."""
+    def cfg(par, p):
+        return tiny_config(par, model={"lora": {"rank": 8, "targets": "q,v,down", "dropout": p}})
+    _, plain, _ = run_steps(cfg({"data_parallel_size": 1}, 0.0), jax.devices()[:1], steps=2)
+    a, drop, _ = run_steps(cfg({"data_parallel_size": 1}, 0.3), jax.devices()[:1], steps=2)
+    b, again, _ = run_steps(cfg({"data_parallel_size": 1}, 0.3), jax.devices()[:1], steps=2)
+    assert drop[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)  # B = 0: dropout cannot change the loss yet
+    assert abs(drop[0]["grad_norm"] - plain[0]["grad_norm"]) > 1e-4 * plain[0]["grad_norm"]
+    assert drop == again  # a pure function of training.seed and the step
+    _, sharded, _ = run_steps(cfg({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}, 0.3), steps=2)
+    assert all(np.isfinite(m["loss"]) for m in sharded)
+    with pytest.raises(ConfigError, match="model.lora.dropout=0.1: ZeRO-3's prefetching layer scan"):
+        load_config(TINY, ["model.lora.rank=8", "model.lora.dropout=0.1", "parallel.zero_stage=3", "model.remat=full"])
+
+
+def test_dry_run_counts_the_frozen_base_and_the_adapters_state():
+    """``--dry-run`` of a LoRA config: the per-device params (frozen base + adapters), gradients and
+    optimizer state equal those measured from the arrays of the built state."""
+    from jaxcolossal.config import gib
+    from jaxcolossal.plan.dry_run import dry_run
+
+    cfg = load_config(TINY, ["model.lora.rank=8", "model.lora.targets=q,v,up"])
+    text = dry_run(cfg, num_devices=8)
+    plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()))
+    _, report = memory_report(plan, init_state(plan, build_optimizer(cfg.training, plan), key=jax.random.key(0)))
+    got = report["measured"]
+    assert f"per-device model state: params {gib(got['params'] + got['frozen'])}, grads {gib(got['grads'])}, " in text
+    predicted = float(text.split("optimizer ")[1].split(" KiB")[0]) * 1024
+    assert predicted == pytest.approx(got["optimizer"], rel=1e-3)  # the arrays add Adam's step counters
+    assert "LoRA       rank 8 on q, v, up" in text
