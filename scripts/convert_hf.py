@@ -3,6 +3,7 @@
     python scripts/convert_hf.py --to-jax HF_DIR OUT [--tp 2 --vocab-pad-multiple 64]
     python scripts/convert_hf.py --to-hf  CHECKPOINT_DIR OUT [--step N] [--max-shard-size 5GB] [--tokenizer DIR]
     python scripts/convert_hf.py --to-hf  IN OUT   # IN holds params.npz + model.yaml
+    python scripts/convert_hf.py --to-hf  LORA_CHECKPOINT_DIR OUT [--merge-lora]
 
 ``--to-jax`` reads a LOCAL Hugging Face directory — ``config.json`` plus ``model.safetensors``
 or a sharded ``model.safetensors.index.json`` of a ``LlamaForCausalLM`` or ``GPT2LMHeadModel``
@@ -40,6 +41,11 @@ stops at the end-of-text token. They come from the first of:
    runs to its length limit, and a line says so.
 
 An id outside ``model.vocab_size`` is an error (exit status 2).
+
+A LoRA run's checkpoint (``model.lora.rank > 0``) exports its adapters as a PEFT folder
+(``adapter_config.json`` + ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``
+on the base model), or with ``--merge-lora`` the full model with the adapters merged into the
+weights, as PEFT's ``merge_and_unload`` gives it.
 
 To fine-tune from a Hugging Face directory, no conversion is needed: set ``model.init_from``.
 """
