@@ -32,7 +32,7 @@ from jaxcolossal.config import (
     TrainingConfig,
     pipeline_microbatches,
 )
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.mesh import data_size, make_mesh
 from jaxcolossal.train.state import TrainPlan, TrainState, init_state, make_plan
 from jaxcolossal.train.step import make_train_step
 
@@ -190,7 +190,7 @@ class Booster:
         Raises:
             ConfigError: the plugin does not fit the model (e.g. tp not dividing the heads).
         """
-        data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        data = data_size(dict(self.mesh.shape))
         training = TrainingConfig(batch_size=batch_size or data * gradient_accumulation_steps,
                                   gradient_accumulation_steps=gradient_accumulation_steps,
                                   seq_len=min(128, model.cfg.max_position_embeddings), seed=seed,

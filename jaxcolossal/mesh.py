@@ -1,6 +1,6 @@
 """Build the device mesh from the parallel config.
 
-One ``jax.sharding.Mesh`` with named axes ``(pp, dp, fsdp, sp, tp)`` (torchtitan's ParallelDims,
+One ``jax.sharding.Mesh`` with named axes ``(pp, dp, fsdp, ep, sp, tp)`` (torchtitan's ParallelDims,
 MaxText's mesh axes). ``tp`` is innermost, ``sp`` (sequence parallelism) next so that tensor-parallel peers are neighbouring devices
 (the fastest links); ``pp`` is outermost. All axes are ``AxisType.Auto``: the train step uses
 sharding constraints and lets XLA's SPMD partitioner place the collectives.
@@ -16,12 +16,14 @@ from jax.sharding import AxisType, Mesh
 
 from jaxcolossal.config import ConfigError, ParallelConfig
 
-MESH_AXES = ("pp", "dp", "fsdp", "sp", "tp")
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 """Mesh axis names, outermost first (``tp`` innermost so it maps to the fastest links, then ``sp``,
 whose all-to-alls and ring passes come next in volume; MaxText's data, fsdp, context, tensor)."""
 
-DATA_AXES = ("dp", "fsdp")
-"""The data-parallel group: the batch is split over both; ZeRO shards over ``fsdp``."""
+DATA_AXES = ("dp", "fsdp", "ep")
+"""The data-parallel group: the batch is split over all three; ZeRO shards over ``fsdp``; a mixture
+of experts' routed experts are split over ``ep`` (``parallel.expert_parallel_size``)."""
+EP_AXIS = "ep"
 
 ZERO_AXIS = "fsdp"
 """The axis ZeRO shards the state over."""
@@ -30,7 +32,7 @@ PP_AXIS, SP_AXIS, TP_AXIS = "pp", "sp", "tp"
 
 
 def mesh_shape(parallel: ParallelConfig) -> dict[str, int]:
-    """``{pp, dp, fsdp, sp, tp: size}`` for a *resolved* parallel config (no ``-1``).
+    """``{pp, dp, fsdp, ep, sp, tp: size}`` for a *resolved* parallel config (no ``-1``).
 
     The data-parallel group ``data_parallel_size`` becomes ``fsdp`` when ``zero_stage > 0``
     (ZeRO shards over it) and ``dp`` otherwise (plain replication, DDP).
@@ -39,13 +41,21 @@ def mesh_shape(parallel: ParallelConfig) -> dict[str, int]:
     if d < 1:
         raise ConfigError("mesh_shape needs a resolved ParallelConfig; call parallel.resolve(num_devices) first")
     zero = parallel.zero_stage > 0
+    ep = getattr(parallel, "expert_parallel_size", 1)
+    rest = d // ep  # ep is carved out of the data-parallel group
     return {
         "pp": parallel.pipeline_parallel_size,
-        "dp": 1 if zero else d,
-        "fsdp": d if zero else 1,
+        "dp": 1 if zero else rest,
+        "fsdp": rest if zero else 1,
+        "ep": ep,
         "sp": parallel.sequence_parallel_size,
         "tp": parallel.tensor_parallel_size,
     }
+
+
+def data_size(shape: dict) -> int:
+    """N, the data-parallel group's size (``dp × fsdp × ep``) of a mesh shape dict."""
+    return shape.get("dp", 1) * shape.get("fsdp", 1) * shape.get("ep", 1)
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -56,6 +56,7 @@ RULES: dict[str, Any] = {
     "layers": None,
     "stage": "pp",
     "lora_rank": None,
+    "expert": "ep",
 }
 """Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)."""
 
@@ -302,6 +303,12 @@ class Sharder:
         weight shards in ``kind`` (``bf16``/``fp8``; :func:`jaxcolossal.parallel.compression.gather_lowp`).
         ``layer_param_specs``: the stacked layers' param specs (``P`` leaves ``[L, ...]``)."""
         return self._copy(lowp_gather=(kind, *one_layer_specs(layer_param_specs)))
+
+    def without_layer_specs(self) -> "Sharder":
+        """This sharder without :attr:`layer_specs` and :attr:`lowp_gather` (for a second stack of
+        layers, such as a mixture of experts' first dense layers, whose params those specs do not
+        describe: XLA places its gathers)."""
+        return self._copy(layer_specs=None, lowp_gather=None)
 
     def zigzagged(self) -> "Sharder":
         """This sharder, for a batch that :func:`jaxcolossal.parallel.sequence.zigzag_batch` has reordered."""

@@ -53,7 +53,7 @@ def run_steps(cfg: Config, devices=None, steps: int = 3, seed: int = 0):
         batch = {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
                  "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
         state, m = step(state, batch)
-        out.append({k: float(v) for k, v in m.items()})
+        out.append({k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in m.items()})
     return state, out, plan
 
 

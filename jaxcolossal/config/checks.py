@@ -69,6 +69,10 @@ RANGES: dict[str, Range] = {
     "model.loss_chunk_tokens": Range(0, note="0: materialize the logits of all tokens"),
     "model.lora.rank": Range(0, note="0: LoRA off"), "model.lora.alpha": _GT0,
     "model.lora.dropout": Range(0, 1, hi_open=True),
+    "model.num_experts": Range(0, note="0: dense"), "model.num_experts_per_tok": _POS,
+    "model.moe_intermediate_size": Range(0, note="0: intermediate_size"), "model.num_shared_experts": _NONNEG,
+    "model.first_k_dense": _NONNEG, "model.router_aux_loss_coef": _NONNEG, "model.router_z_loss_coef": _NONNEG,
+    "model.capacity_factor": Range(0, note="0: dropless"), "parallel.expert_parallel_size": _POS,
     "training.batch_size": _POS, "training.micro_batch_size": Range(0, note="0: use batch_size"),
     "training.seq_len": _POS, "training.gradient_accumulation_steps": _POS,
     "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
@@ -125,6 +129,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_data(cfg)
     _check_features(cfg)
     _check_lora(cfg)
+    _check_moe(cfg)
     _check_offload(cfg)
     _check_compression(p)
     _check_freeze(cfg)
@@ -191,6 +196,44 @@ def _check_data(cfg: Config) -> None:
                           "the saved folder) to read")
 
 
+MOE_KEYS = ("num_shared_experts", "first_k_dense", "moe_intermediate_size", "capacity_factor", "router_scoring")
+
+
+def _check_moe(cfg: Config) -> None:
+    """A mixture of experts: top-k within the experts, the experts over ``ep``, the family, and the
+    features it does not run with yet."""
+    m, p = cfg.model, cfg.parallel
+    ep = p.expert_parallel_size
+    if not m.moe:
+        default = ModelConfig()
+        set_keys = [f"model.{k}" for k in MOE_KEYS if getattr(m, k) != getattr(default, k)]
+        if set_keys or ep > 1:
+            raise ConfigError(f"{', '.join(set_keys) or f'parallel.expert_parallel_size={ep}'} needs a mixture of "
+                              "experts: set model.num_experts (e.g. 8)")
+        return
+    if m.type != "llama":
+        raise ConfigError(f"model.num_experts={m.num_experts}: the {m.type} family has no mixture-of-experts layer "
+                          "(model.type=llama has: Mixtral, Qwen3-MoE, DeepSeek-style)")
+    if m.num_experts_per_tok > m.num_experts:
+        raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} is more than model.num_experts="
+                          f"{m.num_experts}: each token picks its top-k of the experts")
+    if m.first_k_dense >= m.num_layers:
+        raise ConfigError(f"model.first_k_dense={m.first_k_dense} leaves no MoE layer of model.num_layers={m.num_layers}")
+    if m.num_experts % ep:
+        raise ConfigError(f"parallel.expert_parallel_size={ep} does not divide model.num_experts={m.num_experts}: "
+                          "each ep rank holds num_experts / ep experts")
+    off = {"parallel.pipeline_parallel_size": p.pipeline_parallel_size not in (1,),
+           "parallel.sequence_parallelism_mode": p.sequence_parallelism_mode != "none",
+           "parallel.gradient_compression": p.gradient_compression != "none",
+           "parallel.communication_dtype": p.communication_dtype != "fp32", "model.lora.rank": m.lora.enabled,
+           "offload": cfg.offload.offload_optim_frac > 0 or cfg.offload.offload_param_frac > 0
+           or cfg.offload.placement_policy == "auto" or bool(cfg.offload.nvme_path)}
+    for key, on in off.items():
+        if on:
+            raise ConfigError(f"model.num_experts={m.num_experts}: a mixture of experts does not run with {key} yet "
+                              "(set it to its default)")
+
+
 def _check_lora(cfg: Config) -> None:
     """``model.lora``: known targets, a LLaMA-family model, and the features it does not run with."""
     lo, m, p, o = cfg.model.lora, cfg.model, cfg.parallel, cfg.offload
@@ -252,6 +295,9 @@ def _check_devices(cfg: Config, num_devices: int) -> None:
     _check_tp(m, rp.tensor_parallel_size)
     _check_sequence(cfg, rp)
     dp = rp.data_parallel_size
+    if dp % p.expert_parallel_size:
+        raise ConfigError(f"parallel.expert_parallel_size={p.expert_parallel_size} does not divide data_parallel_size="
+                          f"{dp}: the ep axis is carved out of the data-parallel group")
     if t.micro_batch_size:
         t.batch_size = t.micro_batch_size * t.gradient_accumulation_steps * dp
     micro = t.batch_size // t.gradient_accumulation_steps
@@ -267,10 +313,13 @@ def _check_devices(cfg: Config, num_devices: int) -> None:
                 f"training.batch_size={t.batch_size} does not split into parallel.num_microbatches={mb} "
                 f"pipeline microbatches per data-parallel shard (data_parallel_size={dp}): "
                 f"it must be divisible by {dp} × {mb} = {dp * mb}")
-    if p.zero_stage > 0 and m.hidden_size % dp:
+    zero_group = dp // p.expert_parallel_size
+    if p.zero_stage > 0 and m.hidden_size % zero_group:
         raise ConfigError(
             f"parallel.zero_stage={p.zero_stage} shards the hidden dimension over the data-parallel "
-            f"group: model.hidden_size={m.hidden_size} is not divisible by data_parallel_size={dp}")
+            f"group: model.hidden_size={m.hidden_size} is not divisible by "
+            + (f"{zero_group} (data_parallel_size={dp} / expert_parallel_size={p.expert_parallel_size})"
+               if p.expert_parallel_size > 1 else f"data_parallel_size={dp}"))
 
 
 def _check_sequence(cfg: Config, p: ParallelConfig) -> None:

@@ -43,8 +43,11 @@ def reduces_layerwise(cfg: Config) -> bool:
     """Whether the step takes the gradient of the whole microbatch, so that XLA reduces(-scatters)
     each layer's weight gradient inside the backward layer scan: ZeRO-2/3 with fp32 communication
     and no gradient compression, without a pipeline (else each data shard's gradient is reduced
-    after the backward, by hand)."""
+    after the backward, by hand); and a mixture of experts at any ZeRO stage (the tokens of the
+    whole microbatch are routed together, across ``ep``)."""
     p = cfg.parallel
+    if cfg.model.moe and p.pipeline_parallel_size == 1:  # the experts' all-to-all needs the global batch
+        return True
     return (p.zero_stage >= 2 and p.communication_dtype == "fp32" and p.gradient_compression == "none"
             and p.pipeline_parallel_size == 1)
 

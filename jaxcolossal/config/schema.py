@@ -76,6 +76,20 @@ class ModelConfig:
     ``embedding_impl``: with the vocabulary split over tp, ``gather`` (Megatron's masked gather)
     or ``one_hot`` (a one-hot matmul, ``2·tokens·vocab·hidden/tp`` FLOPs; for comparison).
 
+    ``qk_norm``: RMSNorm over each head of q and k before RoPE (Qwen3).
+
+    Mixture of experts (``num_experts > 0``; :mod:`jaxcolossal.models.moe`): each layer after the
+    first ``first_k_dense`` replaces its MLP by ``num_experts`` routed SwiGLU experts of
+    ``moe_intermediate_size`` (0: ``intermediate_size``), ``num_experts_per_tok`` of them per token,
+    plus ``num_shared_experts`` experts every token passes through (DeepSeek-MoE). The router scores
+    by ``router_scoring`` (``softmax``: Mixtral, Qwen3-MoE; ``sigmoid``: DeepSeek-V3) and, with
+    ``norm_topk_prob``, renormalises the chosen experts' weights to sum to one. The loss adds
+    ``router_aux_loss_coef`` × the load-balancing loss (Switch/GShard: ``E · Σ_e f_e · P_e``) and
+    ``router_z_loss_coef`` × the router z-loss (ST-MoE: the mean squared log-sum-exp of the router
+    logits), each averaged over the MoE layers. ``capacity_factor``: 0 is dropless (tokens sorted by
+    expert, grouped matmuls); > 0 gives each expert ``ceil(capacity_factor · tokens · k / E)`` slots
+    per device and drops the tokens beyond them (GShard, Switch).
+
     ``vocab_size`` is the tokenizer's size; the embedding may be padded internally to a
     multiple of ``vocab_pad_multiple * tensor_parallel_size`` (Colossal-AI pads to 64·tp);
     the padding never reaches the user: padded logits are masked and exports strip it.
@@ -101,6 +115,32 @@ class ModelConfig:
     loss_chunk_tokens: int = 1024
     init_from: str = ""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    first_k_dense: int = 0
+    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+    capacity_factor: float = 0.0
+
+    @property
+    def moe(self) -> bool:
+        """True when the layers' MLPs are mixtures of experts (``num_experts > 0``)."""
+        return self.num_experts > 0
+
+    @property
+    def expert_size(self) -> int:
+        """One routed expert's intermediate size (``moe_intermediate_size``, else ``intermediate_size``)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers with a mixture of experts (all but the first ``first_k_dense``); 0 when dense."""
+        return self.num_layers - self.first_k_dense if self.moe else 0
 
     @property
     def head_dim(self) -> int:
@@ -211,6 +251,12 @@ class ParallelConfig:
     group; needs ``tensor_parallel_size`` > 1 and ``sequence_parallel_size`` 1), ``all_to_all``
     (DeepSpeed-Ulysses: q/k/v swapped from sequence- to head-sharded around attention) or
     ``ring_attn`` (ring attention: k/v blocks passed around the ``sp`` ring, zig-zag order).
+
+    ``expert_parallel_size`` (Colossal-AI's ``ep_size``): the mesh axis ``ep``, carved out of the
+    data-parallel group (it must divide ``data_parallel_size``): the batch is split over it as over
+    the rest of the group, a mixture of experts' routed experts are split over it, and tokens go to
+    their experts' devices and back by all-to-all (:mod:`jaxcolossal.parallel.expert`). ZeRO shards
+    the state over the rest of the data group (``data_parallel_size / expert_parallel_size``).
     """
 
     data_parallel_size: int = -1
@@ -232,6 +278,7 @@ class ParallelConfig:
     bucket_size_mb: float = 0.0
     sequence_parallel_size: int = 1
     sequence_parallelism_mode: Literal["none", "split_gather", "all_to_all", "ring_attn"] = "none"
+    expert_parallel_size: int = 1
 
     def resolve(self, num_devices: int) -> "ParallelConfig":
         """Return a copy with ``-1`` filled so that dp·sp·tp·pp == ``num_devices``.

@@ -73,7 +73,7 @@ from jaxcolossal.config import (
     prefetches_weights,
     reduces_layerwise,
 )
-from jaxcolossal.mesh import entry_axes
+from jaxcolossal.mesh import data_size, entry_axes
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.models.vocab import fused_pays
 from jaxcolossal.sharding import Sharder, rules_for, state_specs
@@ -223,7 +223,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
 
     Args:
         cfg: the run's config (model, training batch/seq/accumulation, parallel, precision).
-        mesh_shape: ``{"pp", "dp", "fsdp", "sp", "tp"}`` sizes.
+        mesh_shape: ``{"pp", "dp", "fsdp", "ep", "sp", "tp"}`` sizes.
         state: persistent device bytes per device (params, master, optimizer state, ...).
         grads: the fp32 gradient buffer's bytes per device.
         backend: ``"gpu"`` or ``"cpu"`` (the compiler whose buffers are predicted).
@@ -294,7 +294,7 @@ class _PeakShape:
 
 def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _PeakShape:
     m, t, p = cfg.model, cfg.training, cfg.parallel
-    pp, n = mesh_shape["pp"], mesh_shape["dp"] * mesh_shape["fsdp"]
+    pp, n = mesh_shape["pp"], data_size(mesh_shape)
     lowp = cfg.precision.mode != "fp32"
     micro = pipeline_microbatches(cfg, pp) if pp > 1 else t.gradient_accumulation_steps
     v = max(1, p.num_model_chunks) if pp > 1 else 1  # chunks per device (GPipe's v > 1: the circular pipeline)

@@ -11,7 +11,7 @@ import re
 from jaxcolossal.config import Config, ConfigError, gib
 from jaxcolossal.memory import budget
 from jaxcolossal.memory.budget import device_need
-from jaxcolossal.mesh import platform
+from jaxcolossal.mesh import data_size, platform
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating")
 """Substrings by which XLA's runtime and compiler report an allocation that did not fit."""
@@ -30,7 +30,7 @@ def oom_changes(cfg: Config, run_mesh: dict, backend: str = "gpu") -> list[tuple
     state (then the ZeRO-3 params) in host memory. Changes that do not apply (ZeRO-3 already,
     an odd microbatch, ...) are left out."""
     t, p, o = cfg.training, cfg.parallel, cfg.offload
-    n = run_mesh["dp"] * run_mesh["fsdp"]
+    n = data_size(run_mesh)
     tries = []
     if p.zero_stage < 3 and n > 1:
         tries.append((f"parallel.zero_stage={p.zero_stage + 1}", lambda c: setattr(c.parallel, "zero_stage",

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcolossal.config import ModelConfig
-from jaxcolossal.models import vocab
+from jaxcolossal.models import moe, vocab
 from jaxcolossal.models.flash_attention import flash_attention
 from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.lora import DROPOUT_KEY, EQUATIONS, adapt
@@ -57,10 +57,11 @@ def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
     return int(math.ceil(cfg.vocab_size / mult) * mult)
 
 
-def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
-    """``{name: (shape, logical_axes)}`` for every parameter (the table in the module doc)."""
-    L, d, h, k, q, f = (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads,
-                        cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+def _layer_table(cfg: ModelConfig, L: int, experts: bool) -> dict:
+    """One stack of ``L`` decoder layers: attention and norms, then a dense MLP or (``experts``) the
+    MoE MLP of :func:`jaxcolossal.models.moe.layer_shapes_and_axes`."""
+    d, h, k, q, f = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.intermediate_size)
     layers = {
         "attn_norm": ((L, d), ("layers", "embed")),
         "wq": ((L, d, h, q), ("layers", "embed", "heads", "head_dim")),
@@ -68,12 +69,27 @@ def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
         "wv": ((L, d, k, q), ("layers", "embed", "kv_heads", "head_dim")),
         "wo": ((L, h, q, d), ("layers", "heads", "head_dim", "embed")),
         "mlp_norm": ((L, d), ("layers", "embed")),
-        "w_gate": ((L, d, f), ("layers", "embed", "mlp")),
-        "w_up": ((L, d, f), ("layers", "embed", "mlp")),
-        "w_down": ((L, f, d), ("layers", "mlp", "embed")),
     }
-    out = {"embed_tokens": ((vocab, d), ("vocab", "embed")), "layers": layers,
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head of q and k
+        layers.update(q_norm=((L, q), ("layers", "head_dim")), k_norm=((L, q), ("layers", "head_dim")))
+    if experts:
+        layers.update(moe.layer_shapes_and_axes(cfg))
+    else:
+        layers.update(w_gate=((L, d, f), ("layers", "embed", "mlp")), w_up=((L, d, f), ("layers", "embed", "mlp")),
+                      w_down=((L, f, d), ("layers", "mlp", "embed")))
+    return layers
+
+
+def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
+    """``{name: (shape, logical_axes)}`` for every parameter (the table in the module doc). A mixture
+    of experts (``model.num_experts``) stacks its MoE layers as ``layers`` and the first
+    ``first_k_dense`` dense ones as ``dense_layers``."""
+    d = cfg.hidden_size
+    out = {"embed_tokens": ((vocab, d), ("vocab", "embed")),
+           "layers": _layer_table(cfg, cfg.moe_layers or cfg.num_layers, cfg.moe),
            "final_norm": ((d,), ("embed",))}
+    if cfg.moe and cfg.first_k_dense:
+        out["dense_layers"] = _layer_table(cfg, cfg.first_k_dense, False)
     if not cfg.tie_word_embeddings:
         out["lm_head"] = ((d, vocab), ("embed", "vocab"))
     return out
@@ -83,7 +99,7 @@ def _init_leaf(key, name: str, shape, cfg: ModelConfig) -> jax.Array:
     if name.endswith("norm"):
         return jnp.ones(shape, jnp.float32)
     std = cfg.initializer_range
-    if name in ("wo", "w_down"):  # GPT-2 / Megatron scaled init of the residual projections
+    if name in ("wo", "w_down", "moe_w_down", "shared_w_down"):  # GPT-2 / Megatron scaled init of the residual projections
         std = std / math.sqrt(2 * cfg.num_layers)
     return std * jax.random.normal(key, shape, jnp.float32)
 
@@ -128,13 +144,16 @@ class LlamaForCausalLM(nnx.Module):
         self.vocab = padded_vocab_size(cfg, tp)
         table = param_shapes_and_axes(cfg, self.vocab)
         key = rngs.params()
-        keys = iter(jax.random.split(key, 16))
+        n_leaves = len(table["layers"]) + len(table.get("dense_layers", {})) + 3
+        keys = iter(jax.random.split(key, max(16, n_leaves)))  # 16: the dense models' draws stay as they were
 
         def make(name, shape, axes):
             return nnx.Param(init_vocab_padded(_init_leaf, next(keys), name, shape, axes, cfg), axes=axes)
 
         self.embed_tokens = make("embed_tokens", *table["embed_tokens"])
         self.layers = nnx.Dict({n: make(n, *sa) for n, sa in table["layers"].items()})
+        if "dense_layers" in table:
+            self.dense_layers = nnx.Dict({n: make(n, *sa) for n, sa in table["dense_layers"].items()})
         self.final_norm = make("final_norm", *table["final_norm"])
         if "lm_head" in table:
             self.lm_head = make("lm_head", *table["lm_head"])
@@ -252,28 +271,49 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
     return out.reshape(b, t, h, d)
 
 
-def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
-                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
-    """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
-    positions, for sequence-parallel attention's mask)."""
-    eps = cfg.rms_norm_eps
+def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
+                    segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """The attention half of a pre-norm LLaMA block with its residual: x ``[b, t, d]`` -> ``[b, t, d]``."""
     overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
     column = partial(column_parallel, shard, overlap)
     row = partial(row_parallel, shard, overlap)
     # + the LoRA adapters where model.lora puts them (with its dropout when the step passes a key)
     lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
-    h = rms_norm(x, lp["attn_norm"], eps)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = column(h, [("btd,dhq->bthq", lp["wq"], "h"), ("btd,dkq->btkq", lp["wk"], "k"),
                          ("btd,dkq->btkq", lp["wv"], "k")])
     q, k, v = (lora(EQUATIONS[n], h, y, name=n) for n, y in (("wq", q), ("wk", k), ("wv", v)))
     q = tag(shard(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = tag(shard(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = tag(shard(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
+    if "q_norm" in lp:  # Qwen3's per-head RMSNorm, before RoPE
+        q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), ("batch", "seq", "heads", "head_dim"))
     o = lora(EQUATIONS["wo"], a, row("bthq,hqd->btd", a, lp["wo"], "h"), name="wo")
-    x = shard(x + tag(o, "out_proj"), ("batch", "seq", "embed"))
-    h = rms_norm(x, lp["mlp_norm"], eps)
+    return shard(x + tag(o, "out_proj"), ("batch", "seq", "embed"))
+
+
+def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
+                      segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> tuple:
+    """A block whose MLP is a mixture of experts (:func:`jaxcolossal.models.moe.moe_mlp`):
+    ``(x [b, t, d], stats) -> (x, stats + this layer's)`` (the layer scan's carry)."""
+    x, acc = carry
+    x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
+    y, stats = moe.moe_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, shard.mesh)
+    return shard(x + y, ("batch", "seq", "embed")), jax.tree.map(jnp.add, acc, stats)
+
+
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
+                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
+    positions, for sequence-parallel attention's mask)."""
+    overlap = tp_overlaps(shard, x.shape[1])
+    column = partial(column_parallel, shard, overlap)
+    row = partial(row_parallel, shard, overlap)
+    lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
+    x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     g, u = column(h, [("btd,df->btf", lp["w_gate"], "f"), ("btd,df->btf", lp["w_up"], "f")])
     g, u = lora(EQUATIONS["w_gate"], h, g, name="w_gate"), lora(EQUATIONS["w_up"], h, u, name="w_up")
     g = tag(shard(g, ("batch", "seq", "mlp")), "mlp_gate")
@@ -295,15 +335,30 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
     RoPE positions restart at each document. ``dropout_key``: LoRA's dropout in a training step
     (``model.lora.dropout``; one key per layer is split from it).
     """
+    return hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)[0]
+
+
+def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+                     vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple:
+    """:func:`hidden_states` and the MoE layers' statistics summed over the layers
+    (:data:`jaxcolossal.models.moe.STATS`; ``{}`` for a dense model)."""
     layers = params["layers"]
     if dropout_key is not None and cfg.lora.dropout > 0:
         layers = {**layers, DROPOUT_KEY: jax.random.split(dropout_key, cfg.num_layers)}
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
-    x = scan_layers(lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions), x,
-                    layers, cfg.remat, shard)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    dense = lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions)  # noqa: E731
+    stats = {}
+    if "dense_layers" in params:  # DeepSeek's first k dense layers, their own stack
+        x = scan_layers(dense, x, params["dense_layers"], cfg.remat, shard.without_layer_specs())
+    if cfg.moe:
+        routed = lambda c, lp: moe_decoder_layer(c, lp, cfg, cos, sin, shard, segment_ids, positions)  # noqa: E731
+        x, stats = scan_layers(routed, (x, moe.zero_stats(cfg)), layers, cfg.remat, shard)
+    else:
+        x = scan_layers(dense, x, layers, cfg.remat, shard)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), stats
 
 
 def head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
@@ -325,7 +380,30 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
     return logits_from_hidden(params, h, cfg, shard)
 
 
-head_loss, loss_sum = vocab.lm_loss(hidden_states, head_weight)
+head_loss, _ = vocab.lm_loss(hidden_states, head_weight)
+
+
+def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+                   vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """``(loss_sum, stats)``: the summed next-token cross-entropy (nats, fp32 scalar) of int
+    ``tokens``/``targets [b, t]`` (with a ``mask [b, t]``, of the masked-in tokens), plus a mixture
+    of experts' router losses (:func:`jaxcolossal.models.moe.loss_terms`), and its statistics
+    (``{}`` for a dense model)."""
+    h, stats = hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)
+    loss = head_loss(params, h, targets, cfg, shard, mask)
+    if cfg.moe:
+        n = tokens.size if mask is None else jnp.sum(mask.astype(jnp.float32))
+        loss = loss + moe.loss_terms(stats, cfg, n)
+    return loss, stats
+
+
+def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+             vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+             positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
+    """:func:`loss_and_stats`'s loss."""
+    return loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions,
+                          dropout_key)[0]
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = _no_shard, vocab_parallel: bool = False,

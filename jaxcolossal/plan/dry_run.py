@@ -62,7 +62,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "
         f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
         f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)",
-        f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × sp × tp)",
+        f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × ep × sp × tp)",
         f"precision  {cfg.precision.mode}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
         f"total {gib(params + grads + opt)}"

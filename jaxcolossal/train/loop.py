@@ -478,7 +478,7 @@ class _StepClock:
 
 def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
     cfg, t = run.cfg, run.cfg.training
-    m = {k: float(v) for k, v in m.items()}
+    m = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 6) for x in np.asarray(v)] for k, v in m.items()}
     step_s = clock.lap(done)
     perf = mx.throughput(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len, step_seconds=step_s,
                          num_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
@@ -532,7 +532,7 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
             explain_oom(e, run.plan, run.compiled)  # out of memory in a step: why, and what would fit
             raise
         if e.step % cfg.logging.log_every and e.step != t.max_steps:  # not logged yet: its values matter
-            run.write({"step": e.step, **{k: float(v) for k, v in e.metrics.items()}})
+            run.write({"step": e.step, **{k: float(v) for k, v in e.metrics.items() if np.ndim(v) == 0}})
         get_dist_logger().error(str(e), ranks=[0])
         _save_last_finite(run, state)
         raise

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, ConfigError, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
 from jaxcolossal.memory.budget import resolve
-from jaxcolossal.mesh import DATA_AXES, platform
+from jaxcolossal.mesh import DATA_AXES, data_size, platform
 from jaxcolossal.models import adapter_layout, get_family, param_layout
 from jaxcolossal.models.lora import init_adapters, merge
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
@@ -124,7 +124,7 @@ class TrainPlan:
     @property
     def data_size(self) -> int:
         """N = dp × fsdp, the data-parallel group size."""
-        return self.mesh_shape["dp"] * self.mesh_shape["fsdp"]
+        return data_size(self.mesh_shape)
 
     @property
     def sharder(self) -> Sharder:

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import prefetches_weights, reduces_layerwise, weight_gather_dtype
 from jaxcolossal.mesh import DATA_AXES, platform
+from jaxcolossal.models import moe
 from jaxcolossal.models.lora import merge
 from jaxcolossal.models.remat import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
@@ -155,9 +156,12 @@ class _GradFn:
         self.global_grad = jax.value_and_grad(self._loss(outer), has_aux=True)
 
     def _loss(self, sharder):
+        with_stats = getattr(self.family, "loss_and_stats", None)
+
         def loss(params, x, y, aux, coef, frozen):  # LoRA: the gradient of the adapters only
-            s = self.family.loss_sum(merge(frozen, params), x, y, self.cfg.model, sharder, self.vocab_parallel, **aux)
-            return s * coef, s
+            args = (merge(frozen, params), x, y, self.cfg.model, sharder, self.vocab_parallel)
+            s, stats = with_stats(*args, **aux) if with_stats else (self.family.loss_sum(*args, **aux), {})
+            return s * coef, (s, stats)  # stats: a mixture of experts' router statistics
         return loss
 
     def dropout_keys(self, step, j):
@@ -177,14 +181,15 @@ class _GradFn:
             t = xs.shape[-1]
             rows = lambda a: a[:, j].reshape(-1, t)  # noqa: E731
             aux_j = {k: rows(a) for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
-            (_, loss), g = self.global_grad(params, rows(xs), rows(ys), aux_j, coef, frozen)
+            (_, (loss, stats)), g = self.global_grad(params, rows(xs), rows(ys), aux_j, coef, frozen)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
-            return loss, constrain(g, self.mesh, self.grad_specs)
+            return loss, constrain(g, self.mesh, self.grad_specs), stats
         aux_j = {k: a[:, j] for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
-        (_, loss), g = self.per_shard(params, xs[:, j], ys[:, j], aux_j, coef, frozen)
+        (_, (loss, stats)), g = self.per_shard(params, xs[:, j], ys[:, j], aux_j, coef, frozen)
+        stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
         # offloaded layers' gradients come back from host memory; fp32 before any reduction
         g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
-        return jnp.sum(loss), constrain(g, self.mesh, self.per_shard_specs)
+        return jnp.sum(loss), constrain(g, self.mesh, self.per_shard_specs), stats
 
     def reduce(self, g, specs=None):
         """``[N, ...]`` per-shard fp32 gradients summed over the data group onto ``specs`` (in
@@ -198,14 +203,14 @@ class _GradFn:
     def accumulate(self, params, xs, ys, aux, coef, frozen=None, step=None):
         """The loss and the gradients summed over the ``k`` microbatches: ZeRO 2/3 into a sharded
         persistent buffer (each microbatch reduced into it), ZeRO 0/1 into the unreduced per-shard one."""
-        sharded = self.zero >= 2
+        sharded = self.zero >= 2 or self.layerwise  # (a mixture of experts reduces layer-wise at any stage)
 
         def body(carry, j):
-            loss_acc, acc = carry
-            loss, g = self.micro(params, xs, ys, aux, coef, j, frozen, step)
+            loss_acc, acc, stats_acc = carry
+            loss, g, stats = self.micro(params, xs, ys, aux, coef, j, frozen, step)
             if sharded and not self.layerwise:
                 g = self.reduce(g)
-            return (loss_acc + loss, jax.tree.map(jnp.add, acc, g)), None
+            return (loss_acc + loss, jax.tree.map(jnp.add, acc, g), jax.tree.map(jnp.add, stats_acc, stats)), None
 
         if sharded:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -213,7 +218,8 @@ class _GradFn:
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros((self.n,) + p.shape, jnp.float32), params)
             zeros = constrain(zeros, self.mesh, self.per_shard_specs)
-        init = (jnp.zeros((), jnp.float32), zeros)
+        stats0 = moe.zero_stats(self.cfg.model) if self.cfg.model.moe else {}
+        init = (jnp.zeros((), jnp.float32), zeros, stats0)
         if self.k == 1:
             return body(init, 0)[0]
         return jax.lax.scan(body, init, jnp.arange(self.k))[0]
@@ -247,7 +253,7 @@ class _GradFn:
         return constrain(summed, mesh, plan.specs.opt if self.zero == 1 else self.grad_specs), residual
 
     def __call__(self, params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
-                 step=None, first_moment=None, frozen=None):
+                 step=None, first_moment=None, frozen=None, with_stats=False):
         B, t = inputs.shape
         n, k = self.n, self.k
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
@@ -258,14 +264,18 @@ class _GradFn:
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None}
-        loss_sum, acc = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step)
+        loss_sum, acc, stats = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
         if self.compressing:
             grads, residual = self.compress(acc, residual, step, first_moment)
+        elif self.layerwise:  # reduced inside the backward already
+            grads = constrain(acc, self.mesh, self.plan.specs.opt if self.zero == 1 else self.grad_specs)
         else:
             grads = acc if self.zero >= 2 else self.reduce(acc, self.plan.specs.opt if self.zero == 1 else None)
         grads = jax.tree.map(lambda g: g / scale, grads)
+        if with_stats:
+            return loss_sum, grads, residual, stats
         return (loss_sum, grads, residual) if self.compressing else (loss_sum, grads)
 
 
@@ -335,7 +345,7 @@ class _TrainStep:
         self.streamed = streamed_in_scan(plan)
 
     def gradients(self, state: TrainState, batch: dict, scale):
-        """``(loss_sum, fp32 grads, residual)`` of the step (:func:`make_grad_fn`)."""
+        """``(loss_sum, fp32 grads, residual, router statistics)`` of the step (:func:`make_grad_fn`)."""
         # offloaded compute params: the stacked layers stream in inside the layer scan, the rest come in first
         params = to_device(state.params, self.shardings.params, self.streamed)
         extra = {"residual": state.residual, "step": state.step} if self.compress else {}
@@ -343,9 +353,11 @@ class _TrainStep:
             extra["first_moment"] = adam_first_moment(state.opt_state)
         if self.plan.lora:  # the adapters are differentiated; the frozen base comes along (and the step: dropout)
             extra.update(frozen=state.frozen, step=state.step)
+        if self.plan.cfg.model.moe:  # the router's statistics come back too
+            extra["with_stats"] = True
         out = self.grad_fn(params, batch["inputs"], batch["targets"], scale, batch.get("loss_mask"),
                            batch.get("segment_ids"), batch.get("positions"), **extra)
-        return out[0], out[1], (out[2] if self.compress else None)
+        return out[0], out[1], (out[2] if self.compress else None), (out[3] if len(out) > 3 else {})
 
     def _apply(self, master, opt_state, grads):  # the optimizer step proper (a finite step)
         updates, opt_state = self.tx.update(grads, opt_state, master)
@@ -390,7 +402,7 @@ class _TrainStep:
 
     def __call__(self, state: TrainState, batch: dict):
         scale = state.scaler.scale if self.fp16 else jnp.ones((), jnp.float32)
-        loss_sum, grads, residual = self.gradients(state, batch, scale)
+        loss_sum, grads, residual, stats = self.gradients(state, batch, scale)
         grad_norm = optax.tree.norm(grads)
         # every precision: a step whose loss or gradients hold NaN/inf is not applied (the norm is
         # non-finite exactly when a gradient is, and the clipping computes it anyway)
@@ -403,12 +415,27 @@ class _TrainStep:
                          opt_state=opt_state, scaler=scaler, residual=residual, frozen=state.frozen)
         n_tok = token_count(batch["inputs"], batch.get("loss_mask"))
         metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+        metrics.update(moe_metrics(stats, self.plan.cfg))
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state.step)
         if self.fp16:
             metrics.update(loss_scale=state.scaler.scale, skipped=(~finite).astype(jnp.int32),
                            consecutive_skips=scaler.consecutive_skips)
         return new, metrics
+
+
+def moe_metrics(stats: dict, cfg) -> Metrics:
+    """A mixture of experts' step metrics from the summed router statistics: ``moe_aux_loss`` and
+    ``moe_z_loss`` (means over the MoE layers and the microbatches), ``moe_dropped_share`` (of the
+    routed (token, expert) slots) and ``expert_load`` (fp32 ``[E]``: each expert's share of the
+    slots, over all MoE layers). ``{}`` for a dense model."""
+    if not stats:
+        return {}
+    per = cfg.model.moe_layers * cfg.training.gradient_accumulation_steps
+    load = stats["expert_load"]
+    return {"moe_aux_loss": stats["moe_aux_loss"] / per, "moe_z_loss": stats["moe_z_loss"] / per,
+            "moe_dropped_share": stats["moe_dropped"] / jnp.maximum(stats["moe_slots"], 1.0),
+            "expert_load": load / jnp.maximum(jnp.sum(load), 1.0)}
 
 
 def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:

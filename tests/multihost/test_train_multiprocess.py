@@ -80,7 +80,7 @@ def test_launcher_runs_the_main_job_as_one_8_device_job(zero3):
     res = zero3["multi"]
     assert "[jaxcolossal.run] starting 2 process(es) (ranks 0..1 of 2; 4 CPU device(s) each)" in res.stderr
     # rank 0 is streamed: its mesh line, parameter table and memory report
-    assert "mesh {'pp': 1, 'dp': 1, 'fsdp': 8, 'sp': 1, 'tp': 1} on 8 cpu device(s), 2 process(es)" in res.stderr
+    assert "mesh {'pp': 1, 'dp': 1, 'fsdp': 8, 'ep': 1, 'sp': 1, 'tp': 1} on 8 cpu device(s), 2 process(es)" in res.stderr
     assert "per-device model state (ZeRO-3" in res.stdout
     rank1 = (zero3["root"] / "logs" / "rank1.log").read_text()
     assert "Traceback" not in rank1
@@ -100,7 +100,7 @@ def test_zero3_two_processes_match_one_process(zero3):
 
 @pytest.mark.timeout(400)
 def test_dp_tp_two_processes_match_one_process(dp_tp):
-    assert "mesh {'pp': 1, 'dp': 4, 'fsdp': 1, 'sp': 1, 'tp': 2} on 8 cpu device(s), 2 process(es)" in dp_tp["multi"].stderr
+    assert "mesh {'pp': 1, 'dp': 4, 'fsdp': 1, 'ep': 1, 'sp': 1, 'tp': 2} on 8 cpu device(s), 2 process(es)" in dp_tp["multi"].stderr
     single = train_losses(read_metrics(dp_tp["root"] / "single"))
     multi = train_losses(read_metrics(dp_tp["root"] / "multi"))
     assert sorted(multi) == [1, 2, 3, 4, 5]

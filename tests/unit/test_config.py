@@ -86,7 +86,7 @@ def test_80_layer_example_validates_and_plans():
     assert cfg.precision.fp16 and cfg.precision.fp16_opt_level == "O2"
     text = dry_run(cfg)
     assert "parameters 111,518,035,968" in text  # 80 layers of d=12288, f=28672, GQA 96/8, vocab 32000
-    assert "mesh {'pp': 4, 'dp': 1, 'fsdp': 1, 'sp': 1, 'tp': 8}" in text
+    assert "mesh {'pp': 4, 'dp': 1, 'fsdp': 1, 'ep': 1, 'sp': 1, 'tp': 8}" in text
     assert cfg.training.batch_size == 16  # micro_batch_size 1 × 16 accumulation steps × dp 1
     assert "per-device model state" in text
     assert "comm       data-parallel gradients over 1: reduce-scatter in fp32, 0.00 MiB" in text

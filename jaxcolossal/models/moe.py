@@ -1,0 +1,102 @@
+"""Mixture-of-experts MLP for the LLaMA family (``model.num_experts > 0``): Mixtral (softmax router,
+top-2, renormalised), Qwen3-MoE (softmax, top-k, ``norm_topk_prob`` as its config says) and
+DeepSeek-MoE's layout (fine-grained experts, shared experts, the first ``first_k_dense`` layers
+dense, sigmoid scores).
+
+Params of one MoE layer, stacked over the ``L_moe`` MoE layers (``E`` experts of size ``f_e``,
+shared experts ``f_s = num_shared_experts · f_e``)::
+
+    router       [L, d, E]       (layers, embed, None)
+    moe_w_gate   [L, E, d, f_e]  (layers, expert, embed, mlp)       moe_w_up likewise
+    moe_w_down   [L, E, f_e, d]  (layers, expert, mlp, embed)
+    shared_w_gate/up [L, d, f_s], shared_w_down [L, f_s, d]          (as a dense MLP)
+
+The router runs on the whole batch (fp32 logits), so the load-balancing and z losses and the load
+statistics are those of the global batch; the experts run in :func:`jaxcolossal.parallel.expert.routed_experts`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxcolossal.config import ModelConfig
+from jaxcolossal.parallel.expert import routed_experts
+
+STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_slots", "expert_load")
+"""What each MoE layer adds to the loss's statistics: the two losses (summed over layers), the
+dropped and routed (token, expert) slots, and each expert's slots ``[E]``."""
+
+
+def layer_shapes_and_axes(cfg: ModelConfig) -> dict:
+    """``{name: (shape, logical axes)}`` of one MoE layer's MLP, stacked over the MoE layers."""
+    L, d, E, f = cfg.moe_layers, cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    out = {
+        "router": ((L, d, E), ("layers", "embed", None)),
+        "moe_w_gate": ((L, E, d, f), ("layers", "expert", "embed", "mlp")),
+        "moe_w_up": ((L, E, d, f), ("layers", "expert", "embed", "mlp")),
+        "moe_w_down": ((L, E, f, d), ("layers", "expert", "mlp", "embed")),
+    }
+    if cfg.num_shared_experts:
+        fs = cfg.num_shared_experts * f
+        out.update({"shared_w_gate": ((L, d, fs), ("layers", "embed", "mlp")),
+                    "shared_w_up": ((L, d, fs), ("layers", "embed", "mlp")),
+                    "shared_w_down": ((L, fs, d), ("layers", "mlp", "embed"))})
+    return out
+
+
+def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, dict]:
+    """Each token's top-k experts and weights, and the router's losses and load.
+
+    Args:
+        x: ``[T, d]`` tokens (compute dtype); ``w_router``: ``[d, E]``.
+
+    Returns:
+        ``(top_i int32 [T, k], top_w fp32 [T, k], stats)``; ``stats``: ``moe_aux_loss`` (Switch's
+        load-balancing loss as Hugging Face computes it: ``E · Σ_e f_e · P_e`` with ``f_e`` the
+        expert's slots per token and ``P_e`` its mean routing probability), ``moe_z_loss`` (ST-MoE:
+        mean of ``logsumexp(logits)²``), ``expert_load`` (fp32 ``[E]`` slots per expert).
+    """
+    logits = jnp.einsum("td,de->te", x, w_router, preferred_element_type=jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
+    top_w, top_i = jax.lax.top_k(scores, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    load = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32), axis=(0, 1))
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    aux = cfg.num_experts * jnp.sum(load / x.shape[0] * jnp.mean(probs, axis=0))
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return top_i, top_w, {"moe_aux_loss": aux, "moe_z_loss": z, "expert_load": load}
+
+
+def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None) -> tuple[jax.Array, dict]:
+    """The MoE MLP of one layer: ``h [b, t, d]`` -> ``([b, t, d], stats)`` (:data:`STATS`). The
+    shared experts, when there are any, run on every token as a dense SwiGLU MLP and add to the
+    routed experts' output. ``mesh``: the run's mesh (``None``: one device)."""
+    b, t, d = h.shape
+    x = h.reshape(b * t, d)
+    top_i, top_w, stats = route(x, lp["router"], cfg)
+    y, dropped = routed_experts(x, top_i, top_w, lp["moe_w_gate"], lp["moe_w_up"], lp["moe_w_down"],
+                                cfg.capacity_factor, mesh)
+    if "shared_w_gate" in lp:
+        g = jnp.einsum("td,df->tf", x, lp["shared_w_gate"])
+        u = jnp.einsum("td,df->tf", x, lp["shared_w_up"])
+        y = y + jnp.einsum("tf,fd->td", jax.nn.silu(g) * u, lp["shared_w_down"])
+    stats.update(moe_dropped=dropped, moe_slots=jnp.asarray(top_i.size, jnp.float32))
+    return y.reshape(b, t, d), stats
+
+
+def zero_stats(cfg: ModelConfig) -> dict:
+    """:data:`STATS` at zero (the layer scan's carry starts from it)."""
+    z = jnp.zeros((), jnp.float32)
+    return {"moe_aux_loss": z, "moe_z_loss": z, "moe_dropped": z, "moe_slots": z,
+            "expert_load": jnp.zeros((cfg.num_experts,), jnp.float32)}
+
+
+def loss_terms(stats: dict, cfg: ModelConfig, tokens: int) -> jax.Array:
+    """What the MoE layers add to a summed loss over ``tokens`` tokens: ``tokens ×`` (the
+    coefficients × the losses averaged over the MoE layers), so that after the step's division by
+    the token count the loss carries ``router_aux_loss_coef · aux + router_z_loss_coef · z``."""
+    per_layer = 1.0 / max(cfg.moe_layers, 1)
+    return tokens * per_layer * (cfg.router_aux_loss_coef * stats["moe_aux_loss"]
+                                 + cfg.router_z_loss_coef * stats["moe_z_loss"])
