@@ -69,6 +69,7 @@ RANGES: dict[str, Range] = {
     "model.loss_chunk_tokens": Range(0, note="0: materialize the logits of all tokens"),
     "model.lora.rank": Range(0, note="0: LoRA off"), "model.lora.alpha": _GT0,
     "model.lora.dropout": Range(0, 1, hi_open=True),
+    "model.attention_head_dim": Range(0, note="0: hidden_size / num_attention_heads"),
     "model.num_experts": Range(0, note="0: dense"), "model.num_experts_per_tok": _POS,
     "model.moe_intermediate_size": Range(0, note="0: intermediate_size"), "model.num_shared_experts": _NONNEG,
     "model.first_k_dense": _NONNEG, "model.router_aux_loss_coef": _NONNEG, "model.router_z_loss_coef": _NONNEG,
@@ -154,7 +155,8 @@ def _check_model(cfg: Config) -> None:
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
             f"model.num_key_value_heads={m.num_key_value_heads} (grouped-query attention)")
     if m.head_dim % 2:
-        raise ConfigError(f"head_dim = hidden_size / num_attention_heads = {m.head_dim} must be even for RoPE")
+        raise ConfigError(f"the head size (model.attention_head_dim, else hidden_size / num_attention_heads) = "
+                          f"{m.head_dim} must be even for RoPE")
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")

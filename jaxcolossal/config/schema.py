@@ -76,7 +76,8 @@ class ModelConfig:
     ``embedding_impl``: with the vocabulary split over tp, ``gather`` (Megatron's masked gather)
     or ``one_hot`` (a one-hot matmul, ``2·tokens·vocab·hidden/tp`` FLOPs; for comparison).
 
-    ``qk_norm``: RMSNorm over each head of q and k before RoPE (Qwen3).
+    ``qk_norm``: RMSNorm over each head of q and k before RoPE (Qwen3). ``attention_head_dim``: the
+    size of one head (0: ``hidden_size / num_attention_heads``; Qwen3 sets its own).
 
     Mixture of experts (``num_experts > 0``; :mod:`jaxcolossal.models.moe`): each layer after the
     first ``first_k_dense`` replaces its MLP by ``num_experts`` routed SwiGLU experts of
@@ -116,6 +117,7 @@ class ModelConfig:
     init_from: str = ""
     lora: LoraConfig = field(default_factory=LoraConfig)
     qk_norm: bool = False
+    attention_head_dim: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 0
@@ -144,8 +146,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """``hidden_size / num_attention_heads``."""
-        return self.hidden_size // self.num_attention_heads
+        """``attention_head_dim`` when set (Qwen3 decouples it), else ``hidden_size / num_attention_heads``."""
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass

@@ -73,7 +73,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models import get_family
+from jaxcolossal.models import get_family, hf_moe
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -89,15 +89,17 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
 
 
 def _hf_type(hf: dict) -> str:
+    """``llama``, ``gpt2``, or a mixture of experts of the LLaMA family (``mixtral``, ``qwen3_moe``)."""
+    known = {**ARCHITECTURES, **hf_moe.FLAVOURS}
     mt = hf.get("model_type")
-    if mt in ARCHITECTURES:
+    if mt in known:
         return mt
     for arch in hf.get("architectures") or []:
-        for t, a in ARCHITECTURES.items():
+        for t, a in known.items():
             if arch == a:
                 return t
     raise ConfigError(f"Hugging Face config: model_type={mt!r}, architectures={hf.get('architectures')}: "
-                      f"supported are {sorted(ARCHITECTURES)} ({sorted(ARCHITECTURES.values())})")
+                      f"supported are {sorted(known)} ({sorted(known.values())})")
 
 
 def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
@@ -117,6 +119,10 @@ def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
             cross-attention).
     """
     t = _hf_type(hf)
+    if t in hf_moe.FLAVOURS:  # LLaMA's attention with a mixture of experts
+        cfg = config_from_hf({**hf, "model_type": "llama", "head_dim": None, "intermediate_size":
+                              hf.get("intermediate_size") or hf.get("moe_intermediate_size")})
+        return dataclasses.replace(cfg, **hf_moe.config_from_hf(hf, t, {}), **overrides)
     if t == "llama":
         rope = hf.get("rope_parameters") or {}
         scaling = hf.get("rope_scaling")
@@ -171,7 +177,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     Raises:
         ConfigError: an unknown ``cfg.type``.
     """
+    if cfg.type == "llama" and cfg.moe:
+        return hf_moe.config_to_hf(cfg, config_to_hf(dataclasses.replace(cfg, num_experts=0, qk_norm=False)))
     if cfg.type == "llama":
+        hf_moe.flavour(cfg)  # a dense model: refuses what LLaMA has no key for
         out = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
@@ -350,10 +359,13 @@ def _llama_from_hf(get: Callable, has: Callable, cfg: ModelConfig) -> tuple[dict
         "wv": stack(p + "self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, q)),
         "wo": stack(p + "self_attn.o_proj.weight", lambda w: w.T.reshape(h, q, d)),
         "mlp_norm": stack(p + "post_attention_layernorm.weight", lambda w: w),
-        "w_gate": stack(p + "mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": stack(p + "mlp.up_proj.weight", lambda w: w.T),
-        "w_down": stack(p + "mlp.down_proj.weight", lambda w: w.T),
     }
+    if cfg.moe:  # Mixtral / Qwen3-MoE: the router and the experts (and Qwen3's q/k norms)
+        layers.update(hf_moe.mlp_from_hf(g, cfg, L))
+    else:
+        layers.update(w_gate=stack(p + "mlp.gate_proj.weight", lambda w: w.T),
+                      w_up=stack(p + "mlp.up_proj.weight", lambda w: w.T),
+                      w_down=stack(p + "mlp.down_proj.weight", lambda w: w.T))
     out = {"embed_tokens": g("model.embed_tokens.weight"), "layers": layers, "final_norm": g("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = g("lm_head.weight").T
@@ -374,6 +386,9 @@ def _llama_to_hf(params: dict, cfg: ModelConfig) -> dict:
         out[p + "self_attn.v_proj.weight"] = lp["wv"][i].reshape(d, -1).T
         out[p + "self_attn.o_proj.weight"] = lp["wo"][i].reshape(-1, d).T
         out[p + "post_attention_layernorm.weight"] = lp["mlp_norm"][i]
+        if cfg.moe:
+            out.update(hf_moe.mlp_to_hf(lp, cfg, i))
+            continue
         out[p + "mlp.gate_proj.weight"] = lp["w_gate"][i].T
         out[p + "mlp.up_proj.weight"] = lp["w_up"][i].T
         out[p + "mlp.down_proj.weight"] = lp["w_down"][i].T
@@ -596,7 +611,8 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_si
 # Fields that must agree between the YAML and the HF config for ``model.init_from``.
 _MATCH = ("type", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
           "intermediate_size", "vocab_size", "tie_word_embeddings")
-_MATCH_FAMILY = {"llama": ("rms_norm_eps", "rope_theta"),
+_MATCH_FAMILY = {"llama": ("rms_norm_eps", "rope_theta", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "qk_norm", "norm_topk_prob", "router_scoring", "attention_head_dim"),
                  "gpt2": ("max_position_embeddings", "layer_norm_eps")}
 
 

@@ -300,7 +300,7 @@ def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard:
     ``(x [b, t, d], stats) -> (x, stats + this layer's)`` (the layer scan's carry)."""
     x, acc = carry
     x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
-    y, stats = moe.moe_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, shard.mesh)
+    y, stats = moe.moe_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, getattr(shard, "mesh", None))
     return shard(x + y, ("batch", "seq", "embed")), jax.tree.map(jnp.add, acc, stats)
 
 
@@ -352,7 +352,8 @@ def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: S
     dense = lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions)  # noqa: E731
     stats = {}
     if "dense_layers" in params:  # DeepSeek's first k dense layers, their own stack
-        x = scan_layers(dense, x, params["dense_layers"], cfg.remat, shard.without_layer_specs())
+        plain = shard.without_layer_specs() if hasattr(shard, "without_layer_specs") else shard
+        x = scan_layers(dense, x, params["dense_layers"], cfg.remat, plain)
     if cfg.moe:
         routed = lambda c, lp: moe_decoder_layer(c, lp, cfg, cos, sin, shard, segment_ids, positions)  # noqa: E731
         x, stats = scan_layers(routed, (x, moe.zero_stats(cfg)), layers, cfg.remat, shard)

@@ -1,0 +1,175 @@
+"""Mixture of experts (``model.num_experts``) and expert parallelism (``parallel.expert_parallel_size``):
+every ep layout equals one device (fp32, 3 steps, dropless), dropless equals a capacity factor that
+drops nothing, a capacity factor of 1 on a skewed router drops what a hand count says, Mixtral and
+Qwen3-MoE from and to Hugging Face (logits against transformers to 1e-4, the round trip bit-exact),
+and bad input refused before anything compiles."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import assert_params_match, run_steps, tiny_config
+
+from jaxcolossal.config import ConfigError, ModelConfig, load_config, validate
+from jaxcolossal.models import llama, moe
+from jaxcolossal.parallel.expert import routed_experts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs/llama_tiny.yaml")
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+
+
+def _moe(parallel, **model):
+    return tiny_config(parallel, model={**MOE, **model})
+
+
+@pytest.mark.parametrize("parallel", [
+    {"data_parallel_size": 8, "expert_parallel_size": 2, "zero_stage": 1},
+    {"data_parallel_size": 8, "expert_parallel_size": 4, "zero_stage": 1},
+    {"data_parallel_size": 8, "expert_parallel_size": 8, "zero_stage": 0},
+    {"data_parallel_size": 8, "expert_parallel_size": 2, "zero_stage": 2},
+    {"data_parallel_size": 4, "tensor_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 1},
+    {"data_parallel_size": 8, "expert_parallel_size": 4, "zero_stage": 3},
+], ids=["ep2", "ep4", "ep8", "ep2_zero2", "ep2_tp2", "ep4_zero3"])
+def test_expert_parallel_equals_one_device(parallel):
+    """Dropless, fp32, 3 steps (the load-balancing loss on, coefficient 0.01): loss and gradient norm
+    to rtol 1e-5, params as :func:`tiny.assert_params_match`, the router's load per expert equal."""
+    s1, m1, _ = run_steps(_moe({"data_parallel_size": 1}, router_aux_loss_coef=0.01), jax.devices()[:1], steps=3)
+    s8, m8, plan = run_steps(_moe(parallel, router_aux_loss_coef=0.01), steps=3)
+    assert plan.mesh_shape["ep"] == parallel["expert_parallel_size"]
+    np.testing.assert_allclose([m["loss"] for m in m8], [m["loss"] for m in m1], rtol=1e-5)
+    np.testing.assert_allclose([m["grad_norm"] for m in m8], [m["grad_norm"] for m in m1], rtol=1e-5)
+    np.testing.assert_allclose(m8[-1]["expert_load"], m1[-1]["expert_load"], atol=1e-6)
+    assert_params_match(jax.device_get(s8.params), jax.device_get(s1.params))
+    assert "ep" in str(s8.params["layers"]["moe_w_gate"].sharding.spec)
+
+
+def _routing(seed=0, t=64, d=16, e=8, f=32, skew=False):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (t, d))
+    logits = jax.random.normal(ks[1], (t, e)) + (jnp.arange(e) == 0) * 4.0 * skew
+    top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits), 2)
+    w = [0.2 * jax.random.normal(k, s) for k, s in zip(ks[2:], [(e, d, f), (e, d, f), (e, f, d)])]
+    return x, top_i, top_w, w
+
+
+def test_dropless_equals_a_capacity_that_drops_nothing():
+    x, top_i, top_w, w = _routing()
+    y0, d0 = routed_experts(x, top_i, top_w, *w, 0.0)
+    y8, d8 = routed_experts(x, top_i, top_w, *w, 8.0)  # C = 8·64·2/8 = 128 ≥ 64 tokens: nothing dropped
+    assert float(d0) == 0 and float(d8) == 0
+    np.testing.assert_allclose(np.asarray(y8), np.asarray(y0), rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_one_drops_what_a_hand_count_says():
+    """A router skewed to expert 0: capacity 1.0 gives each expert C = 64·2/8 = 16 places; the
+    slots past an expert's first 16 (in token order) are dropped and contribute nothing."""
+    x, top_i, top_w, w = _routing(skew=True)
+    y, dropped = routed_experts(x, top_i, top_w, *w, 1.0)
+    counts = np.bincount(np.asarray(top_i).reshape(-1), minlength=8)
+    assert float(dropped) == float(np.maximum(counts - 16, 0).sum()) > 0
+    # the tokens whose every slot was kept equal the dropless result; a token with a dropped slot does not
+    flat = np.asarray(top_i).reshape(-1)
+    seen, kept = {}, np.ones(flat.size, bool)
+    for i, e in enumerate(flat):
+        seen[e] = seen.get(e, 0) + 1
+        kept[i] = seen[e] <= 16
+    whole = kept.reshape(-1, 2).all(axis=1)
+    y0, _ = routed_experts(x, top_i, top_w, *w, 0.0)
+    np.testing.assert_allclose(np.asarray(y)[whole], np.asarray(y0)[whole], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(y)[~whole], np.asarray(y0)[~whole])
+
+
+def test_dropped_share_is_reported_as_a_metric():
+    _, m, _ = run_steps(_moe({"data_parallel_size": 1}, capacity_factor=0.5), jax.devices()[:1], steps=1)
+    assert 0.3 < m[0]["moe_dropped_share"] < 0.9 and m[0]["expert_load"].shape == (8,)
+    _, m, _ = run_steps(_moe({"data_parallel_size": 1}), jax.devices()[:1], steps=1)
+    assert m[0]["moe_dropped_share"] == 0 and m[0]["expert_load"].sum() == pytest.approx(1.0)
+
+
+def test_deepseek_style_layers_train_like_one_device():
+    """Shared experts, the first layer dense, sigmoid scores, the z-loss: ep 2 × ZeRO-2 equals one device."""
+    kw = dict(num_shared_experts=1, first_k_dense=1, router_scoring="sigmoid", router_z_loss_coef=0.001)
+    s1, m1, p1 = run_steps(_moe({"data_parallel_size": 1}, **kw), jax.devices()[:1], steps=2)
+    assert set(p1.param_shapes) >= {"dense_layers", "layers"} and "shared_w_gate" in p1.param_shapes["layers"]
+    s8, m8, _ = run_steps(_moe({"data_parallel_size": 8, "expert_parallel_size": 2, "zero_stage": 2}, **kw), steps=2)
+    np.testing.assert_allclose([m["loss"] for m in m8], [m["loss"] for m in m1], rtol=1e-5)
+    assert m1[0]["moe_z_loss"] > 0
+    assert_params_match(jax.device_get(s8.params), jax.device_get(s1.params))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.num_experts=4", "model.num_experts_per_tok=6"], "num_experts_per_tok=6 is more than model.num_experts=4"),
+    (["model.num_experts=6", "parallel.expert_parallel_size=4"], "expert_parallel_size=4 does not divide model.num_experts=6"),
+    (["model.num_experts=8", "model.router_scoring=top1"], "model.router_scoring='top1': allowed values are"),
+    (["model.num_experts=8", "model.type=gpt2"], "the gpt2 family has no mixture-of-experts layer"),
+    (["parallel.expert_parallel_size=2"], "needs a mixture of experts: set model.num_experts"),
+    (["model.num_experts=8", "parallel.pipeline_parallel_size=2"], "does not run with parallel.pipeline_parallel_size"),
+])
+def test_bad_moe_settings_are_refused_when_loading(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(TINY, overrides)
+
+
+def test_expert_parallel_must_divide_the_data_group():
+    cfg = load_config(TINY, ["model.num_experts=8", "parallel.expert_parallel_size=8", "parallel.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="expert_parallel_size=8 does not divide data_parallel_size=4"):
+        validate(cfg, num_devices=8)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def _randomized(model, torch):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_hugging_face_moe_logits_and_round_trip(tmp_path, kind):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxcolossal.models.hf import load_hf, read_safetensors, save_hf
+
+    common = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, num_experts_per_tok=2, attn_implementation="eager")
+    if kind == "mixtral":
+        hf_cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, **common)
+        model = transformers.MixtralForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                             norm_topk_prob=True, head_dim=16, **common)
+        model = transformers.Qwen3MoeForCausalLM(hf_cfg)
+    _randomized(model, torch).save_pretrained(str(tmp_path / "hf"))
+    cfg, params = load_hf(tmp_path / "hf")
+    assert cfg.moe and cfg.qk_norm == (kind == "qwen3_moe")
+    tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
+    ours = np.asarray(llama.forward(jax.tree.map(jnp.asarray, params), jnp.asarray(tokens), cfg))[..., :100]
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    save_hf(tmp_path / "out", cfg, params)
+    keys_in, get_in = read_safetensors(tmp_path / "hf")
+    keys_out, get_out = read_safetensors(tmp_path / "out")
+    assert sorted(keys_in) == sorted(keys_out)
+    for k in keys_in:
+        np.testing.assert_array_equal(get_out(k), get_in(k))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+    assert type(back).__name__ == type(model).__name__
+
+
+def test_router_losses_follow_their_formulas():
+    cfg = ModelConfig(num_experts=4, num_experts_per_tok=1, hidden_size=8, num_attention_heads=2,
+                      num_key_value_heads=2, router_aux_loss_coef=0.0)
+    x = jax.random.normal(jax.random.key(0), (32, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 4))
+    top_i, _, stats = moe.route(x, w, cfg)
+    p = jax.nn.softmax(x @ w)
+    f = np.bincount(np.asarray(top_i).reshape(-1), minlength=4) / 32
+    assert float(stats["moe_aux_loss"]) == pytest.approx(4 * float(np.sum(f * np.asarray(p.mean(0)))), rel=1e-5)
+    assert float(stats["moe_z_loss"]) == pytest.approx(float(jnp.mean(jax.nn.logsumexp(x @ w, -1) ** 2)), rel=1e-5)
