@@ -51,31 +51,37 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
 
     ``total``: every parameter. ``embedding``: the input lookup tables (token and, for GPT-2,
     position). ``matmul``: the parameters used in matrix multiplies — every leaf with two or more
-    dimensions besides ``layers`` except the lookup tables, plus the tied LM head.
+    dimensions besides ``layers`` except the lookup tables, plus the tied LM head. For a mixture
+    of experts ``matmul`` counts the *active* parameters (the convention of Mixtral's and DeepSeek's
+    papers): of the routed experts' weights only ``num_experts_per_tok / num_experts``; ``total``
+    counts them all and ``active`` is ``total`` counted the same way.
     """
 
     table = get_family(cfg).param_shapes_and_axes(cfg, cfg.vocab_size)
     flat = jax.tree_util.tree_flatten_with_path(
         table, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))[0]
-    total = emb = matmul = 0
+    total = emb = matmul = active = 0
     for path, (shape, axes) in flat:
         size = math.prod(shape)
         name = str(getattr(path[-1], "key", path[-1]))
         total += size
+        used = size * cfg.num_experts_per_tok // cfg.num_experts if "expert" in axes else size  # routed: top-k of E
+        active += used
         if name in INPUT_EMBEDDINGS:
             emb += size
-        elif len([a for a in axes if a != "layers"]) >= 2:
-            matmul += size
+        elif len([a for a in axes if a not in ("layers", "expert")]) >= 2:
+            matmul += used
     if cfg.tie_word_embeddings:
         matmul += cfg.vocab_size * cfg.hidden_size
-    return {"total": total, "embedding": emb, "matmul": matmul}
+    return {"total": total, "embedding": emb, "matmul": matmul, "active": active}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:
-    """Training FLOPs per token in both conventions (module docstring)."""
+    """Training FLOPs per token in both conventions (module docstring); a mixture of experts counts its
+    active parameters (:func:`param_count`)."""
     n = param_count(cfg)
-    model = 6 * n["matmul"] + 6 * cfg.num_layers * seq_len * cfg.hidden_size
-    colossal = 2 * n["total"] * (3 + int(recompute))
+    model = 6 * n["matmul"] + 6 * cfg.num_layers * seq_len * cfg.num_attention_heads * cfg.head_dim
+    colossal = 2 * n["active"] * (3 + int(recompute))  # a mixture of experts: its active parameters
     return {"6N+attn": float(model), "colossal": float(colossal)}
 
 

@@ -121,6 +121,8 @@ def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> lis
         _pp_terms(st)
     if st.sp > 1:
         _sp_terms(st)
+    if st.ep > 1:
+        _ep_terms(st)
     return st.terms
 
 
@@ -134,6 +136,7 @@ class _Step:
     tp: int
     pp: int
     sp: int
+    ep: int           # expert parallelism (a mixture of experts; 1 otherwise)
     k: int            # microbatches
     ticks: int        # pipeline ticks (0 without a pipeline)
     layers: int       # layers per stage
@@ -150,7 +153,7 @@ class _Step:
 
     def add(self, kind: str, axis: str, nbytes: float, what: str) -> None:
         """One term, kept where its axis has more than one device and it moves bytes."""
-        if {"dp": self.n, "tp": self.tp, "sp": self.sp, "pp": self.pp}[axis] > 1 and nbytes:
+        if {"dp": self.n, "tp": self.tp, "sp": self.sp, "pp": self.pp, "ep": self.ep}[axis] > 1 and nbytes:
             self.terms.append((kind, axis, nbytes, what))
 
 
@@ -173,7 +176,7 @@ def _step(cfg: Config, num_devices: int, cpu: bool) -> _Step:
     per_layer = sum(e for path, e in flat if in_layers(path)) / max(layers, 1)
     rows = t.batch_size // (n * k)
     tokens = rows * t.seq_len // sp
-    return _Step(cfg=cfg, cpu=cpu, n=n, tp=tp, pp=pp, sp=sp, k=k, ticks=ticks, layers=layers, a_bytes=a_bytes,
+    return _Step(cfg=cfg, cpu=cpu, n=n, tp=tp, pp=pp, sp=sp, ep=shape["ep"] if m.moe else 1, k=k, ticks=ticks, layers=layers, a_bytes=a_bytes,
                  p_bytes=wide(BYTES_PER_PARAM[cfg.precision.mode]["p"]), psi=psi,
                  embed=sum(e for path, e in flat if name(path) in ("embed_tokens", "wte", "wpe")),
                  per_layer=per_layer, shared=psi - per_layer * layers, rows=rows, tokens=tokens,
@@ -290,6 +293,32 @@ def _sp_terms(st: _Step) -> None:
         st.add("collective-permute", "sp", 2 * st.layers * k * (sp - 1) * 2 * heads(m.num_key_value_heads),
                "ring attention k/v, forward and backward")
     st.add("all-reduce", "sp", 2 * ring(sp) * 4 * st.psi, "gradients over sp")
+
+
+def expert_all_to_all_bytes(cfg: Config, tokens: int, ep: int, cpu: bool = False) -> float:
+    """Bytes each device sends per MoE layer and microbatch in the experts' all-to-alls over ``ep``
+    (:mod:`jaxcolossal.parallel.expert`), for ``tokens`` tokens on the device: dropless, the packed
+    ``[ep, T·k, d]`` tokens out and the results back, forward and backward, and the ``[ep, T·k]``
+    int32 expert ids out in the forward; with a capacity factor the ``[E, C, d]`` buffers the same
+    four times. A remat policy recomputes the forward's in the backward. ``cpu``: XLA:CPU moves
+    16-bit all-to-alls in fp32."""
+    m = cfg.model
+    slots = tokens * m.num_experts_per_tok
+    a = 4 if cfg.precision.mode == "fp32" or cpu else 2
+    passes = 2 if m.remat == "none" else 3  # forward, backward (and the forward again)
+    if m.capacity_factor > 0:
+        cap = max(1, math.ceil(m.capacity_factor * slots / m.num_experts))
+        return ring_factor(ep) * 2 * (passes * m.num_experts * cap * m.hidden_size * a)
+    data = 2 * passes * ep * slots * m.hidden_size * a
+    ids = (passes - 1) * ep * slots * 4
+    return ring_factor(ep) * (data + ids)
+
+
+def _ep_terms(st: _Step) -> None:
+    """A mixture of experts' token exchange over ep (:func:`expert_all_to_all_bytes`), per MoE layer and microbatch."""
+    m = st.cfg.model
+    st.add("all-to-all", "ep", st.k * m.moe_layers * expert_all_to_all_bytes(st.cfg, st.tokens, st.ep, st.cpu),
+           "experts' dispatch and combine")
 
 
 def collective_bytes(cfg: Config, num_devices: int, backend: str = "gpu") -> dict[str, float]:

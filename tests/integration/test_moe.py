@@ -173,3 +173,23 @@ def test_router_losses_follow_their_formulas():
     f = np.bincount(np.asarray(top_i).reshape(-1), minlength=4) / 32
     assert float(stats["moe_aux_loss"]) == pytest.approx(4 * float(np.sum(f * np.asarray(p.mean(0)))), rel=1e-5)
     assert float(stats["moe_z_loss"]) == pytest.approx(float(jnp.mean(jax.nn.logsumexp(x @ w, -1) ** 2)), rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.capacity_factor=1.25"], ["model.remat=full", "precision.bf16=true"],
+                                       ["parallel.expert_parallel_size=4", "parallel.tensor_parallel_size=1"]],
+                         ids=["dropless", "capacity", "remat_bf16", "ep4"])
+def test_all_to_all_bytes_equal_the_planners(overrides):
+    """The compiled step's all-to-alls (per step, bytes each device sends) against the planner's
+    :func:`jaxcolossal.plan.collectives.collective_bytes` for ``configs/mixtral_tiny.yaml``: within 5%."""
+    from tiny import random_batches, setup
+
+    from jaxcolossal import hlo
+    from jaxcolossal.plan.collectives import collective_bytes
+
+    cfg = load_config(os.path.join(ROOT, "configs/mixtral_tiny.yaml"), overrides + ["model.num_layers=2"])
+    plan, _, state, step = setup(cfg)
+    x = random_batches(cfg, 1)[0]
+    batch = {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
+             "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
+    got = hlo.collective_totals(step.lower(state, batch).compile().as_text())["all-to-all"]["sent"]
+    assert collective_bytes(cfg, 8, backend="cpu")["all-to-all"] == pytest.approx(got, rel=0.05)
