@@ -54,26 +54,28 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     dimensions besides ``layers`` except the lookup tables, plus the tied LM head. For a mixture
     of experts ``matmul`` counts the *active* parameters (the convention of Mixtral's and DeepSeek's
     papers): of the routed experts' weights only ``num_experts_per_tok / num_experts``; ``total``
-    counts them all and ``active`` is ``total`` counted the same way.
+    counts them all, ``active`` is ``total`` counted the same way, and ``routed`` is the routed
+    experts' parameters (0 for a dense model).
     """
 
     table = get_family(cfg).param_shapes_and_axes(cfg, cfg.vocab_size)
     flat = jax.tree_util.tree_flatten_with_path(
         table, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))[0]
-    total = emb = matmul = active = 0
+    total = emb = matmul = active = routed = 0
     for path, (shape, axes) in flat:
         size = math.prod(shape)
         name = str(getattr(path[-1], "key", path[-1]))
         total += size
         used = size * cfg.num_experts_per_tok // cfg.num_experts if "expert" in axes else size  # routed: top-k of E
         active += used
+        routed += size if "expert" in axes else 0
         if name in INPUT_EMBEDDINGS:
             emb += size
         elif len([a for a in axes if a not in ("layers", "expert")]) >= 2:
             matmul += used
     if cfg.tie_word_embeddings:
         matmul += cfg.vocab_size * cfg.hidden_size
-    return {"total": total, "embedding": emb, "matmul": matmul, "active": active}
+    return {"total": total, "embedding": emb, "matmul": matmul, "active": active, "routed": routed}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:

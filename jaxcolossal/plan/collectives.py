@@ -37,7 +37,9 @@ def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | N
     * ``topk``: all-gathers of ``N·k`` values and int32 indices per leaf.
 
     ``Ψ`` is per model-parallel shard (``/(tp·pp)``; under LoRA the adapters'); ``k`` defaults to the
-    accumulation steps.
+    accumulation steps. A mixture of experts reduces inside the backward at every ZeRO stage (an
+    all-reduce per microbatch for ZeRO 0–1), its routed experts (``1/ep`` of them per device) over
+    the data group without ``ep``.
     """
     p = cfg.parallel
     k = cfg.training.gradient_accumulation_steps if k is None else k
@@ -54,6 +56,10 @@ def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | N
         psi = sum(math.prod(s) for s in jax.tree.leaves(adapter_layout(cfg.model, shapes, axes)[0],
                                                         is_leaf=lambda x: isinstance(x, tuple))) / (tp * pp)
     b = WIRE_BYTES[p.communication_dtype]
+    if cfg.model.moe:  # reduced inside the backward at every stage; the experts over the data group without ep
+        n, ep = param_count(cfg.model), p.expert_parallel_size
+        times = k * (1 if p.zero_stage >= 2 else 2)  # a reduce-scatter, or an all-reduce, per microbatch
+        return times * b * (ring * (n["total"] - n["routed"]) + ring_factor(dp // ep) * n["routed"] / ep) / (tp * pp)
     if p.zero_stage == 0:
         return 2 * ring * b * psi
     return ring * b * psi * (k if p.zero_stage >= 2 else 1)

@@ -99,7 +99,8 @@ def _communication_line(cfg: Config, rp) -> str:
     elif p.gradient_compression == "powersgd":
         how = f"PowerSGD rank {p.powersgd_rank}" + ("" if p.error_feedback else " without error feedback")
     else:
-        how = ("all-reduce" if p.zero_stage == 0 else "reduce-scatter") + f" in {p.communication_dtype}"
+        reduces_all = p.zero_stage == 0 or (cfg.model.moe and p.zero_stage == 1)  # MoE: per microbatch
+        how = ("all-reduce" if reduces_all else "reduce-scatter") + f" in {p.communication_dtype}"
     if p.compression_warmup_steps and p.gradient_compression != "none":
         how += f" after {p.compression_warmup_steps} dense steps"
     sent = dp_gradient_bytes(cfg, dp, rp.tensor_parallel_size, rp.pipeline_parallel_size)
