@@ -193,3 +193,42 @@ def test_all_to_all_bytes_equal_the_planners(overrides):
              "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
     got = hlo.collective_totals(step.lower(state, batch).compile().as_text())["all-to-all"]["sent"]
     assert collective_bytes(cfg, 8, backend="cpu")["all-to-all"] == pytest.approx(got, rel=0.05)
+
+
+def test_mixtral_from_hugging_face_trains_and_exports(tmp_path):
+    """``convert_hf.py --to-jax`` of a Mixtral saved by transformers, then the main job from it
+    (``model.init_from``) with the experts over ep 2; ``--to-hf`` of the checkpoint loads back into
+    ``MixtralForCausalLM``, whose logits equal ours on the exported weights (1e-4)."""
+    import sys
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import convert_hf
+
+    from jaxcolossal.train.loop import train
+
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)).save_pretrained(str(hf))
+    assert convert_hf.main(["--to-jax", str(hf), str(tmp_path / "out")]) == 0
+    cfg = load_config(str(tmp_path / "out" / "model.yaml"), [
+        f"model.init_from={hf}", "data.tokenizer=byte", "data.max_corpus_bytes=200000", "training.seq_len=32",
+        "training.batch_size=16", "training.max_steps=3", "training.warmup_steps=1", "training.eval_every=0",
+        "training.eval_batches=1", "training.sample_tokens=0", "logging.log_every=1", "logging.progress_bar=false",
+        "parallel.expert_parallel_size=2", "parallel.zero_stage=2", "model.router_aux_loss_coef=0",
+        f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt", f"data.cache_dir={tmp_path}/cache"])
+    out = train(cfg)
+    assert out["plan"].mesh_shape["ep"] == 2
+    assert convert_hf.main(["--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
+    assert type(back).__name__ == "MixtralForCausalLM"
+    # the exported weights are the trained ones: their loss on a batch equals ours after training
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
+    from jaxcolossal.models.hf import load_hf
+    c2, p2 = load_hf(tmp_path / "back")
+    ours = np.asarray(llama.forward(jax.tree.map(jnp.asarray, p2), jnp.asarray(tokens), c2))[..., :256]
+    with torch.no_grad():
+        np.testing.assert_allclose(back.eval()(torch.tensor(tokens)).logits.numpy(), ours, atol=1e-4, rtol=0)
