@@ -255,13 +255,15 @@ def _check_lora(cfg: Config) -> None:
         return
     if m.type != "llama":
         raise ConfigError(f"model.lora.rank={lo.rank}: LoRA is implemented for the llama family, not model.type={m.type!r}")
-    off = {"parallel.pipeline_parallel_size": p.pipeline_parallel_size not in (1,),
-           "parallel.gradient_compression": p.gradient_compression != "none",
+    off = {"parallel.gradient_compression": p.gradient_compression != "none",
            "offload.offload_optim_frac / offload_param_frac": o.offload_optim_frac > 0 or o.offload_param_frac > 0,
            "offload.placement_policy=auto": o.placement_policy == "auto", "offload.nvme_path": bool(o.nvme_path)}
     for key, on in off.items():
         if on:
             raise ConfigError(f"model.lora.rank={lo.rank}: LoRA does not run with {key} yet (set it to its default)")
+    if lo.dropout > 0 and p.pipeline_parallel_size not in (1,):
+        raise ConfigError(f"model.lora.dropout={lo.dropout:g}: the pipeline carries no dropout keys yet: set "
+                          "model.lora.dropout=0, or parallel.pipeline_parallel_size=1")
     if lo.dropout > 0 and (prefetches_weights(cfg) or weight_gather_dtype(cfg, 2)):
         raise ConfigError(f"model.lora.dropout={lo.dropout:g}: ZeRO-3's prefetching layer scan (parallel.overlap with "
                           "model.remat=full) and its low-precision weight gathers (parallel.communication_dtype) carry "

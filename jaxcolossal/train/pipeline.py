@@ -207,6 +207,8 @@ class _Layout:
     oth_grad_specs: dict
     out_grad_specs: Any
     gather_outside: bool
+    frozen_lay_specs: Any = None
+    frozen_oth_specs: Any = None
 
     @property
     def sp(self) -> int:
@@ -257,11 +259,13 @@ def _layout(plan) -> _Layout:
     lay_params = staged(plan.specs.params["layers"])
     others = {k: s for k, s in plan.specs.params.items() if k != "layers"}
     gather_outside = zero == 3 and shape["tp"] > 1
+    frozen = plan.frozen_specs or {"layers": {}}  # LoRA: the frozen base, staged as the params
+    f_lay, f_oth = staged(frozen["layers"]), {k: s for k, s in frozen.items() if k != "layers"}
     if gather_outside:  # ZeRO-3 with tp: XLA would all-gather over the automatic tp axis too inside the
         # shard_map (every device the whole weights); gathered over fsdp before it, they stay tp-sharded
-        lay_params = jax.tree.map(lambda s: _without(s, ZERO_AXIS), lay_params, is_leaf=is_spec)
-        others = jax.tree.map(lambda s: _without(s, ZERO_AXIS), others, is_leaf=is_spec)
-    return _Layout(plan=plan, sched=pipeline_schedule_for(cfg, shape[PP_AXIS]), seq_ring=seq_ring,
+        lay_params, others, f_lay, f_oth = jax.tree.map(lambda s: _without(s, ZERO_AXIS), (lay_params, others, f_lay, f_oth),
+                                                        is_leaf=is_spec)
+    return _Layout(frozen_lay_specs=f_lay, frozen_oth_specs=f_oth,plan=plan, sched=pipeline_schedule_for(cfg, shape[PP_AXIS]), seq_ring=seq_ring,
                    manual_axes=MANUAL_AXES + ((SP_AXIS,) if seq_ring else ()), lay_param_specs=lay_params,
                    lay_grad_specs=staged(out_grad_specs["layers"]), oth_param_specs=others,
                    oth_grad_specs={k: s for k, s in out_grad_specs.items() if k != "layers"},
@@ -275,7 +279,7 @@ class _Ticks:
     """One device's view inside the ``shard_map``: its stage's chunks, the other leaves, its data
     shard's microbatches, and the tick functions of the schedule (module doc)."""
 
-    def __init__(self, lay: _Layout, layers, others, xs, ys, coef):
+    def __init__(self, lay: _Layout, layers, others, xs, ys, coef, frozen_layers, frozen_others):
         plan, sched = lay.plan, lay.sched
         self.lay, self.m, self.v, self.coef = lay, sched.m, sched.v, coef
         self.lockstep = sched.bwd is not None
@@ -290,6 +294,9 @@ class _Ticks:
         self.chunk_at = lambda stage, c, x: scan_chunk(layer_for(x), x, stage, c, remat)
         self.layers = jax.tree.map(lambda a, s: lay.vary(lay.gather(a, s)[0]), layers, lay.lay_param_specs)
         self.others = jax.tree.map(lambda a, s: lay.vary(lay.gather(a, s)), others, lay.oth_param_specs)
+        # LoRA: the frozen base beside the trained adapters (never differentiated); else empty
+        self.frozen_layers = jax.tree.map(lambda a, s: lay.vary(lay.gather(a, s)[0]), frozen_layers, lay.frozen_lay_specs)
+        self.frozen_others = jax.tree.map(lambda a, s: lay.vary(lay.gather(a, s)), frozen_others, lay.frozen_oth_specs)
         b, t = xs.shape
         self.xs, self.ys = xs.reshape(self.m, b // self.m, t), ys.reshape(self.m, b // self.m, t)
         self.stage = jax.lax.axis_index(PP_AXIS)
@@ -313,8 +320,13 @@ class _Ticks:
     def zero_loss(self) -> jax.Array:
         return self.lay.vary(jnp.zeros((), jnp.float32))
 
+    def whole(self, layers, others):
+        """The trained layers' and other leaves with the frozen base's beside them (LoRA)."""
+        return {**self.frozen_layers, **layers}, {**self.frozen_others, **others}
+
     def forward_slot(self, row, recv, layers, others):
         """Embedding (first virtual stage only) then the chunk, skipped in idle slots."""
+        layers, others = self.whole(layers, others)
         valid = row[VALID] == 1
         x = jax.lax.cond(valid & (row[FIRST] == 1), lambda: self.embed(others, self.xs[row[MB]]), lambda: recv)
         if not self.lockstep and self.v > 1:  # circular GPipe: a per-tick slice of the chunk's weights would be
@@ -341,7 +353,7 @@ class _Ticks:
                 layers, others = cast((layers32, others32), dtype)
                 _, y = self.forward_slot(row, recv, layers, others)
                 last = (row[VALID] == 1) & (row[LAST] == 1)
-                l = jnp.where(last, self.head_loss(others, y, self.ys[row[MB]]), 0.0)
+                l = jnp.where(last, self.head_loss(self.whole({}, others)[1], y, self.ys[row[MB]]), 0.0)
                 y = _after(y, l)  # the head's collectives before the send
                 return (jax.lax.ppermute(y, PP_AXIS, self.ring_f), loss + l), None
 
@@ -355,11 +367,13 @@ class _Ticks:
         """Recompute the chunk from its stashed input, pull back the cotangent (from the loss in the
         last virtual stage, else received), accumulate the gradients."""
         lp = jax.tree.map(lambda a: _dyn(a, br[CHUNK], self.v), self.layers)
-        yb, chunk_vjp = jax.vjp(self.chunk, lp, xb)
+        base = jax.tree.map(lambda a: _dyn(a, br[CHUNK], self.v), self.frozen_layers)
+        yb, chunk_vjp = jax.vjp(lambda lp, x: self.chunk({**base, **lp}, x), lp, xb)
         add_f32 = lambda acc, g: jax.tree.map(lambda A, b: A + b.astype(jnp.float32), acc, g)  # noqa: E731
 
         def with_head(g_oth, loss):
-            l, head_vjp = jax.vjp(lambda o, h: self.head_loss(o, h, self.ys[br[MB]]), self.others, yb)
+            l, head_vjp = jax.vjp(lambda o, h: self.head_loss({**self.frozen_others, **o}, h, self.ys[br[MB]]),
+                                  self.others, yb)
             g_head, dy = head_vjp(self.lay.vary(self.coef))
             return dy.astype(yb.dtype), add_f32(g_oth, g_head), loss + l
 
@@ -368,7 +382,7 @@ class _Ticks:
         g_lay = jax.tree.map(lambda G, g: _dyn_add(G, br[CHUNK], g.astype(jnp.float32), self.v), g_lay, g_lp)
 
         def with_embed(g_oth):
-            _, emb_vjp = jax.vjp(lambda o: self.embed(o, self.xs[br[MB]]), self.others)
+            _, emb_vjp = jax.vjp(lambda o: self.embed({**self.frozen_others, **o}, self.xs[br[MB]]), self.others)
             return add_f32(g_oth, emb_vjp(dx)[0])
 
         return dx, g_lay, jax.lax.cond(br[FIRST] == 1, with_embed, lambda g: g, g_oth), loss
@@ -411,10 +425,11 @@ def _body(lay: _Layout) -> Callable:
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     unstaged = jax.tree.map(lambda s: P(*tuple(s)[1:]), lay.lay_grad_specs, is_leaf=is_spec)
 
-    def body(layers, others, xs, ys, coef):
+    def body(layers, others, frozen_layers, frozen_others, xs, ys, coef):
         # layers: leaves [1, v, Lc, ...] (this device's chunks); others: embedding / head leaves.
-        # xs, ys: int32 [B/N, t] (this data shard); coef: scale / (B·t).
-        ticks = _Ticks(lay, layers, others, xs, ys, coef)
+        # frozen_*: LoRA's base weights, likewise (else empty). xs, ys: int32 [B/N, t] (this data
+        # shard); coef: scale / (B·t).
+        ticks = _Ticks(lay, layers, others, xs, ys, coef, frozen_layers, frozen_others)
         loss, g_layers, g_others = ticks.lockstep_grads() if ticks.lockstep else ticks.gpipe_grads()
         loss = lay.psum(loss, lay.manual_axes)
         g_layers = jax.tree.map(lambda g, s: lay.reduce(_after(g, loss), s, False)[None], g_layers, unstaged)
@@ -449,11 +464,12 @@ def make_pipeline_grad_fn(plan) -> Callable:
     tok_spec = P(data if len(data) > 1 else data[0] if data else None, SP_AXIS if lay.seq_ring else None)
     smap = jax.shard_map(
         _body(lay), mesh=mesh, axis_names=set(lay.manual_axes),
-        in_specs=(manual(lay.lay_param_specs), manual(lay.oth_param_specs), tok_spec, tok_spec, P()),
+        in_specs=(manual(lay.lay_param_specs), manual(lay.oth_param_specs), manual(lay.frozen_lay_specs),
+                  manual(lay.frozen_oth_specs), tok_spec, tok_spec, P()),
         out_specs=(P(), manual(lay.lay_grad_specs), manual(lay.oth_grad_specs)))
     put = lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))  # noqa: E731
 
-    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None):
+    def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, frozen=None, step=None):
         if mask is not None or segment_ids is not None or positions is not None:
             raise NotImplementedError(
                 "a loss mask or packed segments (batch['loss_mask'], ['segment_ids']) are not supported with "
@@ -464,9 +480,13 @@ def make_pipeline_grad_fn(plan) -> Callable:
             inputs, targets, *_ = zigzag_batch(inputs, targets, sp=lay.sp)
         layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), params["layers"], lay.lay_param_specs)
         others = {k: a for k, a in params.items() if k != "layers"}
+        frozen = frozen or {"layers": {}}  # LoRA's base (step: its dropout, refused with a pipeline)
+        f_layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), frozen["layers"], lay.frozen_lay_specs)
+        f_others = {k: a for k, a in frozen.items() if k != "layers"}
         if lay.gather_outside:
             others = {k: put(a, lay.oth_param_specs[k]) for k, a in others.items()}
-        loss_sum, g_layers, g_others = smap(layers, others, inputs, targets, coef)
+            f_others = {k: put(a, lay.frozen_oth_specs[k]) for k, a in f_others.items()}
+        loss_sum, g_layers, g_others = smap(layers, others, f_layers, f_others, inputs, targets, coef)
         g_layers = jax.tree.map(lambda g, s: put(_from_chunks(g), s), g_layers, lay.out_grad_specs["layers"])
         grads = jax.tree.map(lambda g: g / scale, {**g_others, "layers": g_layers})
         return loss_sum, grads
