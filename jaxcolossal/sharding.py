@@ -247,6 +247,12 @@ class Sharder:
         self.fp8 = False
         """``precision.fp8``: the layers' projections multiply in FP8
         (:func:`jaxcolossal.models.linear.project_fp8`)."""
+        self.manual_experts: tuple | None = None
+        """Inside the pipeline's ``shard_map`` (manual over ``pp`` and the data axes): ``(ep, data
+        axes, aux weight)`` for a mixture of experts' layers, which then exchange tokens over the
+        manual ``ep`` axis directly, take the router's statistics over the data axes, and add their
+        router losses' gradient with that weight (:func:`jaxcolossal.models.moe.moe_mlp`); ``None``
+        elsewhere."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         if self.mesh is None:
@@ -288,6 +294,10 @@ class Sharder:
         n = int(dict(self.mesh.shape).get("tp", 1))
         manual = any(a == jax.sharding.AxisType.Manual for a in getattr(self.mesh, "axis_types", ()))
         return n > 1 and not manual and t % n == 0 and t >= self.collective_matmul_min_seq
+
+    def with_manual_experts(self, ep: int, data_axes: tuple, aux_weight: float) -> "Sharder":
+        """This sharder, inside a ``shard_map`` manual over ``ep`` and ``data_axes`` (:attr:`manual_experts`)."""
+        return self._copy(manual_experts=(ep, tuple(data_axes), float(aux_weight)))
 
     def with_fp8(self, on: bool = True) -> "Sharder":
         """This sharder, with the layers' projections in FP8 (:attr:`fp8`)."""

@@ -224,8 +224,12 @@ def _check_moe(cfg: Config) -> None:
     if m.num_experts % ep:
         raise ConfigError(f"parallel.expert_parallel_size={ep} does not divide model.num_experts={m.num_experts}: "
                           "each ep rank holds num_experts / ep experts")
-    off = {"parallel.pipeline_parallel_size": p.pipeline_parallel_size not in (1,),
-           "parallel.sequence_parallelism_mode": p.sequence_parallelism_mode != "none",
+    pipelined = p.pipeline_parallel_size not in (1,)
+    if pipelined and (p.tensor_parallel_size not in (1,) or m.first_k_dense or cfg.precision.fp16
+                      or p.pipeline_schedule == "gpipe"):
+        raise ConfigError("a mixture of experts in a pipeline needs parallel.tensor_parallel_size=1, "
+                          "model.first_k_dense=0, no fp16, and pipeline_schedule 1f1b or interleaved (for now)")
+    off = {"parallel.sequence_parallelism_mode": p.sequence_parallelism_mode != "none",
            "parallel.gradient_compression": p.gradient_compression != "none",
            "parallel.communication_dtype": p.communication_dtype != "fp32", "model.lora.rank": m.lora.enabled,
            "offload": cfg.offload.offload_optim_frac > 0 or cfg.offload.offload_param_frac > 0

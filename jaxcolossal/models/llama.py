@@ -300,7 +300,9 @@ def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard:
     ``(x [b, t, d], stats) -> (x, stats + this layer's)`` (the layer scan's carry)."""
     x, acc = carry
     x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
-    y, stats = moe.moe_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, getattr(shard, "mesh", None))
+    manual = getattr(shard, "manual_experts", None)  # inside a pipeline's shard_map
+    mesh = None if manual else getattr(shard, "mesh", None)
+    y, stats = moe.moe_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, mesh, manual)
     return shard(x + y, ("batch", "seq", "embed")), jax.tree.map(jnp.add, acc, stats)
 
 
@@ -421,6 +423,8 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = _no_shard, vocab_parallel
 
     def layer_for(x):
         cos, sin = rope_tables(x.shape[1], cfg.head_dim, cfg.rope_theta, positions)
+        if cfg.moe:  # the router's losses join through their gradient (moe.with_loss_gradient)
+            return lambda h, p: moe_decoder_layer((h, moe.zero_stats(cfg)), p, cfg, cos, sin, shard, positions=positions)[0]
         return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, positions=positions)
 
     def head(o, x, y):

@@ -45,11 +45,13 @@ def layer_shapes_and_axes(cfg: ModelConfig) -> dict:
     return out
 
 
-def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, dict]:
+def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple = ()) -> tuple[jax.Array, jax.Array, dict]:
     """Each token's top-k experts and weights, and the router's losses and load.
 
     Args:
         x: ``[T, d]`` tokens (compute dtype); ``w_router``: ``[d, E]``.
+        data_axes: inside a ``shard_map`` manual over the data axes (a pipeline), those axes: the
+            statistics are summed over them, so that they are the whole microbatch's.
 
     Returns:
         ``(top_i int32 [T, k], top_w fp32 [T, k], stats)``; ``stats``: ``moe_aux_loss`` (Switch's
@@ -62,22 +64,51 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig) -> tuple[jax.Arra
     top_w, top_i = jax.lax.top_k(scores, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    load = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32), axis=(0, 1))
+    total = (lambda a: jax.lax.psum(a, data_axes)) if data_axes else (lambda a: a)  # noqa: E731
+    load = total(jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32), axis=(0, 1)))
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    aux = cfg.num_experts * jnp.sum(load / x.shape[0] * jnp.mean(probs, axis=0))
-    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    tokens = total(jnp.asarray(x.shape[0], jnp.float32))
+    aux = cfg.num_experts * jnp.sum(load / tokens * total(jnp.sum(probs, axis=0)) / tokens)
+    z = total(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
     return top_i, top_w, {"moe_aux_loss": aux, "moe_z_loss": z, "expert_load": load}
 
 
-def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None) -> tuple[jax.Array, dict]:
+@jax.custom_vjp
+def with_loss_gradient(y: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
+    """``y``, whose backward pass also gives ``loss`` the cotangent ``weight``: the gradient of
+    ``weight · loss`` added to the step's, where the loss itself cannot join the summed loss (a
+    pipeline stage passes on activations only)."""
+    return y
+
+
+def _wlg_fwd(y, loss, weight):
+    return y, (loss, weight)
+
+
+def _wlg_bwd(res, dy):
+    loss, weight = res  # 0·loss + weight: a cotangent that varies over the same manual axes as the loss
+    return dy, loss * 0 + weight, None
+
+
+with_loss_gradient.defvjp(_wlg_fwd, _wlg_bwd)
+
+
+def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None, manual: tuple | None = None) -> tuple[jax.Array, dict]:
     """The MoE MLP of one layer: ``h [b, t, d]`` -> ``([b, t, d], stats)`` (:data:`STATS`). The
     shared experts, when there are any, run on every token as a dense SwiGLU MLP and add to the
-    routed experts' output. ``mesh``: the run's mesh (``None``: one device)."""
+    routed experts' output. ``mesh``: the run's mesh (``None``: one device). ``manual``: inside a
+    pipeline's ``shard_map``, ``(ep, data axes, weight)``
+    (:attr:`jaxcolossal.sharding.Sharder.manual_experts`): the tokens go over the manual ``ep``
+    axis directly and the router losses' gradient joins with ``weight``
+    (:func:`with_loss_gradient`)."""
     b, t, d = h.shape
     x = h.reshape(b * t, d)
-    top_i, top_w, stats = route(x, lp["router"], cfg)
+    top_i, top_w, stats = route(x, lp["router"], cfg, manual[1] if manual else ())
     y, dropped = routed_experts(x, top_i, top_w, lp["moe_w_gate"], lp["moe_w_up"], lp["moe_w_down"],
-                                cfg.capacity_factor, mesh)
+                                cfg.capacity_factor, mesh, manual_ep=manual[0] if manual else None)
+    if manual:  # the router losses, per layer as loss_terms weighs them, for this shard's tokens
+        losses = cfg.router_aux_loss_coef * stats["moe_aux_loss"] + cfg.router_z_loss_coef * stats["moe_z_loss"]
+        y = with_loss_gradient(y, losses, manual[2] / max(cfg.moe_layers, 1))
     if "shared_w_gate" in lp:
         g = jnp.einsum("td,df->tf", x, lp["shared_w_gate"])
         u = jnp.einsum("td,df->tf", x, lp["shared_w_up"])

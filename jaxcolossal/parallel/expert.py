@@ -114,7 +114,7 @@ def _local(x, top_i, top_w, wg, wu, wd, *, num_experts, capacity_factor, ep, tp)
 
 
 def routed_experts(x: jax.Array, top_i: jax.Array, top_w: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array,
-                   capacity_factor: float, mesh=None) -> tuple[jax.Array, jax.Array]:
+                   capacity_factor: float, mesh=None, manual_ep: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The routed experts' output for each token.
 
     Args:
@@ -124,16 +124,19 @@ def routed_experts(x: jax.Array, top_i: jax.Array, top_w: jax.Array, wg: jax.Arr
             projection (``E`` on ``ep``, ``f`` on ``tp``; gathered over ``fsdp`` under ZeRO-3).
         capacity_factor: 0 for dropless, else the GShard capacity factor.
         mesh: the run's mesh (``None``: one device, no collectives).
+        manual_ep: inside a ``shard_map`` already manual over ``ep`` (a pipeline's): its size; the
+            arguments are this device's and the all-to-alls run over it directly (tp 1).
 
     Returns:
         ``(y [T, d] in x's dtype, dropped)``: ``dropped`` fp32 scalar, the slots (of ``T·k``) no
         expert took (0 when dropless).
     """
-    num_experts = wg.shape[0]
-    if mesh is None:
-        y, dropped = _local(x, top_i, top_w, wg, wu, wd, num_experts=num_experts, capacity_factor=capacity_factor,
-                            ep=1, tp=1)
+    if mesh is None:  # one device, or this device's part inside a manual shard_map
+        ep = manual_ep or 1
+        y, dropped = _local(x, top_i, top_w, wg, wu, wd, num_experts=wg.shape[0] * ep,
+                            capacity_factor=capacity_factor, ep=ep, tp=1)
         return y, dropped[0]
+    num_experts = wg.shape[0]
     shape = dict(mesh.shape)
     fn = partial(_local, num_experts=num_experts, capacity_factor=capacity_factor, ep=shape.get(EP_AXIS, 1),
                  tp=shape.get(TP_AXIS, 1))

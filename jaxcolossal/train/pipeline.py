@@ -90,7 +90,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.mesh import DATA_AXES, PP_AXIS, SP_AXIS, ZERO_AXIS, entry_axes
+from jaxcolossal.mesh import DATA_AXES, EP_AXIS, PP_AXIS, SP_AXIS, ZERO_AXIS, entry_axes
 from jaxcolossal.models.remat import scan_chunk, scan_layers
 from jaxcolossal.parallel.schedule import CHUNK, FIRST, LAST, MB, SLOT, VALID, PipelineSchedule, pipeline_schedule_for
 from jaxcolossal.parallel.sequence import zigzag_batch, zigzag_order
@@ -231,7 +231,10 @@ class _Layout:
         """Once per step: an all-reduce (ZeRO 0/1) or a reduce-scatter onto ``spec`` (2/3)."""
         d = _zero_dim(spec)
         seq = (SP_AXIS,) if self.seq_ring else ()
-        axes = ((PP_AXIS,) if over_pp else ()) + (DATA_AXES if d is None else ("dp",)) + seq
+        data = DATA_AXES if d is None else tuple(a for a in DATA_AXES if a != ZERO_AXIS)
+        if EP_AXIS in {a for e in spec for a in entry_axes(e)}:  # an expert's gradient: its tokens came over ep
+            data = tuple(a for a in data if a != EP_AXIS)
+        axes = ((PP_AXIS,) if over_pp else ()) + data + seq
         if d is not None and self.plan.mesh_shape["tp"] > 1:
             # XLA all-gathers a reduce-scatter's operand over the automatic tp axis first (the whole
             # gradient on every device); an all-reduce keeps it tp-sharded: sum, keep this rank's slice
@@ -310,6 +313,10 @@ class _Ticks:
         local = {"batch": None, "layers": None, **({"seq": None} if lay.seq_ring else {})}
         shard = Sharder(jax.sharding.get_abstract_mesh(), {**plan.rules, **local},
                         plan.cfg.parallel.sequence_parallelism_mode).with_fp8(plan.cfg.precision.fp8)
+        if plan.cfg.model.moe:  # the experts over the manual ep axis; the router losses are the microbatch's
+            # (summed over the data axes, so one value for all shards): a microbatch's share of the step, 1/m
+            data = tuple(a for a in DATA_AXES if plan.mesh_shape[a] > 1)
+            shard = shard.with_manual_experts(plan.mesh_shape["ep"], data, 1.0 / self.m)
         if not lay.seq_ring:
             return shard, None
         tl = xs.shape[1]

@@ -353,7 +353,7 @@ class _TrainStep:
             extra["first_moment"] = adam_first_moment(state.opt_state)
         if self.plan.lora:  # the adapters are differentiated; the frozen base comes along (and the step: dropout)
             extra.update(frozen=state.frozen, step=state.step)
-        if self.plan.cfg.model.moe:  # the router's statistics come back too
+        if self.plan.cfg.model.moe and self.plan.mesh_shape["pp"] == 1:  # the router's statistics come back too
             extra["with_stats"] = True
         out = self.grad_fn(params, batch["inputs"], batch["targets"], scale, batch.get("loss_mask"),
                            batch.get("segment_ids"), batch.get("positions"), **extra)
