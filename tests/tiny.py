@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import numpy as np
 
-from jaxcolossal.config import Config, config_from_dict
+from jaxcolossal.config import Config, config_from_dict, load_config
 from jaxcolossal.mesh import make_mesh
+from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import init_state, make_plan
@@ -74,3 +78,27 @@ def assert_params_match(got, want, lr: float = 1e-3):
         np.testing.assert_allclose(a, b, rtol=0, atol=0.02 * lr, err_msg=name)
 
     jax.tree_util.tree_map_with_path(check, got, want)
+
+
+SMALL_MAIN_JOB = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=32",
+                  "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=0",
+                  "data.max_corpus_bytes=200000", "logging.progress_bar=false", "logging.log_every=1",
+                  "training.eval_every=0"]
+"""Overrides that shrink the main job (``configs/llama_tiny.yaml``) to a few seconds per run."""
+
+
+def resumed_and_uninterrupted(tmp_path, overrides: list[str]):
+    """The small main job with ``overrides``: 6 steps in one run, and 3 steps then 3 more resumed
+    from the checkpoint. Returns ``(uninterrupted summary, resumed summary, [loss per step of
+    each])`` (:func:`jaxcolossal.train.loop.train`'s summaries)."""
+    main_job = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs/llama_tiny.yaml")
+
+    def cfg(where, *extra):
+        return load_config(main_job, SMALL_MAIN_JOB + overrides + [
+            f"logging.run_dir={where}/run", f"checkpoint.dir={where}/ckpt", f"data.cache_dir={tmp_path}/cache", *extra])
+    full = train(cfg(tmp_path / "a", "training.max_steps=6"))
+    train(cfg(tmp_path / "b", "training.max_steps=3"))
+    resumed = train(cfg(tmp_path / "b", "training.max_steps=6", "training.resume=true"))
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, open(tmp_path / d / "run" / "metrics.jsonl")) if "loss" in r}
+              for d in ("a", "b")]
+    return full, resumed, losses

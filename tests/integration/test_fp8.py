@@ -3,17 +3,15 @@
 equals one device, the resumed run equals the uninterrupted one bit for bit, and bad input is
 refused before anything compiles."""
 
-import json
 import os
 
 import jax
 import numpy as np
 import pytest
-from tiny import run_steps, tiny_config
+from tiny import resumed_and_uninterrupted, run_steps, tiny_config
 
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.models.linear import E4M3, E5M2, fp8_quantize, project, project_fp8
-from jaxcolossal.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -74,19 +72,7 @@ def test_fp8_needs_bf16():
 
 def test_fp8_resume_is_bit_exact(tmp_path):
     """Current scaling keeps no scale state: a resumed FP8 run equals the uninterrupted one."""
-    small = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=32",
-             "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=0",
-             "data.max_corpus_bytes=200000", "logging.progress_bar=false", "logging.log_every=1",
-             "training.eval_every=0", "precision.bf16=true", "precision.fp8=true"]
-
-    def cfg(where, *extra):
-        return load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), small + [
-            f"logging.run_dir={where}/run", f"checkpoint.dir={where}/ckpt", f"data.cache_dir={tmp_path}/cache", *extra])
-    full = train(cfg(tmp_path / "a", "training.max_steps=6"))
-    train(cfg(tmp_path / "b", "training.max_steps=3"))
-    resumed = train(cfg(tmp_path / "b", "training.max_steps=6", "training.resume=true"))
-    losses = [{r["step"]: r["loss"] for r in map(json.loads, open(tmp_path / d / "run" / "metrics.jsonl")) if "loss" in r}
-              for d in ("a", "b")]
+    full, resumed, losses = resumed_and_uninterrupted(tmp_path, ["precision.bf16=true", "precision.fp8=true"])
     assert losses[0] == losses[1] and len(losses[0]) == 6
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(full["state"].master),
                  jax.device_get(resumed["state"].master))

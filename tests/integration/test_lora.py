@@ -5,7 +5,6 @@ with the same logits; the merged export equals it), chat SFT from Hugging Face w
 input refused before anything compiles."""
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import assert_params_match, run_steps, tiny_config
+from tiny import assert_params_match, resumed_and_uninterrupted, run_steps, tiny_config
 
 from jaxcolossal.config import ConfigError, LoraConfig, load_config
 from jaxcolossal.mesh import make_mesh
@@ -91,21 +90,8 @@ def test_lora_zero3_bf16_runs_like_one_device():
     np.testing.assert_allclose([m["loss"] for m in m8], [m["loss"] for m in m1], rtol=1e-3)
 
 
-SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=32",
-         "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=0", "data.max_corpus_bytes=200000",
-         "logging.progress_bar=false", "logging.log_every=1", "training.eval_every=0", "model.lora.rank=4",
-         "model.lora.targets=q,k,v,o,down"]
-
-
 def test_lora_resume_is_bit_exact(tmp_path):
-    def cfg(where, *extra):
-        return load_config(TINY, SMALL + [f"logging.run_dir={where}/run", f"checkpoint.dir={where}/ckpt",
-                                          f"data.cache_dir={tmp_path}/cache", *extra])
-    full = train(cfg(tmp_path / "a", "training.max_steps=6"))
-    train(cfg(tmp_path / "b", "training.max_steps=3"))
-    resumed = train(cfg(tmp_path / "b", "training.max_steps=6", "training.resume=true"))
-    losses = [{r["step"]: r["loss"] for r in map(json.loads, open(tmp_path / d / "run" / "metrics.jsonl")) if "loss" in r}
-              for d in ("a", "b")]
+    full, resumed, losses = resumed_and_uninterrupted(tmp_path, ["model.lora.rank=4", "model.lora.targets=q,k,v,o,down"])
     assert losses[0] == losses[1] and len(losses[0]) == 6
     for part in ("params", "opt_state", "frozen"):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(getattr(full["state"], part)),
