@@ -61,7 +61,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         f"model      {cfg.model.type}, {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
         f"{cfg.model.num_attention_heads} heads / {cfg.model.num_key_value_heads} kv heads, "
         f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
-        f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)",
+        f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)" + _experts_line(cfg, shape, n),
         f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × ep × sp × tp)",
         f"precision  {cfg.precision.mode}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
@@ -84,6 +84,18 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
                      f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
     return "\n".join(lines)
+
+
+def _experts_line(cfg: Config, shape: dict, n: dict) -> str:
+    """A mixture of experts' shape, its active parameters and the experts each device holds ("" when dense)."""
+    m = cfg.model
+    if not m.moe:
+        return ""
+    return (f"; {n['active']:,} ({n['active'] / 1e9:.2f} B) active per token\n"
+            f"experts    {m.num_experts} of width {m.expert_size}, top-{m.num_experts_per_tok}, in {m.moe_layers} layers"
+            + (f", {m.num_shared_experts} shared" if m.num_shared_experts else "")
+            + (f" ({m.capacity_factor:g} capacity)" if m.capacity_factor else " (dropless)")
+            + f"; ep {shape['ep']}: {m.num_experts // shape['ep']} per device and layer")
 
 
 def _communication_line(cfg: Config, rp) -> str:

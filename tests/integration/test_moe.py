@@ -259,3 +259,13 @@ def test_expert_parallel_in_a_pipeline_equals_the_same_microbatches_without_one(
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert (np.abs(a - b) > 1e-6 + 1e-5 * np.abs(b)).mean() <= 1e-2
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_dry_run_counts_mixtral_8x7b_as_published():
+    """Mixtral-8x7B's shape: 46.7 B parameters, 12.9 B active per token (Jiang et al., 2024), one
+    expert per device and layer over ep 8."""
+    from jaxcolossal.plan.dry_run import dry_run
+
+    text = dry_run(load_config(os.path.join(ROOT, "configs/mixtral_8x7b.yaml")))
+    assert "parameters 46,702,792,704 (46.70 B); 12,879,925,248 (12.88 B) active per token" in text
+    assert "experts    8 of width 14336, top-2, in 32 layers (dropless); ep 8: 1 per device and layer" in text
