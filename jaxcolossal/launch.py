@@ -120,6 +120,15 @@ def _cuda_plugin_without_gpu() -> bool:
     return cuda_plugin_installed() and not nvidia_device_present()
 
 
+def use_cpu_without_gpu() -> None:
+    """Pin jax to the CPU where a CUDA plugin is installed but no NVIDIA device is present (and no
+    ``JAX_PLATFORMS`` is set), so that the plugin does not try a GPU and log a traceback: for tools
+    that run on the host's arrays only (``scripts/convert_hf.py``). A no-op once jax's backend has
+    started."""
+    if not jax.config.jax_platforms and not _backend_started() and _cuda_plugin_without_gpu():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def _with_device_count_flag(xla_flags: str, n: int) -> str:
     """Return ``xla_flags`` with any host-device-count flag replaced by ``=n`` (pure)."""
     kept = [
@@ -295,8 +304,7 @@ def simulate_devices(n: int) -> None:
     n = _check_int("n", n, 1)
     if not _cpu_may_be_used():
         return
-    if not jax.config.jax_platforms and not _backend_started() and _cuda_plugin_without_gpu():
-        jax.config.update("jax_platforms", "cpu")  # else the CUDA plugin tries a GPU and logs a traceback
+    use_cpu_without_gpu()  # else the CUDA plugin tries a GPU and logs a traceback
     if _backend_started():
         if jax.default_backend() != "cpu":
             return

@@ -1,4 +1,5 @@
-"""Convert between Hugging Face model directories and jaxcolossal params files (LLaMA, GPT-2).
+"""Convert between Hugging Face model directories and jaxcolossal params files (LLaMA, GPT-2,
+Mixtral, Qwen3-MoE; a LoRA run's adapters in PEFT's format).
 
     python scripts/convert_hf.py --to-jax HF_DIR OUT [--tp 2 --vocab-pad-multiple 64]
     python scripts/convert_hf.py --to-hf  CHECKPOINT_DIR OUT [--step N] [--max-shard-size 5GB] [--tokenizer DIR]
@@ -6,7 +7,8 @@
     python scripts/convert_hf.py --to-hf  LORA_CHECKPOINT_DIR OUT [--merge-lora]
 
 ``--to-jax`` reads a LOCAL Hugging Face directory — ``config.json`` plus ``model.safetensors``
-or a sharded ``model.safetensors.index.json`` of a ``LlamaForCausalLM`` or ``GPT2LMHeadModel``
+or a sharded ``model.safetensors.index.json`` of a ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``
 (fp32, fp16 or bf16) — and writes, in the directory OUT:
 
 * ``params.npz``: the params dict (float32 numpy, vocabulary padded for ``--tp`` /
@@ -289,6 +291,9 @@ def main(argv=None) -> int:
                          "do); default: the run's data.tokenizer, else the ids of its model.init_from")
     args = ap.parse_args(argv)
 
+    from jaxcolossal.launch import use_cpu_without_gpu
+
+    use_cpu_without_gpu()  # host arrays only: no GPU start (and no log of a failed one) where a CUDA plugin is
     from jaxcolossal.config import ConfigError
     from jaxcolossal.errors import DependencyError
 

@@ -229,15 +229,16 @@ def _check_moe(cfg: Config) -> None:
                       or p.pipeline_schedule == "gpipe"):
         raise ConfigError("a mixture of experts in a pipeline needs parallel.tensor_parallel_size=1, "
                           "model.first_k_dense=0, no fp16, and pipeline_schedule 1f1b or interleaved (for now)")
-    off = {"parallel.sequence_parallelism_mode": p.sequence_parallelism_mode != "none",
+    off = {"parallel.sequence_parallelism_mode / sequence_parallel_size": p.sequence_parallelism_mode != "none",
            "parallel.gradient_compression": p.gradient_compression != "none",
            "parallel.communication_dtype": p.communication_dtype != "fp32", "model.lora.rank": m.lora.enabled,
            "offload": cfg.offload.offload_optim_frac > 0 or cfg.offload.offload_param_frac > 0
            or cfg.offload.placement_policy == "auto" or bool(cfg.offload.nvme_path)}
     for key, on in off.items():
         if on:
+            default = "none and 1" if key.startswith("parallel.sequence") else "its default"
             raise ConfigError(f"model.num_experts={m.num_experts}: a mixture of experts does not run with {key} yet "
-                              "(set it to its default)")
+                              f"(set it to {default})")
 
 
 def _check_lora(cfg: Config) -> None:
@@ -305,7 +306,8 @@ def _check_devices(cfg: Config, num_devices: int) -> None:
     dp = rp.data_parallel_size
     if dp % p.expert_parallel_size:
         raise ConfigError(f"parallel.expert_parallel_size={p.expert_parallel_size} does not divide data_parallel_size="
-                          f"{dp}: the ep axis is carved out of the data-parallel group")
+                          f"{dp} ({num_devices} devices / tp {rp.tensor_parallel_size} / pp {rp.pipeline_parallel_size}"
+                          f" / sp {rp.sequence_parallel_size}): the ep axis is carved out of the data-parallel group")
     if t.micro_batch_size:
         t.batch_size = t.micro_batch_size * t.gradient_accumulation_steps * dp
     micro = t.batch_size // t.gradient_accumulation_steps
