@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import get_family
+from jaxcolossal.models.lora import adapter_shapes_and_axes
 from jaxcolossal.sharding import shard_bytes
 
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
@@ -78,11 +79,26 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     return {"total": total, "embedding": emb, "matmul": matmul, "active": active, "routed": routed}
 
 
+def lora_param_count(cfg: ModelConfig) -> int:
+    """The parameters of ``cfg.lora``'s adapters (0 when LoRA is off)."""
+    if not cfg.lora.enabled:
+        return 0
+    table = get_family(cfg).param_shapes_and_axes(cfg, cfg.vocab_size)["layers"]
+    return sum(math.prod(shape) for shape, _ in adapter_shapes_and_axes(cfg.lora, table)["layers"].values())
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:
     """Training FLOPs per token in both conventions (module docstring); a mixture of experts counts its
-    active parameters (:func:`param_count`)."""
+    active parameters (:func:`param_count`). With LoRA the frozen weights' matmuls run forward and
+    for the input gradient only (``4N``) and the adapters' all three (``6·N_lora``): the compiled
+    step's matmul FLOPs exactly, on the tiny model (``tests/integration/test_lora.py``)."""
     n = param_count(cfg)
-    model = 6 * n["matmul"] + 6 * cfg.num_layers * seq_len * cfg.num_attention_heads * cfg.head_dim
+    attention = 6 * cfg.num_layers * seq_len * cfg.num_attention_heads * cfg.head_dim
+    if cfg.lora.enabled:  # the frozen weights' matmuls: forward and input gradient only; the adapters' all three
+        adapters = lora_param_count(cfg)
+        return {"6N+attn": float(4 * n["matmul"] + 6 * adapters + attention),
+                "colossal": float(2 * n["active"] * (2 + int(recompute)) + 6 * adapters)}
+    model = 6 * n["matmul"] + attention
     colossal = 2 * n["active"] * (3 + int(recompute))  # a mixture of experts: its active parameters
     return {"6N+attn": float(model), "colossal": float(colossal)}
 

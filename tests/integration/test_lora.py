@@ -254,3 +254,26 @@ def test_lora_in_a_pipeline_equals_one_device(parallel):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert (np.abs(a - b) > 1e-6 + 1e-5 * np.abs(b)).mean() <= 1e-2
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("targets", ["all", "q,v"])
+def test_lora_flops_are_4n_plus_6n_adapters(targets):
+    """The compiled step's matmul FLOPs (:func:`jaxcolossal.hlo.dot_flops`) drop from full training's
+    by exactly what :func:`jaxcolossal.metrics.flops_per_token` says: the frozen weights lose their
+    weight-gradient matmuls (6N -> 4N), the adapters add 6 FLOPs per parameter and token."""
+    from tiny import random_batches, setup
+
+    from jaxcolossal import hlo
+    from jaxcolossal.metrics import flops_per_token
+
+    def compiled_and_formula(model):
+        cfg = tiny_config({"data_parallel_size": 1}, model=model)
+        plan, _, state, step = setup(cfg, jax.devices()[:1])
+        x = random_batches(cfg, 1)[0]
+        batch = {"inputs": jax.device_put(x[:, :-1], plan.batch_sharding),
+                 "targets": jax.device_put(x[:, 1:], plan.batch_sharding)}
+        tokens = cfg.training.batch_size * cfg.training.seq_len
+        return (hlo.dot_flops(step.lower(state, batch).compile().as_text())["flops"],
+                flops_per_token(cfg.model, cfg.training.seq_len)["6N+attn"] * tokens)
+    full, lora = compiled_and_formula({}), compiled_and_formula({"lora": {"rank": 8, "targets": targets}})
+    assert lora[0] - full[0] == lora[1] - full[1]
