@@ -298,6 +298,16 @@ def _parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base ** power)
 
 
+def save_shared(tensors: dict[str, np.ndarray], file: str | os.PathLike) -> None:
+    """``safetensors.numpy.save_file`` with transformers' ``{"format": "pt"}`` metadata, readable by
+    others as any file this process writes (the process's umask; safetensors' temporary file would
+    leave it at 0600, unreadable to the rest of a team sharing the export)."""
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
+
+
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
                       max_shard_size: int | str = "5GB") -> list[str]:
     """Write ``tensors`` to ``path`` as ``model.safetensors`` or, when larger than
@@ -322,12 +332,12 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
         cur_bytes += v.nbytes
     shards.append(cur)
     if len(shards) == 1:
-        save_file(shards[0], str(path / SAFE_SINGLE), metadata={"format": "pt"})
+        save_shared(shards[0], path / SAFE_SINGLE)
         return [SAFE_SINGLE]
     names, weight_map = [], {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
+        save_shared(shard, path / name)
         names.append(name)
         weight_map.update({k: name for k in shard})
     total = int(sum(v.nbytes for v in tensors.values()))

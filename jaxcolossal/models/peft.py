@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from jaxcolossal.config import ConfigError, LoraConfig, ModelConfig
-from jaxcolossal.models.hf import _raw_tensor
+from jaxcolossal.models.hf import _raw_tensor, save_shared
 from jaxcolossal.models.lora import HF_MODULES, SUFFIX_A, SUFFIX_B, WEIGHTS
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -57,7 +56,7 @@ def save_adapters(path: str | os.PathLike, cfg: ModelConfig, adapters: Any, base
             tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(cfg.lora.rank, -1).T)
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
         json.dump(peft_config(cfg.lora, base_model), f, indent=2)
-    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_shared(tensors, os.path.join(path, ADAPTER_WEIGHTS))
     return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
 

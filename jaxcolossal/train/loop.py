@@ -486,7 +486,9 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
     peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
     run.write({"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak or run.compiled_peak,
                "peak_memory_source": "runtime" if peak else "compiled estimate"})
-    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}", tflops=f"{perf['tflops_6n']:.3f}")
+    moe = {} if "expert_load" not in m else {  # a mixture of experts: its busiest expert's share, the dropped slots
+        "top_expert": f"{max(m['expert_load']):.0%}", "dropped": f"{m['moe_dropped_share']:.1%}"}
+    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}", tflops=f"{perf['tflops_6n']:.3f}", **moe)
     return perf
 
 

@@ -277,3 +277,12 @@ def test_lora_flops_are_4n_plus_6n_adapters(targets):
                 flops_per_token(cfg.model, cfg.training.seq_len)["6N+attn"] * tokens)
     full, lora = compiled_and_formula({}), compiled_and_formula({"lora": {"rank": 8, "targets": targets}})
     assert lora[0] - full[0] == lora[1] - full[1]
+
+
+def test_exported_weights_are_readable_like_any_file_written(tmp_path):
+    """safetensors writes through a 0600 temporary file; the exports get the process's usual mode."""
+    from jaxcolossal.models.hf import save_shared
+
+    save_shared({"w": np.zeros((2, 2), np.float32)}, tmp_path / "w.safetensors")
+    (tmp_path / "plain.txt").write_text("x")
+    assert os.stat(tmp_path / "w.safetensors").st_mode & 0o777 == os.stat(tmp_path / "plain.txt").st_mode & 0o777
