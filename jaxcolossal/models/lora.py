@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config import LoraConfig, ModelConfig
+from jaxcolossal.config import LoraConfig
 from jaxcolossal.models.linear import project
 from jaxcolossal.parallel.collective_matmul import _operands
 
@@ -137,7 +137,3 @@ def split(params: dict) -> tuple[dict, dict]:
     base = {**params, "layers": {n: v for n, v in layers.items() if not is_adapter(n)}}
     return base, {"layers": {n: v for n, v in layers.items() if is_adapter(n)}}
 
-
-def layout(cfg: ModelConfig, base_table: dict) -> dict | None:
-    """The adapters' ``{name: (shape, axes)}`` table for ``cfg`` (``None`` when LoRA is off)."""
-    return adapter_shapes_and_axes(cfg.lora, base_table["layers"]) if cfg.lora.enabled else None
