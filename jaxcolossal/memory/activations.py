@@ -102,12 +102,14 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype: str,
-            batch: int = 1, fp8: bool = False) -> tuple[int, int, int, int]:
+            batch: int = 1, fp8: bool = False) -> tuple[int, int, int, int, int]:
     """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, the
     part of them in a 16-bit float dtype, the largest layer residual's bytes per layer (the scan
-    stacks them ``[num_layers, ...]``; 0 with one layer), and the bytes per layer of the largest
-    fp32 ``[..., t, t]`` one (XLA attention's probabilities) (cached). ``fp8``: the projections
-    in FP8 (``precision.fp8``), which save their inputs in one byte per element."""
+    stacks them ``[num_layers, ...]``; 0 with one layer), the bytes per layer of the largest
+    fp32 ``[..., t, t]`` one (XLA attention's probabilities), and the part of the residuals that
+    depends on neither the params nor the tokens (:func:`_input_free`: the causal mask, the
+    rotary tables) (cached). ``fp8``: the projections in FP8 (``precision.fp8``), which save
+    their inputs in one byte per element."""
     model = ModelConfig(**dict(model_items))
     model.remat = remat
     shapes = jax.tree_util.tree_unflatten(shapes_items[0], list(shapes_items[1]))
@@ -121,19 +123,37 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
         return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model, shard), p)[1])
     jaxpr = jax.make_jaxpr(res)(params, tok, tok).jaxpr
     inputs = {id(v) for v in jaxpr.invars}
-    seen, total, low, big, square = set(), 0, 0, 0, 0
+    free = _input_free(jaxpr)
+    seen, total, low, big, square, const = set(), 0, 0, 0, 0, 0
     for v in jaxpr.outvars:  # residuals; the params themselves (forwarded inputs) are the state's
         if type(v).__name__ == "Literal" or id(v) in inputs or id(v) in seen:
             continue
         seen.add(id(v))
         total += v.aval.size * v.aval.dtype.itemsize
+        if id(v) in free:
+            const += v.aval.size * v.aval.dtype.itemsize
         if v.aval.dtype in (jnp.bfloat16, jnp.float16):
             low += v.aval.size * v.aval.dtype.itemsize
         if model.num_layers > 1 and v.aval.ndim and v.aval.shape[0] == model.num_layers:
             big = max(big, v.aval.size // model.num_layers * v.aval.dtype.itemsize)
             if v.aval.ndim >= 3 and v.aval.shape[-1] == v.aval.shape[-2] == seq and v.aval.dtype == jnp.float32:
                 square = max(square, v.aval.size // model.num_layers * 4)  # attention's fp32 probabilities
-    return total, low, big, square
+    return total, low, big, square, const
+
+
+def _input_free(jaxpr: Any) -> set[int]:
+    """The ids of the variables of ``jaxpr`` that depend on none of its inputs (an equation's
+    outputs depend on an input when any of its operands does): arrays made from the shapes alone,
+    such as the causal mask and the rotary tables, which a loop over microbatches (GPipe's tick
+    scan) computes once, outside the loop."""
+    dependent = {id(v) for v in jaxpr.invars}
+    free: set[int] = set()
+    for eqn in jaxpr.eqns:
+        if any(type(v).__name__ != "Literal" and id(v) in dependent for v in eqn.invars):
+            dependent.update(id(v) for v in eqn.outvars)
+        else:
+            free.update(id(v) for v in eqn.outvars)
+    return free
 
 
 def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: int,
@@ -143,9 +163,11 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     the device: what it saves lives in host memory) in ``dtype`` (default the compute dtype:
     ``precision.mode``); ``shapes``: :func:`_compute_shapes`'s, when the caller has them.
     Returns ``{"saved": bytes, "head": bytes, "layer": bytes, "largest": bytes,
-    "saved_16bit_layers": bytes}`` (module doc; ``head``: the part of ``saved`` outside the
-    layers, the embedding's and the LM head's; ``largest``: a layer's largest single residual
-    without checkpointing, for the microbatch; the last: the layers' part of ``saved`` in bf16/fp16).
+    "saved_16bit_layers": bytes, "const": bytes, ...}`` (module doc; ``head``: the part of ``saved``
+    outside the layers, the embedding's and the LM head's; ``largest``: a layer's largest single
+    residual without checkpointing, for the microbatch; ``saved_16bit_layers``: the layers' part of
+    ``saved`` in bf16/fp16; ``const``: the part of ``head`` made from the shapes alone, the causal
+    mask and the rotary tables).
 
     Raises:
         ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
@@ -182,7 +204,7 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     return {"saved": head + layers * per_layer * batch, "head": head, "layer": none_layer * batch,
             "layer_16bit": low_none * batch,
             "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * low_layer * batch,
-            "probs_saved": layers * at(2, remat, part=3) * batch}
+            "probs_saved": layers * at(2, remat, part=3) * batch, "const": at(0, remat, part=4)}
 
 
 def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
@@ -238,7 +260,7 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
     """
     s = _peak_shape(cfg, mesh_shape, backend)
     r = residuals(cfg, mesh_shape, s.b, max(1, s.stage // s.v), shapes=s.shapes)  # a tick runs one chunk
-    parts = {"residuals": (r["saved"] - (r["head"] if s.split_head else 0)) * s.kept,
+    parts = {"residuals": _kept_residuals(s, r),
              "layer": _layer_working_set(s, r), "cpu_fp32": _cpu_copies(cfg, s, r), "zero3": _prefetch_buffers(s),
              **_schedule_buffers(cfg, s, r, grads, mesh_shape)}
     # the fp32 buffer is live in the backward pass except in a low-precision step without
@@ -308,6 +330,15 @@ def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _Pe
                       layer_el=_elements(shapes["layers"]) / m.num_layers, layerwise=reduces_layerwise(cfg),
                       prefetch=prefetches_weights(cfg), split_head=pp == 1 or lockstep,
                       overlap=cfg.parallel.overlap, zero3=p.zero_stage == 3 and n > 1)
+
+
+def _kept_residuals(s: _PeakShape, r: dict) -> float:
+    """The saved residuals live in the layers' backward: the layers' (the head's backward has run)
+    or, under GPipe, every tick's, the head's among them, except the input-free ones (the causal
+    mask, the rotary tables: ``const``), which the tick scan computes once."""
+    if s.split_head:
+        return (r["saved"] - r["head"]) * s.kept
+    return (r["saved"] - r["const"]) * s.kept + r["const"]
 
 
 def _relayout(s: _PeakShape, r: dict) -> float:
