@@ -329,6 +329,31 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
     assert 0 < low["saved_16bit_layers"] < low["saved"]
 
 
+def test_residuals_made_from_the_shapes_alone_count_once_per_gpipe_step():
+    """The causal mask and the rotary tables depend on neither the params nor the tokens
+    (``const``): part of the head's residuals, the same for every batch, and counted once under
+    GPipe, whose tick scan computes them outside the loop, not once per tick."""
+    import jax
+    import jax.numpy as jnp
+    from tiny import tiny_config
+
+    from jaxcolossal.memory.activations import _input_free, residuals, step_peak
+    from jaxcolossal.memory.budget import layout
+
+    jaxpr = jax.make_jaxpr(lambda x: (x * 2, jnp.arange(4.0) + 1))(jnp.ones(4)).jaxpr
+    assert [id(v) in _input_free(jaxpr) for v in jaxpr.outvars] == [False, True]
+
+    cfg = tiny_config({"data_parallel_size": 4, "pipeline_parallel_size": 2, "zero_stage": 1,
+                       "pipeline_schedule": "gpipe", "num_microbatches": 4}, None,
+                      model={"remat": "none", "attention_impl": "xla"}, training={"seq_len": 64, "batch_size": 16})
+    shape = layout(cfg, 8)[0]
+    r = residuals(cfg, shape, 1, 1)
+    assert 0 < r["const"] < r["head"]
+    assert residuals(cfg, shape, 2, 1)["const"] == r["const"]
+    ticks = 4 + 2 - 1
+    assert step_peak(cfg, shape, 0, 0)["residuals"] == (r["saved"] - r["const"]) * ticks + r["const"]
+
+
 def test_a_shared_host_device_charges_only_the_bubble_that_computes():
     """Simulated devices share one host's cores: 1F1B's idle ticks are skipped and cost nothing,
     GPipe's compute on a placeholder and cost their work; ``memory_cost`` adds the predicted
