@@ -37,7 +37,8 @@ The buffers each layout adds to :func:`step_peak`'s phases:
   residual copy of the sharded weights (on XLA:CPU in low precision, the shards converted
   to fp32);
 * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
-  is autodiff of the tick scan), and in the backward copies the tick's layer residuals out
+  is autodiff of the tick scan), except those made from the shapes alone (the causal mask, the
+  rotary tables), which the tick scan computes once; in the backward it copies the tick's layer residuals out
   of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
   interleaved) keep one chunk's (``layers / v``), its gradients in the compute dtype, and the
   stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; GPipe's tick scan saves the head's
