@@ -38,10 +38,10 @@ The buffers each layout adds to :func:`step_peak`'s phases:
   to fp32);
 * GPipe keeps every tick's residuals, one chunk's each (``m·v + p − 1`` ticks: the backward
   is autodiff of the tick scan), except those made from the shapes alone (the causal mask, the
-  rotary tables), which the tick scan computes once; in the backward it copies the tick's layer residuals out
-  of the stacks and carries the chunk's gradients (``tick``); the lock-step schedules (1F1B,
-  interleaved) keep one chunk's (``layers / v``), its gradients in the compute dtype, and the
-  stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; GPipe's tick scan saves the head's
+  rotary tables), which the tick scan computes once; in the backward it copies the tick's
+  layer residuals out of the stacks and carries the chunk's gradients (``tick``); the
+  lock-step schedules (1F1B, interleaved) keep one chunk's (``layers / v``), its gradients in
+  the compute dtype, and the stash of ``2·v·p − 1`` stage inputs ``[b, s/sp, h]``; GPipe's tick scan saves the head's
   residuals with each tick's;
 * ``backend="cpu"``: XLA:CPU computes bf16/fp16 matmuls in fp32 and converts their operands
   once, outside the layer loop. So the stage's layer weights are also held in fp32: one layer
