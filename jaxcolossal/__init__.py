@@ -15,8 +15,8 @@ from jaxcolossal.booster import (
     TorchFSDPPlugin,
 )
 from jaxcolossal.config import Config, ConfigError, load_config
-from jaxcolossal.dist_logger import get_dist_logger
-from jaxcolossal.launch import (
+from jaxcolossal.runtime.dist_logger import get_dist_logger
+from jaxcolossal.runtime.launch import (
     gpu_memory_fraction,
     launch,
     launch_from_env,
@@ -26,7 +26,7 @@ from jaxcolossal.launch import (
     set_seed,
     simulate_devices,
 )
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 
 __version__ = "0.1.0"
 

@@ -32,7 +32,7 @@ from jaxcolossal.config import (
     TrainingConfig,
     pipeline_microbatches,
 )
-from jaxcolossal.mesh import data_size, make_mesh
+from jaxcolossal.parallel.mesh import data_size, make_mesh
 from jaxcolossal.train.state import TrainPlan, TrainState, init_state, make_plan
 from jaxcolossal.train.step import make_train_step
 
@@ -101,7 +101,7 @@ def GeminiPlugin(precision: str = "fp16", initial_scale: float = 2.0**16, max_no
     """ZeRO-3: parameters, gradients and optimizer state sharded over every device, with Gemini's
     placement: ``offload_optim_frac`` of the optimizer state and ``offload_param_frac`` of the
     compute parameters in pinned host memory, or ``placement_policy="auto"`` to choose them for
-    ``device_memory_limit`` (:mod:`jaxcolossal.placement`; no chunk manager — XLA gathers per layer).
+    ``device_memory_limit`` (:mod:`jaxcolossal.memory.placement`; no chunk manager — XLA gathers per layer).
 
     Raises:
         ConfigError: a ``placement_policy`` other than static/auto, or fractions outside [0, 1]

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import get_family
-from jaxcolossal.models.lora import adapter_shapes_and_axes
-from jaxcolossal.sharding import shard_bytes
+from jaxcolossal.models.layers.lora import adapter_shapes_and_axes
+from jaxcolossal.parallel.sharding import shard_bytes
 
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 """Dense bf16 peak FLOP/s by device family (NVIDIA datasheets)."""

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxcolossal.config import config_from_dict  # noqa: E402
-from jaxcolossal.mesh import make_mesh  # noqa: E402
+from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
 from jaxcolossal.train.optimizer import build_optimizer  # noqa: E402
 from jaxcolossal.train.state import abstract_state, make_plan  # noqa: E402
 from jaxcolossal.train.step import make_train_step  # noqa: E402

@@ -10,9 +10,9 @@ steps each, so that machine noise hits every setting alike) and prints
 
 * ``ratio``: median step time / the no-offload median;
 * ``host in/out``: per-device bytes of the step's arguments and results in host memory, read from
-  the compiled HLO's entry layout (:func:`jaxcolossal.hlo.host_io_bytes`): what the step moves over
+  the compiled HLO's entry layout (:func:`jaxcolossal.aot.hlo.host_io_bytes`): what the step moves over
   the host link with ``optimizer_device=device``;
-* ``predicted``: :func:`jaxcolossal.placement.traffic`, the model's host↔device bytes per step;
+* ``predicted``: :func:`jaxcolossal.memory.placement.traffic`, the model's host↔device bytes per step;
 * ``GB/s``: predicted bytes / (step time − the no-offload step time), the achieved host↔device
   bandwidth when the transfers do not overlap compute (on a GPU: compare with PCIe Gen5 x16,
   ~55 GB/s, or NVLink-C2C, ~450 GB/s per direction on GH200; on the CPU it means nothing: every
@@ -48,9 +48,9 @@ def _setup(name, args, n, h, tmp):
     import numpy as np
 
     from jaxcolossal.config import config_from_dict
-    from jaxcolossal.hlo import host_io_bytes
+    from jaxcolossal.aot.hlo import host_io_bytes
     from jaxcolossal.memory.budget import traffic
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.nvme import nvme_tier
     from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
     from jaxcolossal.train.state import init_state, make_plan

@@ -16,8 +16,8 @@ true, everything else equal) are compiled in one process, then timed alternately
 per round, so that both see the same machine load; it prints the median step time of each, the
 ratio on/off, the compiled peak memory per device of each, and the final losses (equal up to
 fp rounding). What it measures is the prefetch in the layer scan
-(:func:`jaxcolossal.models.remat.prefetched_scan`); the XLA flags that ``overlap`` also sets
-(:mod:`jaxcolossal.xla_flags`) apply to a whole process and GPUs only, so they are the same on
+(:func:`jaxcolossal.parallel.layer_scan.prefetched_scan`); the XLA flags that ``overlap`` also sets
+(:mod:`jaxcolossal.runtime.xla_flags`) apply to a whole process and GPUs only, so they are the same on
 both sides here. On one device ZeRO-3 gathers nothing, and on the CPU the runtime does not run a
 collective concurrently with compute in the way a GPU's streams do: expect a ratio near 1 there.
 """
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     import benchmark as bm
     import jax
 
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import init_state, make_plan
     from jaxcolossal.train.step import make_train_step

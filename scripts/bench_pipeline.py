@@ -11,7 +11,7 @@ m), it compiles the whole train step (nothing runs) and prints
   step (activations, stash, gradient buffers), and its ratio to the value at m = 2p;
 * the schedule table's tick count and bubble fraction, next to the closed form
   (gpipe ``(p−1)/(m·v+p−1)``; 1f1b ``(2p−2)/(m+2p−2)``; interleaved
-  ``((v+1)p−2)/(m·v+(v+1)p−2)``; see :mod:`jaxcolossal.parallel.schedule`).
+  ``((v+1)p−2)/(m·v+(v+1)p−2)``; see :mod:`jaxcolossal.parallel.pipeline_schedule`).
 
 Then it checks the claims: 1f1b's memory at m = 8p is within 1.2× of m = 2p, gpipe's grows with
 m, the table bubbles equal the formulas, and interleaved's bubble is below 1f1b's at every m
@@ -46,7 +46,7 @@ def compile_step(cfg, devices=None):
     """Lower and compile the train step of ``cfg`` (state initialised, nothing executed)."""
     import jax
 
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import init_state, make_plan
     from jaxcolossal.train.step import make_train_step
@@ -62,7 +62,7 @@ def compile_step(cfg, devices=None):
 
 def measure(schedule: str, pp: int, m: int, **kw) -> dict:
     """``{temp_bytes, ticks, bubble, formula}`` of one pipelined configuration."""
-    from jaxcolossal.parallel.schedule import pipeline_schedule_for
+    from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
     cfg = pipeline_config(schedule, pp, m, **kw)
     compiled = compile_step(cfg)
     s = pipeline_schedule_for(cfg, pp)

@@ -188,7 +188,7 @@ def run(cfg, warmup: int, steps: int, seed: int = 0, log=print) -> dict:
     import jax
 
     from jaxcolossal import metrics as mx
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import init_state, make_plan
     from jaxcolossal.train.step import make_train_step

@@ -87,7 +87,7 @@ def ours_compiled(args):
     import jax
     import jax.numpy as jnp
 
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import init_state, make_plan
     from jaxcolossal.train.step import make_train_step
@@ -234,7 +234,7 @@ def part_b(args, log) -> dict:
     import torch.nn.functional as F
     import transformers
 
-    from jaxcolossal.models.hf import save_hf
+    from jaxcolossal.models.hf_io import save_hf
 
     torch.set_num_threads(CORES)
     torch.manual_seed(0)
@@ -315,7 +315,7 @@ def part_b(args, log) -> dict:
 def part_c(args, log) -> dict:
     import jax
 
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import init_state, make_plan
     from jaxcolossal.train.step import make_train_step
@@ -395,7 +395,7 @@ def _all_reduce_parts(lines: list[str], line: str, min_elements: int) -> list[tu
 
 
 def hlo_result_shapes(line: str):
-    from jaxcolossal import hlo
+    from jaxcolossal.aot import hlo
 
     return hlo._result_shapes(line)
 
@@ -407,7 +407,7 @@ def collective_volume(hlo_text: str, min_elements: int = 64) -> dict:
     "reduce-scatter": S·N, "all-to-all" / "collective-permute": S, "total"}``, where S is each
     result array's elements and N a reduce-scatter's group size.
     """
-    from jaxcolossal import hlo
+    from jaxcolossal.aot import hlo
 
     comps, entry = hlo.computations(hlo_text)
     vol: dict[str, float] = {}

@@ -157,7 +157,7 @@ def special_tokens(src: str, saved: dict | None, tokenizer: str | None) -> tuple
     files go with the export (None: none). ``saved`` is the checkpoint's saved config (None for
     the params.npz form). Prints where the ids came from.
     """
-    from jaxcolossal.models.hf import read_special_tokens
+    from jaxcolossal.models.hf_io import read_special_tokens
 
     saved = saved or {}
     run_tok = (saved.get("data") or {}).get("tokenizer")
@@ -188,7 +188,7 @@ def to_jax(hf_dir: str, out: str, tp: int = 1, vocab_pad_multiple: int = 1) -> N
     import numpy as np
     import yaml
 
-    from jaxcolossal.models.hf import GENERATION_CONFIG, load_hf
+    from jaxcolossal.models.hf_io import GENERATION_CONFIG, load_hf
 
     cfg, params = load_hf(hf_dir, tp=tp, vocab_pad_multiple=vocab_pad_multiple)
     os.makedirs(out, exist_ok=True)
@@ -252,8 +252,8 @@ def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = No
     (:func:`special_tokens`); the tokenizer's files are copied into ``out``.
     """
     from jaxcolossal.config import config_from_dict
-    from jaxcolossal.models.hf import save_hf
-    from jaxcolossal.models.lora import merged_weights, split
+    from jaxcolossal.models.hf_io import save_hf
+    from jaxcolossal.models.layers.lora import merged_weights, split
     from jaxcolossal.models.peft import save_adapters
 
     model, params, saved = load_source(src, step)
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
                          "do); default: the run's data.tokenizer, else the ids of its model.init_from")
     args = ap.parse_args(argv)
 
-    from jaxcolossal.launch import use_cpu_without_gpu
+    from jaxcolossal.runtime.launch import use_cpu_without_gpu
 
     use_cpu_without_gpu()  # host arrays only: no GPU start (and no log of a failed one) where a CUDA plugin is
     from jaxcolossal.config import ConfigError

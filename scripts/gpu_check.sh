@@ -158,7 +158,7 @@ bench llama_3b_remat_full 200 --model "$MODEL_3B" --remat full --batch-per-dp "$
 step flash_attention 100 env ATTN="$ATTN" "$PY" - <<'EOF'
 import os, time
 import jax, jax.numpy as jnp
-from jaxcolossal.models.flash_attention import flash_attention
+from jaxcolossal.models.layers.flash_attention import flash_attention
 impls = {"flash": lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=64, block_k=64)}
 if os.environ.get("ATTN") == "cudnn":
     impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")

@@ -8,7 +8,7 @@ real train step for the fleet with XLA's GPU compiler (no GPU needed; :mod:`jaxc
 once with ``parallel.overlap=false`` and once with ``true``, and prints per row: the collectives'
 time per step at link bandwidth, the share of it that the compute XLA scheduled between each
 async start and done hides (at the matmul peak), the exposed time, the compiled peak memory, and
-the ratio on/off of the exposed time. The exposure model and its limits: :mod:`jaxcolossal.aot.schedule`.
+the ratio on/off of the exposed time. The exposure model and its limits: :mod:`jaxcolossal.aot.gpu_schedule`.
 A compiled estimate, not a timing: nothing runs.
 """
 

@@ -12,7 +12,7 @@ memory. A LLaMA with vocabulary 128256, hidden 2048, 2 layers (the Llama-3.2-1B 
    dp 4 × tp 2. For each layout, four programs: the old paths (all logits materialized,
    ``model.loss_chunk_tokens=0``; one-hot embedding, ``model.embedding_impl=one_hot``), each new
    path alone, and both. Printed: XLA's temporary bytes per device (``memory_analysis()``), the
-   matmul FLOPs per device from the HLO (:func:`jaxcolossal.hlo.dot_flops`, loops × trip counts),
+   matmul FLOPs per device from the HLO (:func:`jaxcolossal.aot.hlo.dot_flops`, loops × trip counts),
    and the ratios old / new.
 audit. The FLOP audit: the step's matmul FLOPs from the compiled HLO (loop bodies × trip
    counts; XLA's ``cost_analysis`` counts a ``while`` body once) divided by the model FLOPs
@@ -59,7 +59,7 @@ def build(model: dict, batch: int, seq: int, parallel: dict, bf16: bool = False)
     import jax
 
     from jaxcolossal.config import config_from_dict
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import make_plan
 
@@ -78,7 +78,7 @@ def compile_only(model: dict, batch: int, seq: int, parallel: dict, bf16: bool =
     """Compile the train step on abstract arrays (nothing allocated); its per-device figures."""
     import jax
 
-    from jaxcolossal import hlo
+    from jaxcolossal.aot import hlo
     from jaxcolossal.train.state import init_state
     from jaxcolossal.train.step import make_train_step
 
@@ -106,7 +106,7 @@ def head_only(tokens: int, d: int, v: int, chunk: int, bf16: bool) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxcolossal.models.vocab import lm_head_loss
+    from jaxcolossal.models.layers.vocab import lm_head_loss
 
     dt = jnp.bfloat16 if bf16 else jnp.float32
     h, w = jax.ShapeDtypeStruct((1, tokens, d), dt), jax.ShapeDtypeStruct((d, v), dt)
@@ -117,7 +117,7 @@ def head_only(tokens: int, d: int, v: int, chunk: int, bf16: bool) -> int:
 
 def part_memory(args, log) -> dict:
     from jaxcolossal.config import ModelConfig
-    from jaxcolossal.models.vocab import fused_pays
+    from jaxcolossal.models.layers.vocab import fused_pays
 
     model = {**LLAMA_1B, "num_layers": 2}
     chunk = ModelConfig().loss_chunk_tokens
@@ -230,7 +230,7 @@ def main_step_times(repeats: int) -> dict:
     import numpy as np
 
     from jaxcolossal.config import load_config
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
     from jaxcolossal.train.state import init_state, make_plan
     from jaxcolossal.train.step import make_train_step

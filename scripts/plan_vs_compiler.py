@@ -129,7 +129,7 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
     import numpy as np
 
     from jaxcolossal.memory.budget import need
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
     from jaxcolossal.train.state import abstract_state, make_plan
     from jaxcolossal.train.step import make_train_step

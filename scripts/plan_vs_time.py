@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     from scipy.optimize import nnls
 
     from jaxcolossal.config import config_from_dict
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.plan import Device, predict
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import init_state, make_plan

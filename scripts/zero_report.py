@@ -27,16 +27,16 @@ def measure(precision: str, zero: int, *, accum: int = 1, hidden: int = 256, lay
     Returns ``{"psi", "n", "measured", "formula", "collectives", "hlo"}``: Ψ (every parameter),
     the ZeRO group size, per-device bytes of params / grads / optimizer measured from the arrays
     (:func:`jaxcolossal.metrics.model_state_bytes`) and from the ZeRO paper's (docs/zero.md) formula, the compiled
-    step's per-step collective totals (:func:`jaxcolossal.hlo.collective_totals`) and its HLO text.
+    step's per-step collective totals (:func:`jaxcolossal.aot.hlo.collective_totals`) and its HLO text.
     Call after the device count is set (``jc.simulate_devices``).
     """
     import jax
     import numpy as np
 
-    from jaxcolossal import hlo
+    from jaxcolossal.aot import hlo
     from jaxcolossal import metrics as mx
     from jaxcolossal.config import config_from_dict
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import BYTES_PER_PARAM, init_state, make_plan
     from jaxcolossal.train.step import make_train_step

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxcolossal.config import Config, config_from_dict, load_config
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule

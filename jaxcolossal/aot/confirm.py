@@ -8,7 +8,7 @@ against the compiled per-device peak memory and collective bytes. It then ranks 
 what was compiled: the layouts whose compiled peak does not fit 90% of the HBM (the planner's own
 margin) are dropped, and the rest are ordered by a step time in which the planner's predicted
 communication is replaced by the communication the compiled schedule leaves exposed
-(:mod:`jaxcolossal.aot.schedule`: matmuls at the bf16 peak, transfers at the link bandwidths).
+(:mod:`jaxcolossal.aot.gpu_schedule`: matmuls at the bf16 peak, transfers at the link bandwidths).
 
 The planner itself never imports the training code; this module, above both, does the
 compiling, and ``python -m jaxcolossal.plan`` calls it only with ``--confirm``.

@@ -4,8 +4,8 @@
 precision, remat, offload, optimizer and kernels — over compile-only devices of a target
 (:mod:`jaxcolossal.aot.target`), lowers and compiles its train step with XLA's GPU compiler, and
 reads the result: per-device memory (``memory_analysis()``) against the device's HBM, the
-collectives by kind with the bytes each device sends (:func:`jaxcolossal.hlo.collective_totals`),
-the async pairs and the compute scheduled inside each (:mod:`jaxcolossal.aot.schedule`), the
+collectives by kind with the bytes each device sends (:func:`jaxcolossal.aot.hlo.collective_totals`),
+the async pairs and the compute scheduled inside each (:mod:`jaxcolossal.aot.gpu_schedule`), the
 custom calls (cuDNN attention, Triton kernels) and the compile time.
 
 What a deviceless compile cannot tell (docs/gpu.md): nothing is autotuned (XLA takes its default
@@ -30,12 +30,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal import hlo, xla_flags
-from jaxcolossal.aot import schedule
+from jaxcolossal.aot import hlo
+from jaxcolossal.runtime import xla_flags
+from jaxcolossal.aot import gpu_schedule as schedule
 from jaxcolossal.aot.target import Target, compile_only_devices, topology
 from jaxcolossal.config import Config, ConfigError, double_buffers_loops, validate
-from jaxcolossal.mesh import make_mesh, platform
-from jaxcolossal.platforms import fp8_refusal
+from jaxcolossal.parallel.mesh import make_mesh, platform
+from jaxcolossal.runtime.platforms import fp8_refusal
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import abstract_state, make_plan
 from jaxcolossal.train.step import make_train_step
@@ -50,8 +51,8 @@ class FleetCompile:
 
     Bytes are per device. ``memory``: ``argument``, ``output``, ``alias``, ``temp`` and the
     ``host_*`` counterparts from ``memory_analysis()``; ``collectives``: per kind, as
-    :func:`jaxcolossal.hlo.collective_totals`; ``custom_calls``: target -> executions per step;
-    ``flops``: matmul FLOPs per device per step (:func:`jaxcolossal.hlo.dot_flops`).
+    :func:`jaxcolossal.aot.hlo.collective_totals`; ``custom_calls``: target -> executions per step;
+    ``flops``: matmul FLOPs per device per step (:func:`jaxcolossal.aot.hlo.dot_flops`).
     """
 
     target: Target
@@ -71,7 +72,7 @@ class FleetCompile:
     compiler_messages: list = field(default_factory=list)
     hlo_text: str = ""
     matmuls: dict = field(default_factory=dict)
-    """Matmul executions per step by inputs (:func:`jaxcolossal.hlo.fp8_matmuls`): ``fp8``,
+    """Matmul executions per step by inputs (:func:`jaxcolossal.aot.hlo.fp8_matmuls`): ``fp8``,
     ``cublaslt``, ``fusion``, ``other``."""
 
     @property
@@ -184,7 +185,7 @@ def compile_for(cfg: Config, target: Target, num_devices: int, devices_per_host:
     The devices are compile-only (:func:`jaxcolossal.aot.target.compile_only_devices`); the run is
     built as the training loop builds it (mesh, plan, optimizer, the abstract train state, the
     jitted step), with the XLA GPU flags of ``parallel.overlap`` / ``bucket_size_mb`` passed as
-    compiler options (:func:`jaxcolossal.xla_flags.compiler_options`). Every GPU path is chosen by
+    compiler options (:func:`jaxcolossal.runtime.xla_flags.compiler_options`). Every GPU path is chosen by
     the mesh's platform, so the program is the one a GPU run compiles.
 
     Raises:

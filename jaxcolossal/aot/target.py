@@ -26,7 +26,7 @@ import jax
 from jax.experimental import topologies
 
 from jaxcolossal.errors import ConfigError, DependencyError
-from jaxcolossal.platforms import nvidia_device_present
+from jaxcolossal.runtime.platforms import nvidia_device_present
 
 SPECS = Path(__file__).with_name("specs")
 """The folder of the target files (``<name>.txtpb``)."""
@@ -190,7 +190,7 @@ def prepare_environment() -> None:
 def compile_only_devices(target: Target | str, num_devices: int, devices_per_host: int | None = None) -> list:
     """``num_devices`` compile-only CUDA devices of ``target``, ``devices_per_host`` per host
     (default: the target's, 8), in process-major order: a ``Mesh`` over them
-    (:func:`jaxcolossal.mesh.make_mesh` takes ``devices=``) compiles for that fleet.
+    (:func:`jaxcolossal.parallel.mesh.make_mesh` takes ``devices=``) compiles for that fleet.
 
     Raises:
         ValueError: an unknown target, or a device count that does not split into hosts.

@@ -53,7 +53,7 @@ def reduces_layerwise(cfg: Config) -> bool:
 
 
 def prefetches_weights(cfg: Config) -> bool:
-    """Whether the layer scan prefetches ZeRO-3's weights (:func:`jaxcolossal.models.remat.prefetched_scan`):
+    """Whether the layer scan prefetches ZeRO-3's weights (:func:`jaxcolossal.parallel.layer_scan.prefetched_scan`):
     ``parallel.overlap`` with ZeRO-3, ``model.remat=full`` and :func:`reduces_layerwise` (offloaded
     params stream in instead)."""
     return (reduces_layerwise(cfg) and cfg.parallel.zero_stage == 3 and cfg.parallel.overlap

@@ -67,11 +67,11 @@ class ModelConfig:
 
     ``remat``: the activation-checkpointing policy of each layer, from least to most recompute:
     ``none``, ``selective`` (keeps every projection's output), ``save_qkv_proj``, ``dots``,
-    ``full`` (:mod:`jaxcolossal.models.remat`); ``offload`` keeps what ``selective`` keeps, in host
+    ``full`` (:mod:`jaxcolossal.parallel.layer_scan`); ``offload`` keeps what ``selective`` keeps, in host
     memory (``offload.activations=host`` sets it).
 
     ``loss_chunk_tokens``: tokens per device in one chunk of the fused LM head + cross-entropy
-    (:func:`jaxcolossal.models.vocab.lm_head_loss`): a chunk's fp32 logits take
+    (:func:`jaxcolossal.models.layers.vocab.lm_head_loss`): a chunk's fp32 logits take
     ``loss_chunk_tokens × vocab/tp × 4`` bytes; 0 materializes the logits of all tokens.
     ``embedding_impl``: with the vocabulary split over tp, ``gather`` (Megatron's masked gather)
     or ``one_hot`` (a one-hot matmul, ``2·tokens·vocab·hidden/tp`` FLOPs; for comparison).
@@ -79,7 +79,7 @@ class ModelConfig:
     ``qk_norm``: RMSNorm over each head of q and k before RoPE (Qwen3). ``attention_head_dim``: the
     size of one head (0: ``hidden_size / num_attention_heads``; Qwen3 sets its own).
 
-    Mixture of experts (``num_experts > 0``; :mod:`jaxcolossal.models.moe`): each layer after the
+    Mixture of experts (``num_experts > 0``; :mod:`jaxcolossal.models.layers.moe`): each layer after the
     first ``first_k_dense`` replaces its MLP by ``num_experts`` routed SwiGLU experts of
     ``moe_intermediate_size`` (0: ``intermediate_size``), ``num_experts_per_tok`` of them per token,
     plus ``num_shared_experts`` experts every token passes through (DeepSeek-MoE). The router scores
@@ -238,10 +238,10 @@ class ParallelConfig:
     ``overlap`` (default true; Colossal-AI's ``overlap_communication``) and ``bucket_size_mb``
     (``reduce_bucket_size_in_m``; 0: XLA's default) set XLA's GPU flags for the latency-hiding
     scheduler, collective pipelining and combine thresholds before the backend starts
-    (:mod:`jaxcolossal.xla_flags`; only on GPUs, only the flags the jaxlib accepts). Under ZeRO-3
+    (:mod:`jaxcolossal.runtime.xla_flags`; only on GPUs, only the flags the jaxlib accepts). Under ZeRO-3
     with ``model.remat=full`` (and fp32 communication, no param offload) ``overlap`` also makes the
     layer scan gather layer i+1's weights before layer i runs, forward and backward
-    (:func:`jaxcolossal.models.remat.prefetched_scan`): one more layer's weights held per device.
+    (:func:`jaxcolossal.parallel.layer_scan.prefetched_scan`): one more layer's weights held per device.
     Under Megatron-SP (``split_gather``) ``overlap`` runs the projections as TP collective matmuls
     (:mod:`jaxcolossal.parallel.collective_matmul`) for sequences of at least ``collective_matmul_min_seq``
     tokens (default 0: all; no GPU has measured where it starts to pay).
@@ -333,7 +333,7 @@ class PrecisionConfig:
     ``fp8`` (with ``bf16``): the layers' projections (q, k, v, o and the MLP's) multiply in FP8,
     Transformer Engine's recipe with current per-tensor scaling: activations and weights in e4m3,
     gradients in e5m2, each tensor scaled by its own amax in the step that uses it
-    (:func:`jaxcolossal.models.linear.project_fp8`). Master weights, optimizer state, the
+    (:func:`jaxcolossal.models.layers.linear.project_fp8`). Master weights, optimizer state, the
     embedding, the LM head and attention stay as in bf16. On GPUs with FP8 tensor cores (Hopper,
     Blackwell) XLA turns each into an FP8 GEMM; elsewhere the numerics are emulated."""
 
@@ -443,7 +443,7 @@ def parse_bytes(value: Any, key: str = "value") -> int:
 @dataclass
 class OffloadConfig:
     """Heterogeneous memory: which part of the train state lives in host memory (Colossal-AI's
-    Gemini placement and ``cpu_offload``; :mod:`jaxcolossal.placement`, docs/offload.md).
+    Gemini placement and ``cpu_offload``; :mod:`jaxcolossal.memory.placement`, docs/offload.md).
 
     ``placement_policy``: ``static`` (the fractions below, as given) or ``auto`` (the fractions that
     fit ``device_memory_limit`` with the least host↔device traffic, Gemini's

@@ -18,7 +18,7 @@ Per device and microbatch (:func:`residuals`):
 
 ``attention_impl=cudnn`` is traced as ``flash`` (the same residuals; cuDNN traces only where it
 is installed). Shapes are per device: dimensions mapped to ``tp`` by the rules table are divided by it (the
-param specs of :func:`jaxcolossal.sharding.state_specs` without ZeRO's ``fsdp``, which the
+param specs of :func:`jaxcolossal.parallel.sharding.state_specs` without ZeRO's ``fsdp``, which the
 forward gathers), and the sequence by ``sp``. A layer's residuals grow linearly with the
 microbatch, so they are traced at one and two layers of one sequence and scaled; the rest
 (embedding, head, loss) is traced with no layers at the microbatch itself. The traces are
@@ -74,10 +74,10 @@ from jaxcolossal.config import (
     prefetches_weights,
     reduces_layerwise,
 )
-from jaxcolossal.mesh import data_size, entry_axes
+from jaxcolossal.parallel.mesh import data_size, entry_axes
 from jaxcolossal.models import get_family, param_layout
-from jaxcolossal.models.vocab import fused_pays
-from jaxcolossal.sharding import Sharder, rules_for, state_specs
+from jaxcolossal.models.layers.vocab import fused_pays
+from jaxcolossal.parallel.sharding import Sharder, rules_for, state_specs
 
 
 def _is_shape(x: Any) -> bool:
@@ -210,7 +210,7 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
 
 def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
     """The non-layer residuals for ``batch`` sequences, linear in the batch within each of the LM
-    head's two paths (:func:`jaxcolossal.models.vocab.fused_pays`): traced at the smallest batch
+    head's two paths (:func:`jaxcolossal.models.layers.vocab.fused_pays`): traced at the smallest batch
     of the path and the next, then extrapolated, so that the planner traces a few batches only."""
     b0 = 1  # the full logits' path: from one sequence; the fused one from its first batch
     if fused_pays(batch * seq, m.hidden_size, m.loss_chunk_tokens):
@@ -389,7 +389,7 @@ def _layer_working_set(s: _PeakShape, r: dict) -> float:
 def _gpu_layerwise(s: _PeakShape) -> float:
     """XLA:GPU's buffers of ZeRO-2/3's layer-wise reduction beside a layer's backward working set:
     the layer's weight gradient in fp32 (the weight-gradient matmuls output fp32,
-    :mod:`jaxcolossal.models.linear`); with ``parallel.overlap`` the collective pipeliner moves each
+    :mod:`jaxcolossal.models.layers.linear`); with ``parallel.overlap`` the collective pipeliner moves each
     layer's reduce-scatter into the next iteration, so the previous layer's gradient is held too
     (else the reduce-scatter's 1/N output); under ZeRO-3 without the prefetching scan, the gathered
     weights of the layer, and with the pipeliner's all-gather the next layer's as well."""

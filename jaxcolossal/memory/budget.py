@@ -25,12 +25,12 @@ import jax
 
 from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, parse_bytes
 from jaxcolossal.memory.activations import step_peak
-from jaxcolossal.mesh import mesh_shape as resolved_shape
-from jaxcolossal.mesh import platform
+from jaxcolossal.parallel.mesh import mesh_shape as resolved_shape
+from jaxcolossal.parallel.mesh import platform
 from jaxcolossal.models import adapter_layout, param_layout
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
-from jaxcolossal.placement import Placement, is_shape, local_elements, make_placement
-from jaxcolossal.sharding import rules_for, state_specs
+from jaxcolossal.memory.placement import Placement, is_shape, local_elements, make_placement
+from jaxcolossal.parallel.sharding import rules_for, state_specs
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 """The fractions :func:`auto` tries for each of offload_optim_frac and offload_param_frac."""
@@ -79,7 +79,7 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     one layer's backward, the gradients in flight, per layout and ``backend``) + with
     ``optimizer_device=device`` one offloaded leaf's optimizer state streamed in (the largest).
     ``backend``: ``"gpu"`` (XLA:GPU's buffers, the default) or ``"cpu"`` (XLA:CPU's, for simulated
-    devices): the platform the mesh compiles for (:func:`jaxcolossal.mesh.platform`).
+    devices): the platform the mesh compiles for (:func:`jaxcolossal.parallel.mesh.platform`).
     Returns the parts, ``"total"`` and ``"host"`` (the pinned host bytes per device); ``"state"``
     includes ``"compression"``, the gradient-compression state (error-feedback residuals, PowerSGD's
     ``Q``: :func:`jaxcolossal.parallel.compression.state_bytes`).

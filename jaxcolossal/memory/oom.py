@@ -11,7 +11,7 @@ import re
 from jaxcolossal.config import Config, ConfigError, gib
 from jaxcolossal.memory import budget
 from jaxcolossal.memory.budget import device_need
-from jaxcolossal.mesh import data_size, platform
+from jaxcolossal.parallel.mesh import data_size, platform
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating")
 """Substrings by which XLA's runtime and compiler report an allocation that did not fit."""

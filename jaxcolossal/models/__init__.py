@@ -1,27 +1,29 @@
-"""Model families.
+"""Model families and the layers they share.
 
-Each family is a module exposing the same pure functions over a params dict —
-``padded_vocab_size(cfg, tp)``, ``param_shapes_and_axes(cfg, vocab)``, ``init_params(cfg, key, tp)``,
-``forward(params, tokens, cfg, shard, vocab_parallel)``, ``loss_sum(...)``, ``head_loss(...)`` and
-``pipeline_stages(cfg, shard, vocab_parallel, positions)`` (the forward cut at a pipeline's stage
-boundaries) — plus an NNX module class. The train step and the pipeline only talk to that
-interface (:func:`get_family`); no generic code names a family.
+Each family is a folder (:mod:`~jaxcolossal.models.llama`, :mod:`~jaxcolossal.models.gpt2`) whose
+``FAMILY`` is a :class:`~jaxcolossal.models.family.Family`: pure functions over a params dict, an
+NNX module class, and its Hugging Face format. :data:`FAMILIES` registers them by ``model.type``;
+the train step, the pipeline and the planner only talk to that record (:func:`get_family`), and
+no generic code names a family. Shared layers are :mod:`jaxcolossal.models.layers`; reading and
+writing Hugging Face folders is :mod:`jaxcolossal.models.hf_io`, PEFT adapters :mod:`jaxcolossal.models.peft`.
 """
-
-from types import ModuleType
 
 import jax
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models import gpt2, llama, lora
+from jaxcolossal.models import gpt2, llama
+from jaxcolossal.models.family import Family, count_params, param_axes
 from jaxcolossal.models.gpt2 import GPT2LMHeadModel
-from jaxcolossal.models.llama import LlamaForCausalLM, count_params, padded_vocab_size, param_axes
+from jaxcolossal.models.layers import lora
+from jaxcolossal.models.layers.vocab import padded_vocab_size
+from jaxcolossal.models.llama import LlamaForCausalLM
 
-FAMILIES = {"llama": llama, "gpt2": gpt2}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY)}
+"""``model.type`` -> its :class:`~jaxcolossal.models.family.Family`; adding a family is one line here."""
 
 
-def get_family(cfg: ModelConfig) -> ModuleType:
-    """The module implementing ``cfg.type``.
+def get_family(cfg: ModelConfig) -> Family:
+    """The :class:`~jaxcolossal.models.family.Family` implementing ``cfg.type``.
 
     Raises:
         ConfigError: an unknown model type.
@@ -31,24 +33,29 @@ def get_family(cfg: ModelConfig) -> ModuleType:
     return FAMILIES[cfg.type]
 
 
+def _is_pair(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def _split_pairs(table: dict) -> tuple[dict, dict]:
+    """A ``{name: (shape, axes)}`` tree as two trees, ``(shapes, axes)``."""
+    return (jax.tree.map(lambda sa: sa[0], table, is_leaf=_is_pair), jax.tree.map(lambda sa: sa[1], table, is_leaf=_is_pair))
+
+
 def param_layout(cfg: ModelConfig, tp: int = 1) -> tuple[int, dict, dict]:
     """``(padded vocab, shapes, logical axes)`` of every parameter of ``cfg``'s family, as two
     pytrees of tuples mirroring the params dict; no arrays are created."""
     family = get_family(cfg)
     vocab = family.padded_vocab_size(cfg, tp)
-    table = family.param_shapes_and_axes(cfg, vocab)
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
-    shapes = jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair)
-    axes = jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair)
-    return vocab, shapes, axes
+    return (vocab, *_split_pairs(family.param_shapes_and_axes(cfg, vocab)))
 
 
 def adapter_layout(cfg: ModelConfig, shapes: dict, axes: dict) -> tuple[dict, dict]:
-    """``(shapes, logical axes)`` of ``cfg.model.lora``'s adapters (:mod:`jaxcolossal.models.lora`)
+    """``(shapes, logical axes)`` of ``cfg.model.lora``'s adapters (:mod:`jaxcolossal.models.layers.lora`)
     for the base model's :func:`param_layout` trees."""
-    table = lora.adapter_shapes_and_axes(cfg.lora, {n: (shapes["layers"][n], axes["layers"][n]) for n in shapes["layers"]})
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)  # noqa: E731
-    return (jax.tree.map(lambda sa: sa[0], table, is_leaf=is_pair), jax.tree.map(lambda sa: sa[1], table, is_leaf=is_pair))
+    return _split_pairs(lora.adapter_shapes_and_axes(cfg.lora, {n: (shapes["layers"][n], axes["layers"][n])
+                                                                for n in shapes["layers"]}))
 
 
-__all__ = ["adapter_layout", "param_layout", "LlamaForCausalLM", "GPT2LMHeadModel", "count_params", "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]
+__all__ = ["adapter_layout", "param_layout", "Family", "LlamaForCausalLM", "GPT2LMHeadModel", "count_params",
+           "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]

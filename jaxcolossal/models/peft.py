@@ -2,12 +2,12 @@
 (PEFT's ``save_pretrained`` of a ``LoraConfig`` on a ``LlamaForCausalLM``), out and in.
 
 Keys and shapes, layer ``i`` and a target's module ``m`` (``self_attn.q_proj``, ``mlp.down_proj``,
-... :data:`jaxcolossal.models.lora.HF_MODULES`)::
+... :data:`jaxcolossal.models.layers.lora.HF_MODULES`)::
 
     base_model.model.model.layers.{i}.{m}.lora_A.weight   [r, in_features]    <- wq_lora_a[i] [d, r] transposed
     base_model.model.model.layers.{i}.{m}.lora_B.weight   [out_features, r]   <- wq_lora_b[i] [r, h, q] flattened, transposed
 
-with the projections' feature orders of :mod:`jaxcolossal.models.hf` (``q_proj``'s outputs as
+with the projections' feature orders of :mod:`jaxcolossal.models.hf_io` (``q_proj``'s outputs as
 ``[heads, head_dim]``, ``o_proj``'s inputs likewise). ``peft.PeftModel.from_pretrained`` loads the
 folder onto the base ``transformers`` model with the same logits (tested to 1e-4).
 """
@@ -22,8 +22,8 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxcolossal.config import ConfigError, LoraConfig, ModelConfig
-from jaxcolossal.models.hf import _raw_tensor, save_shared
-from jaxcolossal.models.lora import HF_MODULES, SUFFIX_A, SUFFIX_B, WEIGHTS
+from jaxcolossal.models.hf_io import raw_tensor, save_shared
+from jaxcolossal.models.layers.lora import HF_MODULES, SUFFIX_A, SUFFIX_B, WEIGHTS
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -94,12 +94,12 @@ def _tensor(f, file: str, key: str) -> np.ndarray:
     try:
         return np.asarray(f.get_tensor(key), np.float32)
     except TypeError:  # bfloat16, which numpy cannot hold
-        return _raw_tensor(file, key)
+        return raw_tensor(file, key)
 
 
 def load_adapters(path: str | os.PathLike, cfg: ModelConfig) -> dict:
     """fp32 numpy adapters ``{"layers": {name: [L, ...]}}`` from a PEFT folder, in the layout of
-    :func:`jaxcolossal.models.lora.adapter_shapes_and_axes` for ``cfg`` (whose ``lora`` must be the
+    :func:`jaxcolossal.models.layers.lora.adapter_shapes_and_axes` for ``cfg`` (whose ``lora`` must be the
     folder's, :func:`read_adapter_config`).
 
     Raises:

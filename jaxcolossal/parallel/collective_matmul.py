@@ -23,12 +23,12 @@ Here, with ``n = tp`` and ``r`` this device's index in the ``tp`` group:
 
 Each is a ``jax.custom_vjp`` whose backward is the other one (the gradient of an all-gather is a
 reduce-scatter), so the backward overlaps too. The weight gradients are contracted in fp32
-(``preferred_element_type``, as :mod:`jaxcolossal.models.linear`) from the gathered activation
+(``preferred_element_type``, as :mod:`jaxcolossal.models.layers.linear`) from the gathered activation
 that the forward assembled as it went by (column-parallel) or the gathered output gradient
 (row-parallel). Numerically the forward equals the plain einsum up to the order of the
 reduce-scatter's sums.
 
-Active when :meth:`jaxcolossal.sharding.Sharder.collective_matmul` says so (``split_gather``,
+Active when :meth:`jaxcolossal.parallel.sharding.Sharder.collective_matmul` says so (``split_gather``,
 ``tp`` > 1, ``parallel.overlap``, sequence ≥ ``parallel.collective_matmul_min_seq`` and divisible by
 ``tp``, outside another ``shard_map``); otherwise the model's plain projections run.
 """
@@ -166,7 +166,7 @@ def all_gather_matmul(shard, x: jax.Array, terms: Sequence[tuple[str, jax.Array,
     """Column-parallel projections of a sequence-sharded activation, all-gather overlapped.
 
     Args:
-        shard: the :class:`~jaxcolossal.sharding.Sharder` (its mesh and ``batch`` rule).
+        shard: the :class:`~jaxcolossal.parallel.sharding.Sharder` (its mesh and ``batch`` rule).
         x: ``[b, t, d]``, the sequence split over ``tp`` (Megatron-SP's residual stream), the
             batch on the rules' ``batch`` axes; compute dtype.
         terms: ``(eq, w, letter)`` per projection sharing ``x``: an einsum whose first operand is
@@ -196,7 +196,7 @@ def matmul_reduce_scatter(shard, eq: str, x: jax.Array, w: jax.Array, letter: st
     overlapped with the partial matmuls.
 
     Args:
-        shard: the :class:`~jaxcolossal.sharding.Sharder`.
+        shard: the :class:`~jaxcolossal.parallel.sharding.Sharder`.
         eq: the einsum, activation first (``"btf,fd->btd"``).
         x: the whole sequence, its dimension ``letter`` split over ``tp``; compute dtype.
         w: the weight, its dimension ``letter`` split over ``tp`` (row-parallel).

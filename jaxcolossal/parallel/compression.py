@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.mesh import DATA_AXES, entry_axes
+from jaxcolossal.parallel.mesh import DATA_AXES, entry_axes
 from jaxcolossal.parallel.wire import decode, encode
 
 

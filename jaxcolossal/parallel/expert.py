@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.mesh import DATA_AXES, EP_AXIS, TP_AXIS
+from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, TP_AXIS
 
 
 def _experts_grouped(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd) -> jax.Array:

@@ -1,7 +1,7 @@
 """Sequence (context) parallelism: how attention runs when the sequence is split over devices.
 
 ``parallel.sequence_parallelism_mode`` (Colossal-AI's ``HybridParallelPlugin`` names); the rules
-table does the rest (:func:`jaxcolossal.sharding.rules_for`), so model code is the same in
+table does the rest (:func:`jaxcolossal.parallel.sharding.rules_for`), so model code is the same in
 every mode: it calls :func:`attend` through the model's ``attention``.
 
 * ``split_gather`` (Megatron-SP, Korthikanti et al., 2022): the residual stream (norms,
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.mesh import platform
+from jaxcolossal.parallel.mesh import platform
 
 SP_AXIS = "sp"
 MODES = ("none", "split_gather", "all_to_all", "ring_attn")

@@ -3,7 +3,7 @@ unsigned integers so that no backend widens them (XLA:CPU would move a bf16 coll
 and ZeRO-3's weight all-gather in those encodings (ZeRO++'s qwZ).
 
 The primitives of the low-precision gradient reduction (:mod:`jaxcolossal.parallel.compression`)
-and of the layer scan's weight gather (:mod:`jaxcolossal.models.remat`); which dtype a run moves
+and of the layer scan's weight gather (:mod:`jaxcolossal.parallel.layer_scan`); which dtype a run moves
 is :func:`jaxcolossal.config.weight_gather_dtype`.
 """
 

@@ -6,7 +6,7 @@ and prints the fastest that fit (:func:`report`, docs/planner.md).
 
 ``python scripts/train.py --config configs/llama_80l_example.yaml --dry-run`` prints the plan of
 one config (:func:`dry_run`). Everything is arithmetic over the same sharding rules the train step
-uses (:func:`jaxcolossal.sharding.state_specs`) and the memory model of :mod:`jaxcolossal.memory`;
+uses (:func:`jaxcolossal.parallel.sharding.state_specs`) and the memory model of :mod:`jaxcolossal.memory`;
 the planner never imports the training code.
 
 Modules: :mod:`~jaxcolossal.plan.devices` (the accelerators), :mod:`~jaxcolossal.plan.collectives`

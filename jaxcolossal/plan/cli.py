@@ -11,7 +11,7 @@ from typing import Callable
 
 from jaxcolossal.config import Config, ConfigError, config_from_dict, load_config
 from jaxcolossal.errors import DependencyError
-from jaxcolossal.models.hf import config_from_hf, read_hf_config
+from jaxcolossal.models.hf_io import config_from_hf, read_hf_config
 from jaxcolossal.plan.devices import DEVICES, Device
 from jaxcolossal.plan.search import report
 from jaxcolossal.plan.seed_table import seed_table

@@ -1,5 +1,5 @@
 """The planner's communication model: the collectives of one train step by kind and mesh axis, with
-the bytes each device sends (ring counts, as :attr:`jaxcolossal.hlo.Collective.sent`), as XLA's GPU
+the bytes each device sends (ring counts, as :attr:`jaxcolossal.aot.hlo.Collective.sent`), as XLA's GPU
 (or, for simulated devices, CPU) pipeline emits them. Checked per kind against compiled steps
 (``tests/unit/test_planner.py``)."""
 
@@ -15,8 +15,8 @@ from jaxcolossal.memory.budget import layout
 from jaxcolossal.metrics import param_count
 from jaxcolossal.models import adapter_layout, get_family, param_layout
 from jaxcolossal.parallel.compression import powersgd_views, powersgd_wire, wire_bytes
-from jaxcolossal.parallel.schedule import pipeline_schedule_for
-from jaxcolossal.placement import local_elements
+from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
+from jaxcolossal.memory.placement import local_elements
 
 
 def ring_factor(n: int) -> float:
@@ -26,7 +26,7 @@ def ring_factor(n: int) -> float:
 
 def dp_gradient_bytes(cfg: Config, dp: int, tp: int = 1, pp: int = 1, k: int | None = None) -> float:
     """Bytes each device sends per step for the data-parallel gradient reduction (ring counts, as
-    :attr:`jaxcolossal.hlo.Collective.sent`), with the ``parallel`` section's communication
+    :attr:`jaxcolossal.aot.hlo.Collective.sent`), with the ``parallel`` section's communication
     settings (docs/communication.md):
 
     * fp32: ZeRO-0 an all-reduce ``2(N−1)/N·4Ψ``; ZeRO-1 a reduce-scatter ``(N−1)/N·4Ψ``, ZeRO-2/3
@@ -70,7 +70,7 @@ BACKENDS = ("gpu", "cpu")
 
 def collective_terms(cfg: Config, num_devices: int, backend: str = "gpu") -> list[tuple[str, str, float, str]]:
     """The collectives of one train step, as ``(kind, mesh axis, bytes each device sends, what)``
-    terms (ring counts, as :attr:`jaxcolossal.hlo.Collective.sent`; :func:`collective_bytes` sums
+    terms (ring counts, as :attr:`jaxcolossal.aot.hlo.Collective.sent`; :func:`collective_bytes` sums
     them per kind). ``N`` the data group, ``k`` the microbatches, ``b·s`` the tokens of one
     microbatch per data shard, ``d`` the hidden size, ``Ψ_t`` the parameters per tp (and pp) shard,
     ``E`` the embedding table's share of it:
@@ -329,7 +329,7 @@ def _ep_terms(st: _Step) -> None:
 
 def collective_bytes(cfg: Config, num_devices: int, backend: str = "gpu") -> dict[str, float]:
     """Bytes each device sends per step, per collective kind (:func:`collective_terms` summed):
-    ``{kind: bytes}``, the kinds of :data:`jaxcolossal.hlo.COLLECTIVES` that occur."""
+    ``{kind: bytes}``, the kinds of :data:`jaxcolossal.aot.hlo.COLLECTIVES` that occur."""
     out: dict[str, float] = {}
     for kind, _, b, _ in collective_terms(cfg, num_devices, backend):
         out[kind] = out.get(kind, 0.0) + b

@@ -10,7 +10,7 @@ from jaxcolossal.config import Config, pipeline_microbatches, validate
 from jaxcolossal.memory import budget
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import get_family
-from jaxcolossal.parallel.schedule import pipeline_schedule_for
+from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
 from jaxcolossal.plan.collectives import collective_count, collective_terms
 from jaxcolossal.plan.devices import Device
 
@@ -43,7 +43,7 @@ class Layout:
 
 
 def compiled_flops(cfg: Config, num_devices: int) -> float:
-    """Matmul FLOPs per device of one train step, as XLA compiles it (``jaxcolossal.hlo.dot_flops``).
+    """Matmul FLOPs per device of one train step, as XLA compiles it (``jaxcolossal.aot.hlo.dot_flops``).
 
     Per token: ``6·N_matmul`` (forward 2, backward 4, for every matrix parameter: the layers, the
     LM head, a tied embedding) plus ``12·L·s·h`` for attention, which XLA computes dense (the
@@ -55,7 +55,7 @@ def compiled_flops(cfg: Config, num_devices: int) -> float:
     vocabulary are split over tp). Pipelines: divided over ``pp`` too (the idle ticks' work is
     skipped), and under 1F1B and interleaved the backward slot recomputes the stage's forward from
     its stashed input (``2·N_layers + 4·L·s·h`` more per token, on top of the remat policy's). The
-    compiled program of a pipeline counts every tick's compute branch (:func:`jaxcolossal.hlo.dot_flops`:
+    compiled program of a pipeline counts every tick's compute branch (:func:`jaxcolossal.aot.hlo.dot_flops`:
     the costliest branch of each ``cond``), idle ticks too: that static count is this over
     ``1 − bubble``.
     """
@@ -110,7 +110,7 @@ def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend
       the step touches, as :attr:`Device.memory_cost` charges them: the whole predicted need
       (state, gradients, activations) plus the fp32 gradients once per microbatch (pipeline
       microbatches, or accumulation steps); ``need``: the
-      :func:`jaxcolossal.placement.device_need` breakdown for ``backend``.
+      :func:`jaxcolossal.memory.placement.device_need` breakdown for ``backend``.
     """
     need = budget.need(cfg, num_devices, backend)
     pp = cfg.parallel.resolve(num_devices).pipeline_parallel_size
@@ -130,7 +130,7 @@ def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend
 def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, backend: str = "gpu") -> Layout:
     """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
 
-    * memory: :func:`jaxcolossal.placement.device_need` (the state by the ZeRO formulas, fp32
+    * memory: :func:`jaxcolossal.memory.placement.device_need` (the state by the ZeRO formulas, fp32
       gradients, and :func:`jaxcolossal.activations.step_peak`: the residuals JAX saves for the
       model's backward pass, traced at the per-device shapes, with the buffers each layout adds),
       against 90% of the device's memory;

@@ -15,9 +15,9 @@ from jaxcolossal.memory.budget import device_need, layout, lora_layout, resolve
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
 from jaxcolossal.parallel.compression import check_powersgd
-from jaxcolossal.parallel.schedule import pipeline_schedule_for
+from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
 from jaxcolossal.plan.collectives import dp_gradient_bytes
-from jaxcolossal.sharding import shard_bytes
+from jaxcolossal.parallel.sharding import shard_bytes
 
 
 def dry_run(cfg: Config, num_devices: int | None = None) -> str:
@@ -122,7 +122,7 @@ def _communication_line(cfg: Config, rp) -> str:
 
 
 def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
-    """The offload plan (:mod:`jaxcolossal.placement`): device and host bytes per device and per
+    """The offload plan (:mod:`jaxcolossal.memory.placement`): device and host bytes per device and per
     8-device node, and whether the run fits ``offload.device_memory_limit`` when one is given."""
     o = cfg.offload
     limit = o.device_memory_limit

@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import jax
 
-from jaxcolossal.dist_logger import get_dist_logger
+from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.errors import StoppedError
-from jaxcolossal.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, _backend_started
+from jaxcolossal.runtime.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, _backend_started
 from jaxcolossal.memory.budget import device_limit
 from jaxcolossal.memory.oom import explain_oom as explain
 from jaxcolossal.memory.oom import is_oom

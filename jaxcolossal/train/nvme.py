@@ -1,7 +1,7 @@
 """The NVMe tier (ZeRO-Infinity): the offloaded optimizer state lives in files, not in memory.
 
 With ``offload.nvme_path`` set, the leaves that ``offload_optim_frac`` offloads (their fp32 master
-copy in mixed precision, and Adam's m and v; :mod:`jaxcolossal.placement` picks them) are kept in
+copy in mixed precision, and Adam's m and v; :mod:`jaxcolossal.memory.placement` picks them) are kept in
 files under that folder instead of pinned host memory. Between steps the train state holds, in
 their place, a **token** per leaf: an int32 ``[num_devices]`` array (4 bytes a device) that each
 step passes on. Inside the step the streamed update (:func:`jaxcolossal.train.offload.make_offload_update`,
@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.placement import HOST
+from jaxcolossal.memory.placement import HOST
 from jaxcolossal.train.state import state_shardings
 
 GENERATIONS = 2

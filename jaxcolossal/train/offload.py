@@ -1,4 +1,4 @@
-"""The train step's part for offloaded state (``offload`` section; :mod:`jaxcolossal.placement`
+"""The train step's part for offloaded state (``offload`` section; :mod:`jaxcolossal.memory.placement`
 decides which leaves live in pinned host memory): moving offloaded leaves into device memory, and
 the optimizer update split between the leaves in device memory and the offloaded ones, which are
 updated on the host (``compute_on``) or streamed through the device one leaf at a time.
@@ -18,9 +18,9 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.models.lora import merge
-from jaxcolossal.placement import DEVICE, HOST
-from jaxcolossal.sharding import constrain
+from jaxcolossal.models.layers.lora import merge
+from jaxcolossal.memory.placement import DEVICE, HOST
+from jaxcolossal.parallel.sharding import constrain
 from jaxcolossal.train.optimizer import optimizer_parts
 
 
@@ -29,7 +29,7 @@ def to_device(tree: Any, shardings: Any, keep: Any = None) -> Any:
     memory (same spec); device-resident leaves pass through. ``tree`` may be ``None``. ``keep``:
     an optional same-structure tree of bool, True for leaves that stay in host memory (the stacked
     layers, which the layer scan streams in one layer at a time:
-    :func:`jaxcolossal.models.remat.fetch_layer`)."""
+    :func:`jaxcolossal.parallel.layer_scan.fetch_layer`)."""
     if tree is None:
         return None
     keep = keep if keep is not None else jax.tree.map(lambda _: False, shardings)
@@ -79,7 +79,7 @@ def make_offload_update(plan: Any, shardings: Any, tier: Any = None) -> Callable
       move in, are updated by the (fused) AdamW, and move out; an ``optimization_barrier`` makes leaf
       i+1's move-in wait for leaf i's results, so that device memory holds about one leaf's optimizer
       state at a time, never the whole offloaded state (ZeRO-Offload's streamed update; the
-      largest leaf's K bytes/param is what :func:`jaxcolossal.placement.device_need` reserves).
+      largest leaf's K bytes/param is what :func:`jaxcolossal.memory.placement.device_need` reserves).
 
     * ``device`` with the NVMe tier: the same stream, but leaf i's master and moments are read from
       their files (``io_callback``, each device its shard) and written back to the other

@@ -33,14 +33,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, ConfigError, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
 from jaxcolossal.memory.budget import resolve
-from jaxcolossal.mesh import DATA_AXES, data_size, platform
+from jaxcolossal.parallel.mesh import DATA_AXES, data_size, platform
 from jaxcolossal.models import adapter_layout, get_family, param_layout
-from jaxcolossal.models.lora import init_adapters, merge
+from jaxcolossal.models.layers.lora import init_adapters, merge
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.parallel.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
-from jaxcolossal.placement import Placement, place_state
-from jaxcolossal.platforms import fp8_refusal
-from jaxcolossal.sharding import Sharder, StateSpecs, named, rules_for, state_specs
+from jaxcolossal.memory.placement import Placement, place_state
+from jaxcolossal.runtime.platforms import fp8_refusal
+from jaxcolossal.parallel.sharding import Sharder, StateSpecs, named, rules_for, state_specs
 
 
 @struct.dataclass
@@ -63,7 +63,7 @@ class TrainState:
             else ``None``.
         frozen: with LoRA (``model.lora.rank > 0``), the base model's weights in the compute dtype,
             sharded by ``plan.frozen_specs`` and never updated; ``params``, ``master`` and
-            ``opt_state`` then hold only the adapters (:mod:`jaxcolossal.models.lora`). Else ``None``.
+            ``opt_state`` then hold only the adapters (:mod:`jaxcolossal.models.layers.lora`). Else ``None``.
     """
 
     step: jax.Array
@@ -77,7 +77,7 @@ class TrainState:
     @property
     def model_params(self) -> Any:
         """The model's whole params dict: ``params``, with the frozen base under LoRA
-        (:func:`jaxcolossal.models.lora.merge`)."""
+        (:func:`jaxcolossal.models.layers.lora.merge`)."""
         return merge(self.frozen, self.params)
 
 
@@ -137,7 +137,7 @@ class TrainPlan:
 
     @property
     def rules(self) -> dict:
-        """The rules table of this run (:func:`jaxcolossal.sharding.rules_for`)."""
+        """The rules table of this run (:func:`jaxcolossal.parallel.sharding.rules_for`)."""
         return rules_for(self.cfg.parallel, self.mesh_shape["pp"] > 1)
 
     @property
@@ -163,7 +163,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
             data-parallel group, a dimension that its mesh axis does not divide, ...), or a run
             whose predicted device bytes exceed ``offload.device_memory_limit`` (or the device's
             reported capacity) with the offload settings that would fit
-            (:func:`jaxcolossal.placement.resolve`).
+            (:func:`jaxcolossal.memory.placement.resolve`).
     """
     validate(cfg, num_devices=mesh.size)
     _check_fp8(cfg, mesh)
@@ -277,7 +277,7 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
     Under LoRA (``plan.lora``) ``params`` (or the fresh init) is the frozen base, cast to the
     compute dtype, and the trained params are ``adapters`` (a PEFT import,
     :func:`jaxcolossal.models.peft.load_adapters`) or fresh ones drawn from ``key``
-    (:func:`jaxcolossal.models.lora.init_adapters`).
+    (:func:`jaxcolossal.models.layers.lora.init_adapters`).
 
     Runs under ``jit`` with the target ``out_shardings``: each device materialises only its
     shard.

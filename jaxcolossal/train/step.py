@@ -15,7 +15,7 @@
      With fp32 communication the microbatch is differentiated whole (no per-shard vmap), so XLA
      reduces each layer's weight gradient inside the backward layer scan as it is produced, and
      the step never holds a whole unreduced gradient; the weight-gradient matmuls output fp32
-     (:mod:`jaxcolossal.models.linear`), so that reduction is fp32 in bf16 runs too. XLA's GPU
+     (:mod:`jaxcolossal.models.layers.linear`), so that reduction is fp32 in bf16 runs too. XLA's GPU
      backend emits ``reduce-scatter``; its CPU backend the equivalent ``all-reduce`` +
      ``dynamic-slice``. (``communication_dtype`` bf16/fp8 keep the per-shard form: those
      reductions are written by hand, :func:`jaxcolossal.parallel.compression.lowp_reduce`.)
@@ -33,7 +33,7 @@
    spec — for ZeRO 1/2 the all-gather moves compute-dtype (2-byte) values, not fp32.
 
 5. **Offload** (``offload`` section): leaves whose sharding lives in pinned host memory
-   (:mod:`jaxcolossal.placement`) are moved in where they are used, and the optimizer update of
+   (:mod:`jaxcolossal.memory.placement`) are moved in where they are used, and the optimizer update of
    the offloaded leaves runs on the host or streams through the device one leaf at a time
    (:mod:`jaxcolossal.train.offload`).
 
@@ -51,17 +51,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import prefetches_weights, reduces_layerwise, weight_gather_dtype
-from jaxcolossal.mesh import DATA_AXES, platform
-from jaxcolossal.models import moe
-from jaxcolossal.models.lora import merge
-from jaxcolossal.models.remat import fetch_layer
+from jaxcolossal.parallel.mesh import DATA_AXES, platform
+from jaxcolossal.models.layers import moe
+from jaxcolossal.models.layers.lora import merge
+from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.parallel.compression import lowp_reduce, powersgd_reduce, topk_reduce
 from jaxcolossal.parallel.sequence import zigzag_batch
-from jaxcolossal.sharding import constrain
+from jaxcolossal.parallel.sharding import constrain
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
-from jaxcolossal.train.pipeline import make_pipeline_grad_fn
+from jaxcolossal.parallel.pipeline_executor import make_pipeline_grad_fn
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
 
 Metrics = dict
@@ -115,7 +115,7 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     ``segment_ids``/``positions``: optional int ``[B, t]`` of packed rows (``data.packing_mask``).
     The returned gradients carry the ZeRO gradient sharding (``plan.specs.grads``; for ZeRO-1 the
     optimizer-state sharding, since the one reduction per step goes straight to each rank's slice).
-    With ``pp > 1`` this is :func:`jaxcolossal.train.pipeline.make_pipeline_grad_fn` (same contract).
+    With ``pp > 1`` this is :func:`jaxcolossal.parallel.pipeline_executor.make_pipeline_grad_fn` (same contract).
     """
     if plan.mesh_shape["pp"] > 1:
         return make_pipeline_grad_fn(plan)

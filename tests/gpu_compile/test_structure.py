@@ -9,7 +9,7 @@ import re
 import pytest
 from tiny import TINY_MODEL, TINY_TRAINING
 
-from jaxcolossal import hlo
+from jaxcolossal.aot import hlo
 from jaxcolossal.aot import report
 from jaxcolossal.aot.fleet import memory_kinds_supported
 from jaxcolossal.aot.target import compile_only_devices

@@ -10,7 +10,7 @@ import pytest
 from tiny import run_steps, tiny_config
 
 from jaxcolossal.checkpoint import CheckpointError, CheckpointManager, NonFiniteStateError
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
 

@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
-from jaxcolossal import hlo
+from jaxcolossal.aot import hlo
 from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, validate
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.parallel.compression import (
     lowp_reduce,
     orthonormalize,
@@ -32,7 +32,7 @@ from jaxcolossal.parallel.compression import (
 )
 from jaxcolossal.parallel.wire import WIRE_BYTES, decode, encode, gather_lowp
 from jaxcolossal.plan import dp_gradient_bytes
-from jaxcolossal.sharding import DATA_AXES, one_layer_specs, shard_bytes
+from jaxcolossal.parallel.sharding import DATA_AXES, one_layer_specs, shard_bytes
 from jaxcolossal.train.loop import memory_report
 from jaxcolossal.train.state import make_plan, powersgd_views_of
 
@@ -290,7 +290,7 @@ def test_zero3_gathers_the_layer_weights_in_the_communication_dtype():
 
 def test_bytes_on_the_wire_per_setting():
     """DDP over 8 devices (ZeRO-0), bytes each device sends per step read from the compiled HLO
-    (ring algorithms, :attr:`jaxcolossal.hlo.Collective.sent`): bf16 halves the fp32 all-reduce's,
+    (ring algorithms, :attr:`jaxcolossal.aot.hlo.Collective.sent`): bf16 halves the fp32 all-reduce's,
     fp8 quarters it (+ the per-shard scales), PowerSGD sends the factors' all-reduces."""
     sent, totals = {}, {}
     for name, extra in (("fp32", {}), ("bf16", {"communication_dtype": "bf16"}), ("fp8", {"communication_dtype": "fp8"}),

@@ -1,5 +1,5 @@
 """``precision.fp8``: the layers' projections in FP8 with current per-tensor scaling
-(:func:`jaxcolossal.models.linear.project_fp8`), emulated on the CPU: it tracks bf16, a sharded run
+(:func:`jaxcolossal.models.layers.linear.project_fp8`), emulated on the CPU: it tracks bf16, a sharded run
 equals one device, the resumed run equals the uninterrupted one bit for bit, and bad input is
 refused before anything compiles."""
 
@@ -11,7 +11,7 @@ import pytest
 from tiny import resumed_and_uninterrupted, run_steps, tiny_config
 
 from jaxcolossal.config import ConfigError, load_config
-from jaxcolossal.models.linear import E4M3, E5M2, fp8_quantize, project, project_fp8
+from jaxcolossal.models.layers.linear import E4M3, E5M2, fp8_quantize, project, project_fp8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

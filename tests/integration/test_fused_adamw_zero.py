@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
-from jaxcolossal import hlo
+from jaxcolossal.aot import hlo
 
 
 @pytest.fixture(scope="module")

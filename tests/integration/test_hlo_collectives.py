@@ -17,7 +17,7 @@ import jax
 import pytest
 from tiny import random_batches, setup, tiny_config
 
-from jaxcolossal import hlo
+from jaxcolossal.aot import hlo
 
 K = 4
 
@@ -140,7 +140,7 @@ def test_bf16_gradients_are_reduced_in_fp32(zero_stage):
     """Every gradient reduction moves fp32 values computed in fp32, not bf16 values widened to
     f32: ZeRO-1 sums the per-shard fp32 gradients once per step; ZeRO-2/3 reduce each layer's
     weight gradient inside the backward scan, right after its fp32 contraction
-    (:mod:`jaxcolossal.models.linear`). XLA's CPU backend has no bf16 collectives and widens them
+    (:mod:`jaxcolossal.models.layers.linear`). XLA's CPU backend has no bf16 collectives and widens them
     to f32, so the test traces each operand back to its producer rather than reading the dtype."""
     text, _ = compiled_text(zero_stage, precision="bf16")
     comps, entry = hlo.computations(text)

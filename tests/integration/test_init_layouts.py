@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxcolossal.config import config_from_dict
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
 

@@ -15,11 +15,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tiny import assert_params_match, run_steps, tiny_config
 
-from jaxcolossal import hlo
+from jaxcolossal.aot import hlo
 from jaxcolossal.config import config_from_dict
-from jaxcolossal.mesh import make_mesh
-from jaxcolossal.models import vocab
-from jaxcolossal.sharding import Sharder
+from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.models.layers import vocab
+from jaxcolossal.parallel.sharding import Sharder
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -15,9 +15,9 @@ import pytest
 from tiny import assert_params_match, resumed_and_uninterrupted, run_steps, tiny_config
 
 from jaxcolossal.config import ConfigError, LoraConfig, load_config
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.models import llama
-from jaxcolossal.models.lora import adapter_shapes_and_axes, merge, merged_weights
+from jaxcolossal.models.layers.lora import adapter_shapes_and_axes, merge, merged_weights
 from jaxcolossal.train.loop import memory_report, train
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
@@ -122,7 +122,7 @@ def test_peft_loads_our_adapters_with_the_same_logits(tmp_path):
     the merged weights through ``transformers`` give the same logits as well."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
-    from jaxcolossal.models.hf import load_hf, save_hf
+    from jaxcolossal.models.hf_io import load_hf, save_hf
     from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
 
     base_model = _hf_llama(tmp_path / "hf")
@@ -258,12 +258,12 @@ def test_lora_in_a_pipeline_equals_one_device(parallel):
 
 @pytest.mark.parametrize("targets", ["all", "q,v"])
 def test_lora_flops_are_4n_plus_6n_adapters(targets):
-    """The compiled step's matmul FLOPs (:func:`jaxcolossal.hlo.dot_flops`) drop from full training's
+    """The compiled step's matmul FLOPs (:func:`jaxcolossal.aot.hlo.dot_flops`) drop from full training's
     by exactly what :func:`jaxcolossal.metrics.flops_per_token` says: the frozen weights lose their
     weight-gradient matmuls (6N -> 4N), the adapters add 6 FLOPs per parameter and token."""
     from tiny import random_batches, setup
 
-    from jaxcolossal import hlo
+    from jaxcolossal.aot import hlo
     from jaxcolossal.metrics import flops_per_token
 
     def compiled_and_formula(model):
@@ -281,7 +281,7 @@ def test_lora_flops_are_4n_plus_6n_adapters(targets):
 
 def test_exported_weights_are_readable_like_any_file_written(tmp_path):
     """safetensors writes through a 0600 temporary file; the exports get the process's usual mode."""
-    from jaxcolossal.models.hf import save_shared
+    from jaxcolossal.models.hf_io import save_shared
 
     save_shared({"w": np.zeros((2, 2), np.float32)}, tmp_path / "w.safetensors")
     (tmp_path / "plain.txt").write_text("x")

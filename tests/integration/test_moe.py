@@ -13,7 +13,8 @@ import pytest
 from tiny import assert_params_match, run_steps, tiny_config
 
 from jaxcolossal.config import ConfigError, ModelConfig, load_config, validate
-from jaxcolossal.models import llama, moe
+from jaxcolossal.models import llama
+from jaxcolossal.models.layers import moe
 from jaxcolossal.parallel.expert import routed_experts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -135,7 +136,7 @@ def _randomized(model, torch):
 def test_hugging_face_moe_logits_and_round_trip(tmp_path, kind):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from jaxcolossal.models.hf import load_hf, read_safetensors, save_hf
+    from jaxcolossal.models.hf_io import load_hf, read_safetensors, save_hf
 
     common = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, num_experts_per_tok=2, attn_implementation="eager")
@@ -184,7 +185,7 @@ def test_all_to_all_bytes_equal_the_planners(overrides):
     :func:`jaxcolossal.plan.collectives.collective_bytes` for ``configs/mixtral_tiny.yaml``: within 5%."""
     from tiny import random_batches, setup
 
-    from jaxcolossal import hlo
+    from jaxcolossal.aot import hlo
     from jaxcolossal.plan.collectives import collective_bytes
 
     cfg = load_config(os.path.join(ROOT, "configs/mixtral_tiny.yaml"), overrides + ["model.num_layers=2"])
@@ -228,7 +229,7 @@ def test_mixtral_from_hugging_face_trains_and_exports(tmp_path):
     assert type(back).__name__ == "MixtralForCausalLM"
     # the exported weights are the trained ones: their loss on a batch equals ours after training
     tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
-    from jaxcolossal.models.hf import load_hf
+    from jaxcolossal.models.hf_io import load_hf
     c2, p2 = load_hf(tmp_path / "back")
     ours = np.asarray(llama.forward(jax.tree.map(jnp.asarray, p2), jnp.asarray(tokens), c2))[..., :256]
     with torch.no_grad():

@@ -14,7 +14,7 @@ import pytest
 from tiny import run_steps, tiny_config
 
 from jaxcolossal.config import ConfigError, load_config, validate
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer

@@ -17,10 +17,10 @@ from jaxcolossal import Booster, GeminiPlugin, LowLevelZeroPlugin
 from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.memory.budget import formula_bytes
-from jaxcolossal.mesh import make_mesh, platform
+from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.models import LlamaForCausalLM
-from jaxcolossal.placement import DEVICE, HOST, bytes_by_kind
-from jaxcolossal.sharding import shard_bytes
+from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
+from jaxcolossal.parallel.sharding import shard_bytes
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule

@@ -10,7 +10,7 @@ from tiny import tiny_config
 from jaxcolossal.config import load_config
 from jaxcolossal.memory.budget import need
 from jaxcolossal.memory.oom import explain_oom, is_oom, oom_changes
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.state import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (jaxcolossal.parallel.schedule, jaxcolossal.train.pipeline): equivalence, schedules, memory, errors.
+"""Pipeline parallelism (jaxcolossal.parallel.pipeline_schedule, jaxcolossal.parallel.pipeline_executor): equivalence, schedules, memory, errors.
 
 Equivalence: each pipelined configuration trains 3 steps (fp32, AdamW) on the same random tokens
 as the single-device run and matches it in loss and gradient norm (rtol 1e-5) and in the updated
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from jaxcolossal.config import ConfigError, config_from_dict, pipeline_microbatches, validate
-from jaxcolossal.mesh import make_mesh
-from jaxcolossal.parallel.schedule import check_schedule, make_schedule
+from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.parallel.pipeline_schedule import check_schedule, make_schedule
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
 from jaxcolossal.train.step import make_grad_fn, make_train_step

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
-from jaxcolossal import hlo
+from jaxcolossal.aot import hlo
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.data.loader import packing_fields
-from jaxcolossal.hlo import collective_totals
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.aot.hlo import collective_totals
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.parallel.sequence import zigzag_order
 from jaxcolossal.train.state import make_plan
 from jaxcolossal.train.step import make_eval_step
@@ -78,7 +78,7 @@ def test_tp_collective_matmul(reference):
     (q/k/v in, o out, gate/up in, down out) and 4 for the backward, each (tp − 1) permutes:
     8·3·2 = 48 in the train step, and no sequence all-gather is left. In the compiled HLO every
     permute, in the forward and the backward layer loop, has matmuls that are neither its
-    ancestors nor its descendants (:func:`jaxcolossal.hlo.concurrent_matmuls`): the transfer can
+    ancestors nor its descendants (:func:`jaxcolossal.aot.hlo.concurrent_matmuls`): the transfer can
     run while they compute. With ``overlap=false`` each of the forward's all-gathers is serial
     with every matmul of the layer. The first step's loss and grad norm equal one device's (rtol
     1e-5); more equality with one device is in ``test_mode_equals_one_device``:

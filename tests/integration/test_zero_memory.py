@@ -12,7 +12,7 @@ import pytest
 from tiny import tiny_config
 
 from jaxcolossal import metrics as mx
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import BYTES_PER_PARAM, init_state, make_plan
 

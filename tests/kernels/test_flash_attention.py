@@ -13,7 +13,7 @@ import pytest
 
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.models import llama
-from jaxcolossal.models.flash_attention import flash_attention, reference_attention
+from jaxcolossal.models.layers.flash_attention import flash_attention, reference_attention
 
 CASES = {  # (b, t, h, kv, d, causal, segments, block)
     "causal_gqa": (2, 64, 4, 2, 16, True, False, 16),

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from jaxcolossal.launch import collective_timeout, launch_from_env
+from jaxcolossal.runtime.launch import collective_timeout, launch_from_env
 from jaxcolossal.train.guard import StepWatchdog
 
 launch_from_env(verbose=False)

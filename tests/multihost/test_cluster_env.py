@@ -16,7 +16,7 @@ import pytest
 from jax._src import clusters
 from mh import REPO, clean_env, free_port, tagged_json
 
-L = importlib.import_module("jaxcolossal.launch")  # the module (jaxcolossal.launch is the function)
+L = importlib.import_module("jaxcolossal.runtime.launch")  # the module (the package re-exports a function named launch)
 
 CLUSTER_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_PORT",
@@ -166,10 +166,10 @@ if mode.startswith("jax-"):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize()             # everything from the simulated cluster environment
 elif mode == "launch_from_slurm":
-    from jaxcolossal.launch import launch_from_slurm
+    from jaxcolossal.runtime.launch import launch_from_slurm
     launch_from_slurm("127.0.0.1", int(os.environ["PORT"]), verbose=False)
 elif mode == "launch_from_openmpi":
-    from jaxcolossal.launch import launch_from_openmpi
+    from jaxcolossal.runtime.launch import launch_from_openmpi
     launch_from_openmpi("127.0.0.1", int(os.environ["PORT"]), verbose=False)
 g = multihost_utils.process_allgather(np.array([jax.process_index()], np.int32))
 print("RESULT " + json.dumps(dict(index=jax.process_index(), count=jax.process_count(),

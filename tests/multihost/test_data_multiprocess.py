@@ -11,15 +11,15 @@ from mh import clean_env, launcher, run, tagged_json
 WORKER = r"""
 import json
 import numpy as np
-from jaxcolossal.launch import launch_from_env
+from jaxcolossal.runtime.launch import launch_from_env
 launch_from_env(verbose=False)
 import jax
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 from jaxcolossal.config import ParallelConfig
 from jaxcolossal.data.loader import DataLoader, sample_windows
-from jaxcolossal.mesh import make_mesh
-from jaxcolossal.sharding import DATA_AXES
+from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.parallel.sharding import DATA_AXES
 
 rank, nproc = jax.process_index(), jax.process_count()
 tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint8)

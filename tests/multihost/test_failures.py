@@ -1,7 +1,7 @@
 """No silent hangs: a process that leaves early, hangs or dies ends every process, in bounded time.
 
 Each case runs 2 real processes with ``JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` of a few seconds (the
-default is 300 s). The mechanisms (see jaxcolossal/launch.py and jaxcolossal/run.py):
+default is 300 s). The mechanisms (see jaxcolossal/runtime/launch.py and jaxcolossal/runtime/run.py):
 
 * gloo sees mismatched collectives, or a peer whose connection closed, and raises;
 * ``--xla_cpu_collective_timeout_seconds`` (set by ``launch``) ends a gloo wait on CPU;
@@ -17,7 +17,7 @@ import time
 import pytest
 from mh import REPO, TINY, clean_env, free_port, launcher, run
 
-from jaxcolossal.run import build_env
+from jaxcolossal.runtime.run import build_env
 
 WORKER = str(REPO / "tests" / "multihost" / "collective_worker.py")
 OVERRIDES = str(REPO / "tests" / "multihost" / "rank_overrides.py")

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxcolossal.launch import launch_from_env
+from jaxcolossal.runtime.launch import launch_from_env
 
 key = launch_from_env(seed=7, verbose=False)
 rank = jax.process_index()

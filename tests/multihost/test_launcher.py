@@ -8,7 +8,7 @@ import textwrap
 import pytest
 from mh import clean_env, launcher, run, tagged_json
 
-from jaxcolossal import run as R
+from jaxcolossal.runtime import run as R
 
 ENV_DUMP = textwrap.dedent("""
     import json, os, sys

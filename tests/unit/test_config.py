@@ -3,7 +3,7 @@
 import pytest
 
 from jaxcolossal.config import ConfigError, ParallelConfig, config_from_dict, load_config, validate
-from jaxcolossal.mesh import make_mesh
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan import dry_run
 
 

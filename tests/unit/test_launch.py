@@ -1,4 +1,4 @@
-"""Tests for jaxcolossal.launch and jaxcolossal.dist_logger (single process).
+"""Tests for jaxcolossal.runtime.launch and jaxcolossal.runtime.dist_logger (single process).
 
 ``jax.distributed.initialize`` is replaced by a recorder: these tests check what the
 launchers would pass to it. tests/multihost/test_launch_real.py runs the real thing.
@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxcolossal import dist_logger
+from jaxcolossal.runtime import dist_logger
 
-L = importlib.import_module("jaxcolossal.launch")  # the module (the package re-exports a function named launch)
+L = importlib.import_module("jaxcolossal.runtime.launch")  # the module (the package re-exports a function named launch)
 
 ALL_LAUNCH_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -310,7 +310,7 @@ def test_simulate_devices_takes_effect_in_fresh_process():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     script = (
-        "from jaxcolossal.launch import simulate_devices\n"
+        "from jaxcolossal.runtime.launch import simulate_devices\n"
         "simulate_devices(3)\n"
         "import jax\n"
         "print('COUNT', len(jax.local_devices(backend='cpu')))\n"

@@ -134,8 +134,8 @@ def test_predicted_flops_equal_the_compiled_step(case):
     import jax.numpy as jnp
     from tiny import tiny_config
 
-    from jaxcolossal import hlo
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.aot import hlo
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.plan import compiled_flops
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import abstract_state, make_plan
@@ -151,7 +151,7 @@ def test_predicted_flops_equal_the_compiled_step(case):
         assert hlo.dot_flops(text)["flops"] == pytest.approx(compiled_flops(cfg, 8), rel=0.01)
     else:  # the program counts every tick's compute, idle ticks too: the layers' work over 1 − bubble, and
         # the head's (which only the last stage runs, m times) in every tick of every stage
-        from jaxcolossal.parallel.schedule import pipeline_schedule_for
+        from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
         pp = cfg.parallel.pipeline_parallel_size
         sched = pipeline_schedule_for(cfg, pp)
         head = 6 * cfg.model.hidden_size * cfg.model.vocab_size * 16 * 64 / 8  # per device, as executed
@@ -202,8 +202,8 @@ def test_predicted_collective_bytes_per_kind_equal_the_compiled_step(case):
     import jax.numpy as jnp
     from tiny import tiny_config
 
-    from jaxcolossal import hlo
-    from jaxcolossal.mesh import make_mesh
+    from jaxcolossal.aot import hlo
+    from jaxcolossal.parallel.mesh import make_mesh
     from jaxcolossal.plan import collective_bytes
     from jaxcolossal.train.optimizer import build_optimizer
     from jaxcolossal.train.state import abstract_state, make_plan

@@ -1,9 +1,9 @@
-"""The schedule reader of jaxcolossal.aot.schedule on hand-written scheduled HLO: async pairs, the
+"""The schedule reader of jaxcolossal.aot.gpu_schedule on hand-written scheduled HLO: async pairs, the
 matmuls between start and done, hosts crossed, and the timeline's exposed time."""
 
 import pytest
 
-from jaxcolossal.aot import schedule
+from jaxcolossal.aot import gpu_schedule as schedule
 
 HLO = """HloModule m, is_scheduled=true
 

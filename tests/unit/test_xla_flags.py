@@ -1,10 +1,10 @@
-"""``parallel.overlap`` / ``bucket_size_mb`` -> XLA's GPU flags (jaxcolossal.xla_flags): which
+"""``parallel.overlap`` / ``bucket_size_mb`` -> XLA's GPU flags (jaxcolossal.runtime.xla_flags): which
 flags, only the spellings this jaxlib accepts, the user's own XLA_FLAGS kept, nothing set off GPUs."""
 
 import pytest
 from tiny import tiny_config
 
-from jaxcolossal import xla_flags
+from jaxcolossal.runtime import xla_flags
 from jaxcolossal.config import ConfigError, validate
 
 

@@ -3,7 +3,7 @@ host memory (Colossal-AI's Gemini placement and ``cpu_offload``, ZeRO-Offload). 
 decides *where* a shard lives; what a placement costs in bytes, and the choice of one for a
 device budget, are :mod:`jaxcolossal.memory.budget`.
 
-The split of concerns is the one the design asks for: :mod:`jaxcolossal.sharding` decides the
+The split of concerns is the one the design asks for: :mod:`jaxcolossal.parallel.sharding` decides the
 *specs* (what each device holds, by ZeRO stage and tensor parallelism); this module decides the
 *memory kind* of each shard (``device`` or ``pinned_host``, JAX's memory kinds). The train step
 only follows: it moves an offloaded leaf into device memory where it is used, or updates it on the
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from jaxcolossal.sharding import shard_bytes
+from jaxcolossal.parallel.sharding import shard_bytes
 
 HOST = "pinned_host"
 DEVICE = "device"

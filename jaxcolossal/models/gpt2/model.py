@@ -1,12 +1,12 @@
 """GPT-2 (Radford et al., 2019): learned positions, pre-LayerNorm with bias, GELU (tanh), biases.
 
-The same interface as :mod:`jaxcolossal.models.llama` — :func:`padded_vocab_size`,
+The same interface as :mod:`jaxcolossal.models.llama` (:class:`jaxcolossal.models.family.Family`) —
 :func:`param_shapes_and_axes`, :func:`init_params`, :func:`forward`, :func:`loss_sum` over a params
 dict, plus the NNX module :class:`GPT2LMHeadModel` — so the train step, ZeRO and tensor
-parallelism apply unchanged. Attention is llama.py's; the remat policies are
-:mod:`jaxcolossal.models.remat`'s and the embedding and fused LM-head loss :mod:`jaxcolossal.models.vocab`'s. The numerics follow Hugging Face's ``GPT2LMHeadModel`` (``gelu_new``, LayerNorm over
+parallelism apply unchanged. Attention is :mod:`jaxcolossal.models.layers.attention`'s; the remat policies are
+:mod:`jaxcolossal.parallel.layer_scan`'s and the embedding and fused LM-head loss :mod:`jaxcolossal.models.layers.vocab`'s. The numerics follow Hugging Face's ``GPT2LMHeadModel`` (``gelu_new``, LayerNorm over
 the last dim with ``layer_norm_eps``, scores scaled by 1/sqrt(head_dim)); HF's fused Conv1D
-``c_attn`` is stored here as separate q/k/v projections (see :mod:`jaxcolossal.models.hf`).
+``c_attn`` is stored here as separate q/k/v projections (see :mod:`jaxcolossal.models.hf_io`).
 
 Shapes (b batch, t sequence, d hidden, h heads = kv heads, q head dim, f intermediate, v padded
 vocab, P max positions, L layers)::
@@ -26,9 +26,9 @@ vocab, P max positions, L layers)::
     final_norm / final_norm_bias [d]  (embed,)                       ln_f
     lm_head          [d, v]        (embed, vocab)  only when tie_word_embeddings is false
 
-As in llama.py, initialisation depends only on the seed: the vocabulary rows of ``wte`` (columns
+As in LLaMA, initialisation depends only on the seed: the vocabulary rows of ``wte`` (columns
 of ``lm_head``) are drawn at the unpadded ``vocab_size`` and the padding is zero
-(:func:`jaxcolossal.models.llama.init_vocab_padded`).
+(:func:`jaxcolossal.models.layers.vocab.init_vocab_padded`).
 """
 
 from __future__ import annotations
@@ -41,14 +41,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models import vocab
-from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
-from jaxcolossal.models.llama import attention, init_vocab_padded, padded_vocab_size
-from jaxcolossal.models.remat import scan_layers, tag
-from jaxcolossal.models.vocab import Sharder, _no_shard, embed_lookup
+from jaxcolossal.models.layers import vocab
+from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
+from jaxcolossal.models.layers.norm import layer_norm
+from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, init_vocab_padded, no_shard, padded_vocab_size
+from jaxcolossal.parallel.layer_scan import scan_layers, tag
 
-__all__ = ["padded_vocab_size", "param_shapes_and_axes", "init_params", "forward", "loss_sum",
-           "hidden_states", "layer_norm", "GPT2LMHeadModel"]
+__all__ = ["param_shapes_and_axes", "init_params", "forward", "loss_sum", "loss_and_stats", "hidden_states",
+           "GPT2LMHeadModel"]
 
 
 def _check(cfg: ModelConfig) -> None:
@@ -63,7 +64,7 @@ def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
 
     Args:
         cfg: the model section (``type: gpt2``).
-        vocab: the padded vocabulary size (:func:`padded_vocab_size`).
+        vocab: the padded vocabulary size (:func:`jaxcolossal.models.layers.vocab.padded_vocab_size`).
 
     Raises:
         ConfigError: ``num_key_value_heads != num_attention_heads`` (GPT-2 has no GQA).
@@ -115,7 +116,7 @@ class GPT2LMHeadModel(nnx.Module):
             projections (``wo``, ``w_proj``) scaled by 1/sqrt(2L), biases zero, LayerNorm scales one;
             the padded vocabulary rows of ``wte`` and columns of ``lm_head`` zero, the real ones
             drawn at ``vocab_size`` so that they do not depend on ``tp``.
-        tp: tensor-parallel size, only to pad the vocabulary (:func:`padded_vocab_size`).
+        tp: tensor-parallel size, only to pad the vocabulary (:func:`jaxcolossal.models.layers.vocab.padded_vocab_size`).
 
     Params are fp32 ``nnx.Param`` with logical ``axes`` metadata. ``__call__(tokens)`` maps
     int32 ``[b, t]`` tokens (t <= max_position_embeddings) to fp32 logits ``[b, t, vocab_size]``
@@ -159,16 +160,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
 # ----------------------------------------------------------------------------- the computation
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm over the last dim (biased variance, as torch), in fp32, returned in ``x.dtype``."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no_shard,
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard,
                   segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     """One pre-LN GPT-2 block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
     positions, for sequence-parallel attention's mask)."""
@@ -192,7 +184,7 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = _no
     return shard(x + y, ("batch", "seq", "embed"))
 
 
-def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
                   vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
                   positions: jax.Array | None = None) -> jax.Array:
     """Final-LayerNorm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``.
@@ -217,7 +209,7 @@ def head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
     return params["lm_head"] if "lm_head" in params else params["wte"].T
 
 
-def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
             vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None) -> jax.Array:
     """Logits ``[b, t, v_padded]`` (fp32) for int ``tokens [b, t]``; padded columns are -1e30.
@@ -232,7 +224,14 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
 head_loss, loss_sum = vocab.lm_loss(hidden_states, head_weight)
 
 
-def pipeline_stages(cfg: ModelConfig, shard: Sharder = _no_shard, vocab_parallel: bool = False,
+def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
+                   vocab_parallel: bool = False, mask: jax.Array | None = None, **aux) -> tuple[jax.Array, dict]:
+    """``(loss_sum, {})``: :func:`loss_sum` (summed next-token cross-entropy, nats, fp32 scalar) and
+    no statistics (GPT-2 has no router); ``aux``: ``segment_ids``/``positions`` as :func:`loss_sum`."""
+    return loss_sum(params, tokens, targets, cfg, shard, vocab_parallel, mask, **aux), {}
+
+
+def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
                     positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries, as :func:`jaxcolossal.models.llama.pipeline_stages`:
     ``embed`` (token and position embeddings), ``layer_for(x)``, ``head`` (final LayerNorm, LM head, loss)."""

@@ -1,7 +1,7 @@
 """Pipeline schedules as static tables: which microbatch and chunk each stage runs, forward and
 backward, at each tick (GPipe, 1F1B, interleaved 1F1B), with their bubble and stash sizes.
 
-The executor that runs a table is :mod:`jaxcolossal.train.pipeline`; docs/pipeline.md has the
+The executor that runs a table is :mod:`jaxcolossal.parallel.pipeline_executor`; docs/pipeline.md has the
 schedules' formulas and measurements.
 
 Schedules (``p`` stages, ``m`` microbatches, ``v`` chunks per device):

@@ -98,7 +98,7 @@ def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None, manual: tuple |
     shared experts, when there are any, run on every token as a dense SwiGLU MLP and add to the
     routed experts' output. ``mesh``: the run's mesh (``None``: one device). ``manual``: inside a
     pipeline's ``shard_map``, ``(ep, data axes, weight)``
-    (:attr:`jaxcolossal.sharding.Sharder.manual_experts`): the tokens go over the manual ``ep``
+    (:attr:`jaxcolossal.parallel.sharding.Sharder.manual_experts`): the tokens go over the manual ``ep``
     axis directly and the router losses' gradient joins with ``weight``
     (:func:`with_loss_gradient`)."""
     b, t, d = h.shape

@@ -40,8 +40,8 @@ import jax
 import numpy as np
 from jax._src import xla_bridge as _xla_bridge
 
-from jaxcolossal.dist_logger import get_dist_logger
-from jaxcolossal.platforms import cuda_plugin_installed, nvidia_device_present
+from jaxcolossal.runtime.dist_logger import get_dist_logger
+from jaxcolossal.runtime.platforms import cuda_plugin_installed, nvidia_device_present
 
 # Colossal-AI sets this at import so that communication kernels are issued in order
 # with compute on a single hardware queue; keep a user's own value.

@@ -13,7 +13,7 @@ sum is then rounded once to the weight's dtype, as a cotangent must be. The forw
 input gradient are unchanged: compute-dtype matmuls. In fp32 runs both ops are the plain ones.
 
 Both are ``jax.custom_vjp``; their forward outputs are ordinary ``dot_general``/``gather`` results,
-so the remat policies (:mod:`jaxcolossal.models.remat`, ``dots`` included) see them as before.
+so the remat policies (:mod:`jaxcolossal.parallel.layer_scan`, ``dots`` included) see them as before.
 """
 
 from __future__ import annotations
@@ -169,13 +169,13 @@ take_rows.defvjp(_take_fwd, _take_bwd)
 
 def projection(shard):
     """The projection the layers use under ``shard``: :func:`project_fp8` where its ``fp8`` is set
-    (``precision.fp8``, :meth:`jaxcolossal.sharding.Sharder.with_fp8`), else :func:`project`."""
+    (``precision.fp8``, :meth:`jaxcolossal.parallel.sharding.Sharder.with_fp8`), else :func:`project`."""
     return project_fp8 if getattr(shard, "fp8", False) else project
 
 
 def tp_overlaps(shard, t: int) -> bool:
     """Whether the projections of a ``t``-token sequence run as TP collective matmuls under
-    ``shard`` (a :class:`~jaxcolossal.sharding.Sharder`; the plain functions used without a mesh
+    ``shard`` (a :class:`~jaxcolossal.parallel.sharding.Sharder`; the plain functions used without a mesh
     never do)."""
     decide = getattr(shard, "collective_matmul", None)
     return bool(decide is not None and decide(t))
@@ -184,7 +184,7 @@ def tp_overlaps(shard, t: int) -> bool:
 def column_parallel(shard, overlap: bool, x: jax.Array, terms, biases=None) -> list[jax.Array]:
     """Megatron's column-parallel projections of one activation: ``project(eq, x, w, bias)`` per
     ``(eq, w, letter)`` term (``letter``: the weight's dimension on ``tp``). With ``overlap``
-    (:meth:`jaxcolossal.sharding.Sharder.collective_matmul`) ``x`` is sequence-split over ``tp``
+    (:meth:`jaxcolossal.parallel.sharding.Sharder.collective_matmul`) ``x`` is sequence-split over ``tp``
     and the all-gather runs as a ring inside the matmuls
     (:func:`jaxcolossal.parallel.collective_matmul.all_gather_matmul`); else XLA places the collectives."""
     biases = biases or [None] * len(terms)

@@ -28,7 +28,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.models.linear import project, take_rows
+from jaxcolossal.config import ModelConfig
+from jaxcolossal.models.layers.linear import project, take_rows
 
 Sharder = Callable[[jax.Array, tuple], jax.Array]
 
@@ -36,7 +37,7 @@ PAD_LOGIT = -1e30
 """Logit given to the padded vocabulary columns (``vocab_pad_multiple``): softmax weight 0."""
 
 
-def _no_shard(x, axes):
+def no_shard(x, axes):
     return x
 
 
@@ -49,14 +50,14 @@ def vocab_shards(shard: Sharder) -> int:
 # ----------------------------------------------------------------------------- input embedding
 
 
-def embed_lookup(table: jax.Array, tokens: jax.Array, shard: Sharder = _no_shard, vocab_parallel: bool = False,
+def embed_lookup(table: jax.Array, tokens: jax.Array, shard: Sharder = no_shard, vocab_parallel: bool = False,
                  impl: str = "gather") -> jax.Array:
     """Rows of ``table [v, d]`` for int32 ``tokens [b, t]``: ``[b, t, d]`` in the table's dtype.
 
     Args:
         table: the (padded) embedding, sharded ``("vocab", "embed")``: over ``tp`` on ``v``.
         tokens: ids in ``[0, v)``; the caller has checked them against the tokenizer.
-        shard: the activation sharder (:class:`jaxcolossal.sharding.Sharder`).
+        shard: the activation sharder (:class:`jaxcolossal.parallel.sharding.Sharder`).
         vocab_parallel: whether ``vocab`` is split over more than one device.
         impl: ``gather`` (Megatron's masked gather, the default) or ``one_hot`` (a one-hot
             ``[b, t, v]`` contracted with the table: ``2·b·t·v·d/tp`` FLOPs, kept for comparison).
@@ -86,7 +87,7 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, shard: Sharder = _no_shard
 # ----------------------------------------------------------------------------- LM head + loss
 
 
-def logits(h: jax.Array, w: jax.Array, vocab_size: int, shard: Sharder = _no_shard) -> jax.Array:
+def logits(h: jax.Array, w: jax.Array, vocab_size: int, shard: Sharder = no_shard) -> jax.Array:
     """fp32 logits ``[b, t, v]`` of hidden ``h [b, t, d]`` and head ``w [d, v]`` (sharded on ``vocab``);
     the padded columns ``>= vocab_size`` are :data:`PAD_LOGIT`."""
     out = shard(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), ("batch", "seq", "vocab"))
@@ -130,7 +131,7 @@ def fused_pays(tokens: int, hidden: int, chunk_tokens: int) -> bool:
     return chunk_tokens > 0 and 2 * tokens > hidden + 3 * chunk_tokens
 
 
-def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int, shard: Sharder = _no_shard,
+def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int, shard: Sharder = no_shard,
                  chunk_tokens: int = 0, mask: jax.Array | None = None, force_fused: bool = False) -> jax.Array:
     """Summed next-token cross-entropy (nats, fp32 scalar) of the head ``w`` on hidden states ``h``.
 
@@ -266,11 +267,11 @@ def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, C
     with a ``mask [b, t]`` (1 = trained on) only the masked-in tokens count; ``dropout_key``: a PRNG
     key for ``model.lora.dropout`` in a training step (passed on to ``hidden_states``)."""
 
-    def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg, shard: Sharder = _no_shard,
+    def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg, shard: Sharder = no_shard,
                   mask: jax.Array | None = None) -> jax.Array:
         return lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens, mask)
 
-    def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg, shard: Sharder = _no_shard,
+    def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg, shard: Sharder = no_shard,
                  vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
         extra = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA's dropout, in training
@@ -279,3 +280,32 @@ def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, C
 
     head_loss.__doc__ = loss_sum.__doc__ = lm_loss.__doc__
     return head_loss, loss_sum
+
+
+def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
+    """Vocabulary padded up to a multiple of ``vocab_pad_multiple * tp`` (Colossal-AI pads to
+    64·tp). Padded rows are initialised to zero, never looked up, and never predicted: their
+    logits are masked to -1e30."""
+    mult = cfg.vocab_pad_multiple * tp
+    return int(math.ceil(cfg.vocab_size / mult) * mult)
+
+
+def init_vocab_padded(init_leaf: Callable, key: jax.Array, name: str, shape: tuple, axes: tuple,
+                      cfg: ModelConfig) -> jax.Array:
+    """``init_leaf(key, name, shape, cfg)``, except that a parameter with a ``vocab`` axis is
+    drawn at its unpadded size ``cfg.vocab_size`` on that axis and zero-padded to ``shape``.
+
+    So ``embed_tokens [v, d]`` is ``[vocab_size, d]`` random rows then ``v - vocab_size`` zero
+    rows (``lm_head [d, v]``: zero columns), and the real rows take the same values whatever
+    ``v`` is, i.e. whatever ``tp`` and ``vocab_pad_multiple`` are; the padding is zero as in a
+    Hugging Face import (:mod:`jaxcolossal.models.hf_io`).
+    """
+    if "vocab" not in axes:
+        return init_leaf(key, name, shape, cfg)
+    i = axes.index("vocab")
+    real = cfg.vocab_size
+    x = init_leaf(key, name, (*shape[:i], real, *shape[i + 1:]), cfg)
+    pad = [(0, 0)] * len(shape)
+    pad[i] = (0, shape[i] - real)
+    return jnp.pad(x, pad)
+

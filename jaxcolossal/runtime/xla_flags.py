@@ -32,7 +32,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from jaxcolossal.platforms import cuda_plugin_installed
+from jaxcolossal.runtime.platforms import cuda_plugin_installed
 
 OVERLAP_GROUPS: tuple[tuple[str, ...], ...] = (
     ("--xla_gpu_enable_latency_hiding_scheduler=true",),
@@ -138,7 +138,7 @@ def merge(xla_flags: str, flags: list[str]) -> str:
 
 def apply(overlap: bool, bucket_size_mb: float, force: bool = False, double_buffer: bool = True) -> list[str]:
     """Add the communication flags for ``parallel.overlap`` / ``bucket_size_mb`` to
-    ``os.environ["XLA_FLAGS"]``; call before JAX's backend starts (as :func:`jaxcolossal.launch.simulate_devices`).
+    ``os.environ["XLA_FLAGS"]``; call before JAX's backend starts (as :func:`jaxcolossal.runtime.launch.simulate_devices`).
 
     Args:
         overlap, bucket_size_mb: the config's values.

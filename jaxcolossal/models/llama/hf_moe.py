@@ -1,5 +1,5 @@
 """Hugging Face's mixture-of-experts LLaMA variants, in and out: ``MixtralForCausalLM`` and
-``Qwen3MoeForCausalLM`` (:mod:`jaxcolossal.models.hf` calls these for their configs and MLP weights;
+``Qwen3MoeForCausalLM`` (:mod:`jaxcolossal.models.hf_io` calls these for their configs and MLP weights;
 the attention's keys are LLaMA's).
 
 Layer ``i``'s MoE weights (``E`` experts of size ``f``)::

@@ -19,7 +19,7 @@ The train state keeps the adapters as its trained params and the base weights ap
 the forward. Why not qwix's LoRA: it rewrites a flax module's ``dot_general`` calls, and these
 models are pure functions over a stacked params dict whose projections are custom-VJP einsums
 (fp32 weight gradients, FP8, TP collective matmuls), sharded by this project's rules table; the
-adapters here are two more einsums through the same :func:`jaxcolossal.models.linear.project`.
+adapters here are two more einsums through the same :func:`jaxcolossal.models.layers.linear.project`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config import LoraConfig
-from jaxcolossal.models.linear import project
+from jaxcolossal.models.layers.linear import project
 from jaxcolossal.parallel.collective_matmul import _operands
 
 WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.mesh import DATA_AXES, MESH_AXES, ZERO_AXIS, entry_axes  # noqa: F401  (re-exported: the sharding vocabulary)
+from jaxcolossal.parallel.mesh import DATA_AXES, MESH_AXES, ZERO_AXIS, entry_axes  # noqa: F401  (re-exported: the sharding vocabulary)
 
 ZERO_LOGICAL_AXIS = "embed"
 
@@ -236,7 +236,7 @@ class Sharder:
         self.layer_specs: tuple | None = None
         """ZeRO-3 with ``parallel.overlap``: ``(gathered, sharded)``, one layer's param
         ``PartitionSpec`` trees without and with ``fsdp``, for the layer scan's prefetch
-        (:func:`jaxcolossal.models.remat.prefetched_scan`); ``None``: XLA places the gathers."""
+        (:func:`jaxcolossal.parallel.layer_scan.prefetched_scan`); ``None``: XLA places the gathers."""
         self.lowp_gather: tuple | None = None
         """ZeRO-3 with ``parallel.communication_dtype`` bf16/fp8 (ZeRO++'s qwZ): ``(kind, gathered,
         sharded)``, the dtype each layer's weights cross the wire in and one layer's param
@@ -246,12 +246,12 @@ class Sharder:
         run as TP collective matmuls (:mod:`jaxcolossal.parallel.collective_matmul`); ``None``: off."""
         self.fp8 = False
         """``precision.fp8``: the layers' projections multiply in FP8
-        (:func:`jaxcolossal.models.linear.project_fp8`)."""
+        (:func:`jaxcolossal.models.layers.linear.project_fp8`)."""
         self.manual_experts: tuple | None = None
         """Inside the pipeline's ``shard_map`` (manual over ``pp`` and the data axes): ``(ep, data
         axes, aux weight)`` for a mixture of experts' layers, which then exchange tokens over the
         manual ``ep`` axis directly, take the router's statistics over the data axes, and add their
-        router losses' gradient with that weight (:func:`jaxcolossal.models.moe.moe_mlp`); ``None``
+        router losses' gradient with that weight (:func:`jaxcolossal.models.layers.moe.moe_mlp`); ``None``
         elsewhere."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -7,7 +7,7 @@ Messages are prefixed with ``[rank i]``.
 
 The process index is read at each call. Before the distributed runtime or the
 backend has started, every process is treated as process 0: asking JAX for the
-index would start the backend and make :func:`jaxcolossal.launch.launch` impossible.
+index would start the backend and make :func:`jaxcolossal.runtime.launch.launch` impossible.
 """
 from __future__ import annotations
 

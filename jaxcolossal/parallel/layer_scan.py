@@ -73,7 +73,7 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
     memory are streamed in one layer at a time (:func:`fetch_layer`).
 
     With ``remat=full`` and a sharder that carries ZeRO-3 layer specs (``shard.layer_specs``,
-    :meth:`jaxcolossal.sharding.Sharder.with_layer_prefetch`: ``parallel.overlap``), the scan
+    :meth:`jaxcolossal.parallel.sharding.Sharder.with_layer_prefetch`: ``parallel.overlap``), the scan
     prefetches instead (:func:`prefetched_scan`). With ``shard.lowp_gather`` (ZeRO-3 with
     ``parallel.communication_dtype`` bf16/fp8) each layer's weights are all-gathered in that
     dtype inside the body (:func:`jaxcolossal.parallel.wire.gather_lowp`).

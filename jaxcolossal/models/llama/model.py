@@ -25,7 +25,8 @@ heads, q head dim, f intermediate, v padded vocab, L layers)::
 
 Initialisation depends only on the seed, never on the layout: the vocabulary rows of
 ``embed_tokens`` (columns of ``lm_head``) are drawn at their unpadded ``vocab_size`` and the
-padding rows/columns added by :func:`padded_vocab_size` are zero (:func:`init_vocab_padded`), and
+padding rows/columns added by :func:`jaxcolossal.models.layers.vocab.padded_vocab_size` are zero
+(:func:`jaxcolossal.models.layers.vocab.init_vocab_padded`), and
 the random draws do not depend on how the state is sharded.
 """
 
@@ -33,33 +34,26 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxcolossal.config import ModelConfig
-from jaxcolossal.models import moe, vocab
-from jaxcolossal.models.flash_attention import flash_attention
-from jaxcolossal.models.linear import column_parallel, row_parallel, tp_overlaps
-from jaxcolossal.models.lora import DROPOUT_KEY, EQUATIONS, adapt
-from jaxcolossal.models.remat import scan_layers, tag
-from jaxcolossal.models.vocab import Sharder, _no_shard, cross_entropy_sum, embed_lookup  # noqa: F401
-from jaxcolossal.parallel import sequence
-
-
-def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
-    """Vocabulary padded up to a multiple of ``vocab_pad_multiple * tp`` (Colossal-AI pads to
-    64·tp). Padded rows are initialised to zero, never looked up, and never predicted: their
-    logits are masked to -1e30."""
-    mult = cfg.vocab_pad_multiple * tp
-    return int(math.ceil(cfg.vocab_size / mult) * mult)
+from jaxcolossal.models.layers import moe, vocab
+from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
+from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
+from jaxcolossal.models.layers.norm import rms_norm
+from jaxcolossal.models.layers.rope import apply_rope, rope_tables
+from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, init_vocab_padded, no_shard, padded_vocab_size
+from jaxcolossal.parallel.layer_scan import scan_layers, tag
 
 
 def _layer_table(cfg: ModelConfig, L: int, experts: bool) -> dict:
     """One stack of ``L`` decoder layers: attention and norms, then a dense MLP or (``experts``) the
-    MoE MLP of :func:`jaxcolossal.models.moe.layer_shapes_and_axes`."""
+    MoE MLP of :func:`jaxcolossal.models.layers.moe.layer_shapes_and_axes`."""
     d, h, k, q, f = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                      cfg.intermediate_size)
     layers = {
@@ -104,26 +98,6 @@ def _init_leaf(key, name: str, shape, cfg: ModelConfig) -> jax.Array:
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
-def init_vocab_padded(init_leaf: Callable, key: jax.Array, name: str, shape: tuple, axes: tuple,
-                      cfg: ModelConfig) -> jax.Array:
-    """``init_leaf(key, name, shape, cfg)``, except that a parameter with a ``vocab`` axis is
-    drawn at its unpadded size ``cfg.vocab_size`` on that axis and zero-padded to ``shape``.
-
-    So ``embed_tokens [v, d]`` is ``[vocab_size, d]`` random rows then ``v - vocab_size`` zero
-    rows (``lm_head [d, v]``: zero columns), and the real rows take the same values whatever
-    ``v`` is, i.e. whatever ``tp`` and ``vocab_pad_multiple`` are; the padding is zero as in a
-    Hugging Face import (:mod:`jaxcolossal.models.hf`).
-    """
-    if "vocab" not in axes:
-        return init_leaf(key, name, shape, cfg)
-    i = axes.index("vocab")
-    real = cfg.vocab_size
-    x = init_leaf(key, name, (*shape[:i], real, *shape[i + 1:]), cfg)
-    pad = [(0, 0)] * len(shape)
-    pad[i] = (0, shape[i] - real)
-    return jnp.pad(x, pad)
-
-
 class LlamaForCausalLM(nnx.Module):
     """LLaMA decoder with a causal-LM head, as a Flax NNX module.
 
@@ -133,7 +107,7 @@ class LlamaForCausalLM(nnx.Module):
             projections scaled by 1/sqrt(2L); norms at one; the padded vocabulary rows of
             ``embed_tokens`` and columns of ``lm_head`` zero, the real ones drawn at
             ``vocab_size`` so that they do not depend on ``tp``: :func:`init_vocab_padded`).
-        tp: tensor-parallel size, only to pad the vocabulary (:func:`padded_vocab_size`).
+        tp: tensor-parallel size, only to pad the vocabulary (:func:`jaxcolossal.models.layers.vocab.padded_vocab_size`).
 
     Params are fp32 ``nnx.Param`` with logical ``axes`` metadata. ``__call__(tokens)`` maps
     int32 ``[b, t]`` tokens to fp32 logits ``[b, t, vocab_size]`` (padding removed).
@@ -168,110 +142,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
     return nnx.to_pure_dict(nnx.state(LlamaForCausalLM(cfg, rngs=nnx.Rngs(params=key), tp=tp), nnx.Param))
 
 
-def param_axes(model: nnx.Module) -> dict:
-    """Pure dict of logical-axis tuples, one per parameter of ``model``."""
-    state = nnx.state(model, nnx.Param)
-    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["axes"]), state,
-                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
-
-
-def count_params(params: Any) -> int:
-    """Number of parameter elements (padded vocabulary rows included)."""
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
-
-
 # ----------------------------------------------------------------------------- the computation
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich, 2019), computed in fp32, returned in ``x.dtype``."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[t, q]`` in Hugging Face's rotate-half layout (RoFormer, Su et al., 2021); with
-    int ``positions [b, t]`` (packed documents, each restarting at 0) ``[b, t, q]``."""
-    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    pos = jnp.arange(seq_len, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
-    ang = pos[..., None] * inv
-    ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x [b, t, heads, q]`` by position (``cos``/``sin`` ``[t, q]`` or ``[b, t, q]``)."""
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None, :], sin[:, :, None, :])
-    return (xf * c + rot.astype(jnp.float32) * s).astype(x.dtype)
-
-
-def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None, shard: Sharder = _no_shard,
-              positions: jax.Array | None = None) -> jax.Array:
-    """Causal grouped-query attention. q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` -> ``[b, t, h, q]``.
-
-    :func:`local_attention` on whole sequences, or, when ``shard``'s rules split the sequence
-    (``parallel.sequence_parallelism_mode`` all_to_all / ring_attn), the sequence-parallel form of
-    it (:func:`jaxcolossal.parallel.sequence.attend`; ring attention masks by ``positions`` int ``[b, t]``).
-    """
-    return sequence.attend(q, k, v, shard, local_attention, impl, segment_ids, positions)
-
-
-@jax.custom_vjp
-def softmax(x: jax.Array) -> jax.Array:
-    """``jax.nn.softmax(x, axis=-1)`` whose backward pass keeps only its output ``p``
-    (``dx = p · (g − Σ g·p)``). Differentiating ``jax.nn.softmax`` itself (JAX's default,
-    ``jax_softmax_custom_jvp`` off) saves the masked scores and ``exp`` as well, three
-    ``[b, heads, t, t]`` fp32 tensors per layer instead of one."""
-    return jax.nn.softmax(x, axis=-1)
-
-
-def _softmax_fwd(x):
-    p = jax.nn.softmax(x, axis=-1)
-    return p, p
-
-
-def _softmax_bwd(p, g):
-    return ((g - jnp.sum(g * p, axis=-1, keepdims=True)) * p,)
-
-
-softmax.defvjp(_softmax_fwd, _softmax_bwd)
-
-
-def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None) -> jax.Array:
-    """Causal grouped-query attention on whole sequences (shapes as :func:`attention`).
-
-    ``impl="cudnn"`` uses ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16);
-    ``"flash"`` the Pallas flash-attention kernels (:mod:`jaxcolossal.models.flash_attention`:
-    Triton on GPU, the Pallas interpreter elsewhere; memory linear in ``t``); ``"xla"`` is an
-    explicit einsum with an fp32 softmax that works everywhere. ``segment_ids`` (int ``[b, t]``,
-    packed documents): a query attends only to keys of its own segment.
-    """
-    if impl == "flash":
-        return flash_attention(q, k, v, segment_ids, causal=True)
-    if impl == "cudnn":
-        if segment_ids is not None:
-            raise ValueError("segment_ids (data.packing_mask) need model.attention_impl=xla")
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-    if segment_ids is not None:
-        mask = mask[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [b, t, s]
-        mask = mask[:, None, None]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = softmax(scores).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
-
-
-def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
+def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
                     segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     """The attention half of a pre-norm LLaMA block with its residual: x ``[b, t, d]`` -> ``[b, t, d]``."""
     overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
@@ -294,9 +168,9 @@ def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: S
     return shard(x + tag(o, "out_proj"), ("batch", "seq", "embed"))
 
 
-def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
+def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
                       segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> tuple:
-    """A block whose MLP is a mixture of experts (:func:`jaxcolossal.models.moe.moe_mlp`):
+    """A block whose MLP is a mixture of experts (:func:`jaxcolossal.models.layers.moe.moe_mlp`):
     ``(x [b, t, d], stats) -> (x, stats + this layer's)`` (the layer scan's carry)."""
     x, acc = carry
     x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
@@ -306,7 +180,7 @@ def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard:
     return shard(x + y, ("batch", "seq", "embed")), jax.tree.map(jnp.add, acc, stats)
 
 
-def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = _no_shard,
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
                   segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
     positions, for sequence-parallel attention's mask)."""
@@ -325,14 +199,14 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
     return shard(x + y, ("batch", "seq", "embed"))
 
 
-def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
                   vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
                   positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]``.
 
-    The embedding is :func:`jaxcolossal.models.vocab.embed_lookup` (Megatron's vocab-parallel
+    The embedding is :func:`jaxcolossal.models.layers.vocab.embed_lookup` (Megatron's vocab-parallel
     masked gather when ``vocab_parallel``); the layers run in one ``lax.scan`` checkpointed by the
-    ``model.remat`` policy (:mod:`jaxcolossal.models.remat`). Packed rows (``data.packing_mask``)
+    ``model.remat`` policy (:mod:`jaxcolossal.parallel.layer_scan`). Packed rows (``data.packing_mask``)
     pass ``segment_ids`` and ``positions`` (int ``[b, t]``): attention stays within a document and
     RoPE positions restart at each document. ``dropout_key``: LoRA's dropout in a training step
     (``model.lora.dropout``; one key per layer is split from it).
@@ -340,11 +214,11 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
     return hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)[0]
 
 
-def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
                      vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
                      positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple:
     """:func:`hidden_states` and the MoE layers' statistics summed over the layers
-    (:data:`jaxcolossal.models.moe.STATS`; ``{}`` for a dense model)."""
+    (:data:`jaxcolossal.models.layers.moe.STATS`; ``{}`` for a dense model)."""
     layers = params["layers"]
     if dropout_key is not None and cfg.lora.dropout > 0:
         layers = {**layers, DROPOUT_KEY: jax.random.split(dropout_key, cfg.num_layers)}
@@ -369,12 +243,12 @@ def head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
     return params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
-def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard) -> jax.Array:
+def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard) -> jax.Array:
     """fp32 logits ``[b, t, v]`` (padded vocab, sharded on ``vocab``); padded columns are -1e30."""
     return vocab.logits(h, head_weight(params, cfg), cfg.vocab_size, shard)
 
 
-def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
             vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None) -> jax.Array:
     """Logits ``[b, t, v_padded]`` (fp32) for int ``tokens [b, t]`` (packed rows: ``segment_ids``,
@@ -386,12 +260,12 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
 head_loss, _ = vocab.lm_loss(hidden_states, head_weight)
 
 
-def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
                    vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
                    positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """``(loss_sum, stats)``: the summed next-token cross-entropy (nats, fp32 scalar) of int
     ``tokens``/``targets [b, t]`` (with a ``mask [b, t]``, of the masked-in tokens), plus a mixture
-    of experts' router losses (:func:`jaxcolossal.models.moe.loss_terms`), and its statistics
+    of experts' router losses (:func:`jaxcolossal.models.layers.moe.loss_terms`), and its statistics
     (``{}`` for a dense model)."""
     h, stats = hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)
     loss = head_loss(params, h, targets, cfg, shard, mask)
@@ -401,7 +275,7 @@ def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Mod
     return loss, stats
 
 
-def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = _no_shard,
+def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
              vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
              positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
     """:func:`loss_and_stats`'s loss."""
@@ -409,9 +283,9 @@ def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConf
                           dropout_key)[0]
 
 
-def pipeline_stages(cfg: ModelConfig, shard: Sharder = _no_shard, vocab_parallel: bool = False,
+def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
                     positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
-    """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.train.pipeline`):
+    """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`):
     ``embed(others, tokens [mb, t]) -> x [mb, t, d]``; ``layer_for(x) -> layer(h, layer_params)``
     (one decoder layer, RoPE tables for ``x``'s length); ``head(others, x, targets) -> summed
     fp32 loss`` (final norm, LM head, cross-entropy). ``others``: the non-layer params.

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxcolossal import hlo
+from jaxcolossal.aot import hlo
 
 _START = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*? (all-reduce|reduce-scatter|all-gather|all-to-all|"
                     r"collective-permute)-start\(")
@@ -46,7 +46,7 @@ class Pair:
         name: the instruction's name (the start's).
         computation: the computation it sits in.
         executions: times it runs per step (enclosing loops' trip counts multiplied).
-        sent: bytes each device sends per execution (:attr:`jaxcolossal.hlo.Collective.sent`).
+        sent: bytes each device sends per execution (:attr:`jaxcolossal.aot.hlo.Collective.sent`).
         group: devices in its replica group (``None`` when the HLO does not say).
         cross_host: its group spans more than one host.
         flops_between: matmul FLOPs scheduled between start and done, per execution.

@@ -1,5 +1,5 @@
 """Pipeline parallelism's executor: a scan over the ticks of a schedule table (GPipe, 1F1B,
-interleaved; the tables are :mod:`jaxcolossal.parallel.schedule`).
+interleaved; the tables are :mod:`jaxcolossal.parallel.pipeline_schedule`).
 
 Layout
 ------
@@ -53,7 +53,7 @@ Schedules (``p`` stages, ``m`` microbatches, ``v`` chunks per device)
   fp32, as in the lock-step schedules. ``m·v + p − 1`` forward ticks; bubble
   ``(p − 1)/(m·v + p − 1)``. With ``v > 1`` it is the circular (looped) pipeline: a tick's chunk
   index differs per tick, so its weights are sliced inside each layer's checkpointed body
-  (:func:`jaxcolossal.models.remat.scan_chunk`); slicing the chunk first made the slice a
+  (:func:`jaxcolossal.parallel.layer_scan.scan_chunk`); slicing the chunk first made the slice a
   residual of every tick, ``m·v + p − 1`` copies of a chunk's weights.
 * ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): lock-step one-forward-one-backward. Each
   tick has one forward slot and one backward slot; stage ``s`` runs the forward of microbatch
@@ -90,11 +90,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.mesh import DATA_AXES, EP_AXIS, PP_AXIS, SP_AXIS, ZERO_AXIS, entry_axes
-from jaxcolossal.models.remat import scan_chunk, scan_layers
-from jaxcolossal.parallel.schedule import CHUNK, FIRST, LAST, MB, SLOT, VALID, PipelineSchedule, pipeline_schedule_for
+from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, PP_AXIS, SP_AXIS, ZERO_AXIS, entry_axes
+from jaxcolossal.parallel.layer_scan import scan_chunk, scan_layers
+from jaxcolossal.parallel.pipeline_schedule import CHUNK, FIRST, LAST, MB, SLOT, VALID, PipelineSchedule, pipeline_schedule_for
 from jaxcolossal.parallel.sequence import zigzag_batch, zigzag_order
-from jaxcolossal.sharding import Sharder
+from jaxcolossal.parallel.sharding import Sharder
 
 MANUAL_AXES = (PP_AXIS,) + DATA_AXES
 """The mesh axes the executor's ``shard_map`` is manual over (``sp`` too under ring attention)."""

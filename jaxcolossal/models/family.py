@@ -1,0 +1,79 @@
+"""The model-family interface: what the train step, the pipeline, the planner and the Hugging
+Face reader and writer ask of a family, as one typed record (:class:`Family`).
+
+A family is a folder, ``jaxcolossal/models/<family>/`` with ``model.py`` (pure functions over a
+params dict and an NNX module) and ``hf.py`` (its Hugging Face ``config.json`` and key mapping),
+whose ``__init__`` builds one :class:`Family`; :data:`jaxcolossal.models.FAMILIES` registers it
+under its ``model.type``. Families import shared layers (:mod:`jaxcolossal.models.layers`), never
+each other. docs/design.md ("Adding a model family") walks through it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. Every field is required; the shapes are the family's own module doc's.
+
+    Model (``cfg``: :class:`jaxcolossal.config.ModelConfig`; ``params``: the pure params dict,
+    stacked layers ``[L, ...]``; ``shard``: a :data:`jaxcolossal.models.layers.vocab.Sharder`):
+
+    * ``module``: the Flax NNX module class (``Module(cfg, rngs=..., tp=1)``).
+    * ``padded_vocab_size(cfg, tp) -> int``; ``param_shapes_and_axes(cfg, vocab) -> {name: (shape,
+      logical axes)}`` (no arrays); ``init_params(cfg, key, tp) -> params`` (fp32, jit-able).
+    * ``hidden_states(params, tokens [b, t], cfg, shard, vocab_parallel, segment_ids, positions,
+      ...) -> [b, t, d]``; ``head_weight(params, cfg) -> [d, v]``; ``forward(...) -> fp32 logits
+      [b, t, v_padded]``.
+    * ``head_loss``, ``loss_sum`` (:func:`jaxcolossal.models.layers.vocab.lm_loss` builds both) and
+      ``loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, ...) ->
+      (summed loss, stats)`` (``stats``: a mixture of experts' router statistics, ``{}`` otherwise).
+    * ``pipeline_stages(cfg, shard, vocab_parallel, positions) -> (embed, layer_for, head)``: the
+      forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`).
+
+    Hugging Face (``jaxcolossal.models.hf_io`` reads and writes the folders):
+
+    * ``hf_architectures``: ``{model_type: architecture class}`` of the forms it reads.
+    * ``config_from_hf(config.json dict, model_type) -> ModelConfig``; ``config_to_hf(cfg) -> dict``.
+    * ``params_from_hf(get, has, cfg) -> (params, used keys)``; ``params_to_hf(params, cfg) -> dict``.
+    * ``embedding``: the name of the vocabulary-padded input embedding (``embed_tokens``, ``wte``).
+    * ``init_from_keys``: the model keys, beyond the shared sizes, that ``model.init_from`` checks.
+    """
+
+    name: str
+    module: type
+    padded_vocab_size: Callable
+    param_shapes_and_axes: Callable
+    init_params: Callable
+    hidden_states: Callable
+    head_weight: Callable
+    forward: Callable
+    head_loss: Callable
+    loss_sum: Callable
+    loss_and_stats: Callable
+    pipeline_stages: Callable
+    hf_architectures: dict
+    config_from_hf: Callable
+    config_to_hf: Callable
+    params_from_hf: Callable
+    params_to_hf: Callable
+    embedding: str
+    init_from_keys: tuple
+
+
+def param_axes(model: nnx.Module) -> dict:
+    """Pure dict of logical-axis tuples, one per parameter of ``model`` (any family)."""
+    state = nnx.state(model, nnx.Param)
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["axes"]), state,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def count_params(params: Any) -> int:
+    """Number of parameter elements (padded vocabulary rows included)."""
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
