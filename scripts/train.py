@@ -64,14 +64,14 @@ def compile_for_fleet(cfg, args, predicted: bool = False) -> int:
 
 def dry_run(cfg, args) -> int:
     """``--dry-run``: the plan; 1 when the run would be refused for ``offload.device_memory_limit``."""
-    from jaxcolossal.plan import dry_run as plan_of
+    from jaxcolossal.plan import plan_dry_run
 
     p = cfg.parallel
     explicit = -1 not in (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
     # explicit sizes give the device count; otherwise plan for --devices (default 8)
-    text = plan_of(cfg, None if explicit else (args.devices or _devices_in_xla_flags() or 8))
-    print(text)
-    if "offload    does not fit:" in text:  # the run itself would be refused before compiling
+    plan = plan_dry_run(cfg, None if explicit else (args.devices or _devices_in_xla_flags() or 8))
+    print(plan.text)
+    if plan.offload_refusal:  # the run itself would be refused before compiling
         print("error: this run does not fit offload.device_memory_limit (the offload line above)", file=sys.stderr)
         return 1
     return 0

@@ -19,10 +19,10 @@ from jaxcolossal.plan.cli import main
 from jaxcolossal.plan.collectives import collective_bytes, collective_count, collective_terms, dp_gradient_bytes
 from jaxcolossal.plan.cost import Layout, compiled_flops, cost_terms, predict
 from jaxcolossal.plan.devices import DEVICES, Device
-from jaxcolossal.plan.dry_run import dry_run
-from jaxcolossal.plan.search import report, run_overrides, search
+from jaxcolossal.plan.dry_run import DryRunPlan, dry_run, plan_dry_run
+from jaxcolossal.plan.search import PlanReport, plan_layouts, report, run_overrides, search
 from jaxcolossal.plan.seed_table import SEED_TABLE, seed_table
 
-__all__ = ["DEVICES", "Device", "Layout", "SEED_TABLE", "collective_bytes", "collective_count", "collective_terms",
-           "compiled_flops", "cost_terms", "dp_gradient_bytes", "dry_run", "main", "predict", "report", "run_overrides",
-           "search", "seed_table"]
+__all__ = ["DEVICES", "Device", "DryRunPlan", "Layout", "PlanReport", "SEED_TABLE", "collective_bytes", "collective_count", "collective_terms",
+           "compiled_flops", "cost_terms", "dp_gradient_bytes", "dry_run", "main", "plan_dry_run", "plan_layouts", "predict",
+           "report", "run_overrides", "search", "seed_table"]

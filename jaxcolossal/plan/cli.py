@@ -13,7 +13,7 @@ from jaxcolossal.config import Config, ConfigError, config_from_dict, load_confi
 from jaxcolossal.errors import DependencyError
 from jaxcolossal.models.hf_io import config_from_hf, read_hf_config
 from jaxcolossal.plan.devices import DEVICES, Device
-from jaxcolossal.plan.search import report
+from jaxcolossal.plan.search import plan_layouts
 from jaxcolossal.plan.seed_table import seed_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,20 +144,20 @@ def main(argv: list[str] | None = None, confirm: Callable[..., str] | None = Non
         if not a.global_batch and cfg.training.micro_batch_size:
             cfg.training.batch_size = cfg.training.micro_batch_size * a.devices
         cfg.training.micro_batch_size = 0
-        text = report(cfg, a.devices, dev, a.efficiency, a.top, source, model_overrides)
-        print(text)
-        if a.confirm and "run the best:" in text:
+        plan = plan_layouts(cfg, a.devices, dev, a.efficiency, a.top, source, model_overrides)
+        print(plan.text())
+        if a.confirm and plan.best:
             print("\n" + confirm(cfg, a.devices, a.device, dev, a.confirm, a.efficiency, source, model_overrides))
     except (ConfigError, OSError, DependencyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if text.splitlines()[1].startswith("0 layouts considered"):
+    if not plan.layouts:
         print(f"error: no layout of this model on {a.devices} devices accepts a global batch of "
               f"{cfg.training.batch_size} × {cfg.training.seq_len} tokens (the batch must divide over the "
               "data-parallel group, the layers over pp, the heads over tp): try a batch that is a multiple of "
               "the device count", file=sys.stderr)
         return 1
-    if "run the best:" not in text:
+    if not plan.best:
         print(f"error: no layout of this model fits {a.devices} × {dev.name}: more devices, a shorter sequence, "
               "a smaller batch, or the offload section (docs/offload.md)", file=sys.stderr)
         return 1

@@ -110,7 +110,7 @@ def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend
       the step touches, as :attr:`Device.memory_cost` charges them: the whole predicted need
       (state, gradients, activations) plus the fp32 gradients once per microbatch (pipeline
       microbatches, or accumulation steps); ``need``: the
-      :func:`jaxcolossal.memory.placement.device_need` breakdown for ``backend``.
+      :func:`jaxcolossal.memory.budget.device_need` breakdown for ``backend``.
     """
     need = budget.need(cfg, num_devices, backend)
     pp = cfg.parallel.resolve(num_devices).pipeline_parallel_size
@@ -130,8 +130,8 @@ def cost_terms(cfg: Config, num_devices: int, shared_host: bool = False, backend
 def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, backend: str = "gpu") -> Layout:
     """Predicted memory and step time of ``cfg`` on ``num_devices`` of ``device`` (docs/planner.md).
 
-    * memory: :func:`jaxcolossal.memory.placement.device_need` (the state by the ZeRO formulas, fp32
-      gradients, and :func:`jaxcolossal.activations.step_peak`: the residuals JAX saves for the
+    * memory: :func:`jaxcolossal.memory.budget.device_need` (the state by the ZeRO formulas, fp32
+      gradients, and :func:`jaxcolossal.memory.activations.step_peak`: the residuals JAX saves for the
       model's backward pass, traced at the per-device shapes, with the buffers each layout adds),
       against 90% of the device's memory;
     * compute: the matmul FLOPs the compiled step does (:func:`compiled_flops`: dense attention

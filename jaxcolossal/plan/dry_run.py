@@ -5,6 +5,7 @@ pipeline's schedule. Arithmetic over the same sharding rules as the train step."
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,34 @@ from jaxcolossal.plan.collectives import dp_gradient_bytes
 from jaxcolossal.parallel.sharding import shard_bytes
 
 
+@dataclass(frozen=True)
+class DryRunPlan:
+    """The dry run of one config: its printable ``lines``, and ``offload_refusal``, the reason the
+    run itself would be refused before compiling for ``offload.device_memory_limit`` (None when it
+    fits, or when no limit is set)."""
+
+    lines: tuple[str, ...]
+    offload_refusal: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The plan as printed, one line per entry of :attr:`lines`."""
+        return "\n".join(self.lines)
+
+
 def dry_run(cfg: Config, num_devices: int | None = None) -> str:
-    """A printable plan for ``cfg`` on ``num_devices`` (default: the product of the explicit
-    parallel sizes).
+    """:func:`plan_dry_run`'s printable text.
+
+    Raises:
+        ConfigError: as :func:`plan_dry_run`.
+    """
+    return plan_dry_run(cfg, num_devices).text
+
+
+def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
+    """The plan of ``cfg`` on ``num_devices`` (default: the product of the explicit parallel sizes):
+    parameters, per-device model state, the mesh, the offload plan, the gradient traffic, the
+    pipeline's schedule (:class:`DryRunPlan`).
 
     Raises:
         ConfigError: a ``-1`` size without ``num_devices``, or any impossible setting.
@@ -74,7 +100,8 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
            else "in the pipeline's microbatches (below)"),
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
-    lines += _offload_lines(cfg, shapes, specs, shape)
+    offload, refusal = _offload_lines(cfg, shapes, specs, shape)
+    lines += offload
     lines.append(_communication_line(cfg, rp))
     if p.zero_stage > 0 and rp.data_parallel_size == 1:
         lines.append(f"note       zero_stage {p.zero_stage} with data_parallel_size 1 shards nothing: "
@@ -83,7 +110,7 @@ def dry_run(cfg: Config, num_devices: int | None = None) -> str:
         s = pipeline_schedule_for(cfg, rp.pipeline_parallel_size)
         lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
                      f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
-    return "\n".join(lines)
+    return DryRunPlan(tuple(lines), refusal)
 
 
 def _experts_line(cfg: Config, shape: dict, n: dict) -> str:
@@ -121,15 +148,16 @@ def _communication_line(cfg: Config, rp) -> str:
     return line + (f"; ZeRO-3 layer weights gathered in {kind}" if kind else "")
 
 
-def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
-    """The offload plan (:mod:`jaxcolossal.memory.placement`): device and host bytes per device and per
-    8-device node, and whether the run fits ``offload.device_memory_limit`` when one is given."""
+def _offload_lines(cfg: Config, shapes, specs, shape) -> tuple[list[str], str | None]:
+    """``(lines, refusal)``: the offload plan (:mod:`jaxcolossal.memory.placement`), device and host
+    bytes per device and per 8-device node, and whether the run fits ``offload.device_memory_limit``
+    when one is given; ``refusal`` is the reason it does not (None when it fits)."""
     o = cfg.offload
     limit = o.device_memory_limit
     try:
         pl, report = resolve(cfg, shapes, specs, shape, backend="gpu")
     except ConfigError as e:
-        return [f"offload    does not fit: {e}"]
+        return [f"offload    does not fit: {e}"], str(e)
     need = device_need(pl, cfg, shapes, specs, shape, "gpu")
     lines = [report] if report else []
     lines.append(f"offload    optim {pl.asked_optim_frac:g} (reached {pl.optim_frac:.3f}), params {pl.asked_param_frac:g} "
@@ -145,4 +173,4 @@ def _offload_lines(cfg: Config, shapes, specs, shape) -> list[str]:
                  + (f"; fits offload.device_memory_limit={limit}" if limit else "")
                  + (f" and offload.host_memory_limit={o.host_memory_limit}" if o.host_memory_limit else ""))
     lines.append(f"           {describe(need['peak'])}")
-    return lines
+    return lines, None

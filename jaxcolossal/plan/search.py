@@ -101,24 +101,69 @@ def _bytes(n: float) -> str:
     return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """The planner's answer for a model on a cluster: every layout considered (fastest first), the
+    smallest predicted memory (bytes) of each (zero, tp, pp, dp, sp) family where none fits, and what
+    the command line needs to render it (:meth:`text`)."""
+
+    cfg: Config
+    num_devices: int
+    device: Device
+    efficiency: float
+    layouts: list
+    rejected: dict
+    top: int = 8
+    source: str = "--config CONFIG"
+    model_overrides: dict | None = None
+
+    @property
+    def best(self) -> list[Layout]:
+        """The fitting layouts, fastest first, at most ``top`` of them."""
+        return [lay for lay in self.layouts if lay.fits][: self.top]
+
+    @property
+    def run_command(self) -> str | None:
+        """The command line that runs the best layout (None when no layout fits)."""
+        if not self.best:
+            return None
+        ov = " ".join(f"{k}={v}" for k, v in run_overrides(self.cfg, self.best[0], self.model_overrides).items())
+        return f"python scripts/train.py {self.source + ' ' if self.source else ''}{ov}"
+
+    def text(self) -> str:
+        """The printout: Colossal-AI's benchmark table of :attr:`best`, why each other family
+        failed, and :attr:`run_command`."""
+        return _render(self)
+
+
+def plan_layouts(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, top: int = 8,
+                 source: str = "--config CONFIG", model_overrides: dict | None = None) -> PlanReport:
+    """:func:`search` of ``cfg``'s model on ``num_devices`` × ``device``, as a :class:`PlanReport`."""
+    layouts, rejected = search(cfg, num_devices, device, efficiency)
+    return PlanReport(cfg, num_devices, device, efficiency, layouts, rejected, top, source, model_overrides)
+
+
 def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.45, top: int = 8,
            source: str = "--config CONFIG", model_overrides: dict | None = None) -> str:
-    """The planner's printout: the fastest fitting layouts as Colossal-AI's benchmark table
-    (strategy, batch per DP, samples/s, TFLOPS per device, memory), why each other family failed,
-    and the command line that runs the best."""
-    layouts, rejected = search(cfg, num_devices, device, efficiency)
-    t = cfg.training
+    """The planner's printout (:meth:`PlanReport.text` of :func:`plan_layouts`): the fastest fitting
+    layouts as Colossal-AI's benchmark table (strategy, batch per DP, samples/s, TFLOPS per device,
+    memory), why each other family failed, and the command line that runs the best."""
+    return plan_layouts(cfg, num_devices, device, efficiency, top, source, model_overrides).text()
+
+
+def _render(r: PlanReport) -> str:
+    """:meth:`PlanReport.text`."""
+    cfg, device, t = r.cfg, r.device, r.cfg.training
     n = param_count(cfg.model)["total"]
     lines = [f"model {cfg.model.type} {_count(n)} parameters, seq {t.seq_len}, global batch {t.batch_size}; "
-             f"{num_devices} × {device.name} ({device.memory / 1e9:.0f} GB, {device.peak / 1e12:.0f} TFLOP/s bf16, "
-             f"{device.per_node} per node); {cfg.precision.mode}; efficiency {efficiency:g} of peak",
-             f"{len(layouts)} layouts considered, {sum(lay.fits for lay in layouts)} fit in 90% of the memory",
+             f"{r.num_devices} × {device.name} ({device.memory / 1e9:.0f} GB, {device.peak / 1e12:.0f} TFLOP/s bf16, "
+             f"{device.per_node} per node); {cfg.precision.mode}; efficiency {r.efficiency:g} of peak",
+             f"{len(r.layouts)} layouts considered, {sum(lay.fits for lay in r.layouts)} fit in 90% of the memory",
              "",
              "| strategy | accumulation / microbatches | batch per DP | samples/s | tokens/s | TFLOPS/device | MFU | "
              "memory/device | step (compute + comm) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    best = [lay for lay in layouts if lay.fits][:top]
-    for lay in best:
+    for lay in r.best:
         o = lay.overrides
         k = o.get("parallel.num_microbatches", o.get("training.gradient_accumulation_steps", 1))
         lines.append(f"| {lay.strategy()} | {k} | {t.batch_size // o['parallel.data_parallel_size']} | "
@@ -126,19 +171,18 @@ def report(cfg: Config, num_devices: int, device: Device, efficiency: float = 0.
                      f"{lay.mfu:.1%} | {_bytes(lay.need['total'])} | {lay.step_s:.2f} s "
                      f"({lay.compute_s:.2f} + {lay.comm_s:.2f}"
                      + (f", bubble {lay.bubble:.0%}" if lay.bubble else "") + ") |")
-    if not best:
+    if not r.best:
         lines.append("| (no layout fits: see below) | | | | | | | | |")
-    if rejected:
+    if r.rejected:
         lines.append("")
         lines.append("rejected (the smallest predicted memory of each family, over remat and accumulation):")
-        for (zero, tp, pp, dp, sp), need in sorted(rejected.items(), key=lambda kv: kv[1]):
+        for (zero, tp, pp, dp, sp), need in sorted(r.rejected.items(), key=lambda kv: kv[1]):
             fam = (f"ZeRO-{zero} dp{dp}" + (f" sp{sp} ring" if sp > 1 else "") + (f" tp{tp}" if tp > 1 else "")
                    + (f" pp{pp}" if pp > 1 else ""))
             lines.append(f"  {fam}: {_bytes(need)} > {_bytes(0.9 * device.memory)}")
-    if best:
-        ov = " ".join(f"{k}={v}" for k, v in run_overrides(cfg, best[0], model_overrides).items())
-        lines += ["", f"run the best: python scripts/train.py {source + ' ' if source else ''}{ov}"]
-        if model_overrides:
+    if r.best:
+        lines += ["", f"run the best: {r.run_command}"]
+        if r.model_overrides:
             lines.append("(add model.init_from=<the Hugging Face folder> to start from its weights)")
     lines.append("(predictions: memory by the ZeRO formulas and the residuals traced from the model code, time by FLOPs at the "
                  "efficiency and ring volumes at the link bandwidths, no overlap; docs/planner.md)")
