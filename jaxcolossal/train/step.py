@@ -95,7 +95,7 @@ def adam_first_moment(opt_state: Any) -> Any:
 
 def gathers_lowp(plan: TrainPlan) -> bool:
     """Whether ZeRO-3's weight all-gathers move ``parallel.communication_dtype`` (bf16/fp8) rather
-    than the compute dtype (ZeRO++'s qwZ, :func:`jaxcolossal.parallel.compression.gather_lowp`): ZeRO-3
+    than the compute dtype (ZeRO++'s qwZ, :func:`jaxcolossal.parallel.wire.gather_lowp`): ZeRO-3
     over a data group > 1, and a wire dtype narrower than the compute dtype (bf16 in a bf16 run
     already moves bf16). The stacked layers' weights only: the embedding, head and final norm are
     gathered as stored."""
@@ -156,11 +156,9 @@ class _GradFn:
         self.global_grad = jax.value_and_grad(self._loss(outer), has_aux=True)
 
     def _loss(self, sharder):
-        with_stats = getattr(self.family, "loss_and_stats", None)
-
         def loss(params, x, y, aux, coef, frozen):  # LoRA: the gradient of the adapters only
             args = (merge(frozen, params), x, y, self.cfg.model, sharder, self.vocab_parallel)
-            s, stats = with_stats(*args, **aux) if with_stats else (self.family.loss_sum(*args, **aux), {})
+            s, stats = self.family.loss_and_stats(*args, **aux)
             return s * coef, (s, stats)  # stats: a mixture of experts' router statistics
         return loss
 

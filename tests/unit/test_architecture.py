@@ -6,6 +6,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "jaxcolossal"
@@ -45,3 +46,21 @@ def test_every_function_is_short_enough_to_read():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {sorted(long, reverse=True)}"
+
+
+def _chain(text: str) -> list[str]:
+    """The layer names of the first diagram line that starts with ``errors ──>``."""
+    line = next(ln for ln in text.splitlines() if ln.startswith("errors ──>"))
+    return [w.strip() for w in line.split("──>")]
+
+
+def test_readme_and_design_chains_equal_the_layers_contract():
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    bottom_up = [layer.split("|")[0].strip().removeprefix("jaxcolossal.") for layer in reversed(layers)]
+    assert _chain((ROOT / "README.md").read_text()) == bottom_up
+    assert _chain((ROOT / "docs" / "design.md").read_text()) == bottom_up
+
+
+def test_at_most_six_loose_modules_at_the_top():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(loose) <= 6, loose
