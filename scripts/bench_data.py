@@ -6,7 +6,7 @@
 1. Trains a byte-level BPE (``scripts/train_tokenizer.py``) on the first 2 MB of the corpus.
 2. Tokenizes the first ``--mb`` MB of the corpus's documents in two ways: a plain single-process
    loop (``tokenizer.encode`` per document) and our path (``encode_batch`` in groups of 256 on the
-   ``tokenizers`` library's threads, :func:`jaxcolossal.data.corpus._tokenize`). It reports MB/s
+   ``tokenizers`` library's threads, :func:`jaxcolossal.data.corpus.tokenize_texts`). It reports MB/s
    of UTF-8 text for each, and their ratio.
 3. ``load_corpus`` with an empty cache (tokenize + write) and again (a cache hit: memory-mapped),
    for that tokenizer and for the default byte-level stdlib corpus (the main job's start-up).
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from jaxcolossal.config import DataConfig
     from jaxcolossal.data import get_tokenizer, load_corpus
-    from jaxcolossal.data.corpus import _tokenize, iter_documents, resolve_files
+    from jaxcolossal.data.corpus import tokenize_texts, iter_documents, resolve_files
 
     files = resolve_files(args.corpus)
     budget = int(args.mb * 2**20)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         n_loop = sum(len(tok.encode(d)) for d in docs)
         loop_s = time.perf_counter() - t0
-        # our path over the same documents (written as files so that _tokenize reads them)
+        # our path over the same documents (written as files so that tokenize_texts reads them)
         paths = []
         for i, d in enumerate(docs):
             p = os.path.join(tmp, f"d{i:06d}.txt")
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                 f.write(d)
             paths.append(p)
         t0 = time.perf_counter()
-        stream = _tokenize(paths, "text", tok, 0)["tokens"]
+        stream = tokenize_texts(paths, "text", tok, 0)["tokens"]
         ours_s = time.perf_counter() - t0
         out.update(vocab=vocab, tokens=n_loop, loop_mb_s=out["text_mb"] / loop_s, ours_mb_s=out["text_mb"] / ours_s,
                    speedup=loop_s / ours_s, stream_tokens=int(len(stream)))

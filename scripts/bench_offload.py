@@ -12,7 +12,7 @@ steps each, so that machine noise hits every setting alike) and prints
 * ``host in/out``: per-device bytes of the step's arguments and results in host memory, read from
   the compiled HLO's entry layout (:func:`jaxcolossal.aot.hlo.host_io_bytes`): what the step moves over
   the host link with ``optimizer_device=device``;
-* ``predicted``: :func:`jaxcolossal.memory.placement.traffic`, the model's host↔device bytes per step;
+* ``predicted``: :func:`jaxcolossal.memory.budget.traffic`, the model's host↔device bytes per step;
 * ``GB/s``: predicted bytes / (step time − the no-offload step time), the achieved host↔device
   bandwidth when the transfers do not overlap compute (on a GPU: compare with PCIe Gen5 x16,
   ~55 GB/s, or NVLink-C2C, ~450 GB/s per direction on GH200; on the CPU it means nothing: every

@@ -397,7 +397,7 @@ def _all_reduce_parts(lines: list[str], line: str, min_elements: int) -> list[tu
 def hlo_result_shapes(line: str):
     from jaxcolossal.aot import hlo
 
-    return hlo._result_shapes(line)
+    return hlo.result_shapes(line)
 
 
 def collective_volume(hlo_text: str, min_elements: int = 64) -> dict:

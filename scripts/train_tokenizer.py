@@ -32,11 +32,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
 
 def texts(corpus: str, text_key: str):
     """Every text of the corpus: documents, or the contents of chat lines."""
-    from jaxcolossal.data.corpus import _read_text, iter_json_lines, resolve_files
+    from jaxcolossal.data.corpus import read_text, iter_json_lines, resolve_files
 
     for path in resolve_files(corpus):
         if not path.lower().endswith((".jsonl", ".json")):
-            yield _read_text(path)
+            yield read_text(path)
             continue
         for where, rec in iter_json_lines(path):
             if not isinstance(rec, dict):

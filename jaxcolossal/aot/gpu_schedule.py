@@ -127,7 +127,7 @@ def _pairs_in(name: str, lines: list[str], times: int, flops: _Flops, per_host: 
         if not (start or sync):
             continue
         kind, inst = (start or sync).group(2), (start or sync).group(1)
-        c = hlo.Collective(kind, hlo._result_shapes(line), name, line.strip())
+        c = hlo.Collective(kind, hlo.result_shapes(line), name, line.strip())
         window, between = 0.0, 0
         if start:
             done = next((j for j in range(i + 1, len(lines)) if re.search(rf"-done\(%?{re.escape(inst)}\)", lines[j])),

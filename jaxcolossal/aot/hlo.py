@@ -133,7 +133,7 @@ def _tuple_elements(text: str) -> list[str]:
     return out + [cur]
 
 
-def _result_shapes(line: str) -> tuple:
+def result_shapes(line: str) -> tuple:
     """The result shapes ``((dtype, dims), ...)`` of a collective's HLO line. An async
     ``*-start`` of an all-gather, reduce-scatter, all-to-all or collective-permute returns
     ``(operands, results[, contexts])`` (XLA:GPU): its results are the second element; an
@@ -157,7 +157,7 @@ def collectives_in(comps: dict, name: str, seen: set | None = None) -> list[Coll
     for line in comps[name]:
         for kind in COLLECTIVES:
             if f" {kind}(" in line or f" {kind}-start(" in line:
-                out.append(Collective(kind, _result_shapes(line), name, line.strip()))
+                out.append(Collective(kind, result_shapes(line), name, line.strip()))
         for callee in callees(line):
             out.extend(collectives_in(comps, callee, seen))
     return out
@@ -181,7 +181,7 @@ def top_level_collectives(comps: dict, entry: str) -> list[Collective]:
     for line in comps[entry]:
         for kind in COLLECTIVES:
             if f" {kind}(" in line or f" {kind}-start(" in line:
-                out.append(Collective(kind, _result_shapes(line), entry, line.strip()))
+                out.append(Collective(kind, result_shapes(line), entry, line.strip()))
         if " while(" not in line:
             for callee in callees(line):
                 if callee not in bodies:
@@ -261,7 +261,7 @@ def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[s
     def count(name: str, line: str) -> dict:
         for kind in COLLECTIVES:
             if f" {kind}(" in line or f" {kind}-start(" in line:
-                c = Collective(kind, _result_shapes(line), name, line.strip())
+                c = Collective(kind, result_shapes(line), name, line.strip())
                 if c.max_elements >= min_elements:
                     return {(kind, "count"): 1, (kind, "elements"): sum(math.prod(s) for _, s in c.shapes),
                             (kind, "bytes"): c.bytes, (kind, "sent"): c.sent}

@@ -96,7 +96,7 @@ def resolve_files(corpus: str) -> list[str]:
     return sorted(files)
 
 
-def _read_text(path: str) -> str:
+def read_text(path: str) -> str:
     with open(path, "rb") as fh:
         return fh.read().decode("utf-8", errors="replace")
 
@@ -107,7 +107,7 @@ def iter_json_lines(path: str) -> Iterator[tuple[str, object]]:
     Raises:
       ValueError: a line that does not parse, naming the file and line.
     """
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+    for lineno, line in enumerate(read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -174,7 +174,7 @@ def iter_documents(files: list[str], text_key: str = "text", fmt: str = "text") 
             yield from _parquet_documents(path, text_key)
             continue
         if fmt != "jsonl" and not path.lower().endswith(_JSON_SUFFIXES):
-            yield _read_text(path)
+            yield read_text(path)
             continue
         for where, record in iter_json_lines(path):
             if not isinstance(record, dict) or text_key not in record:
@@ -185,7 +185,7 @@ def iter_documents(files: list[str], text_key: str = "text", fmt: str = "text") 
             yield text
 
 
-def _tokenize(files: list[str], text_key: str, tokenizer, limit: int, fmt: str = "text") -> dict[str, np.ndarray]:
+def tokenize_texts(files: list[str], text_key: str, tokenizer, limit: int, fmt: str = "text") -> dict[str, np.ndarray]:
     """``{"tokens": stream, "docs": starts}``: the documents of ``files`` joined by the end-of-text
     id or the separator (which ends the document before it), and int64 ``starts`` of each
     document in the stream (``starts[0] == 0``)."""
@@ -262,7 +262,7 @@ def load_corpus(data_cfg, with_docs: bool = False):
         files = stat_files = resolve_files(corpus)
 
     def build() -> dict[str, np.ndarray]:
-        return _tokenize(files, text_key, tokenizer, limit, fmt)
+        return tokenize_texts(files, text_key, tokenizer, limit, fmt)
 
     cache_dir = getattr(data_cfg, "cache_dir", "") or ""
     key = corpus_key(stat_files, tokenizer, f"{fmt}:{text_key}", limit)

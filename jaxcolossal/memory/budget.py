@@ -75,7 +75,7 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     """Predicted per-device peak: the state on the device during the step (the device-resident
     part, plus the offloaded compute params that are in device memory during the step: see
     below) + the fp32 gradients + activations and temporaries
-    (:func:`jaxcolossal.activations.step_peak`: the saved residuals traced from the model code,
+    (:func:`jaxcolossal.memory.activations.step_peak`: the saved residuals traced from the model code,
     one layer's backward, the gradients in flight, per layout and ``backend``) + with
     ``optimizer_device=device`` one offloaded leaf's optimizer state streamed in (the largest).
     ``backend``: ``"gpu"`` (XLA:GPU's buffers, the default) or ``"cpu"`` (XLA:CPU's, for simulated

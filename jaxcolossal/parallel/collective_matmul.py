@@ -47,7 +47,7 @@ SEQ = "t"
 """The sequence's letter in every einsum the models write (``"btd,dhq->bthq"``)."""
 
 
-def _operands(eq: str) -> tuple[str, str, str]:
+def operands(eq: str) -> tuple[str, str, str]:
     lhs, rest = eq.replace(" ", "").split(",")
     rhs, out = rest.split("->")
     return lhs, rhs, out
@@ -72,7 +72,7 @@ def _gather_multiply(x: jax.Array, eqs: Sequence[str], ws: Sequence[jax.Array], 
     """Local body: ``x`` this device's sequence chunk; returns ``([einsum(eq, x_all, w)], x_all)``
     with ``x_all`` the whole sequence, assembled as the chunks pass by."""
     r = jax.lax.axis_index(TP_AXIS)
-    lhs = _operands(eqs[0])[0]
+    lhs = operands(eqs[0])[0]
     size = x.shape[lhs.index(SEQ)]
     full = lambda a, subs: jnp.zeros(a.shape[:subs.index(SEQ)] + (size * n,) + a.shape[subs.index(SEQ) + 1:],
                                      a.dtype)  # noqa: E731
@@ -82,8 +82,8 @@ def _gather_multiply(x: jax.Array, eqs: Sequence[str], ws: Sequence[jax.Array], 
         nxt = _shift(cur, n, -1) if s < n - 1 else None  # issued before this chunk's matmuls
         parts = [jnp.einsum(eq, cur, w) for eq, w in zip(eqs, ws)]
         if outs is None:
-            outs = [full(p, _operands(eq)[2]) for p, eq in zip(parts, eqs)]
-        outs = [_place(o, p, _operands(eq)[2], c) for o, p, eq in zip(outs, parts, eqs)]
+            outs = [full(p, operands(eq)[2]) for p, eq in zip(parts, eqs)]
+        outs = [_place(o, p, operands(eq)[2], c) for o, p, eq in zip(outs, parts, eqs)]
         x_all = _place(x_all, cur, lhs, c)
         cur = nxt
     return outs, x_all
@@ -93,24 +93,24 @@ def _multiply_scatter(eqs: Sequence[str], xs: Sequence[jax.Array], ws: Sequence[
     """Local body: ``sum_i einsum(eqs[i], xs[i], ws[i])`` over the whole sequence, reduce-scattered
     over tp: returns this device's sequence chunk of the sum over the tp group."""
     r = jax.lax.axis_index(TP_AXIS)
-    lhs0 = _operands(eqs[0])[0]
+    lhs0 = operands(eqs[0])[0]
     size = xs[0].shape[lhs0.index(SEQ)] // n
     acc = None
     for s in range(n):
         c = (r - 1 - s) % n
-        part = sum(jnp.einsum(eq, _chunk(x, _operands(eq)[0], c, size), w) for eq, x, w in zip(eqs, xs, ws))
+        part = sum(jnp.einsum(eq, _chunk(x, operands(eq)[0], c, size), w) for eq, x, w in zip(eqs, xs, ws))
         acc = part if acc is None else _shift(acc, n, 1) + part
     return acc
 
 
 def _transposed(eq: str) -> str:
     """The einsum of the activation's gradient: ``out, w -> x``."""
-    lhs, rhs, out = _operands(eq)
+    lhs, rhs, out = operands(eq)
     return f"{out},{rhs}->{lhs}"
 
 
 def _weight_grad(eq: str, x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
-    lhs, rhs, out = _operands(eq)
+    lhs, rhs, out = operands(eq)
     return jnp.einsum(f"{lhs},{out}->{rhs}", x, dy, preferred_element_type=jnp.float32).astype(w.dtype)
 
 
@@ -182,10 +182,10 @@ def all_gather_matmul(shard, x: jax.Array, terms: Sequence[tuple[str, jax.Array,
     n = int(shard.mesh.shape[TP_AXIS])
     batch = shard.rules["batch"]
     eqs = tuple(eq for eq, _, _ in terms)
-    lhs = _operands(eqs[0])[0]
+    lhs = operands(eqs[0])[0]
     in_specs = (_spec(lhs, batch, None, True),
-                tuple(_spec(_operands(eq)[1], batch, letter, False) for eq, _, letter in terms))
-    out_specs = tuple(_spec(_operands(eq)[2], batch, letter, False) for eq, _, letter in terms)
+                tuple(_spec(operands(eq)[1], batch, letter, False) for eq, _, letter in terms))
+    out_specs = tuple(_spec(operands(eq)[2], batch, letter, False) for eq, _, letter in terms)
     fn = jax.shard_map(lambda x, ws: _ag_matmul(eqs, n, x, ws), mesh=shard.mesh, in_specs=in_specs,
                        out_specs=out_specs, check_vma=False)
     return list(fn(x, tuple(w for _, w, _ in terms)))
@@ -208,7 +208,7 @@ def matmul_reduce_scatter(shard, eq: str, x: jax.Array, w: jax.Array, letter: st
     """
     n = int(shard.mesh.shape[TP_AXIS])
     batch = shard.rules["batch"]
-    lhs, rhs, out = _operands(eq)
+    lhs, rhs, out = operands(eq)
     fn = jax.shard_map(lambda x, w: _mm_rs(eq, n, x, w), mesh=shard.mesh,
                        in_specs=(_spec(lhs, batch, letter, False), _spec(rhs, batch, letter, False)),
                        out_specs=_spec(out, batch, None, True), check_vma=False)

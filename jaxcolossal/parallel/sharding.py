@@ -310,7 +310,7 @@ class Sharder:
 
     def with_lowp_gather(self, kind: str, layer_param_specs: Any) -> "Sharder":
         """This sharder, with :attr:`lowp_gather`: the layer scan all-gathers each layer's ZeRO-3
-        weight shards in ``kind`` (``bf16``/``fp8``; :func:`jaxcolossal.parallel.compression.gather_lowp`).
+        weight shards in ``kind`` (``bf16``/``fp8``; :func:`jaxcolossal.parallel.wire.gather_lowp`).
         ``layer_param_specs``: the stacked layers' param specs (``P`` leaves ``[L, ...]``)."""
         return self._copy(lowp_gather=(kind, *one_layer_specs(layer_param_specs)))
 

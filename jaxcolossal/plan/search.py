@@ -97,7 +97,7 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
 
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
@@ -168,7 +168,7 @@ def _render(r: PlanReport) -> str:
         k = o.get("parallel.num_microbatches", o.get("training.gradient_accumulation_steps", 1))
         lines.append(f"| {lay.strategy()} | {k} | {t.batch_size // o['parallel.data_parallel_size']} | "
                      f"{lay.tokens_per_s / t.seq_len:,.2f} | {lay.tokens_per_s:,.0f} | {lay.tflops:,.1f} | "
-                     f"{lay.mfu:.1%} | {_bytes(lay.need['total'])} | {lay.step_s:.2f} s "
+                     f"{lay.mfu:.1%} | {human_bytes(lay.need['total'])} | {lay.step_s:.2f} s "
                      f"({lay.compute_s:.2f} + {lay.comm_s:.2f}"
                      + (f", bubble {lay.bubble:.0%}" if lay.bubble else "") + ") |")
     if not r.best:
@@ -179,7 +179,7 @@ def _render(r: PlanReport) -> str:
         for (zero, tp, pp, dp, sp), need in sorted(r.rejected.items(), key=lambda kv: kv[1]):
             fam = (f"ZeRO-{zero} dp{dp}" + (f" sp{sp} ring" if sp > 1 else "") + (f" tp{tp}" if tp > 1 else "")
                    + (f" pp{pp}" if pp > 1 else ""))
-            lines.append(f"  {fam}: {_bytes(need)} > {_bytes(0.9 * device.memory)}")
+            lines.append(f"  {fam}: {human_bytes(need)} > {human_bytes(0.9 * device.memory)}")
     if r.best:
         lines += ["", f"run the best: {r.run_command}"]
         if r.model_overrides:

@@ -11,7 +11,7 @@ from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.metrics import flops_per_token
 from jaxcolossal.plan.cost import Layout, predict
 from jaxcolossal.plan.devices import DEVICES
-from jaxcolossal.plan.search import _bytes, search
+from jaxcolossal.plan.search import human_bytes, search
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,9 @@ def best_constant(rows: list[Compared], efficiency: float) -> tuple[float, dict]
 
 def _show(lay: Layout, spec: PublishedRow) -> str:
     device = DEVICES[spec.device]
-    fit = "" if lay.fits else f"; **does not fit**: {_bytes(lay.need['total'])} > {_bytes(0.9 * device.memory)}"
+    fit = "" if lay.fits else f"; **does not fit**: {human_bytes(lay.need['total'])} > {human_bytes(0.9 * device.memory)}"
     return (f"{lay.tokens_per_s / spec.devices:,.0f} tok/s/GPU, {lay.tflops:,.0f} TFLOPS, MFU {lay.mfu:.1%}, "
-            f"{_bytes(lay.need['total'])}{fit}")
+            f"{human_bytes(lay.need['total'])}{fit}")
 
 
 def seed_table(efficiency: float = 0.45) -> str:

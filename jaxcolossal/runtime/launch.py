@@ -94,7 +94,7 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
     return value
 
 
-def _backend_started() -> bool:
+def backend_started() -> bool:
     """Whether JAX's backend has started (XLA_FLAGS and distributed init are then too late)."""
     return _xla_bridge.backends_are_initialized()
 
@@ -125,7 +125,7 @@ def use_cpu_without_gpu() -> None:
     ``JAX_PLATFORMS`` is set), so that the plugin does not try a GPU and log a traceback: for tools
     that run on the host's arrays only (``scripts/convert_hf.py``). A no-op once jax's backend has
     started."""
-    if not jax.config.jax_platforms and not _backend_started() and _cuda_plugin_without_gpu():
+    if not jax.config.jax_platforms and not backend_started() and _cuda_plugin_without_gpu():
         jax.config.update("jax_platforms", "cpu")
 
 
@@ -305,7 +305,7 @@ def simulate_devices(n: int) -> None:
     if not _cpu_may_be_used():
         return
     use_cpu_without_gpu()  # else the CUDA plugin tries a GPU and logs a traceback
-    if _backend_started():
+    if backend_started():
         if jax.default_backend() != "cpu":
             return
         have = len(jax.local_devices(backend="cpu"))
@@ -470,7 +470,7 @@ def _device_ids(local_device_ids, local_rank: int | None) -> list[int] | None:
 def _initialize(coordinator: str, world_size: int, rank: int, device_ids, initialization_timeout: int,
                 cpu_collectives: str | None, collective_timeout_s: int) -> None:
     """``jax.distributed.initialize`` with CPU collectives and timeouts set, and the fail-fast hook."""
-    if _backend_started():
+    if backend_started():
         raise RuntimeError(
             "launch() must run before any JAX computation: the backend has already "
             "started, so jax.distributed.initialize can no longer take effect."

@@ -13,7 +13,7 @@
   the collective timeout (a peer died or left the loop; NCCL has no timeout of its own).
 * :func:`explain_oom` — XLA out of device memory, at compile time or in a step: log the
   planner's explanation (the predicted breakdown next to what XLA reported, and the cheapest
-  changes: :func:`jaxcolossal.plan.explain_oom`), then the caller re-raises.
+  changes: :func:`jaxcolossal.memory.oom.explain_oom`), then the caller re-raises.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.errors import StoppedError
-from jaxcolossal.runtime.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, _backend_started
+from jaxcolossal.runtime.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, backend_started
 from jaxcolossal.memory.budget import device_limit
 from jaxcolossal.memory.oom import explain_oom as explain
 from jaxcolossal.memory.oom import is_oom
@@ -177,7 +177,7 @@ class StepWatchdog:
             raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         self.timeout = timeout
         if process_index is None:
-            process_index = jax.process_index() if _backend_started() else 0
+            process_index = jax.process_index() if backend_started() else 0
         self.process_index = process_index
         self._on_timeout = on_timeout
         self._last = time.monotonic()

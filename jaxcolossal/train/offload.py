@@ -79,7 +79,7 @@ def make_offload_update(plan: Any, shardings: Any, tier: Any = None) -> Callable
       move in, are updated by the (fused) AdamW, and move out; an ``optimization_barrier`` makes leaf
       i+1's move-in wait for leaf i's results, so that device memory holds about one leaf's optimizer
       state at a time, never the whole offloaded state (ZeRO-Offload's streamed update; the
-      largest leaf's K bytes/param is what :func:`jaxcolossal.memory.placement.device_need` reserves).
+      largest leaf's K bytes/param is what :func:`jaxcolossal.memory.budget.device_need` reserves).
 
     * ``device`` with the NVMe tier: the same stream, but leaf i's master and moments are read from
       their files (``io_callback``, each device its shard) and written back to the other

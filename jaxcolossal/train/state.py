@@ -163,7 +163,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> TrainPlan:
             data-parallel group, a dimension that its mesh axis does not divide, ...), or a run
             whose predicted device bytes exceed ``offload.device_memory_limit`` (or the device's
             reported capacity) with the offload settings that would fit
-            (:func:`jaxcolossal.memory.placement.resolve`).
+            (:func:`jaxcolossal.memory.budget.resolve`).
     """
     validate(cfg, num_devices=mesh.size)
     _check_fp8(cfg, mesh)

@@ -274,7 +274,7 @@ def test_zero3_gathers_the_layer_weights_in_the_communication_dtype():
         text = step.lower(state, _batch(plan, random_batches(cfg, 1)[0])).compile().as_text()
         moved = sum(times * int(np.prod(dims)) for _, lines, times in hlo.walk_executions(text) for line in lines
                     if " all-gather(" in line or " all-gather-start(" in line
-                    for dtype, dims in hlo._result_shapes(line) if dtype == wire)
+                    for dtype, dims in hlo.result_shapes(line) if dtype == wire)
         gathered, _ = one_layer_specs(plan.specs.params["layers"])
         layers = sum(jax.tree.leaves(jax.tree.map(
             lambda shape, spec: shard_bytes(shape, np.uint8, P(None, *spec), plan.mesh_shape),

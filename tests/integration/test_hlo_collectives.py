@@ -199,8 +199,8 @@ def _gathers_feed_dots(comps, body):
 
     out = []
     for name, line in defs.items():
-        if re.search(r" all-gather(-start)?\(", line) and hlo._result_shapes(line) and \
-                max(math.prod(s) for _, s in hlo._result_shapes(line)) >= GRAD_ELEMENTS:
+        if re.search(r" all-gather(-start)?\(", line) and hlo.result_shapes(line) and \
+                max(math.prod(s) for _, s in hlo.result_shapes(line)) >= GRAD_ELEMENTS:
             seen, todo, feeds = set(), [name], False
             while todo:
                 n = todo.pop()
@@ -218,7 +218,7 @@ def test_zero3_prefetch_gathers_the_next_layer_ahead(overlap):
     """``parallel.overlap`` under ZeRO-3 (remat full): in the layer loops of the compiled step, every
     weight all-gather's result goes to the loop carry, for the next iteration, and reaches no
     matmul of the iteration that issues it, so the gather can run while that layer computes
-    (``models/remat.py::prefetched_scan``). Without overlap the gathered weights feed the same
+    (``parallel/layer_scan.py::prefetched_scan``). Without overlap the gathered weights feed the same
     iteration's matmuls."""
     cfg = tiny_config({"zero_stage": 3, "data_parallel_size": 8, "overlap": overlap}, model={"remat": "full"},
                       training={"batch_size": 32})

@@ -51,7 +51,7 @@ def calls(monkeypatch):
     records = []
     saved_impl = jax.config.jax_cpu_collectives_implementation
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: records.append(kw))
-    monkeypatch.setattr(L, "_backend_started", lambda: False)
+    monkeypatch.setattr(L, "backend_started", lambda: False)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # launch() installs the fail-fast hook
     yield records
     jax.config.update("jax_cpu_collectives_implementation", saved_impl)

@@ -45,7 +45,7 @@ def calls(monkeypatch):
         records.append(kwargs)
 
     monkeypatch.setattr(jax.distributed, "initialize", fake_initialize)
-    monkeypatch.setattr(L, "_backend_started", lambda: False)
+    monkeypatch.setattr(L, "backend_started", lambda: False)
     yield records
     jax.config.update("jax_cpu_collectives_implementation", saved_impl)
 
@@ -239,7 +239,7 @@ def test_launch_leaves_cpu_collectives_alone_without_cpu(calls, monkeypatch):
 
 
 def test_launch_after_backend_started_raises(calls, monkeypatch):
-    monkeypatch.setattr(L, "_backend_started", lambda: True)
+    monkeypatch.setattr(L, "backend_started", lambda: True)
     with pytest.raises(RuntimeError, match="before any JAX computation"):
         L.launch(0, 2, "h", 1234, verbose=False)
     assert calls == []
@@ -281,14 +281,14 @@ def test_cpu_may_be_used(platforms, expected):
 
 
 def test_simulate_devices_sets_flag_before_backend(monkeypatch):
-    monkeypatch.setattr(L, "_backend_started", lambda: False)
+    monkeypatch.setattr(L, "backend_started", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1 --xla_force_host_platform_device_count=8")
     L.simulate_devices(4)
     assert os.environ["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
 
 
 def test_simulate_devices_noop_on_accelerator(monkeypatch):
-    monkeypatch.setattr(L, "_backend_started", lambda: False)
+    monkeypatch.setattr(L, "backend_started", lambda: False)
     monkeypatch.setattr(L, "_cpu_may_be_used", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
     L.simulate_devices(4)

@@ -286,7 +286,7 @@ MEMORY_CASES = [2, 5, 7, 10, 12, 13, 14, 17, 19]  # rows of scripts/plan_vs_comp
 
 @pytest.mark.parametrize("row", MEMORY_CASES)
 def test_predicted_peak_memory_is_within_10_percent_of_the_compiled_step(row):
-    """Issue 13's memory model (:func:`jaxcolossal.activations.step_peak` via ``device_need``,
+    """Issue 13's memory model (:func:`jaxcolossal.memory.activations.step_peak` via ``device_need``,
     ``backend="cpu"``) against the compiled step's arguments + outputs − aliases + temporaries,
     per device, for 9 of the 32 layouts of ``scripts/plan_vs_compiler.py``: ZeRO 0 and 3, tp 2,
     GPipe, 1F1B with remat, interleaved, ZeRO-3 with ``dots`` and accumulation in fp32, and two
@@ -303,7 +303,7 @@ def test_predicted_peak_memory_is_within_10_percent_of_the_compiled_step(row):
 
 
 def test_traced_residuals_follow_the_remat_policy_and_the_layout():
-    """The activation term reads what ``jax.vjp`` saves (:func:`jaxcolossal.activations.residuals`):
+    """The activation term reads what ``jax.vjp`` saves (:func:`jaxcolossal.memory.activations.residuals`):
     each remat policy saves less than the one before it, none more than ``none``; one layer's
     backward working set is the same under every policy; residuals grow with the microbatch and
     tensor parallelism divides the per-layer ones."""

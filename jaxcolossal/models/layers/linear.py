@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from jaxcolossal.parallel.collective_matmul import _operands, all_gather_matmul, matmul_reduce_scatter
+from jaxcolossal.parallel.collective_matmul import operands, all_gather_matmul, matmul_reduce_scatter
 
 
 def project(eq: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -57,7 +57,7 @@ def _project_fwd(eq, x, w):
 
 def _project_bwd(eq, res, dy):
     x, w = res
-    lhs, rhs, out = _operands(eq)
+    lhs, rhs, out = operands(eq)
     dx = jnp.einsum(f"{out},{rhs}->{lhs}", dy, w).astype(x.dtype)
     dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, dy, preferred_element_type=jnp.float32)
     return dx, dw.astype(w.dtype)
@@ -132,7 +132,7 @@ def _project_fp8_fwd(eq, x, w):
 
 def _project_fp8_bwd(eq, res, dy):
     xq, sx, wq, sw, (x_proto, w_proto) = res
-    lhs, rhs, out = _operands(eq)
+    lhs, rhs, out = operands(eq)
     gq, sg = fp8_quantize(dy, E5M2)
     dx = jnp.einsum(f"{out},{rhs}->{lhs}", gq, wq, preferred_element_type=jnp.float32) * (sg * sw)
     dw = jnp.einsum(f"{lhs},{out}->{rhs}", xq, gq, preferred_element_type=jnp.float32) * (sx * sg)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxcolossal.config import LoraConfig
 from jaxcolossal.models.layers.linear import project
-from jaxcolossal.parallel.collective_matmul import _operands
+from jaxcolossal.parallel.collective_matmul import operands
 
 WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
 """LoRA target -> the stacked LLaMA weight it adapts."""
@@ -41,7 +41,7 @@ HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.
 """LoRA target -> its module path inside a Hugging Face ``LlamaDecoderLayer`` (PEFT's names)."""
 EQUATIONS = {"wq": "btd,dhq->bthq", "wk": "btd,dkq->btkq", "wv": "btd,dkq->btkq", "wo": "bthq,hqd->btd",
              "w_gate": "btd,df->btf", "w_up": "btd,df->btf", "w_down": "btf,fd->btd"}
-"""Each adaptable weight's projection, as :func:`jaxcolossal.models.llama.decoder_layer` runs it."""
+"""Each adaptable weight's projection, as :func:`jaxcolossal.models.llama.model.decoder_layer` runs it."""
 RANK_AXIS = "lora_rank"
 DROPOUT_KEY = "lora_dropout_key"
 """The per-layer PRNG keys ``[L]`` that a training step's layer scan carries beside the weights
@@ -51,7 +51,7 @@ SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
 def _split_weight(eq: str) -> tuple[str, str]:
     """The weight's input and output letters of a projection ``eq`` (``"btd,dhq->bthq"``: d, hq)."""
-    lhs, rhs, out = _operands(eq)
+    lhs, rhs, out = operands(eq)
     return "".join(c for c in rhs if c in lhs), "".join(c for c in rhs if c in out)
 
 
@@ -103,7 +103,7 @@ def adapt(eq: str, x: jax.Array, y: jax.Array, lp: dict, name: str, lora: LoraCo
     a = lp.get(name + SUFFIX_A)
     if a is None:
         return y
-    lhs, _, out = _operands(eq)
+    lhs, _, out = operands(eq)
     w_in, w_out = _split_weight(eq)
     mid = "".join(c for c in lhs if c not in w_in) + "r"
     if dropout_key is not None and lora.dropout > 0:
