@@ -30,6 +30,7 @@ import json
 import os
 import sys
 
+from jaxcolossal.config import config_help
 from jaxcolossal.errors import exit_status
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "llama_tiny.yaml")
@@ -99,7 +100,10 @@ def run(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line; ``--help`` ends with every config key, its default and the first sentence
+    of its doc (:func:`jaxcolossal.config.config_help`; the whole reference is docs/config.md)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=config_help())
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/llama_tiny.yaml)")
     ap.add_argument("--devices", type=int, default=None,
                     help="simulated CPU devices (per process) when no accelerator (default: the count "
@@ -112,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices-per-host", type=int, default=None,
                     help="with --compile-for: GPUs per host (default 8)")
     ap.add_argument("--json", metavar="PATH", default=None, help="with --compile-for: also write the report as JSON")
-    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides (the config keys are listed below)")
     return ap
 
 

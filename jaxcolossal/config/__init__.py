@@ -1,5 +1,6 @@
 """Configuration: the schema (dataclasses), loading (YAML and ``key=value`` overrides),
-validation, and the pure functions of a config that later stages share.
+validation, the pure functions of a config that later stages share, and the reference of every
+key (:func:`field_docs`, read from the attribute docstrings beside the schema's fields).
 
 The sections and key names follow Colossal-AI's config vocabulary (``model``, ``training``,
 ``parallel``, ``precision``, plus ``data``, ``checkpoint``, ``logging`` and ``offload``). Every
@@ -34,6 +35,7 @@ from jaxcolossal.config.load import (
                                         load_config,
                                         parse_overrides,
 )
+from jaxcolossal.config.reference import config_help, config_reference_markdown, field_docs
 from jaxcolossal.config.schema import (
                                         Bytes,
                                         CheckpointConfig,
@@ -53,7 +55,7 @@ from jaxcolossal.errors import ConfigError
 
 __all__ = [
     "ALIASES", "BYTES_PER_PARAM", "COMPUTE_DTYPES", "PATH_KEYS", "RANGES", "WIRE_BYTES", "Bytes", "CheckpointConfig",
-    "attention_kernel", "double_buffers_loops",
+    "attention_kernel", "config_help", "config_reference_markdown", "double_buffers_loops", "field_docs",
     "Config", "ConfigError", "DataConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OffloadConfig", "ParallelConfig",
     "PrecisionConfig", "Range", "TrainingConfig", "all_keys", "check_ranges", "config_from_dict", "expand_path",
     "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "pipeline_microbatches", "prefetches_weights",

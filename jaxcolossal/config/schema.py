@@ -2,7 +2,10 @@
 
 ``model``, ``training``, ``parallel``, ``precision``, plus ``data``, ``checkpoint``, ``logging`` and
 ``offload``. Each field's type is what :mod:`jaxcolossal.config.load` checks a YAML value against;
-:mod:`jaxcolossal.config.checks` checks their ranges and combinations.
+:mod:`jaxcolossal.config.checks` checks their ranges and combinations. Each field's documentation is
+the string right after it (an attribute docstring: what it does, its unit, its allowed values, the
+keys it interacts with); every field must have one, and docs/config.md and ``scripts/train.py
+--help`` are built from them (:mod:`jaxcolossal.config.reference`).
 """
 
 from __future__ import annotations
@@ -26,18 +29,30 @@ class LoraConfig:
     ``A [rank, in]`` and ``B [out, rank]`` (B starts at zero, so the model starts unchanged). The
     base weights are frozen in the compute dtype; only the adapters are trained, so the fp32
     master copy, the gradients and the optimizer state (and ZeRO's sharding of them) cover only
-    them.
-
-    ``rank``: 0 turns LoRA off. ``targets``: comma-separated, any of ``q, k, v, o, gate, up,
-    down`` (``all``: every one). ``dropout``: on the adapters' input, as PEFT's ``lora_dropout``.
-    ``init_from``: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
-    to continue training from; its rank, alpha and targets replace these."""
+    them. The llama family only (``model.type=llama``)."""
 
     rank: int = 0
+    """The adapters' rank ``r``, an integer >= 0; 0 (the default) turns LoRA off, and then the other
+    ``model.lora`` keys must keep their defaults. LoRA needs ``model.type=llama`` and does not run
+    with ``parallel.gradient_compression``, an offloaded state (``offload.offload_optim_frac``,
+    ``offload_param_frac``, ``placement_policy=auto``, ``nvme_path``) or a mixture of experts
+    (``model.num_experts``) yet."""
     alpha: float = 16.0
+    """The adapters' scale numerator, a float > 0: their product is multiplied by ``alpha / rank``
+    (PEFT's ``lora_alpha``). ``model.lora.init_from`` replaces it with the adapter's own."""
     dropout: float = 0.0
+    """The dropout probability on the adapters' input in training, in [0, 1) (PEFT's
+    ``lora_dropout``); its masks are drawn from ``training.seed``, the step and the microbatch. Not
+    yet with pipeline parallelism, nor with ZeRO-3's prefetching layer scan (``parallel.overlap``
+    with ``model.remat=full``) or its low-precision weight gathers (``parallel.communication_dtype``)."""
     targets: str = "q,v"
+    """The projections that get adapters: comma-separated, any of ``q, k, v, o, gate, up, down``, or
+    ``all`` (every one); the default ``q,v`` is PEFT's for LLaMA. ``model.lora.init_from``
+    replaces it with the adapter's own."""
     init_from: str = ""
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) to continue
+    training from; its rank, alpha, dropout and targets replace these (``model.lora.rank`` must
+    still be > 0). ``""`` (the default): fresh adapters."""
 
     @property
     def enabled(self) -> bool:
@@ -60,74 +75,146 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    """LLaMA/GPT-2 shape. Names follow Hugging Face ``LlamaConfig``.
-
-    ``init_from``: a local Hugging Face model directory (``config.json`` + safetensors) whose
-    weights initialise the run.
-
-    ``remat``: the activation-checkpointing policy of each layer, from least to most recompute:
-    ``none``, ``selective`` (keeps every projection's output), ``save_qkv_proj``, ``dots``,
-    ``full`` (:mod:`jaxcolossal.parallel.layer_scan`); ``offload`` keeps what ``selective`` keeps, in host
-    memory (``offload.activations=host`` sets it).
-
-    ``loss_chunk_tokens``: tokens per device in one chunk of the fused LM head + cross-entropy
-    (:func:`jaxcolossal.models.layers.vocab.lm_head_loss`): a chunk's fp32 logits take
-    ``loss_chunk_tokens × vocab/tp × 4`` bytes; 0 materializes the logits of all tokens.
-    ``embedding_impl``: with the vocabulary split over tp, ``gather`` (Megatron's masked gather)
-    or ``one_hot`` (a one-hot matmul, ``2·tokens·vocab·hidden/tp`` FLOPs; for comparison).
-
-    ``qk_norm``: RMSNorm over each head of q and k before RoPE (Qwen3). ``attention_head_dim``: the
-    size of one head (0: ``hidden_size / num_attention_heads``; Qwen3 sets its own).
-
-    Mixture of experts (``num_experts > 0``; :mod:`jaxcolossal.models.layers.moe`): each layer after the
-    first ``first_k_dense`` replaces its MLP by ``num_experts`` routed SwiGLU experts of
-    ``moe_intermediate_size`` (0: ``intermediate_size``), ``num_experts_per_tok`` of them per token,
-    plus ``num_shared_experts`` experts every token passes through (DeepSeek-MoE). The router scores
-    by ``router_scoring`` (``softmax``: Mixtral, Qwen3-MoE; ``sigmoid``: DeepSeek-V3) and, with
-    ``norm_topk_prob``, renormalises the chosen experts' weights to sum to one. The loss adds
-    ``router_aux_loss_coef`` × the load-balancing loss (Switch/GShard: ``E · Σ_e f_e · P_e``) and
-    ``router_z_loss_coef`` × the router z-loss (ST-MoE: the mean squared log-sum-exp of the router
-    logits), each averaged over the MoE layers. ``capacity_factor``: 0 is dropless (tokens sorted by
-    expert, grouped matmuls); > 0 gives each expert ``ceil(capacity_factor · tokens · k / E)`` slots
-    per device and drops the tokens beyond them (GShard, Switch).
-
-    ``vocab_size`` is the tokenizer's size; the embedding may be padded internally to a
-    multiple of ``vocab_pad_multiple * tensor_parallel_size`` (Colossal-AI pads to 64·tp);
-    the padding never reaches the user: padded logits are masked and exports strip it.
+    """The model: its family and shape (names follow Hugging Face's ``LlamaConfig`` and
+    ``GPT2Config``), its kernels and activation checkpointing, the LoRA adapters (``lora``) and the
+    mixture of experts (``num_experts > 0``; :mod:`jaxcolossal.models.layers.moe`): each layer after
+    the first ``first_k_dense`` replaces its MLP by ``num_experts`` routed SwiGLU experts, each
+    token going to ``num_experts_per_tok`` of them, plus ``num_shared_experts`` experts every token
+    passes through (DeepSeek-MoE).
     """
 
     type: Literal["llama", "gpt2"] = "llama"
+    """The model family: ``llama`` or ``gpt2``. ``llama``: RMSNorm, RoPE, a SwiGLU MLP, grouped-query
+    attention; the only family with mixtures of experts and LoRA. ``gpt2``: LayerNorm, learned position
+    embeddings, a GELU MLP, no grouped-query attention (``num_key_value_heads`` must equal
+    ``num_attention_heads``). Must equal the checkpoint's with ``model.init_from``."""
     num_layers: int = 4
+    """The decoder layers (transformer blocks), >= 1. With pipeline parallelism it must be divisible
+    by ``parallel.pipeline_parallel_size × parallel.num_model_chunks``; with a mixture of experts
+    the first ``first_k_dense`` of them stay dense."""
     hidden_size: int = 128
+    """The model width ``d`` (the embedding and residual stream's size), >= 1. Must be divisible by
+    ``num_attention_heads`` and, under ZeRO (``parallel.zero_stage > 0``), by the ZeRO group
+    (``parallel.data_parallel_size / parallel.expert_parallel_size``)."""
     num_attention_heads: int = 4
+    """The query heads per layer, >= 1. Must divide ``hidden_size``, be divisible by
+    ``num_key_value_heads`` and by ``parallel.tensor_parallel_size`` (with
+    ``parallel.sequence_parallelism_mode=all_to_all`` by ``sequence_parallel_size ×
+    tensor_parallel_size``)."""
     num_key_value_heads: int = 2
+    """The key/value heads per layer, >= 1. Grouped-query attention: each serves ``num_attention_heads /
+    num_key_value_heads`` query heads; equal to ``num_attention_heads`` it is multi-head attention,
+    which ``type=gpt2`` requires. Must divide ``num_attention_heads`` and be divisible by
+    ``parallel.tensor_parallel_size`` (with ``parallel.sequence_parallelism_mode=all_to_all`` by ``sp ×
+    tp``)."""
     intermediate_size: int = 384
+    """The MLP's hidden width, >= 1 (LLaMA's SwiGLU gate and up projections, GPT-2's ``n_inner``);
+    also each routed expert's when ``moe_intermediate_size`` is 0. Must be divisible by
+    ``parallel.tensor_parallel_size``."""
     max_position_embeddings: int = 512
+    """The longest sequence the model takes, in tokens: ``training.seq_len`` may not exceed it.
+    GPT-2 learns one position embedding per position (its ``n_positions``); LLaMA's RoPE has no
+    table, so there it is only the bound (and the Hugging Face config's value)."""
     vocab_size: int = 256
+    """The tokenizer's vocabulary size, in token ids (the byte tokenizer has 256); a run refuses a
+    ``data.tokenizer`` with more ids. The embedding may be padded internally to a multiple of
+    ``vocab_pad_multiple × parallel.tensor_parallel_size``; the padding never reaches the user:
+    padded logits are masked and exports strip it."""
     tie_word_embeddings: bool = False
+    """``true``: the LM head is the transposed input embedding (one ``[vocab, hidden]`` matrix);
+    ``false``: a separate ``lm_head`` matrix. Shapes the saved state, so a resumed checkpoint and
+    ``model.init_from`` must agree."""
     rms_norm_eps: float = 1e-5
+    """The epsilon added to the mean square in every RMSNorm of ``type=llama`` (the layers', the
+    final one, and ``qk_norm``'s), > 0."""
     layer_norm_eps: float = 1e-5
+    """The epsilon added to the variance in every LayerNorm of ``type=gpt2`` (Hugging Face's
+    ``layer_norm_epsilon``), > 0."""
     rope_theta: float = 10000.0
+    """RoPE's base θ (``type=llama``), > 0: the dimension pair ``i`` of a head of size ``q`` turns by
+    ``position · θ^(−2i/q)`` radians."""
     initializer_range: float = 0.02
+    """The standard deviation of a fresh model's normal weight initialisation, > 0. The weight matrices
+    and embeddings are drawn from normal(0, initializer_range), the residual output projections' with it
+    divided by ``sqrt(2 · num_layers)`` (GPT-2, Megatron); norm scales start at one, GPT-2's biases at
+    zero. Unused for the weights that ``model.init_from`` loads."""
     vocab_pad_multiple: int = 1
+    """The embedding's and LM head's vocabulary dimension is padded up to a multiple of
+    ``vocab_pad_multiple × parallel.tensor_parallel_size`` rows (Colossal-AI pads to 64·tp); 1: only
+    to a multiple of tp. Padded rows are zero, never looked up, and their logits are masked."""
     remat: Literal["none", "save_qkv_proj", "selective", "dots", "full", "offload"] = "none"
+    """The activation-checkpointing policy of each layer (:mod:`jaxcolossal.parallel.layer_scan`):
+    what the backward pass keeps from the forward, the rest being recomputed. ``none``: everything;
+    ``save_qkv_proj``: the q/k/v projections' outputs; ``selective``: every projection's output
+    (q/k/v, attention out, MLP gate/up/down); ``dots``: every matmul without batch dims; ``full``:
+    only the layer input; ``offload``: what ``selective`` keeps, in pinned host memory
+    (``offload.activations=host`` sets it). ZeRO-3's weight prefetch (``parallel.overlap``) needs
+    ``full``."""
     attention_impl: Literal["xla", "cudnn", "flash"] = "xla"
+    """The attention kernel: ``xla``, ``cudnn`` or ``flash``. ``xla``: an einsum with an fp32 softmax,
+    runs everywhere. ``cudnn``: ``jax.nn.dot_product_attention``'s cuDNN kernel (GPUs, bf16/fp16); runs
+    as ``xla`` inside a pipeline; not with ``data.packing_mask``. ``flash``: the Pallas flash-attention
+    kernels (Triton on GPUs, the Pallas interpreter elsewhere), memory linear in the sequence length;
+    not with pipeline parallelism. ``parallel.sequence_parallelism_mode=ring_attn`` needs ``xla``."""
     embedding_impl: Literal["gather", "one_hot"] = "gather"
+    """How the input embedding looks tokens up with the vocabulary split over tp: ``gather`` or
+    ``one_hot``. ``gather``: Megatron's masked gather, then one all-reduce over
+    ``parallel.tensor_parallel_size``. ``one_hot``: a one-hot matmul, ``2·tokens·vocab·hidden/tp``
+    FLOPs, kept for comparison."""
     loss_chunk_tokens: int = 1024
+    """The tokens per device in one chunk of the fused LM head + cross-entropy, >= 0; 0 materializes the
+    logits of all tokens. A chunk's fp32 logits take ``loss_chunk_tokens × vocab/tp × 4`` bytes
+    (:func:`jaxcolossal.models.layers.vocab.lm_head_loss`)."""
     init_from: str = ""
+    """A local Hugging Face model folder (``config.json`` + safetensors) whose weights initialise the
+    run (fine-tuning); ``""`` (the default): a fresh initialisation from ``training.seed``. The model
+    section must describe the same model (``type``, the sizes, ``tie_word_embeddings`` and the
+    family's own keys, such as ``rms_norm_eps`` and ``rope_theta``), checked before any weight is
+    read; ``data.tokenizer=auto`` takes the folder's ``tokenizer.json``. ``~`` and ``$VAR`` are
+    expanded."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    """The LoRA adapters (:class:`LoraConfig`; ``model.lora.rank=0``: none)."""
     qk_norm: bool = False
+    """``true``: an RMSNorm over each head of q and k before RoPE (Qwen3; ``type=llama``). A dense
+    model with it has no Hugging Face export here (Qwen3-MoE has)."""
     attention_head_dim: int = 0
+    """The size of one attention head, in elements, >= 0; 0: ``hidden_size / num_attention_heads``
+    (Qwen3 sets its own). The head size must be even (RoPE turns pairs of dimensions)."""
     num_experts: int = 0
+    """The routed experts of each mixture-of-experts layer, >= 0; 0 (the default): dense MLPs. A
+    mixture of experts needs ``type=llama``; ``parallel.expert_parallel_size`` must divide it, and
+    the other expert keys (and ``expert_parallel_size > 1``) need it. Not yet with sequence
+    parallelism, gradient compression, a ``parallel.communication_dtype`` other than fp32, LoRA or
+    offload; in a pipeline only with ``parallel.tensor_parallel_size=1``, ``first_k_dense=0``, no fp16
+    and the ``1f1b`` or ``interleaved`` schedule."""
     num_experts_per_tok: int = 2
+    """``k``: the routed experts each token goes to (the top k of the router's scores), from 1 to
+    ``num_experts``."""
     moe_intermediate_size: int = 0
+    """One routed expert's SwiGLU width, >= 0; 0: ``intermediate_size``."""
     num_shared_experts: int = 0
+    """The experts every token passes through besides its routed ones (DeepSeek-MoE), >= 0: one dense
+    SwiGLU MLP of ``num_shared_experts ×`` the expert width; 0: none."""
     first_k_dense: int = 0
+    """The first layers that keep a dense MLP (DeepSeek-MoE), >= 0 and < ``num_layers``. Must be 0
+    with pipeline parallelism (for now)."""
     router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """How the router scores the experts from its fp32 logits: ``softmax`` (Mixtral, Qwen3-MoE) or
+    ``sigmoid`` (DeepSeek-V3)."""
     norm_topk_prob: bool = True
+    """``true``: the chosen experts' weights are renormalised to sum to one (Mixtral; Qwen3-MoE as its
+    config says)."""
     router_aux_loss_coef: float = 0.001
+    """The weight of the load-balancing loss in the training loss, >= 0. The loss is Switch/GShard's ``E
+    · Σ_e f_e · P_e``, with ``f_e`` the expert's slots per token and ``P_e`` its mean routing
+    probability, averaged over the MoE layers."""
     router_z_loss_coef: float = 0.0
+    """The weight of the router z-loss in the training loss, >= 0; 0 (the default): none. The loss is
+    ST-MoE's mean squared log-sum-exp of the router logits, averaged over the MoE layers."""
     capacity_factor: float = 0.0
+    """The experts' capacity, >= 0; 0 (the default): dropless. 0 sorts the tokens by expert (grouped
+    matmuls); > 0 gives each expert ``ceil(capacity_factor · tokens · k / E)`` slots per device and
+    drops the tokens beyond them (GShard, Switch)."""
 
     @property
     def moe(self) -> bool:
@@ -152,135 +239,231 @@ class ModelConfig:
 
 @dataclass
 class TrainingConfig:
-    """Optimisation schedule. ``batch_size`` is global (sequences per optimizer step).
-
-    ``resume``: ``false`` starts fresh (and refuses a ``checkpoint.dir`` that already holds
-    checkpoints unless ``checkpoint.overwrite``); ``true`` restores the newest restorable step and
-    fails when there is none; ``auto`` restores when there is one and starts fresh otherwise.
-
-    ``nonfinite_policy``: what a step whose loss or gradient norm is NaN/inf does in every
-    precision (the update is never applied): ``stop`` ends the run with an error at once;
-    ``skip`` skips the step and stops after ``precision.max_consecutive_skips`` in a row. fp16
-    overflows follow the loss scaler instead (skip, back off, stop at ``min_scale``).
-
-    ``micro_batch_size`` (Colossal-AI's per-rank micro batch), when > 0, defines the global
-    batch instead: ``batch_size = micro_batch_size × gradient_accumulation_steps × dp``, set
-    when the config is validated against a device count.
-
-    ``adam_freeze_step`` (DeepSpeed's ``OnebitAdam(freeze_step)``; 0: never): after that many
-    optimizer steps Adam's second moment stops changing (1-bit Adam, Tang et al., 2021;
-    :func:`jaxcolossal.train.optimizer.scale_by_adam_frozen_variance`). Top-k's error feedback
-    needs it: set it to ``parallel.compression_warmup_steps`` (docs/communication.md).
-
-    ``sample_tokens`` / ``sample_prompt``: the text generated at the end of the run (0: none).
-    An empty prompt means ``"def "`` for text corpora, and for ``data.format=chat`` the first
-    held-out conversation up to its response, rendered by the chat template; with chat a prompt
-    you give is the user's turn, and the sample ends at the end-of-text token.
-    """
+    """The optimisation: the batch and sequence length, AdamW with clipping and its warmup + cosine
+    schedule (:mod:`jaxcolossal.train.optimizer`), evaluation, resuming, non-finite steps and the
+    text sampled at the end of the run."""
 
     batch_size: int = 16
+    """The global batch, in sequences per optimizer step (over all data-parallel ranks and
+    accumulation steps), >= 1. Must be divisible by ``gradient_accumulation_steps``, and each
+    microbatch (``batch_size / gradient_accumulation_steps``) by the data-parallel size; with
+    pipeline parallelism by ``data_parallel_size × parallel.num_microbatches``. Replaced by
+    ``micro_batch_size × gradient_accumulation_steps × data_parallel_size`` when
+    ``micro_batch_size`` > 0."""
     micro_batch_size: int = 0
+    """Colossal-AI's per-rank micro batch, in sequences, >= 0; 0 (the default): use ``batch_size``. When
+    > 0 it defines the global batch instead: ``batch_size = micro_batch_size ×
+    gradient_accumulation_steps × dp`` (``dp``: the resolved ``parallel.data_parallel_size``), set when
+    the config is validated against a device count."""
     seq_len: int = 128
+    """The tokens per training sequence, >= 1 (text windows hold ``seq_len + 1`` tokens: the inputs
+    and the shifted targets; chat conversations are cut to it). At most
+    ``model.max_position_embeddings``; divisible by ``tensor_parallel_size`` under
+    ``parallel.sequence_parallelism_mode=split_gather``, by ``sequence_parallel_size`` under
+    ``all_to_all`` and by ``2 · sequence_parallel_size`` under ``ring_attn``."""
     gradient_accumulation_steps: int = 1
+    """The microbatches per optimizer step, >= 1: the global batch is split into this many and their
+    gradients are summed before one update. With pipeline parallelism the pipeline microbatches
+    replace it: it is ``parallel.num_microbatches``'s default, and the two may not disagree."""
     learning_rate: float = 3e-3
+    """The schedule's peak learning rate, > 0: a linear warmup over ``warmup_steps``, then a cosine
+    decay to ``learning_rate × min_learning_rate_ratio`` at the last step (``max_steps``)."""
     min_learning_rate_ratio: float = 0.1
+    """The learning rate at the end of the cosine decay as a fraction of ``learning_rate``, in
+    [0, 1]."""
     max_steps: int = 300
+    """The optimizer steps of the whole run, >= 1, counting the steps before a resume (a resumed run
+    trains from the checkpoint's step to ``max_steps``); the cosine decay ends there."""
     warmup_steps: int = 30
+    """The steps of linear learning-rate warmup, >= 0; 0: none (the first step runs at the peak). Step
+    ``s`` (0-based) runs at ``learning_rate · (s + 1) / warmup_steps``, the peak reached at step
+    ``warmup_steps − 1``."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, >= 0 (scaled by the learning rate, as ``optax.adamw``), on
+    weight matrices and embeddings, not on norm scales or biases."""
     adam_beta1: float = 0.9
+    """Adam's first-moment (momentum) decay β₁, in [0, 1); also the shards' momentum under
+    ``parallel.momentum_correction``."""
     adam_beta2: float = 0.95
+    """Adam's second-moment decay β₂, in [0, 1)."""
     adam_eps: float = 1e-8
+    """Adam's ε, > 0, added to the square root of the second moment in the update's denominator."""
     adam_freeze_step: int = 0
+    """1-bit Adam's freeze step, >= 0: after that many optimizer steps Adam's second moment stops
+    changing; 0 (the default): never. As DeepSpeed's ``OnebitAdam(freeze_step)`` (Tang et al., 2021;
+    :func:`jaxcolossal.train.optimizer.scale_by_adam_frozen_variance`). Top-k's error feedback needs it:
+    set it to ``parallel.compression_warmup_steps`` (docs/communication.md). Needs ``optimizer=adamw``
+    and an optimizer state in device memory (no ``offload.offload_optim_frac``,
+    ``placement_policy=auto`` or ``nvme_path``)."""
     max_grad_norm: float = 1.0
+    """The global L2 norm the gradients are clipped to before the update (over all parameters, each
+    counted once), >= 0; 0: no clipping."""
     seed: int = 1024
+    """The run's random seed, in [0, 2³² − 1]. It draws a fresh model's parameters, the order of the
+    training batches (a pure function of the seed and the step, so a resume continues it), LoRA's
+    dropout masks and the end-of-run sample."""
     eval_every: int = 100
+    """The steps between validation-loss evaluations, >= 0; 0: only at the start and the end. With
+    ``checkpoint.dir`` each evaluation also saves a checkpoint (a candidate for the best)."""
     eval_batches: int = 8
+    """The batches of each evaluation, >= 1, each of ``batch_size / gradient_accumulation_steps``
+    sequences. They are the same for the whole run: from the held-out split (``data.val_fraction``), or
+    from the training data when that split is too short."""
     resume: Literal[False, True, "auto"] = False
+    """Whether to restore from ``checkpoint.dir``: ``false``, ``true`` or ``auto``. ``false`` starts
+    fresh (and refuses a ``checkpoint.dir`` that already holds checkpoints unless
+    ``checkpoint.overwrite``); ``true`` restores the newest restorable step and fails when there is
+    none; ``auto`` restores when there is one and starts fresh otherwise. ``true`` and ``auto`` need
+    ``checkpoint.dir``."""
     nonfinite_policy: Literal["stop", "skip"] = "stop"
+    """What a step whose loss or gradient norm is NaN/inf does: ``stop`` or ``skip``. In every precision
+    its update is never applied; ``stop`` ends the run with an error at once, ``skip`` skips the step
+    and stops after ``precision.max_consecutive_skips`` in a row. fp16 overflows follow the loss scaler
+    instead (skip, back off, stop at ``precision.min_scale``)."""
     optimizer: Literal["adamw", "fused_adamw"] = "adamw"
+    """The AdamW implementation: ``adamw`` or ``fused_adamw``. ``adamw`` is ``optax.adamw``;
+    ``fused_adamw`` (:func:`jaxcolossal.optim.fused_adamw`, Colossal-AI's HybridAdam) runs a fused
+    update kernel on each device's shard of the optimizer state. ``adam_freeze_step`` needs ``adamw``; a
+    resumed checkpoint must have the same."""
     sample_tokens: int = 200
+    """The tokens generated from ``sample_prompt`` at the end of the run, >= 0 (with a context of at
+    most ``min(seq_len, 2048)`` tokens); 0: no sample."""
     sample_prompt: str = ""
+    """The prompt of the end-of-run sample. ``""`` (the default) means ``"def "`` for text corpora,
+    and for ``data.format=chat`` the first held-out conversation up to its response, rendered by
+    the chat template; with chat a prompt you give is the user's turn, and the sample ends at the
+    end-of-text token."""
 
 
 @dataclass
 class ParallelConfig:
-    """Device mesh sizes and ZeRO stage. ``-1`` means "the remaining devices".
+    """The device mesh, the ZeRO stage, the pipeline and the data-parallel communication
+    (docs/zero.md, docs/pipeline.md, docs/communication.md, docs/long_context.md, docs/moe.md).
 
-    Mesh axes are ``(pp, dp, fsdp, tp)``. The data-parallel group of size
-    ``data_parallel_size`` is ``dp × fsdp``: with ``zero_stage > 0`` ZeRO shards over the whole
-    group (``fsdp = data_parallel_size``, ``dp = 1``); with ``zero_stage == 0`` it is plain DDP
-    (``dp = data_parallel_size``).
-
-    ``gradient_compression``: ``none``, ``topk``: each data-parallel shard sends only the
-    ``compression_ratio`` fraction of its gradient's elements largest in magnitude (values and
-    int32 indices, all-gathered; every rank sums them densely) instead of an all-reduce of the
-    whole gradient (Lin et al., 2018, Deep Gradient Compression); or ``powersgd``: each weight
-    matrix's gradient is sent as rank-``powersgd_rank`` factors (Vogels et al., 2019). With
-    ``error_feedback`` (default) what a shard did not send is added to its next step's gradient
-    (a per-shard fp32 residual in the train state, saved in checkpoints). The first
-    ``compression_warmup_steps`` steps reduce densely (PyTorch's ``start_powerSGD_iter``, DGC's
-    warm-up). Data-parallel traffic only; both need ``zero_stage`` ≤ 1, no tensor, pipeline or sequence parallelism (for now).
-    ``momentum_correction`` (top-k with error feedback and ``training.adam_freeze_step``; default
-    off): DGC's momentum correction (Lin et al., 2018, §3.2). Each shard keeps its own momentum
-    ``u = β₁·u + (1 − β₁)·g`` (starting from 1/N of Adam's at the first compressed step) and sends
-    the top-k of ``residual + u``. From then on the optimizer takes what arrives as its first
-    moment (no second momentum on top); at ratio 1 this is exactly Adam. DGC's momentum factor
-    masking is left out (docs/communication.md). A second per-shard fp32 buffer in the train state.
-
-    ``communication_dtype``: ``fp32`` (default), ``bf16`` or ``fp8`` (e4m3, per-tensor scale):
-    the dtype the data-parallel gradient reduction moves (an all-to-all and a local fp32 sum, then
-    an all-gather where every rank needs the whole sum; ZeRO++'s qgZ, Colossal-AI's
-    ``fp8_communication``), and under ZeRO-3 the dtype each layer's weights are all-gathered in
-    where it is narrower than the compute dtype (ZeRO++'s qwZ; the backward is straight-through).
-    Any ZeRO stage and tensor parallelism; not with pipeline or sequence
-    parallelism or gradient compression (:mod:`jaxcolossal.parallel.compression`).
-
-    ``overlap`` (default true; Colossal-AI's ``overlap_communication``) and ``bucket_size_mb``
-    (``reduce_bucket_size_in_m``; 0: XLA's default) set XLA's GPU flags for the latency-hiding
-    scheduler, collective pipelining and combine thresholds before the backend starts
-    (:mod:`jaxcolossal.runtime.xla_flags`; only on GPUs, only the flags the jaxlib accepts). Under ZeRO-3
-    with ``model.remat=full`` (and fp32 communication, no param offload) ``overlap`` also makes the
-    layer scan gather layer i+1's weights before layer i runs, forward and backward
-    (:func:`jaxcolossal.parallel.layer_scan.prefetched_scan`): one more layer's weights held per device.
-    Under Megatron-SP (``split_gather``) ``overlap`` runs the projections as TP collective matmuls
-    (:mod:`jaxcolossal.parallel.collective_matmul`) for sequences of at least ``collective_matmul_min_seq``
-    tokens (default 0: all; no GPU has measured where it starts to pay).
-
-    Sequence (context) parallelism, Colossal-AI's ``HybridParallelPlugin`` modes
-    (:mod:`jaxcolossal.parallel.sequence`): ``sequence_parallel_size`` is the mesh axis ``sp`` (the
-    sequence of every activation is split over it) and ``sequence_parallelism_mode`` is
-    ``none``, ``split_gather`` (Megatron-SP: the residual stream's sequence split over the ``tp``
-    group; needs ``tensor_parallel_size`` > 1 and ``sequence_parallel_size`` 1), ``all_to_all``
-    (DeepSpeed-Ulysses: q/k/v swapped from sequence- to head-sharded around attention) or
-    ``ring_attn`` (ring attention: k/v blocks passed around the ``sp`` ring, zig-zag order).
-
-    ``expert_parallel_size`` (Colossal-AI's ``ep_size``): the mesh axis ``ep``, carved out of the
-    data-parallel group (it must divide ``data_parallel_size``): the batch is split over it as over
-    the rest of the group, a mixture of experts' routed experts are split over it, and tokens go to
-    their experts' devices and back by all-to-all (:mod:`jaxcolossal.parallel.expert`). ZeRO shards
-    the state over the rest of the data group (``data_parallel_size / expert_parallel_size``).
+    The mesh has six axes, outermost first: ``(pp, dp, fsdp, ep, sp, tp)``
+    (:data:`jaxcolossal.parallel.mesh.MESH_AXES`). ``pp`` is ``pipeline_parallel_size``, ``sp``
+    ``sequence_parallel_size``, ``tp`` ``tensor_parallel_size``; the data-parallel group of
+    ``data_parallel_size`` is ``dp × fsdp × ep``, with ``ep`` (``expert_parallel_size``) carved out of
+    it and ZeRO (``zero_stage > 0``) sharding over the rest (``fsdp``; ``dp`` when ZeRO is off).
+    ``-1`` in a size means "the remaining devices"; ``data_parallel_size × tensor_parallel_size ×
+    pipeline_parallel_size × sequence_parallel_size`` must equal the device count (:meth:`resolve`).
     """
 
     data_parallel_size: int = -1
+    """The data-parallel group's size ``dp × fsdp × ep``, >= 1 or ``-1`` (the default: the devices the
+    other sizes leave). With ``zero_stage > 0`` ZeRO shards over the whole group (``fsdp`` = the
+    group, ``dp = 1``); with ``zero_stage == 0`` it is plain DDP (``dp`` = the group). The batch is
+    split over it; ``expert_parallel_size`` must divide it."""
     tensor_parallel_size: int = 1
+    """Megatron tensor parallelism over the mesh axis ``tp``, >= 1 or ``-1``: the attention heads,
+    the MLP and the vocabulary are split over it. Must divide ``model.num_attention_heads``,
+    ``num_key_value_heads`` and ``intermediate_size``; ``sequence_parallelism_mode=split_gather``
+    needs it > 1; ``gradient_compression`` needs 1."""
     pipeline_parallel_size: int = 1
+    """The pipeline stages on the mesh axis ``pp`` (outermost), >= 1 or ``-1``: the decoder layers are
+    split into this many stages, and ``model.num_layers`` must be divisible by it ×
+    ``num_model_chunks``. With > 1 the pipeline microbatches (``num_microbatches``) replace gradient
+    accumulation. Not yet with ``gradient_compression``, a ``communication_dtype`` other than fp32,
+    ``sequence_parallelism_mode=all_to_all``, ``offload.offload_param_frac``,
+    ``model.attention_impl=flash``, ``data.packing_mask``, ``data.format=chat`` or LoRA dropout;
+    a mixture of experts has its own limits there (``model.num_experts``)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
+    """The ZeRO stage, 0 to 3: what is sharded over the data-parallel group (the mesh axis ``fsdp``). 0
+    nothing (DDP), 1 the optimizer state (with the fp32 master copy), 2 also the gradients, 3 also the
+    parameters (FSDP). With ``zero_stage > 0`` ``model.hidden_size`` must be divisible by the ZeRO group
+    (``data_parallel_size / expert_parallel_size``); ``gradient_compression`` needs 0 or 1,
+    ``offload.offload_param_frac`` needs 3."""
     num_microbatches: int = 0
+    """The pipeline microbatches per step ``m`` (with ``pipeline_parallel_size > 1``), >= 0: each
+    data-parallel shard's batch is split into ``m``. 0: ``training.gradient_accumulation_steps`` when
+    that is > 1, else ``2 × pipeline_parallel_size``. With ``num_model_chunks > 1`` it must be a
+    multiple of ``pipeline_parallel_size``."""
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """The pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved`` (docs/pipeline.md). ``gpipe``:
+    forward ticks and autodiff's backward, the residuals of all microbatches live at once; with
+    ``num_model_chunks > 1`` the circular pipeline. ``1f1b``: one forward and one backward per tick from
+    stashed stage inputs, memory independent of ``num_microbatches``; one chunk per device.
+    ``interleaved``: 1F1B over ``num_model_chunks >= 2`` virtual stages per device."""
     num_model_chunks: int = 1
+    """The virtual stages (model chunks) per device ``v``, >= 1: >= 2 for ``interleaved``, 1 for
+    ``1f1b``; ``gpipe`` accepts any (``v > 1``: the circular pipeline). ``model.num_layers`` must be
+    divisible by ``pipeline_parallel_size × v``."""
     gradient_compression: Literal["none", "topk", "powersgd"] = "none"
+    """How the data-parallel gradient is sent: ``none``, ``topk`` or ``powersgd``. ``none``: a dense
+    reduction. ``topk``: each shard sends only the ``compression_ratio`` fraction of its gradient's
+    elements largest in magnitude (values and int32 indices, all-gathered; every rank sums them densely;
+    Lin et al., 2018, Deep Gradient Compression). ``powersgd``: each weight matrix's gradient is sent as
+    rank-``powersgd_rank`` factors (Vogels et al., 2019). Data-parallel traffic only; needs
+    ``zero_stage`` <= 1, no tensor, pipeline or sequence parallelism and ``communication_dtype=fp32``
+    (for now); not with LoRA or a mixture of experts."""
     compression_ratio: float = 0.01
+    """``gradient_compression=topk``: the fraction of each shard's gradient elements sent per step,
+    in (0, 1]."""
     powersgd_rank: int = 4
+    """``gradient_compression=powersgd``: the rank of the factors each weight matrix's gradient is
+    sent as, >= 1."""
     compression_warmup_steps: int = 0
+    """The first steps, >= 0, whose gradients are reduced densely before compression starts
+    (PyTorch's ``start_powerSGD_iter``, DGC's warm-up); 0: compress from the first step.
+    ``training.adam_freeze_step`` goes with it (docs/communication.md)."""
     error_feedback: bool = True
+    """``true`` (the default): what a shard did not send is added to its next step's gradient. The
+    unsent part is a per-shard fp32 residual in the train state, saved in checkpoints; for
+    ``gradient_compression`` ``topk`` and ``powersgd``. ``momentum_correction`` needs it."""
     momentum_correction: bool = False
+    """DGC's momentum correction (Lin et al., 2018, §3.2), default off. Each shard keeps its own
+    momentum ``u = β₁·u + (1 − β₁)·g`` (``training.adam_beta1``; starting from 1/N of Adam's at the
+    first compressed step) and sends the top-k of ``residual + u``. From then on the optimizer takes
+    what arrives as its first moment (no second momentum on top); at ratio 1 this is exactly Adam. DGC's
+    momentum factor masking is left out (docs/communication.md). A second per-shard fp32 buffer in the
+    train state. Needs ``gradient_compression=topk`` with ``error_feedback`` and
+    ``training.adam_freeze_step > 0``."""
     communication_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """The dtype the data-parallel gradient reduction moves: ``fp32`` (the default), ``bf16`` or ``fp8``
+    (e4m3, per-tensor scale). The reduction is an all-to-all and a local fp32 sum, then an all-gather
+    where every rank needs the whole sum (ZeRO++'s qgZ, Colossal-AI's ``fp8_communication``). Under
+    ZeRO-3 it is also the dtype each layer's weights are all-gathered in where it is narrower than the
+    compute dtype (ZeRO++'s qwZ; the backward is straight-through). Any ZeRO stage and tensor
+    parallelism; not with pipeline or sequence parallelism or ``gradient_compression``
+    (:mod:`jaxcolossal.parallel.compression`)."""
     overlap: bool = True
+    """Overlap communication with compute (default true; Colossal-AI's ``overlap_communication``). It
+    sets XLA's GPU flags for the latency-hiding scheduler and collective pipelining, and under ZeRO-3
+    while-loop double buffering, before the backend starts (:mod:`jaxcolossal.runtime.xla_flags`; GPUs
+    only, only the flags the jaxlib accepts). Under ZeRO-3 with ``model.remat=full`` (and fp32
+    communication, no parameter offload) the layer scan also gathers layer i+1's weights before layer i
+    runs, forward and backward (:func:`jaxcolossal.parallel.layer_scan.prefetched_scan`): one more
+    layer's weights held per device. Under Megatron-SP (``split_gather``) it runs the projections as TP
+    collective matmuls (:mod:`jaxcolossal.parallel.collective_matmul`) for sequences of at least
+    ``collective_matmul_min_seq`` tokens."""
     collective_matmul_min_seq: int = 0
+    """The shortest ``training.seq_len``, in tokens, >= 0, whose projections run as TP collective
+    matmuls; 0 (the default): every length. Only under ``sequence_parallelism_mode=split_gather`` with
+    ``overlap`` (no GPU has measured where it starts to pay)."""
     bucket_size_mb: float = 0.0
+    """XLA's combine threshold for collectives, in MiB, >= 0; 0: XLA's defaults. Like Colossal-AI's
+    ``reduce_bucket_size_in_m``: small all-reduces, all-gathers and reduce-scatters are combined into
+    one up to this size (GPU flags, :mod:`jaxcolossal.runtime.xla_flags`)."""
     sequence_parallel_size: int = 1
+    """The mesh axis ``sp``, >= 1 or ``-1``: the sequence of every activation is split over it (context
+    parallelism). Above 1 it needs ``sequence_parallelism_mode`` ``all_to_all`` or ``ring_attn``
+    (``split_gather`` needs 1). Not with ``gradient_compression`` or a ``communication_dtype`` other
+    than fp32."""
     sequence_parallelism_mode: Literal["none", "split_gather", "all_to_all", "ring_attn"] = "none"
+    """The sequence parallelism mode: ``none``, ``split_gather``, ``all_to_all`` or ``ring_attn``
+    (Colossal-AI's modes; :mod:`jaxcolossal.parallel.sequence`). ``split_gather``: Megatron-SP, the
+    residual stream's sequence split over the ``tp`` group; needs ``tensor_parallel_size`` > 1 and
+    ``sequence_parallel_size`` 1. ``all_to_all``: DeepSpeed-Ulysses, q/k/v swapped from sequence- to
+    head-sharded around attention; not with pipeline parallelism. ``ring_attn``: ring attention, k/v
+    blocks passed around the ``sp`` ring in zig-zag order; needs ``model.attention_impl=xla``.
+    ``training.seq_len`` must split accordingly."""
     expert_parallel_size: int = 1
+    """The mesh axis ``ep`` (Colossal-AI's ``ep_size``), >= 1: a mixture of experts' routed experts are
+    split over it. It is carved out of the data-parallel group and must divide ``data_parallel_size``
+    and ``model.num_experts``; the batch is split over it as over the rest of the group, and tokens go
+    to their experts' devices and back by all-to-all (:mod:`jaxcolossal.parallel.expert`). ZeRO shards
+    the state over the rest of the data group (``data_parallel_size / expert_parallel_size``). Above 1
+    it needs ``model.num_experts``."""
 
     def resolve(self, num_devices: int) -> "ParallelConfig":
         """Return a copy with ``-1`` filled so that dp·sp·tp·pp == ``num_devices``.
@@ -326,29 +509,51 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Mixed precision. Neither flag: fp32 everywhere. ``bf16``: bf16 compute, fp32 master
-    weights and fp32 gradient reduction. ``fp16``: the same in fp16 with dynamic loss scaling
-    (Colossal-AI's DynamicGradScaler defaults).
+    """Mixed precision. Neither ``bf16`` nor ``fp16``: fp32 everywhere. fp16's dynamic loss scaling
+    has Colossal-AI's ``DynamicGradScaler`` semantics and defaults (:mod:`jaxcolossal.optim.loss_scale`):
+    an overflowing step is skipped on every device."""
 
-    ``fp8`` (with ``bf16``): the layers' projections (q, k, v, o and the MLP's) multiply in FP8,
-    Transformer Engine's recipe with current per-tensor scaling: activations and weights in e4m3,
-    gradients in e5m2, each tensor scaled by its own amax in the step that uses it
+    bf16: bool = False
+    """bf16 compute with fp32 master weights and an fp32 gradient reduction (unless
+    ``parallel.communication_dtype``); exclusive with ``fp16``."""
+    fp16: bool = False
+    """fp16 compute with fp32 master weights, an fp32 gradient reduction (unless
+    ``parallel.communication_dtype``) and dynamic loss scaling (the keys below); exclusive with
+    ``bf16``."""
+    fp8: bool = False
+    """FP8 projections on top of ``bf16``, which it needs. The layers' projections (q, k, v, o and the
+    MLP's) multiply in FP8, Transformer Engine's recipe with current per-tensor scaling: activations and
+    weights in e4m3, gradients in e5m2, each tensor scaled by its own amax in the step that uses it
     (:func:`jaxcolossal.models.layers.linear.project_fp8`). Master weights, optimizer state, the
     embedding, the LM head and attention stay as in bf16. On GPUs with FP8 tensor cores (Hopper,
     Blackwell) XLA turns each into an FP8 GEMM; elsewhere the numerics are emulated."""
-
-    bf16: bool = False
-    fp16: bool = False
-    fp8: bool = False
     fp16_opt_level: Literal["O1", "O2"] = "O2"
+    """Colossal-AI's fp16 level, ``O1`` or ``O2``: accepted so that its configs load, and read by
+    nothing; fp16 always runs as ``precision.fp16`` says (fp16 compute, fp32 master weights)."""
     initial_scale: float = 2.0**16
+    """fp16: the loss scale at the start, > 0."""
     growth_factor: float = 2.0
+    """fp16: the factor, >= 1, the loss scale grows by after ``growth_interval`` overflow-free steps
+    in a row (up to ``max_scale``)."""
     backoff_factor: float = 0.5
+    """fp16: the factor, in (0, 1], the loss scale shrinks by on an overflow once ``hysteresis`` is
+    reached (down to ``min_scale``)."""
     growth_interval: int = 1000
+    """fp16: the overflow-free steps in a row, >= 1, after which the loss scale grows by
+    ``growth_factor``."""
     hysteresis: int = 2
+    """fp16: the overflows, >= 1, that back the loss scale off: from the ``hysteresis``-th overflow
+    since the scale last grew (or since the start) on, each overflow multiplies it by
+    ``backoff_factor``; the earlier ones only skip their step."""
     min_scale: float = 1.0
+    """fp16: the smallest loss scale, > 0 and <= ``max_scale``; the run stops when
+    ``max_consecutive_skips`` steps in a row overflow with the scale at it."""
     max_scale: float = 2.0**32
+    """fp16: the largest loss scale, > 0."""
     max_consecutive_skips: int = 20
+    """The non-finite steps in a row, >= 1, after which the run stops: with
+    ``training.nonfinite_policy=skip``, and in fp16 when they overflow with the loss scale at
+    ``min_scale``."""
 
     @property
     def mode(self) -> str:
@@ -358,53 +563,86 @@ class PrecisionConfig:
 
 @dataclass
 class DataConfig:
-    """Training text. ``corpus``: ``"stdlib"`` (the running Python's standard library sources)
-    or comma-separated globs of ``.txt``/``.jsonl`` files. ``tokenizer``: ``byte``, the path of a
-    local Hugging Face tokenizer (a folder with ``tokenizer.json``, or the file), or ``auto`` (the
-    default): the tokenizer in ``model.init_from`` when that folder has one, else ``byte``.
-    ``format``: ``text`` (pre-training: documents joined into one stream, random windows; ``.jsonl``
-    files by suffix), ``jsonl`` (every file is JSON lines), ``parquet`` (column ``text_key``, with
-    ``pyarrow``), ``datasets`` (``corpus`` is a ``datasets`` ``save_to_disk`` folder), or ``chat`` (instruction fine-tuning: JSON lines of ``messages`` or ``prompt``/``response``, one
-    conversation per row, loss on the responses only; :mod:`jaxcolossal.data.chat`).
-    ``cache_dir``: where a ``text`` corpus's token stream is cached after the first run
-    (:mod:`jaxcolossal.data.cache`); ``""`` tokenizes at every start. ``packing_mask``: windows
-    that hold several documents get segment ids and per-document positions, so attention does
-    not cross a document boundary and positions restart, and the target that crosses one is
-    not trained on (:func:`jaxcolossal.data.loader.packing_fields`)."""
+    """The training text (docs/data.md): the files, their format, the tokenizer, the held-out split
+    and the pre-tokenization cache."""
 
     corpus: str = "stdlib"
+    """The files to read: ``stdlib`` (the running Python's standard-library sources) or comma-separated
+    globs (``**`` matches nested folders). For ``format=datasets`` a folder written by ``datasets``'
+    ``save_to_disk``. Every ``format`` but ``text`` needs files, not ``stdlib``. ``~`` and ``$VAR`` are
+    expanded."""
     format: Literal["text", "jsonl", "parquet", "datasets", "chat"] = "text"
+    """How the files are read: ``text``, ``jsonl``, ``parquet``, ``datasets`` or ``chat``. ``text``:
+    pre-training, documents joined into one stream and cut into random windows (``.jsonl`` files read as
+    JSON lines by their suffix). ``jsonl``: every file is JSON lines. ``parquet``: column ``text_key``,
+    with ``pyarrow``. ``datasets``: ``corpus`` is a ``datasets`` ``save_to_disk`` folder. ``chat``:
+    instruction fine-tuning, JSON lines of ``messages`` or ``prompt``/``response``, one conversation per
+    row, loss on the responses only (:mod:`jaxcolossal.data.chat`); not with pipeline parallelism."""
     text_key: str = "text"
+    """The JSON field (``.jsonl`` lines) or the column (``parquet``, ``datasets``) that holds each
+    document's text."""
     tokenizer: str = "auto"
+    """The tokenizer: ``byte``, the path of a local tokenizer, or ``auto`` (the default). ``byte``: one
+    token per byte, 256 ids. A path: a folder with a Hugging Face ``tokenizer.json`` or a SentencePiece
+    ``tokenizer.model``, or that file. ``auto``: the ``tokenizer.json`` in ``model.init_from`` when that
+    folder has one, else ``byte``. ``model.vocab_size`` must cover its ids. ``~`` and ``$VAR`` are
+    expanded."""
     val_fraction: float = 0.05
+    """The share of the data held out for the validation loss, from the end, in [0, 1): the last
+    tokens of the stream (``chat``: the last conversations, at least one). 0: none held out (the
+    evaluations then read the training data)."""
     max_corpus_bytes: int = 0
+    """A cap on a pre-training corpus, >= 0: the stream is cut to this many tokens (bytes with the
+    byte tokenizer) and reading stops once it has them; 0: all of it. Not used by ``format=chat``."""
     cache_dir: str = "~/.cache/jaxcolossal/tokens"
+    """Where a pre-training corpus's token stream is cached after its first tokenization; ``""``
+    tokenizes at every start. Later runs memory-map it (:mod:`jaxcolossal.data.cache`; the key covers
+    the files, the tokenizer, ``text_key`` and ``max_corpus_bytes``). ``~`` and ``$VAR`` are
+    expanded."""
     packing_mask: bool = False
+    """``true``: keep the documents that share a window apart. Such windows get segment ids and
+    per-document positions, so attention does not cross a document boundary and positions restart, and
+    the target that crosses one is not trained on (:func:`jaxcolossal.data.loader.packing_fields`).
+    Pre-training formats only; needs ``model.attention_impl`` ``xla`` or ``flash``, and no pipeline
+    parallelism."""
 
 
 @dataclass
 class CheckpointConfig:
-    """Orbax checkpoints under ``dir`` every ``save_every`` steps (0: only at the end).
-
-    ``overwrite``: a fresh run (``training.resume=false``) into a ``dir`` that already holds
-    checkpoints deletes them first; without it such a run is refused before anything compiles."""
+    """Orbax checkpoints (:mod:`jaxcolossal.checkpoint`): the whole train state and the run's config,
+    written asynchronously, one folder per saved step."""
 
     dir: str = ""
+    """The checkpoint folder; ``""`` (the default): no checkpoints. ``training.resume`` ``true`` and
+    ``auto`` need it; a fresh run into a folder that already holds checkpoints is refused unless
+    ``overwrite``. ``~`` and ``$VAR`` are expanded."""
     save_every: int = 0
+    """Save every this many steps, >= 0; 0: only at the evaluations (``training.eval_every``) and the
+    end. A run stopped by SIGTERM or Ctrl-C saves its current step too."""
     max_to_keep: int = 3
+    """The most recent saved steps kept, >= 1; the step with the lowest finite validation loss is kept
+    besides."""
     overwrite: bool = False
+    """``true``: a fresh run (``training.resume=false``) into a ``dir`` that already holds checkpoints
+    deletes them first; without it such a run is refused before anything compiles."""
 
 
 @dataclass
 class LoggingConfig:
-    """Where ``metrics.jsonl`` and the log file go; ``log_every`` in steps. ``tensorboard``: also
-    write every logged scalar as TensorBoard events to ``<run_dir>/tensorboard``
-    (:class:`jaxcolossal.metrics.MetricsWriter`)."""
+    """Where the run's metrics and log go, and how often (process 0 writes them)."""
 
     run_dir: str = "runs/default"
+    """The run's output folder. It gets ``metrics.jsonl`` (one strict-JSON object per logged step and
+    per evaluation; runs that share the folder append to it), ``train.log`` and, with ``tensorboard``,
+    ``tensorboard/``. ``~`` and ``$VAR`` are expanded."""
     log_every: int = 10
+    """The steps between logged metrics (``metrics.jsonl``, the log, TensorBoard), >= 1; the last
+    step is always logged."""
     progress_bar: bool = True
+    """Show a progress bar (tqdm) with the loss, tokens/s and TFLOPS."""
     tensorboard: bool = False
+    """``true``: also write every logged scalar as TensorBoard events to ``<run_dir>/tensorboard``
+    (:class:`jaxcolossal.metrics.MetricsWriter`; needs the ``tensorboardX`` package)."""
 
 
 class Bytes(str):
@@ -442,35 +680,45 @@ def parse_bytes(value: Any, key: str = "value") -> int:
 
 @dataclass
 class OffloadConfig:
-    """Heterogeneous memory: which part of the train state lives in host memory (Colossal-AI's
-    Gemini placement and ``cpu_offload``; :mod:`jaxcolossal.memory.placement`, docs/offload.md).
-
-    ``placement_policy``: ``static`` (the fractions below, as given) or ``auto`` (the fractions that
-    fit ``device_memory_limit`` with the least host↔device traffic, Gemini's
-    ``ChunkManager.optimize_chunk_config``). ``offload_optim_frac``: the fraction of the optimizer
-    state (Adam m, v and the fp32 master copy), by bytes, that lives in pinned host memory.
-    ``offload_param_frac`` (ZeRO-3 only): the fraction of the compute parameters kept in host
-    memory between steps. ``optimizer_device``: where the offloaded optimizer state is updated:
-    ``device`` (moved in, updated, moved out) or ``host`` (on the CPU with ``compute_on``, as
-    Colossal-AI's CPU Adam). ``activations``: ``host`` saves the layer projections to host memory
-    instead of device memory (``model.remat=offload``). ``device_memory_limit``: the device bytes a
-    run may plan for (``"80GB"``; ``""``: the device's reported capacity × 0.9, none on the CPU).
-    ``host_memory_limit``: the pinned host memory one process (node) may use for the offloaded
-    state (``""``: unchecked); ``devices_per_host``: the devices that share it in ``--dry-run``
-    (a real run uses its local device count). ``nvme_path``: ZeRO-Infinity's NVMe tier: a folder
-    (a fast local disk) where the offloaded optimizer state lives instead of host memory, read and
-    written leaf by leaf inside each step (:mod:`jaxcolossal.train.nvme`); needs
-    ``optimizer_device=device``."""
+    """Heterogeneous memory: which part of the train state lives in host memory or on NVMe
+    (Colossal-AI's Gemini placement and ``cpu_offload``, ZeRO-Infinity's NVMe tier;
+    :mod:`jaxcolossal.memory.placement`, docs/offload.md), and the memory a run may plan for."""
 
     placement_policy: Literal["static", "auto"] = "static"
+    """How the offloaded fractions are chosen: ``static`` or ``auto``. ``static``:
+    ``offload_optim_frac`` and ``offload_param_frac`` as given. ``auto``: the fractions that fit
+    ``device_memory_limit`` with the least host↔device traffic (Gemini's
+    ``ChunkManager.optimize_chunk_config``); leave both fractions at 0."""
     offload_optim_frac: float = 0.0
+    """The fraction, by bytes, in [0, 1], of the optimizer state (Adam m, v and the fp32 master copy)
+    that lives in pinned host memory (on NVMe with ``nvme_path``)."""
     offload_param_frac: float = 0.0
+    """The fraction, in [0, 1], of the compute parameters kept in host memory between steps; needs
+    ``parallel.zero_stage=3`` and no pipeline parallelism."""
     optimizer_device: Literal["device", "host"] = "device"
+    """Where the offloaded optimizer state is updated: ``device`` (moved in, updated, moved out) or
+    ``host`` (on the CPU with ``compute_on``, as Colossal-AI's CPU Adam). ``nvme_path`` needs
+    ``device``."""
     activations: Literal["none", "host"] = "none"
+    """Where the layer projections saved for the backward live: ``none`` (device memory) or ``host``
+    (pinned host memory). ``host`` sets ``model.remat=offload`` and is refused with a ``model.remat``
+    other than ``none`` or ``offload``."""
     device_memory_limit: Bytes = ""
+    """The device memory a run may plan for, per device: bytes, or a number with a unit (``"80GB"``,
+    ``"1.5GiB"``); ``""``: the device's reported capacity × 0.9 (the CPU reports none: no check). A
+    run whose plan needs more is refused before it compiles; ``placement_policy=auto`` fits it."""
     host_memory_limit: Bytes = ""
+    """The pinned host memory one process (node) may use for the offloaded state: bytes, or a number
+    with a unit (``"2TB"``); ``""``: unchecked."""
     devices_per_host: int = 8
+    """The devices that share one host's memory (``host_memory_limit``) in ``--dry-run``, >= 1; a real
+    run uses its local device count."""
     nvme_path: str = ""
+    """ZeRO-Infinity's NVMe tier: a folder (a fast local disk) for the offloaded optimizer state;
+    ``""``: none. The state that ``offload_optim_frac`` (or ``placement_policy=auto``) offloads lives
+    there instead of host memory, read and written leaf by leaf inside each step
+    (:mod:`jaxcolossal.train.nvme`); needs ``optimizer_device=device``. ``~`` and ``$VAR`` are
+    expanded."""
 
 
 @dataclass
@@ -478,13 +726,21 @@ class Config:
     """The whole run: one object, validated before anything is compiled."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model: its family, shape, kernels, LoRA and mixture of experts."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The optimisation: batch, sequence length, AdamW and its schedule, evaluation, resuming."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The device mesh, ZeRO, the pipeline, sequence and expert parallelism, and communication."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Mixed precision (bf16, fp16 with loss scaling, FP8) and the non-finite step limit."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The training text: files, format, tokenizer, held-out split and cache."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Orbax checkpoints: where, how often, how many."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics, the log file, the progress bar and TensorBoard."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host-memory and NVMe offload of the train state, and the memory budgets."""
 
     def to_dict(self) -> dict:
         """The config as nested plain dicts (YAML-serialisable)."""

@@ -1,4 +1,7 @@
-"""Activation checkpointing (rematerialization) policies by name, for the layer scan.
+"""The layer scan: a family's stacked decoder layers ``[L, ...]`` run in one ``lax.scan``
+(:func:`scan_layers`), with ZeRO-3's one-layer-ahead weight gather (:func:`prefetched_scan`) and a
+pipeline chunk sliced inside each layer's body (:func:`scan_chunk`, for
+:mod:`jaxcolossal.parallel.pipeline_executor`), each layer checkpointed by a remat policy by name.
 
 ``model.remat`` picks what the backward pass keeps from the forward pass of each layer; the rest
 is recomputed (Chen et al., 2016; Korthikanti et al., 2022 for selective recomputation). The
