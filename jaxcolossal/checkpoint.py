@@ -67,10 +67,19 @@ def step_dirs(directory: str) -> list[int]:
                   if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
+def _key_name(k) -> str:
+    """One key of a tree path as orbax names it: its ``name``, ``key`` or ``idx``."""
+    return str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+
+
 def _leaf_name(path) -> str:
     """orbax's flat name of a leaf (``params.layers.wq``, ``opt_state.1.0.mu.embed_tokens``)."""
-    part = lambda k: str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
-    return ".".join(part(k) for k in path)
+    return ".".join(_key_name(k) for k in path)
+
+
+def _has_shape(x: Any) -> bool:
+    """The ``is_leaf`` of a tree of array metadata (anything with a ``shape``)."""
+    return hasattr(x, "shape")
 
 
 def _target_layout(target: Any) -> dict[str, tuple]:
@@ -318,8 +327,8 @@ class CheckpointManager:
         tree = self._state_metadata(step).tree
         key = "master" if prefer_master and tree.get("master") is not None else "params"
         keys = [key] + (["frozen"] if tree.get("frozen") is not None else [])
-        is_leaf = lambda x: hasattr(x, "shape")
-        item = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[k], is_leaf=is_leaf) for k in keys}
+        item = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[k], is_leaf=_has_shape)
+                for k in keys}
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
         with ocp.PyTreeCheckpointer() as ckptr:
             out = ckptr.restore(self._state_dir(step), args=ocp.args.PyTreeRestore(item=item, restore_args=as_numpy,

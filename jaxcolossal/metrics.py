@@ -116,7 +116,10 @@ def throughput(cfg: ModelConfig, *, batch_size: int, seq_len: int, step_seconds:
     """
     tokens = batch_size * seq_len
     fpt = flops_per_token(cfg, seq_len, recompute)
-    per_dev = lambda f: f * tokens / step_seconds / num_devices / 1e12
+
+    def per_dev(f):  # TFLOP/s per device of f FLOPs per token
+        return f * tokens / step_seconds / num_devices / 1e12
+
     peak = peak_flops(device_kind)
     t6 = per_dev(fpt["6N+attn"])
     return {

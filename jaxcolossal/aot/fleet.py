@@ -139,7 +139,10 @@ def abstract_batch(cfg: Config, plan) -> dict:
     ``targets`` int32 ``[B, t]``; ``loss_mask`` (chat data, packing) and ``segment_ids`` /
     ``positions`` (``data.packing_mask``) as the loaders give them."""
     shape, sh = (cfg.training.batch_size, cfg.training.seq_len), plan.batch_sharding
-    arr = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
+
+    def arr(dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
     batch = {"inputs": arr(np.int32), "targets": arr(np.int32)}
     if cfg.data.format == "chat" or cfg.data.packing_mask:
         batch["loss_mask"] = arr(np.float32)

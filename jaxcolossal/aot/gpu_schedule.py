@@ -231,7 +231,10 @@ def exposure(hlo_text: str, peak_flops: float, intra_bw: float, inter_bw: float,
     left out. An estimate of exposed communication, not a measurement: see the module doc."""
     comps, _ = hlo.computations(hlo_text)
     flops = _Flops(comps)
-    bw = lambda p: inter_bw if p.cross_host else intra_bw  # noqa: E731
+
+    def bw(p):  # the bandwidth of a collective's group
+        return inter_bw if p.cross_host else intra_bw
+
     out = Exposure()
     for name, lines, times in hlo.walk_executions(hlo_text):
         pairs = {p.name: p for p in _pairs_in(name, lines, times, flops, devices_per_host) if p.sent >= min_bytes}

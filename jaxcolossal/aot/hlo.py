@@ -433,8 +433,12 @@ def host_io_bytes(hlo_text: str) -> dict[str, int]:
     args = _balanced(first, start)
     rest = first[start + len(args) + 2:]
     results = _balanced(rest, rest.index("(")) if rest.startswith("->(") else rest[2:].split("}", 1)[0]
-    size = lambda part: sum(_DTYPE_BYTES[d] * math.prod(_dims(s)) for d, s in _HOST_SHAPE.findall(part))  # noqa: E731
-    return {"host_arguments": size(args), "host_results": size(results)}
+    return {"host_arguments": _host_bytes(args), "host_results": _host_bytes(results)}
+
+
+def _host_bytes(part: str) -> int:
+    """Bytes of the pinned-host shapes in a part of an entry computation layout."""
+    return sum(_DTYPE_BYTES[d] * math.prod(_dims(s)) for d, s in _HOST_SHAPE.findall(part))
 
 
 def dataflow(lines: list[str]) -> tuple[dict[str, str], dict[str, list[str]]]:

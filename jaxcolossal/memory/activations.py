@@ -77,11 +77,7 @@ from jaxcolossal.config import (
 from jaxcolossal.parallel.mesh import data_size, entry_axes
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.models.layers.vocab import fused_pays
-from jaxcolossal.parallel.sharding import Sharder, rules_for, state_specs
-
-
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+from jaxcolossal.parallel.sharding import Sharder, is_shape, rules_for, state_specs
 
 
 def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
@@ -98,7 +94,7 @@ def _compute_shapes(cfg: Config, mesh_shape: Mapping[str, int]) -> Any:
             div = math.prod(mesh_shape.get(a, 1) for a in names if a not in ("fsdp", "pp"))
             out.append(n // div if n % div == 0 else n)
         return tuple(out)
-    return jax.tree.map(local, shapes, specs, is_leaf=_is_shape)
+    return jax.tree.map(local, shapes, specs, is_leaf=is_shape)
 
 
 @functools.lru_cache(maxsize=512)
@@ -115,7 +111,7 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
     model.remat = remat
     shapes = jax.tree_util.tree_unflatten(shapes_items[0], list(shapes_items[1]))
     family = get_family(model)
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, COMPUTE_DTYPES[dtype]), shapes, is_leaf=_is_shape)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, COMPUTE_DTYPES[dtype]), shapes, is_leaf=is_shape)
     tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     shard = Sharder(None).with_fp8(fp8)
@@ -187,8 +183,8 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     impl = "flash" if impl == "cudnn" else impl
 
     def at(n_layers: int, policy: str, b: int = 1, part: int = 0) -> int:
-        one = {**shapes, "layers": jax.tree.map(lambda s: (n_layers,) + s[1:], shapes["layers"], is_leaf=_is_shape)}
-        flat, tree = jax.tree_util.tree_flatten(one, is_leaf=_is_shape)
+        one = {**shapes, "layers": jax.tree.map(lambda s: (n_layers,) + s[1:], shapes["layers"], is_leaf=is_shape)}
+        flat, tree = jax.tree_util.tree_flatten(one, is_leaf=is_shape)
         items = tuple(sorted((f.name, impl if f.name == "attention_impl" else getattr(m, f.name))
                              for f in dataclasses.fields(m) if f.name not in ("num_layers", "remat", "init_from", "lora")))
         items = items + (("num_layers", n_layers),)
@@ -220,7 +216,7 @@ def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
 
 
 def _elements(tree: Any) -> int:
-    return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=_is_shape))
+    return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=is_shape))
 
 
 def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: float,

@@ -29,13 +29,19 @@ from jaxcolossal.parallel.mesh import mesh_shape as resolved_shape
 from jaxcolossal.parallel.mesh import platform
 from jaxcolossal.models import adapter_layout, param_layout
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
-from jaxcolossal.memory.placement import Placement, is_shape, local_elements, make_placement
-from jaxcolossal.parallel.sharding import rules_for, state_specs
+from jaxcolossal.memory.placement import Placement, local_elements, make_placement
+from jaxcolossal.parallel.sharding import is_shape, rules_for, state_specs
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 """The fractions :func:`auto` tries for each of offload_optim_frac and offload_param_frac."""
 CAPACITY_MARGIN = 0.9
 """The share of a device's reported capacity a run may plan for when no limit is given."""
+
+
+def _split_by(sizes: Any, where: Any) -> tuple[int, int]:
+    """``(sum of sizes where False, sum where True)`` over two trees of the same structure."""
+    return (sum(s for s, w in zip(jax.tree.leaves(sizes), jax.tree.leaves(where)) if not w),
+            sum(s for s, w in zip(jax.tree.leaves(sizes), jax.tree.leaves(where)) if w))
 
 
 def state_bytes(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
@@ -48,10 +54,8 @@ def state_bytes(placement: Placement, shapes: Any, specs: Any, mesh_shape: Mappi
     opt = local_elements(shapes, specs.opt, mesh_shape)
     par = local_elements(shapes, specs.params, mesh_shape)
     grads = sum(jax.tree.leaves(local_elements(shapes, specs.grads, mesh_shape))) * b["g"]
-    split = lambda sizes, where: (sum(s for s, w in zip(jax.tree.leaves(sizes), jax.tree.leaves(where)) if not w),
-                                  sum(s for s, w in zip(jax.tree.leaves(sizes), jax.tree.leaves(where)) if w))
-    od, oh = split(opt, placement.optim)
-    pd, ph = split(par, placement.params)
+    od, oh = _split_by(opt, placement.optim)
+    pd, ph = _split_by(par, placement.params)
     opt_host = b["K"] * oh
     return {"device": b["p"] * pd + b["K"] * od, "host": b["p"] * ph + (0 if nvme else opt_host), "grads": grads,
             "nvme": opt_host if nvme else 0}

@@ -30,15 +30,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from jaxcolossal.parallel.sharding import shard_bytes
+from jaxcolossal.parallel.sharding import is_named_sharding, is_shape, shard_bytes
 
 HOST = "pinned_host"
 DEVICE = "device"
 MAX_SUBSETS = 100_000
 """Above this many distinct host totals, :func:`choose` falls back to a greedy pass."""
-def is_shape(x: Any) -> bool:
-    """Whether ``x`` is a shape tuple (a leaf of the param-shapes tree)."""
-    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
 @dataclass(frozen=True)
@@ -148,14 +145,17 @@ def place_state(shardings: Any, placement: Placement, tx: Any, mixed: bool) -> A
     """The train state's shardings (a ``TrainState`` of ``NamedSharding``) with the memory kinds of
     ``placement``: offloaded compute params, master copy and optimizer moments in pinned host
     memory; counters, the loss scaler and the rest in device memory."""
-    is_sh = lambda x: isinstance(x, NamedSharding)  # noqa: E731
-    params = jax.tree.map(with_kind, shardings.params, placement.params, is_leaf=is_sh)
-    master = jax.tree.map(with_kind, shardings.master, placement.optim, is_leaf=is_sh) if mixed else None
+    params = jax.tree.map(with_kind, shardings.params, placement.params, is_leaf=is_named_sharding)
+    master = jax.tree.map(with_kind, shardings.master, placement.optim, is_leaf=is_named_sharding) if mixed else None
     opt = optax.tree_map_params(tx, with_kind, shardings.opt_state, placement.optim,
-                                transform_non_params=lambda s: with_kind(s, False), is_leaf=is_sh)
-    dev = lambda t: jax.tree.map(lambda s: with_kind(s, False), t, is_leaf=is_sh)  # noqa: E731
-    return shardings.replace(step=dev(shardings.step), params=params, master=master, opt_state=opt,
-                             scaler=dev(shardings.scaler))
+                                transform_non_params=lambda s: with_kind(s, False), is_leaf=is_named_sharding)
+    return shardings.replace(step=_on_device(shardings.step), params=params, master=master, opt_state=opt,
+                             scaler=_on_device(shardings.scaler))
+
+
+def _on_device(tree: Any) -> Any:
+    """A tree of ``NamedSharding`` in device memory."""
+    return jax.tree.map(lambda s: with_kind(s, False), tree, is_leaf=is_named_sharding)
 
 
 def bytes_by_kind(tree: Any) -> dict[str, int]:

@@ -298,6 +298,14 @@ def _resolve_impl(impl: str) -> str:
     return impl
 
 
+def _positional(f: Callable) -> Callable:
+    """``f(p, g, m, v, *, lr, count)`` taking ``lr`` and ``count`` positionally too (as
+    ``jax.lax.platform_dependent`` passes its operands)."""
+    def call(p, g, m, v, lr, count):
+        return f(p, g, m, v, lr=lr, count=count)
+    return call
+
+
 def adamw_update(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
                  impl="auto", interpret=False, block_size=DEFAULT_BLOCK_SIZE):
     """Dispatch one leaf's AdamW step to the kernel or the reference.
@@ -318,8 +326,7 @@ def adamw_update(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count,
     if impl == "reference":
         return reference(p, g, m, v, lr=lr, count=count)
     lr, count = jnp.asarray(lr, jnp.float32), jnp.asarray(count, jnp.int32)
-    run = lambda f: lambda p, g, m, v, lr, count: f(p, g, m, v, lr=lr, count=count)  # noqa: E731
-    return jax.lax.platform_dependent(p, g, m, v, lr, count, cuda=run(kernel), default=run(reference))
+    return jax.lax.platform_dependent(p, g, m, v, lr, count, cuda=_positional(kernel), default=_positional(reference))
 
 
 def shard_local(fn: Callable, mesh: jax.sharding.Mesh, spec) -> Callable:
@@ -352,6 +359,11 @@ def shard_local(fn: Callable, mesh: jax.sharding.Mesh, spec) -> Callable:
 # --------------------------------------------------------------------------
 # optax-style transformation
 # --------------------------------------------------------------------------
+
+
+def _f32_zeros_like(p):
+    """fp32 zeros of ``p``'s shape and sharding: a fresh Adam moment."""
+    return jnp.zeros_like(p, dtype=jnp.float32)
 
 
 class FusedAdamWState(NamedTuple):
@@ -404,11 +416,10 @@ class FusedAdamWConfig:
 
     def init(self, params) -> FusedAdamWState:
         """Zero f32 moments like ``params`` (same shapes and shardings)."""
-        zeros = lambda p: jnp.zeros_like(p, dtype=jnp.float32)  # noqa: E731
         return FusedAdamWState(
             count=jnp.zeros([], jnp.int32),
-            mu=jax.tree.map(zeros, params),
-            nu=jax.tree.map(zeros, params))
+            mu=jax.tree.map(_f32_zeros_like, params),
+            nu=jax.tree.map(_f32_zeros_like, params))
 
     def _step(self, grads, state: FusedAdamWState, params):
         if params is None:

@@ -74,8 +74,10 @@ def _gather_multiply(x: jax.Array, eqs: Sequence[str], ws: Sequence[jax.Array], 
     r = jax.lax.axis_index(TP_AXIS)
     lhs = operands(eqs[0])[0]
     size = x.shape[lhs.index(SEQ)]
-    full = lambda a, subs: jnp.zeros(a.shape[:subs.index(SEQ)] + (size * n,) + a.shape[subs.index(SEQ) + 1:],
-                                     a.dtype)  # noqa: E731
+
+    def full(a, subs):  # zeros like ``a`` with the whole sequence (``size * n``) on ``subs``'s SEQ dim
+        return jnp.zeros(a.shape[:subs.index(SEQ)] + (size * n,) + a.shape[subs.index(SEQ) + 1:], a.dtype)
+
     outs, x_all, cur = None, full(x, lhs), x
     for s in range(n):
         c = (r + s) % n

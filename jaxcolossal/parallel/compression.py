@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
 from jaxcolossal.parallel.mesh import DATA_AXES, entry_axes
+from jaxcolossal.parallel.sharding import is_shape
 from jaxcolossal.parallel.wire import decode, encode
 
 
@@ -78,7 +79,10 @@ def _lowp_block(a: jax.Array, dim: int | None, n: int, kind: str) -> jax.Array:
         x = jnp.pad(flat, (0, pad)).reshape(n, -1)
     u, s = encode(x, kind)
     got = jax.lax.all_to_all(u, DATA_AXES, 0, 0, tiled=True)        # row j: shard j's chunk for me
-    gather_scale = (lambda s: jax.lax.all_gather(s, DATA_AXES)) if kind == "fp8" else (lambda s: jnp.ones((n,)))
+
+    def gather_scale(s):  # fp8: every sender's scale; bf16: ones
+        return jax.lax.all_gather(s, DATA_AXES) if kind == "fp8" else jnp.ones((n,))
+
     scales = gather_scale(s)                                          # [n] fp32, one per sender (bf16: 1)
     mine = jnp.sum(decode(got, scales, kind), axis=0)                 # fp32 sum, never low precision
     if dim is not None:
@@ -112,7 +116,10 @@ def lowp_reduce(grads: Any, per_shard_specs: Any, target_specs: Any, kind: str, 
 
     def leaf(g, ps, ts):
         dim = _data_dim(ts)
-        fn = lambda b: _lowp_block(b[0], dim, n, kind)  # noqa: E731
+
+        def fn(b):
+            return _lowp_block(b[0], dim, n, kind)
+
         return jax.shard_map(fn, mesh=mesh, in_specs=ps, out_specs=ts, check_vma=False)(g)
 
     return jax.tree.map(leaf, grads, per_shard_specs, target_specs)
@@ -184,7 +191,10 @@ def topk_reduce(grads: Any, residual: Any, ratio: float, mesh: Mesh, momentum: f
         vel = [None] * len(leaves)
     out = [_topk_leaf(g, e, ratio, mesh, u, momentum or 0.0) for g, e, u in zip(leaves, res, vel)]
     summed = jax.tree.unflatten(treedef, [o[0] for o in out])
-    tree = lambda j: jax.tree.unflatten(treedef, [o[j] for o in out])  # noqa: E731
+
+    def tree(j):
+        return jax.tree.unflatten(treedef, [o[j] for o in out])
+
     if momentum is not None:
         return summed, {"error": tree(1), "velocity": tree(2)}
     return summed, (tree(1) if residual is not None else None)
@@ -220,7 +230,6 @@ def matrix_view(shape: tuple, axes: tuple, rank: int) -> tuple[int, int, int] | 
 
 def powersgd_views(param_shapes: Any, param_axes: Any, rank: int) -> dict[str, tuple]:
     """``{leaf name: (shape, lead, n, m)}`` of the leaves PowerSGD compresses."""
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
     shapes = jax.tree_util.tree_flatten_with_path(param_shapes, is_leaf=is_shape)[0]
     axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, tuple))
     out = {}

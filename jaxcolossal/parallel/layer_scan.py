@@ -90,11 +90,16 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
     lowp = getattr(shard, "lowp_gather", None)
     if lowp is not None:  # ZeRO++ qwZ: each layer's weight shards cross the wire in bf16/fp8
         kind, gathered, sharded = lowp
-        fetch = lambda p: jax.tree.map(  # noqa: E731
-            lambda a, g, s: gather_lowp(a, g, s, shard.mesh, kind), fetch_layer(p), gathered, sharded)
+
+        def fetch(p):
+            return jax.tree.map(lambda a, g, s: gather_lowp(a, g, s, shard.mesh, kind), fetch_layer(p), gathered,
+                                sharded)
     else:
         fetch = fetch_layer
-    body = lambda carry, p: (layer(carry, fetch(p)), None)
+
+    def body(carry, p):
+        return layer(carry, fetch(p)), None
+
     policy = POLICIES[remat]
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -159,8 +164,9 @@ def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gat
     """
 
     n = jax.tree.leaves(stacked)[0].shape[0]
-    put = lambda tree, specs: jax.tree.map(  # noqa: E731
-        lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, specs)
+
+    def put(tree, specs):
+        return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, specs)
 
     def at(stacked, i):  # layer i's weights, gathered (all-gathered over fsdp)
         return put(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked), gathered)

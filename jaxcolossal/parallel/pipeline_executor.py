@@ -94,7 +94,7 @@ from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, PP_AXIS, SP_AXIS, ZERO
 from jaxcolossal.parallel.layer_scan import scan_chunk, scan_layers
 from jaxcolossal.parallel.pipeline_schedule import CHUNK, FIRST, LAST, MB, SLOT, VALID, PipelineSchedule, pipeline_schedule_for
 from jaxcolossal.parallel.sequence import zigzag_batch, zigzag_order
-from jaxcolossal.parallel.sharding import Sharder
+from jaxcolossal.parallel.sharding import Sharder, is_spec
 
 MANUAL_AXES = (PP_AXIS,) + DATA_AXES
 """The mesh axes the executor's ``shard_map`` is manual over (``sp`` too under ring attention)."""
@@ -245,6 +245,12 @@ class _Layout:
         return g if d is None else jax.lax.psum_scatter(g, ZERO_AXIS, scatter_dimension=d, tiled=True)
 
 
+def _staged(specs: Any) -> Any:
+    """A tree of stacked-layer specs (``P`` leaves ``[L, ...]``) as the pipeline holds the layers:
+    ``[pp, v, Lc, ...]``, the stage dimension on ``pp``."""
+    return jax.tree.map(lambda s: P(PP_AXIS, None, None, *tuple(s)[1:]), specs, is_leaf=is_spec)
+
+
 def _layout(plan) -> _Layout:
     """The :class:`_Layout` of a plan with ``pp > 1``."""
     cfg, shape = plan.cfg, plan.mesh_shape
@@ -252,25 +258,23 @@ def _layout(plan) -> _Layout:
     # ring attention: the shard_map is manual over sp as well; each device runs its zig-zag
     # sequence block through every op and the ring's ppermutes run inside it (no nested shard_map)
     seq_ring = cfg.parallel.sequence_parallelism_mode == "ring_attn" and shape.get(SP_AXIS, 1) > 1
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    staged = lambda specs: jax.tree.map(lambda s: P(PP_AXIS, None, None, *tuple(s)[1:]), specs, is_leaf=is_spec)  # noqa: E731
     for s in jax.tree.leaves(plan.specs.params["layers"], is_leaf=is_spec):
         assert tuple(s)[0] == PP_AXIS, "make_plan must map the layers dimension to pp"
     # ZeRO-1 reduces straight onto the optimizer sharding, as the non-pipelined step does: each
     # rank only needs its slice for the update (a reduce-scatter instead of an all-reduce)
     out_grad_specs = plan.specs.opt if zero == 1 else plan.specs.grads
-    lay_params = staged(plan.specs.params["layers"])
+    lay_params = _staged(plan.specs.params["layers"])
     others = {k: s for k, s in plan.specs.params.items() if k != "layers"}
     gather_outside = zero == 3 and shape["tp"] > 1
     frozen = plan.frozen_specs or {"layers": {}}  # LoRA: the frozen base, staged as the params
-    f_lay, f_oth = staged(frozen["layers"]), {k: s for k, s in frozen.items() if k != "layers"}
+    f_lay, f_oth = _staged(frozen["layers"]), {k: s for k, s in frozen.items() if k != "layers"}
     if gather_outside:  # ZeRO-3 with tp: XLA would all-gather over the automatic tp axis too inside the
         # shard_map (every device the whole weights); gathered over fsdp before it, they stay tp-sharded
         lay_params, others, f_lay, f_oth = jax.tree.map(lambda s: _without(s, ZERO_AXIS), (lay_params, others, f_lay, f_oth),
                                                         is_leaf=is_spec)
     return _Layout(frozen_lay_specs=f_lay, frozen_oth_specs=f_oth,plan=plan, sched=pipeline_schedule_for(cfg, shape[PP_AXIS]), seq_ring=seq_ring,
                    manual_axes=MANUAL_AXES + ((SP_AXIS,) if seq_ring else ()), lay_param_specs=lay_params,
-                   lay_grad_specs=staged(out_grad_specs["layers"]), oth_param_specs=others,
+                   lay_grad_specs=_staged(out_grad_specs["layers"]), oth_param_specs=others,
                    oth_grad_specs={k: s for k, s in out_grad_specs.items() if k != "layers"},
                    out_grad_specs=out_grad_specs, gather_outside=gather_outside)
 
@@ -352,7 +356,9 @@ class _Ticks:
         cast to the compute dtype inside each tick: the cast's transpose makes each tick's weight
         cotangent fp32, so the scan's transpose sums the microbatches in fp32."""
         dtype = self.lay.plan.compute_dtype
-        cast = lambda tree, dt: jax.tree.map(lambda a: a.astype(dt), tree)  # noqa: E731
+
+        def cast(tree, dt):
+            return jax.tree.map(lambda a: a.astype(dt), tree)
 
         def loss_of(layers32, others32):
             def tick(carry, row):
@@ -376,7 +382,9 @@ class _Ticks:
         lp = jax.tree.map(lambda a: _dyn(a, br[CHUNK], self.v), self.layers)
         base = jax.tree.map(lambda a: _dyn(a, br[CHUNK], self.v), self.frozen_layers)
         yb, chunk_vjp = jax.vjp(lambda lp, x: self.chunk({**base, **lp}, x), lp, xb)
-        add_f32 = lambda acc, g: jax.tree.map(lambda A, b: A + b.astype(jnp.float32), acc, g)  # noqa: E731
+
+        def add_f32(acc, g):
+            return jax.tree.map(lambda A, b: A + b.astype(jnp.float32), acc, g)
 
         def with_head(g_oth, loss):
             l, head_vjp = jax.vjp(lambda o, h: self.head_loss({**self.frozen_others, **o}, h, self.ys[br[MB]]),
@@ -419,7 +427,10 @@ class _Ticks:
         grads, other grads)``, unreduced, fp32."""
         sched = self.lay.sched
         b_rows = jax.lax.dynamic_index_in_dim(jnp.asarray(sched.bwd), self.stage, 1, keepdims=False)
-        f32z = lambda a: self.lay.vary(jnp.zeros(a.shape, jnp.float32))  # noqa: E731
+
+        def f32z(a):
+            return self.lay.vary(jnp.zeros(a.shape, jnp.float32))
+
         init = (self.act, self.act, self.lay.vary(jnp.zeros((sched.num_slots,) + self.act.shape, self.act.dtype)),
                 jax.tree.map(f32z, self.layers), jax.tree.map(f32z, self.others), self.zero_loss())
         (_, _, _, g_layers, g_others, loss), _ = jax.lax.scan(self.lockstep_tick, init, (self.f_rows, b_rows))
@@ -429,7 +440,6 @@ class _Ticks:
 def _body(lay: _Layout) -> Callable:
     """The ``shard_map`` body: one device's ticks, then the gradients reduced once per step, one
     group of collectives after the other (:func:`_after`)."""
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
     unstaged = jax.tree.map(lambda s: P(*tuple(s)[1:]), lay.lay_grad_specs, is_leaf=is_spec)
 
     def body(layers, others, frozen_layers, frozen_others, xs, ys, coef):
@@ -465,8 +475,10 @@ def make_pipeline_grad_fn(plan) -> Callable:
     """
     lay, mesh = _layout(plan), plan.mesh
     p, v = lay.sched.p, lay.sched.v
-    manual = lambda tree: jax.tree.map(lambda s: _manual(s, lay.manual_axes), tree,  # noqa: E731
-                                       is_leaf=lambda x: isinstance(x, P))
+
+    def manual(tree):
+        return jax.tree.map(lambda s: _manual(s, lay.manual_axes), tree, is_leaf=lambda x: isinstance(x, P))
+
     data = tuple(a for a in DATA_AXES if plan.mesh_shape[a] > 1)
     tok_spec = P(data if len(data) > 1 else data[0] if data else None, SP_AXIS if lay.seq_ring else None)
     smap = jax.shard_map(
@@ -474,7 +486,9 @@ def make_pipeline_grad_fn(plan) -> Callable:
         in_specs=(manual(lay.lay_param_specs), manual(lay.oth_param_specs), manual(lay.frozen_lay_specs),
                   manual(lay.frozen_oth_specs), tok_spec, tok_spec, P()),
         out_specs=(P(), manual(lay.lay_grad_specs), manual(lay.oth_grad_specs)))
-    put = lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))  # noqa: E731
+
+    def put(a, s):
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
 
     def grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, frozen=None, step=None):
         if mask is not None or segment_ids is not None or positions is not None:

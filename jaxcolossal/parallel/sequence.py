@@ -67,7 +67,10 @@ def zigzag_batch(inputs, targets, mask=None, segment_ids=None, positions=None, s
         return inputs, targets, mask, segment_ids, positions
     B, t = inputs.shape
     order = jnp.asarray(zigzag_order(t, sp))
-    take = lambda a: None if a is None else jnp.take(a, order, axis=1)
+
+    def take(a):
+        return None if a is None else jnp.take(a, order, axis=1)
+
     if positions is None:
         positions = jnp.broadcast_to(order, (B, t))
     else:
@@ -149,6 +152,17 @@ def _in_pipeline(shard) -> bool:
     return mesh is not None and _partly_manual(mesh)
 
 
+def _seq_to_heads(a: jax.Array) -> jax.Array:
+    """Ulysses' first all-to-all over ``sp``: a sequence block of all heads -> the whole sequence of
+    ``1/sp`` of the heads."""
+    return jax.lax.all_to_all(a, SP_AXIS, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _heads_to_seq(a: jax.Array) -> jax.Array:
+    """The inverse of :func:`_seq_to_heads`: the whole sequence of some heads -> a sequence block of all."""
+    return jax.lax.all_to_all(a, SP_AXIS, split_axis=1, concat_axis=2, tiled=True)
+
+
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Callable, impl: str,
                       segment_ids: jax.Array | None = None) -> jax.Array:
     """DeepSpeed-Ulysses attention over the mesh axis ``sp`` (module doc). q ``[b, t, h, d]``, k/v
@@ -161,11 +175,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, local: Ca
     block ``r`` of q and kv block ``r`` go to the same device, so grouped-query heads stay with their
     kv head (``h`` and ``kv`` divisible by ``tp·sp``, checked by the config).
     """
-    swap = lambda a: jax.lax.all_to_all(a, SP_AXIS, split_axis=2, concat_axis=1, tiled=True)
-    back = lambda a: jax.lax.all_to_all(a, SP_AXIS, split_axis=1, concat_axis=2, tiled=True)
-
     def body(q, k, v, *seg):
-        return back(local(swap(q), swap(k), swap(v), impl, seg[0] if seg else None))
+        return _heads_to_seq(local(_seq_to_heads(q), _seq_to_heads(k), _seq_to_heads(v), impl,
+                                   seg[0] if seg else None))
 
     segs = (segment_ids,) if segment_ids is not None else ()
     return _per_shard(body, shard, SP_AXIS, q, k, v, *segs)
@@ -204,7 +216,10 @@ def _ring_body(q, k, v, pos, seg, sp: int, zigzag: bool):
     bl, tl, hl, _ = q.shape
     kl = k.shape[2]
     qg = q.reshape(bl, tl, kl, hl // kl, d)
-    block = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * tl, tl, axis=1)
+
+    def block(a, j):  # sequence block j of a whole-sequence [b, t] row
+        return jax.lax.dynamic_slice_in_dim(a, j * tl, tl, axis=1)
+
     q_pos = block(pos, i)
     q_seg = block(seg, i) if (seg is not None) else None
     shape = (bl, kl, hl // kl, tl)
@@ -223,8 +238,11 @@ def _ring_body(q, k, v, pos, seg, sp: int, zigzag: bool):
             continue
         # zig-zag, j != i: if j < i every query sees only the block's early half; if j > i only
         # the late half of the queries sees anything (the whole block)
-        lo = lambda a: None if a is None else a[:, :half]
-        hi = lambda a: None if a is None else a[:, half:]
+        def lo(a):
+            return None if a is None else a[:, :half]
+
+        def hi(a):
+            return None if a is None else a[:, half:]
 
         def early_keys(c):
             return _block_update(c, qg, lo(kb), lo(vb), q_pos, lo(k_pos), q_seg, lo(k_seg))
@@ -251,6 +269,11 @@ def _manual_over_sp(mesh) -> bool:
     return types.get(SP_AXIS) == jax.sharding.AxisType.Manual
 
 
+def _gather_seq(a: jax.Array | None) -> jax.Array | None:
+    """An int ``[b, t/sp]`` block row all-gathered over ``sp`` into int32 ``[b, t]`` (``None`` stays)."""
+    return None if a is None else jax.lax.all_gather(a.astype(jnp.int32), SP_AXIS, axis=1, tiled=True)
+
+
 def ring_attention_manual(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                           segment_ids: jax.Array | None = None, zigzag: bool = False) -> jax.Array:
     """:func:`ring_attention` where the caller is already manual over ``sp`` (the pipeline's
@@ -259,8 +282,7 @@ def ring_attention_manual(q: jax.Array, k: jax.Array, v: jax.Array, positions: j
     The positions (and segment ids) of the whole sequence are all-gathered over ``sp`` once per
     call (int32 ``[b, t]``), then the ring runs as in the ``shard_map`` form."""
     sp = int(jax.sharding.get_abstract_mesh().shape[SP_AXIS])
-    gather = lambda a: None if a is None else jax.lax.all_gather(a.astype(jnp.int32), SP_AXIS, axis=1, tiled=True)
-    return _ring_body(q, k, v, gather(positions), gather(segment_ids), sp, zigzag)
+    return _ring_body(q, k, v, _gather_seq(positions), _gather_seq(segment_ids), sp, zigzag)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, segment_ids: jax.Array | None = None,
@@ -280,6 +302,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, shard, segment_ids:
     b, t, h, d = q.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    body = lambda q, k, v, pos, *seg: _ring_body(q, k, v, pos, seg[0] if seg else None, sp, zigzag)
+
+    def body(q, k, v, pos, *seg):
+        return _ring_body(q, k, v, pos, seg[0] if seg else None, sp, zigzag)
+
     segs = (segment_ids,) if segment_ids is not None else ()
     return _per_shard(body, shard, SP_AXIS, q, k, v, positions.astype(jnp.int32), *segs)

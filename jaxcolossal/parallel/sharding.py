@@ -64,6 +64,27 @@ YIELDING = ("seq",)
 """Logical axes that give up a mesh axis that another dimension of the same array uses."""
 
 
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a ``PartitionSpec``: the ``is_leaf`` of a tree of specs (a spec is a tuple,
+    which ``jax.tree`` would otherwise walk into)."""
+    return isinstance(x, P)
+
+
+def is_named_sharding(x: Any) -> bool:
+    """Whether ``x`` is a ``NamedSharding``: the ``is_leaf`` of a tree of shardings."""
+    return isinstance(x, NamedSharding)
+
+
+def is_shape(x: Any) -> bool:
+    """Whether ``x`` is a shape, a tuple of ints: the ``is_leaf`` of a param-shapes tree."""
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def _is_tuple(x: Any) -> bool:
+    """The ``is_leaf`` of a tree of logical-axis tuples."""
+    return isinstance(x, tuple)
+
+
 def rules_for(parallel, pipeline: bool = False) -> dict[str, Any]:
     """The rules table for a (resolved) ``ParallelConfig``: :data:`RULES` with the sequence-parallel
     mode's changes, and ``layers`` on ``pp`` when ``pipeline``.
@@ -197,9 +218,8 @@ def state_specs(param_axes: Any, param_shapes: Any, zero_stage: int, mesh_shape:
     Raises:
         ConfigError: a dimension that its mesh axes do not divide.
     """
-    is_leaf = lambda x: isinstance(x, tuple)
-    paths = jax.tree_util.tree_flatten_with_path(param_axes, is_leaf=is_leaf)[0]
-    names = jax.tree.unflatten(jax.tree.structure(param_axes, is_leaf=is_leaf),
+    paths = jax.tree_util.tree_flatten_with_path(param_axes, is_leaf=_is_tuple)[0]
+    names = jax.tree.unflatten(jax.tree.structure(param_axes, is_leaf=_is_tuple),
                                [jax.tree_util.keystr(p) for p, _ in paths])
 
     def base(name, axes, shape):
@@ -212,7 +232,7 @@ def state_specs(param_axes: Any, param_shapes: Any, zero_stage: int, mesh_shape:
 
     def pick(sharded):
         fn = zero if sharded else base
-        return jax.tree.map(fn, names, param_axes, param_shapes, is_leaf=is_leaf)
+        return jax.tree.map(fn, names, param_axes, param_shapes, is_leaf=_is_tuple)
 
     return StateSpecs(params=pick(zero_stage >= 3), grads=pick(zero_stage >= 2), opt=pick(zero_stage >= 1),
                       base=pick(False))
@@ -341,7 +361,6 @@ def one_layer_specs(layer_param_specs: Any) -> tuple[Any, Any]:
         names = entry_axes(entry)
         kept = tuple(a for a in names if a != "fsdp")
         return kept[0] if len(kept) == 1 else (kept or None)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
     sharded = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_param_specs, is_leaf=is_spec)
     gathered = jax.tree.map(lambda s: P(*map(drop, s)), sharded, is_leaf=is_spec)
     return gathered, sharded

@@ -62,7 +62,8 @@ def gather_lowp(w: jax.Array, gathered: P, sharded: P, mesh: Mesh, kind: str) ->
     weight is the cotangent of ``w``, in its own dtype, so the gradient's reduce-scatter is not
     quantized by this (``communication_dtype`` quantizes it in its own way, :func:`lowp_reduce`).
     """
-    put = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))  # noqa: E731
+    def put(a, spec):
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
 
     @jax.custom_vjp
     def run(w):

@@ -62,6 +62,11 @@ def confirm_target(top: int, device_name: str) -> str:
     return device.target
 
 
+def _given_or(given: float | None, scale: float, default: float) -> float:
+    """An override ``given`` in its flag's unit times ``scale``, else the device's ``default``."""
+    return given * scale if given is not None else default
+
+
 def _device(a: argparse.Namespace) -> Device:
     """The ``--device`` with the overrides given.
 
@@ -85,10 +90,11 @@ def _device(a: argparse.Namespace) -> Device:
     if a.devices < 1:
         raise ConfigError(f"--devices {a.devices}: must be at least 1")
     dev = DEVICES[name]
-    pick = lambda given, scale, default: given * scale if given is not None else default  # noqa: E731
-    return dataclasses.replace(dev, memory=pick(a.memory_gb, 1e9, dev.memory), peak=pick(a.peak_tflops, 1e12, dev.peak),
-                               per_node=pick(a.devices_per_node, 1, dev.per_node),
-                               intra_bw=pick(a.intra_gbps, 1e9, dev.intra_bw), inter_bw=pick(a.inter_gbps, 1e9, dev.inter_bw))
+    return dataclasses.replace(dev, memory=_given_or(a.memory_gb, 1e9, dev.memory),
+                               peak=_given_or(a.peak_tflops, 1e12, dev.peak),
+                               per_node=_given_or(a.devices_per_node, 1, dev.per_node),
+                               intra_bw=_given_or(a.intra_gbps, 1e9, dev.intra_bw),
+                               inter_bw=_given_or(a.inter_gbps, 1e9, dev.inter_bw))
 
 
 def _config(a: argparse.Namespace) -> tuple[Config, str, dict | None]:

@@ -163,6 +163,16 @@ class _Step:
             self.terms.append((kind, axis, nbytes, what))
 
 
+def _last_key(path) -> str:
+    """The name of a tree path's last key."""
+    return str(getattr(path[-1], "key", path[-1]))
+
+
+def _in_layers(path) -> bool:
+    """Whether a tree path runs through the stacked ``layers``."""
+    return any(getattr(q, "key", None) == "layers" for q in path)
+
+
 def _step(cfg: Config, num_devices: int, cpu: bool) -> _Step:
     p, m, t = cfg.parallel, cfg.model, cfg.training
     rp = p.resolve(num_devices)
@@ -173,18 +183,19 @@ def _step(cfg: Config, num_devices: int, cpu: bool) -> _Step:
         sched = pipeline_schedule_for(cfg, pp)
         k, ticks = sched.m, sched.num_ticks
     layers = m.num_layers // pp
-    wide = lambda nbytes: 4 if cpu and nbytes == 2 else nbytes  # noqa: E731  (the CPU's fp32 promotion)
+
+    def wide(nbytes):  # the CPU's fp32 promotion
+        return 4 if cpu and nbytes == 2 else nbytes
+
     a_bytes = wide(2 if cfg.precision.mode != "fp32" else 4)
     flat = jax.tree_util.tree_flatten_with_path(local_elements(shapes, specs.base, shape))[0]
-    name = lambda path: str(getattr(path[-1], "key", path[-1]))  # noqa: E731
-    in_layers = lambda path: any(getattr(q, "key", None) == "layers" for q in path)  # noqa: E731
     psi = sum(e for _, e in flat)
-    per_layer = sum(e for path, e in flat if in_layers(path)) / max(layers, 1)
+    per_layer = sum(e for path, e in flat if _in_layers(path)) / max(layers, 1)
     rows = t.batch_size // (n * k)
     tokens = rows * t.seq_len // sp
     return _Step(cfg=cfg, cpu=cpu, n=n, tp=tp, pp=pp, sp=sp, ep=shape["ep"] if m.moe else 1, k=k, ticks=ticks, layers=layers, a_bytes=a_bytes,
                  p_bytes=wide(BYTES_PER_PARAM[cfg.precision.mode]["p"]), psi=psi,
-                 embed=sum(e for path, e in flat if name(path) in ("embed_tokens", "wte", "wpe")),
+                 embed=sum(e for path, e in flat if _last_key(path) in ("embed_tokens", "wte", "wpe")),
                  per_layer=per_layer, shared=psi - per_layer * layers, rows=rows, tokens=tokens,
                  act=tokens * m.hidden_size * a_bytes)
 
@@ -291,7 +302,10 @@ def _pp_terms(st: _Step) -> None:
 def _sp_terms(st: _Step) -> None:
     """Ulysses' all-to-alls or ring attention's k/v hops, and the gradients' all-reduce over sp."""
     p, m, ring, sp, k = st.cfg.parallel, st.cfg.model, ring_factor, st.sp, st.k
-    heads = lambda h: st.tokens * h * m.head_dim * st.a_bytes / max(st.tp, 1)  # noqa: E731  (one [b, s/sp, h, hd])
+
+    def heads(h):  # bytes of one [b, s/sp, h, hd]
+        return st.tokens * h * m.head_dim * st.a_bytes / max(st.tp, 1)
+
     if p.sequence_parallelism_mode == "all_to_all":  # Ulysses: q, k, v to heads and the output back, per
         st.add("all-to-all", "sp", 2 * st.layers * k * ring(sp) * (2 * heads(m.num_attention_heads)  # layer, fwd + bwd
                                                                    + 2 * heads(m.num_key_value_heads)), "Ulysses")

@@ -62,8 +62,11 @@ def compiled_flops(cfg: Config, num_devices: int) -> float:
     m, t = cfg.model, cfg.training
     n = param_count(m)
     table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
-    matrix = lambda names: sum(math.prod(sh) for k, (sh, ax) in table.items()
-                               if k in names and len([a for a in ax if a != "layers"]) >= 2)
+
+    def matrix(names):  # elements of the layers' weight matrices named in ``names``
+        return sum(math.prod(sh) for k, (sh, ax) in table.items()
+                   if k in names and len([a for a in ax if a != "layers"]) >= 2)
+
     # the MLP's down projection ends the layer: the backward never needs its output, so it is not recomputed
     redone = matrix(table) - matrix(("w_down", "w_proj"))
     qkv = matrix(("wq", "wk", "wv"))
@@ -85,8 +88,11 @@ def fp8_flops(cfg: Config, num_devices: int) -> float:
         return 0.0
     m, t = cfg.model, cfg.training
     table = get_family(m).param_shapes_and_axes(m, m.vocab_size)["layers"]
-    matrix = lambda names: sum(math.prod(sh) for k, (sh, ax) in table.items()  # noqa: E731
-                               if k in names and len([a for a in ax if a != "layers"]) >= 2)
+
+    def matrix(names):  # elements of the layers' weight matrices named in ``names``
+        return sum(math.prod(sh) for k, (sh, ax) in table.items()
+                   if k in names and len([a for a in ax if a != "layers"]) >= 2)
+
     layers = matrix(table)
     redone = {"none": 0, "full": layers - matrix(("w_down", "w_proj")),
               "save_qkv_proj": layers - matrix(("w_down", "w_proj", "wq", "wk", "wv"))}.get(m.remat, 0)
@@ -162,7 +168,10 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     f8 = terms["fp8_flops"] if device.fp8_peak else 0.0  # precision.fp8's projections at the FP8 peak
     compute = ((terms["flops"] - f8) / (peak * efficiency) + f8 / (max(device.fp8_peak, 1.0) * efficiency)
                + terms["memory"] * device.memory_cost)
-    bw = lambda span: device.intra_bw if span <= device.per_node else device.inter_bw  # noqa: E731
+
+    def bw(span):  # within a node, or across nodes
+        return device.intra_bw if span <= device.per_node else device.inter_bw
+
     span = {"tp": tp, "sp": sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost, then sp, dp, pp
     comm = sum(b / bw(span[axis]) for axis, b in terms["bytes"]) + terms["collectives"] * device.latency
     step = compute + comm

@@ -18,7 +18,7 @@ from jaxcolossal.models import param_layout
 from jaxcolossal.parallel.compression import check_powersgd
 from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
 from jaxcolossal.plan.collectives import dp_gradient_bytes
-from jaxcolossal.parallel.sharding import shard_bytes
+from jaxcolossal.parallel.sharding import is_shape, shard_bytes
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,6 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
     shape, vocab, shapes, specs = layout(cfg, num_devices)
     check_powersgd(cfg.parallel, shapes, param_layout(cfg.model, shape["tp"])[2])
     b = BYTES_PER_PARAM[cfg.precision.mode]
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
     def per_device(spec_tree, nbytes, of=None):
         vals = jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, shape) * nbytes,

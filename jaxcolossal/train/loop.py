@@ -45,7 +45,7 @@ from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_ada
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
-from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, shard_bytes
+from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape, shard_bytes
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals, explain_oom
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
@@ -81,7 +81,6 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
     parallelism leave on a device before ZeRO (``plan.specs.base``).
     """
     got = mx.model_state_bytes(state, plan.specs.grads, plan.param_shapes, plan.mesh_shape)
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
     psi = sum(math.prod(s) for s in jax.tree.leaves(plan.param_shapes, is_leaf=is_shape))
     psi_local = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, plan.mesh_shape),
                                                  plan.param_shapes, plan.specs.base, is_leaf=is_shape)))
@@ -132,7 +131,6 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
 def _full_optimizer_bytes(plan: TrainPlan, n: int, b: dict) -> float:
     """The optimizer-state bytes per device (fp32 master + Adam's moments) of full fine-tuning of the
     same model in the same layout: the ZeRO formula over the base's Ψ per model-parallel rank."""
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
     base = sum(jax.tree.leaves(jax.tree.map(lambda s, sp: shard_bytes(s, jnp.uint8, sp, plan.mesh_shape),
                                             plan.frozen_shapes, plan.frozen_specs, is_leaf=is_shape)))
     if plan.cfg.parallel.zero_stage >= 3:  # frozen_specs carry fsdp then: Ψ per model-parallel rank is N× that

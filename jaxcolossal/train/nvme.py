@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
 from jaxcolossal.memory.placement import HOST
+from jaxcolossal.parallel.sharding import is_named_sharding
 from jaxcolossal.train.state import state_shardings
 
 GENERATIONS = 2
@@ -66,6 +67,11 @@ def _fsync_write(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _count_shardings(tree: Any) -> int:
+    """How many ``NamedSharding`` leaves ``tree`` has."""
+    return len(jax.tree.leaves(tree, is_leaf=is_named_sharding))
 
 
 class NvmeTier:
@@ -86,24 +92,23 @@ class NvmeTier:
         self.path = os.path.abspath(plan.cfg.offload.nvme_path)
         self.mesh = mesh = plan.mesh
         self.full_shardings = full = state_shardings(plan, tx)
-        is_sh = lambda x: isinstance(x, NamedSharding)  # noqa: E731
         n_params = len(jax.tree.leaves(plan.param_shapes, is_leaf=lambda x: isinstance(x, tuple)))
         index = jax.tree.unflatten(jax.tree.structure(plan.specs.opt, is_leaf=lambda x: isinstance(x, P)),
                                    list(range(n_params)))
         # which parameter leaf each master / optimizer-state leaf belongs to (-1: not param-shaped)
         owner = full.replace(
-            step=-1, params=jax.tree.map(lambda _: -1, full.params, is_leaf=is_sh),
+            step=-1, params=jax.tree.map(lambda _: -1, full.params, is_leaf=is_named_sharding),
             master=index if plan.mixed else None,
             opt_state=optax.tree_map_params(tx, lambda _, k: k, full.opt_state, index,
-                                            transform_non_params=lambda _: -1, is_leaf=is_sh),
-            scaler=jax.tree.map(lambda _: -1, full.scaler, is_leaf=is_sh),
-            residual=jax.tree.map(lambda _: -1, full.residual, is_leaf=is_sh))
-        flat_sh, self.treedef = jax.tree.flatten(full, is_leaf=is_sh)
+                                            transform_non_params=lambda _: -1, is_leaf=is_named_sharding),
+            scaler=jax.tree.map(lambda _: -1, full.scaler, is_leaf=is_named_sharding),
+            residual=jax.tree.map(lambda _: -1, full.residual, is_leaf=is_named_sharding))
+        flat_sh, self.treedef = jax.tree.flatten(full, is_leaf=is_named_sharding)
         flat_owner = jax.tree.leaves(owner)
         assert len(flat_sh) == len(flat_owner)
-        count = lambda t: len(jax.tree.leaves(t, is_leaf=is_sh))  # noqa: E731
-        first = 1 + count(full.params)  # the flatten order: step, params, master, opt_state, scaler, residual
-        end = first + count(full.master) + count(full.opt_state)
+        # the flatten order: step, params, master, opt_state, scaler, residual
+        first = 1 + _count_shardings(full.params)
+        end = first + _count_shardings(full.master) + _count_shardings(full.opt_state)
         self.slots, parts = {}, {}
         for i, (sh, k) in enumerate(zip(flat_sh, flat_owner)):
             in_state = first <= i < end

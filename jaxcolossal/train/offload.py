@@ -51,13 +51,17 @@ def _split(tree: Any, where: Any) -> Any:
     return jax.tree.map(lambda w, x: x if w else None, where, tree)
 
 
+def _is_none(x: Any) -> bool:
+    """The ``is_leaf`` that keeps ``None`` leaves (a missing part) in a flattened tree."""
+    return x is None
+
+
 def _first_present(*trees: Any) -> Any:
     """One tree from several of the same structure in which each leaf is present (not ``None``) in
     at least one; the first present value wins (optimizer states split by placement share their
     step count, so the first part's is taken)."""
-    none = lambda x: x is None  # noqa: E731
-    flat, treedef = jax.tree.flatten(trees[0], is_leaf=none)
-    rest = [jax.tree.leaves(t, is_leaf=none) for t in trees[1:]]
+    flat, treedef = jax.tree.flatten(trees[0], is_leaf=_is_none)
+    rest = [jax.tree.leaves(t, is_leaf=_is_none) for t in trees[1:]]
     return jax.tree.unflatten(treedef, [next((x for x in (a, *others) if x is not None), None)
                                         for a, *others in zip(flat, *rest)])
 

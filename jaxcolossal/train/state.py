@@ -238,7 +238,10 @@ def init_residual(plan: TrainPlan, params: Any) -> Any:
     if p.gradient_compression == "powersgd":
         return powersgd_init(powersgd_views_of(plan), p.powersgd_rank, plan.data_size, p.error_feedback,
                              seed=plan.cfg.training.seed)
-    zeros = lambda: jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)  # noqa: E731
+
+    def zeros():  # fp32 [N, ...] per data shard, like params
+        return jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)
+
     return {"error": zeros(), "velocity": zeros()} if p.momentum_correction else zeros()
 
 

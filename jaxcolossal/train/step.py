@@ -177,7 +177,10 @@ class _GradFn:
         keys = self.dropout_keys(step, j)
         if self.layerwise:  # [N, b, t] -> [N·b, t]: each device keeps its rows
             t = xs.shape[-1]
-            rows = lambda a: a[:, j].reshape(-1, t)  # noqa: E731
+
+            def rows(a):
+                return a[:, j].reshape(-1, t)
+
             aux_j = {k: rows(a) for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
             (_, (loss, stats)), g = self.global_grad(params, rows(xs), rows(ys), aux_j, coef, frozen)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
@@ -230,8 +233,10 @@ class _GradFn:
             if p.momentum_correction:  # the first compressed step: each shard starts from its share
                 # of the optimizer's momentum (1/N of it), so that none of the warm-up's is lost; a
                 # cond, so that a ZeRO-1 momentum is gathered at that step only
-                share = lambda v: constrain(jax.tree.map(  # noqa: E731
-                    lambda a, mu: jnp.broadcast_to(mu / self.n, a.shape), v, first_moment), mesh, self.per_shard_specs)
+                def share(v):
+                    return constrain(jax.tree.map(lambda a, mu: jnp.broadcast_to(mu / self.n, a.shape), v,
+                                                  first_moment), mesh, self.per_shard_specs)
+
                 vel = jax.lax.cond(step == p.compression_warmup_steps, share, lambda v: v, residual["velocity"])
                 residual = {**residual, "velocity": vel}
             if p.gradient_compression == "topk":  # each shard sends its largest elements
@@ -257,8 +262,11 @@ class _GradFn:
         coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
                                                                      self.ring)
-        split = lambda a: jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),  # noqa: E731
-                                                           NamedSharding(self.mesh, P(DATA_AXES)))
+
+        def split(a):  # [B, t] -> [n, k, B/(n·k), t]: data shard, microbatch, rows
+            return jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),
+                                                    NamedSharding(self.mesh, P(DATA_AXES)))
+
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None}
@@ -371,7 +379,10 @@ class _TrainStep:
         (8 bytes per parameter more)."""
         if platform(self.plan.mesh) == "gpu":
             new_master, new_opt = self._apply(master, opt_state, grads)
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+
+            def keep(new, old):
+                return jnp.where(finite, new, old)
+
             return jax.tree.map(keep, new_master, master), jax.tree.map(keep, new_opt, opt_state)
         return jax.lax.cond(finite, self._apply, lambda m, o, g: (m, o), master, opt_state, grads)
 

@@ -109,7 +109,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref
                 block, kv_len, padded):
     n = pl.program_id(2)
     T = q_ref.shape[0]
-    seg = (lambda sl: None) if seg_ref is None else (lambda sl: seg_ref[sl])
+
+    def seg(sl):  # the segment ids of a block (None without them)
+        return None if seg_ref is None else seg_ref[sl]
 
     def scores(q, k, qs, ks, q_sl, k_sl):
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
@@ -201,7 +203,9 @@ def _call_bwd(q, k, v, seg, o, lse, do, *, causal, block, kv_len, scale, interpr
         interpret=interpret, compiler_params=_triton(interpret, D), name="flash_attention_bwd")(
             q, k, v, seg, do, lse, delta)
     # per query head -> per kv head: sum each group
-    group = lambda a: a.reshape(b, T, h // g, g, D).sum(axis=3).astype(k.dtype)
+    def group(a):
+        return a.reshape(b, T, h // g, g, D).sum(axis=3).astype(k.dtype)
+
     return dq, group(dk), group(dv)
 
 
@@ -258,12 +262,20 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     blk = max(block_q, block_k)
     T = -(-t // blk) * blk
     D = max(16, pl.next_power_of_2(d))
-    pad = lambda a: jnp.pad(a, ((0, 0), (0, T - t), (0, 0), (0, D - d)))
+
+    def pad(a):
+        return jnp.pad(a, ((0, 0), (0, T - t), (0, 0), (0, D - d)))
+
     seg = None
     if segment_ids is not None:
         seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, T - t)), constant_values=-1)
     args = (pad(q), pad(k), pad(v), seg)
-    run = lambda interp: lambda *a: _flash(*a, causal, block_q, block_k, t, 1.0 / math.sqrt(d), interp)
+
+    def run(interp):
+        def call(*a):
+            return _flash(*a, causal, block_q, block_k, t, 1.0 / math.sqrt(d), interp)
+        return call
+
     if interpret is None:  # chosen when lowering: Triton for CUDA, the interpreter for any other platform
         out = jax.lax.platform_dependent(*args, cuda=run(False), default=run(True))
     else:

@@ -133,7 +133,11 @@ def merged_weights(params: dict, lora: LoraConfig) -> dict:
 def split(params: dict) -> tuple[dict, dict]:
     """``(base, adapters)``: the inverse of :func:`merge`."""
     layers = params["layers"]
-    is_adapter = lambda n: n.endswith((SUFFIX_A, SUFFIX_B))  # noqa: E731
-    base = {**params, "layers": {n: v for n, v in layers.items() if not is_adapter(n)}}
-    return base, {"layers": {n: v for n, v in layers.items() if is_adapter(n)}}
+    base = {**params, "layers": {n: v for n, v in layers.items() if not _is_adapter(n)}}
+    return base, {"layers": {n: v for n, v in layers.items() if _is_adapter(n)}}
+
+
+def _is_adapter(name: str) -> bool:
+    """Whether the layer leaf ``name`` is a LoRA adapter (``..._lora_a`` / ``..._lora_b``)."""
+    return name.endswith((SUFFIX_A, SUFFIX_B))
 

@@ -64,7 +64,10 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple 
     top_w, top_i = jax.lax.top_k(scores, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    total = (lambda a: jax.lax.psum(a, data_axes)) if data_axes else (lambda a: a)  # noqa: E731
+
+    def total(a):  # summed over the data shards
+        return jax.lax.psum(a, data_axes) if data_axes else a
+
     load = total(jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32), axis=(0, 1)))
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     tokens = total(jnp.asarray(x.shape[0], jnp.float32))

@@ -227,7 +227,9 @@ def _fused_loss(shard: Sharder, vocab_size: int):
         w_in = w
         w = shard(w, ("embed", "vocab"))  # ZeRO-3: gathered once, not in every chunk
         nb = batch_shards(shard, hs.shape[1])
-        per_shard = lambda a: a.reshape((nb, a.shape[0] // nb) + a.shape[1:])  # noqa: E731  [b, ...] -> [nb, b/nb, ...]
+
+        def per_shard(a):  # [b, ...] -> [nb, b/nb, ...]
+            return a.reshape((nb, a.shape[0] // nb) + a.shape[1:])
 
         def body(carry, xs):
             acc, dw = carry

@@ -225,13 +225,18 @@ def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: S
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
-    dense = lambda h, lp: decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions)  # noqa: E731
+
+    def dense(h, lp):
+        return decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions)
+
     stats = {}
     if "dense_layers" in params:  # DeepSeek's first k dense layers, their own stack
         plain = shard.without_layer_specs() if hasattr(shard, "without_layer_specs") else shard
         x = scan_layers(dense, x, params["dense_layers"], cfg.remat, plain)
     if cfg.moe:
-        routed = lambda c, lp: moe_decoder_layer(c, lp, cfg, cos, sin, shard, segment_ids, positions)  # noqa: E731
+        def routed(c, lp):
+            return moe_decoder_layer(c, lp, cfg, cos, sin, shard, segment_ids, positions)
+
         x, stats = scan_layers(routed, (x, moe.zero_stats(cfg)), layers, cfg.remat, shard)
     else:
         x = scan_layers(dense, x, layers, cfg.remat, shard)
