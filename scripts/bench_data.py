@@ -28,6 +28,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+import train_tokenizer  # noqa: E402
+
+from jaxcolossal.config import DataConfig  # noqa: E402
+from jaxcolossal.data import get_tokenizer, load_corpus  # noqa: E402
+from jaxcolossal.data.corpus import iter_documents, resolve_files, tokenize_texts  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,12 +41,6 @@ def main(argv=None) -> int:
     ap.add_argument("--mb", type=float, default=16.0, help="MB of text to tokenize")
     ap.add_argument("--vocab", type=int, default=8000)
     args = ap.parse_args(argv)
-
-    import train_tokenizer
-
-    from jaxcolossal.config import DataConfig
-    from jaxcolossal.data import get_tokenizer, load_corpus
-    from jaxcolossal.data.corpus import tokenize_texts, iter_documents, resolve_files
 
     files = resolve_files(args.corpus)
     budget = int(args.mb * 2**20)

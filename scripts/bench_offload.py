@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SETTINGS = {
@@ -44,17 +46,16 @@ SETTINGS = {
 
 def _setup(name, args, n, h, tmp):
     """Build, compile and warm up the train step for one setting."""
-    import jax
-    import numpy as np
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.config import config_from_dict
-    from jaxcolossal.aot.hlo import host_io_bytes
-    from jaxcolossal.memory.budget import traffic
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.nvme import nvme_tier
-    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
+    from jaxcolossal.aot.hlo import host_io_bytes  # heavy: jax; main() sets devices first
+    from jaxcolossal.memory.budget import traffic  # heavy: jax; main() sets devices first
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.nvme import nvme_tier  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     cfg = config_from_dict({
         "model": dict(num_layers=args.layers, hidden_size=h, num_attention_heads=max(4, h // 64),
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if "XLA_FLAGS" not in os.environ and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
     n = jax.device_count()
     names = [s for s in SETTINGS if not args.only or s in args.only.split(",")]

@@ -34,6 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import benchmark as bm  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,15 +51,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     a = ap.parse_args(argv)
 
-    from jaxcolossal import simulate_devices
+    from jaxcolossal import simulate_devices  # heavy: jax; main() sets devices first
     simulate_devices(a.devices)
-    import benchmark as bm
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     prefetch = a.feature == "prefetch"
     seqs = [int(x) for x in a.seqs.split(",") if x] or [a.seq]

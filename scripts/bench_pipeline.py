@@ -31,7 +31,7 @@ def pipeline_config(schedule: str, pp: int, m: int, dp: int = 1, mbs: int = 2, l
                     chunks: int = 2, hidden: int = 64, seq: int = 32, zero_stage: int = 0, tp: int = 1):
     """A tiny LLaMA config pipelined with ``schedule`` over ``pp`` stages and ``m`` microbatches
     of ``mbs`` sequences per data shard (global batch ``dp·m·mbs``)."""
-    from jaxcolossal.config import config_from_dict
+    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
     return config_from_dict({
         "model": dict(num_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=2 * hidden, max_position_embeddings=max(64, seq)),
@@ -44,12 +44,12 @@ def pipeline_config(schedule: str, pp: int, m: int, dp: int = 1, mbs: int = 2, l
 
 def compile_step(cfg, devices=None):
     """Lower and compile the train step of ``cfg`` (state initialised, nothing executed)."""
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     mesh = make_mesh(cfg.parallel, devices)
     plan = make_plan(cfg, mesh)
@@ -62,7 +62,7 @@ def compile_step(cfg, devices=None):
 
 def measure(schedule: str, pp: int, m: int, **kw) -> dict:
     """``{temp_bytes, ticks, bubble, formula}`` of one pipelined configuration."""
-    from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
+    from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for  # heavy: jax; main() sets devices first
     cfg = pipeline_config(schedule, pp, m, **kw)
     compiled = compile_step(cfg)
     s = pipeline_schedule_for(cfg, pp)
@@ -81,9 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=2, help="model chunks per device for interleaved")
     args = ap.parse_args(argv)
 
-    import jaxcolossal as jc
+    import jaxcolossal as jc  # heavy: jax; main() sets devices first
     jc.simulate_devices(args.devices)
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
     p = args.pp
     dp = jax.device_count() // p

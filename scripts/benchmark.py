@@ -45,6 +45,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 BENCH_CONFIGS = os.path.join(ROOT, "configs", "bench")
@@ -75,7 +77,7 @@ def config_path(model: str) -> str:
 
 def plan_overrides(plan: str) -> list[str]:
     """``"zero=3,tp=2"`` -> config overrides (the parallel section reset first)."""
-    from jaxcolossal.config import ParallelConfig
+    from jaxcolossal.config import ParallelConfig  # heavy: jax; main() sets devices first
 
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
     out = list(PARALLEL_RESET)
@@ -107,7 +109,7 @@ def model_overrides(text: str) -> list[str]:
 
 def load_bench_config(args):
     """The validated :class:`Config` for the command line (before any device is needed)."""
-    from jaxcolossal.config import load_config
+    from jaxcolossal.config import load_config  # heavy: jax; main() sets devices first
 
     ov = model_overrides(args.model_overrides or "")
     if args.plan:
@@ -150,7 +152,7 @@ def strategy(cfg, shape: dict) -> str:
     if shape["tp"] > 1:
         s += f" tp{shape['tp']}"
     if shape["pp"] > 1:
-        from jaxcolossal.config import pipeline_microbatches
+        from jaxcolossal.config import pipeline_microbatches  # heavy: jax; main() sets devices first
         s += f" pp{shape['pp']} ({p.pipeline_schedule}, {pipeline_microbatches(cfg, shape['pp'])} mb)"
     if cfg.training.gradient_accumulation_steps > 1 and shape["pp"] == 1:
         s += f" accum{cfg.training.gradient_accumulation_steps}"
@@ -159,8 +161,7 @@ def strategy(cfg, shape: dict) -> str:
 
 def random_batch(cfg, plan, seed: int) -> dict:
     """Random tokens as global arrays (each process builds the same data, keeps its shards)."""
-    import jax
-    import numpy as np
+    import jax  # heavy: jax; main() sets devices first
 
     t = cfg.training
     x = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32)
@@ -170,7 +171,7 @@ def random_batch(cfg, plan, seed: int) -> dict:
 
 def peak_memory(compiled) -> tuple[float | None, str]:
     """(bytes, label): GPU allocator peak, else the compiled step's memory analysis."""
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
     stats = [d.memory_stats() for d in jax.local_devices()]
     if all(s and "peak_bytes_in_use" in s for s in stats):
@@ -185,13 +186,13 @@ def peak_memory(compiled) -> tuple[float | None, str]:
 
 def run(cfg, warmup: int, steps: int, seed: int = 0, log=print) -> dict:
     """Build, compile, warm up and time the train step for ``cfg`` on all devices; the result dict."""
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal import metrics as mx
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal import metrics as mx  # heavy: jax; main() sets devices first
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     plan = make_plan(cfg, make_mesh(cfg.parallel))  # validates; fills batch_size from micro_batch_size
     shape, t, m = plan.mesh_shape, cfg.training, cfg.model
@@ -252,7 +253,7 @@ HEADER = ("| hardware | devices | model | strategy | precision, remat, attention
 def planner_device(kind: str):
     """The planner's :class:`jaxcolossal.plan.Device` for a JAX ``device_kind`` ("NVIDIA H200",
     "NVIDIA A100-SXM4-80GB", ...), or ``None`` when its table has no such device (CPUs)."""
-    from jaxcolossal.plan import DEVICES
+    from jaxcolossal.plan import DEVICES  # heavy: jax; main() sets devices first
 
     k = kind.lower()
     for name in ("h200", "h100", "b200"):
@@ -266,7 +267,7 @@ def planner_device(kind: str):
 def planner_prediction(cfg, r: dict) -> dict:
     """The planner's predicted step time for the measured run ``r`` (same layout, devices and
     kind), and its ratio to the measured median: ``{}`` where the planner has no such device."""
-    from jaxcolossal.plan import predict
+    from jaxcolossal.plan import predict  # heavy: jax; main() sets devices first
 
     dev = planner_device(r["hardware"])
     if dev is None:
@@ -316,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import jaxcolossal as jc
-    from jaxcolossal.config import ConfigError
+    import jaxcolossal as jc  # heavy: jax; main() sets devices first
+    from jaxcolossal.config import ConfigError  # heavy: jax; main() sets devices first
 
     try:
         cfg = load_bench_config(args)
@@ -326,7 +327,7 @@ def main(argv=None) -> int:
         return 2
     jc.simulate_devices(args.devices or default_devices(cfg))
     jc.launch_from_env(verbose=False)
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     if cfg.model.attention_impl == "cudnn" and jax.default_backend() != "gpu":

@@ -49,9 +49,13 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+
+from zero_report import measure  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
@@ -61,7 +65,7 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 
 def model_cfg(args, layers: int | None = None, lr_scale: float = 1.0):
     """The compared LLaMA on one device, fp32, no accumulation."""
-    from jaxcolossal.config import config_from_dict
+    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
 
     h = args.hidden
     return config_from_dict({
@@ -84,13 +88,13 @@ def ours_compiled(args):
     of the initial state, since the step donates it. ``batches`` are the two step batches on the
     device, ``raw`` the same tokens as numpy ``[B, t+1]``.
     """
-    import jax
-    import jax.numpy as jnp
+    import jax  # heavy: jax; main() sets devices first
+    import jax.numpy as jnp  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     if not _OURS:
         cfg = model_cfg(args)
@@ -107,8 +111,6 @@ def ours_compiled(args):
 
 
 def token_batches(cfg, n: int = 2):
-    import numpy as np
-
     rng = np.random.default_rng(0)
     t = cfg.training
     return [rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32) for _ in range(n)]
@@ -150,9 +152,9 @@ def med(ts: list) -> float:
 
 
 def part_a(args, log) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import optax
+    import jax  # heavy: jax; main() sets devices first
+    import jax.numpy as jnp  # heavy: jax; main() sets devices first
+    import optax  # heavy: jax; main() sets devices first
 
     dev = jax.devices()[0]
     cfg, plan, tx, state, ours, ob, raw = ours_compiled(args)
@@ -228,13 +230,12 @@ def part_a(args, log) -> dict:
 
 
 def part_b(args, log) -> dict:
-    import jax
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-    import transformers
+    import jax  # heavy: jax; main() sets devices first
+    import torch  # optional: torch, part b only
+    import torch.nn.functional as F  # optional: torch, part b only
+    import transformers  # optional: transformers, part b only
 
-    from jaxcolossal.models.hf_io import save_hf
+    from jaxcolossal.models.hf_io import save_hf  # heavy: jax; main() sets devices first
 
     torch.set_num_threads(CORES)
     torch.manual_seed(0)
@@ -313,12 +314,12 @@ def part_b(args, log) -> dict:
 
 
 def part_c(args, log) -> dict:
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     dev = jax.devices()[0]
     depths = (4, 32)
@@ -395,7 +396,7 @@ def _all_reduce_parts(lines: list[str], line: str, min_elements: int) -> list[tu
 
 
 def hlo_result_shapes(line: str):
-    from jaxcolossal.aot import hlo
+    from jaxcolossal.aot import hlo  # heavy: jax; main() sets devices first
 
     return hlo.result_shapes(line)
 
@@ -407,7 +408,7 @@ def collective_volume(hlo_text: str, min_elements: int = 64) -> dict:
     "reduce-scatter": S·N, "all-to-all" / "collective-permute": S, "total"}``, where S is each
     result array's elements and N a reduce-scatter's group size.
     """
-    from jaxcolossal.aot import hlo
+    from jaxcolossal.aot import hlo  # heavy: jax; main() sets devices first
 
     comps, entry = hlo.computations(hlo_text)
     vol: dict[str, float] = {}
@@ -446,8 +447,7 @@ def collective_volume(hlo_text: str, min_elements: int = 64) -> dict:
 
 
 def part_d(args, log) -> dict:
-    import jax
-    from zero_report import measure
+    import jax  # heavy: jax; main() sets devices first
 
     rows = []
     log(f"  {jax.device_count()} simulated devices, ZeRO group 8, fp32 (p, g, K = 4, 4, 8), hidden "
@@ -502,9 +502,9 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--part {bad}: choose from {sorted(PARTS)}")
 
-    import jaxcolossal as jc
+    import jaxcolossal as jc  # heavy: jax; main() sets devices first
     jc.simulate_devices(8)  # part d; a, b and c use the first device only
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
     log = lambda *a: print(*a, flush=True)
     log(f"compare.py: jax {jax.__version__}, {jax.devices()[0].device_kind} ×{jax.device_count()} (simulated), "

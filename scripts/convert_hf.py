@@ -61,7 +61,19 @@ import os
 import shutil
 import sys
 
+import numpy as np
+import yaml
+from tokenizers import Tokenizer
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jaxcolossal.config import ConfigError, config_from_dict  # noqa: E402
+from jaxcolossal.data import get_tokenizer  # noqa: E402
+from jaxcolossal.errors import DependencyError  # noqa: E402
+from jaxcolossal.models.hf_io import GENERATION_CONFIG, load_hf, read_special_tokens, save_hf  # noqa: E402
+from jaxcolossal.models.layers.lora import merged_weights, split  # noqa: E402
+from jaxcolossal.models.peft import save_adapters  # noqa: E402
+from jaxcolossal.runtime.launch import use_cpu_without_gpu  # noqa: E402
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -98,8 +110,6 @@ def _token_lookup(path: str):
     """``name -> id or None`` over the vocabulary of the tokenizer at ``path``."""
     file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
     if file.endswith(".json") and os.path.isfile(file):
-        from tokenizers import Tokenizer
-
         return Tokenizer.from_file(file).token_to_id
     import sentencepiece  # optional (the data extra): SentencePiece-only tokenizer folders
 
@@ -120,8 +130,6 @@ def tokenizer_ids(path: str) -> dict:
     Raises:
         FileNotFoundError: ``path`` holds no ``tokenizer.json`` or ``tokenizer.model``.
     """
-    from jaxcolossal.data import get_tokenizer
-
     folder = _tokenizer_folder(path)
     if not os.path.exists(path) or not any(os.path.isfile(os.path.join(folder, f))
                                            for f in ("tokenizer.json", "tokenizer.model")):
@@ -157,8 +165,6 @@ def special_tokens(src: str, saved: dict | None, tokenizer: str | None) -> tuple
     files go with the export (None: none). ``saved`` is the checkpoint's saved config (None for
     the params.npz form). Prints where the ids came from.
     """
-    from jaxcolossal.models.hf_io import read_special_tokens
-
     saved = saved or {}
     run_tok = (saved.get("data") or {}).get("tokenizer")
     if tokenizer is None and run_tok not in (None, "", "byte", "auto"):
@@ -185,11 +191,6 @@ def special_tokens(src: str, saved: dict | None, tokenizer: str | None) -> tuple
 
 def to_jax(hf_dir: str, out: str, tp: int = 1, vocab_pad_multiple: int = 1) -> None:
     """HF directory -> ``out/params.npz`` + ``out/model.yaml`` (+ its ``generation_config.json``)."""
-    import numpy as np
-    import yaml
-
-    from jaxcolossal.models.hf_io import GENERATION_CONFIG, load_hf
-
     cfg, params = load_hf(hf_dir, tp=tp, vocab_pad_multiple=vocab_pad_multiple)
     os.makedirs(out, exist_ok=True)
     np.savez(os.path.join(out, "params.npz"), **flatten(params))
@@ -203,16 +204,13 @@ def load_source(src: str, step: int | None = None) -> tuple[dict, dict, dict | N
     """``(model section, params, saved config)`` of a run's ``checkpoint.dir`` (``step``, default
     the newest; the fp32 master weights in bf16/fp16 runs) or of a ``params.npz`` + ``model.yaml``
     folder (saved config None)."""
-    import numpy as np
-    import yaml
-
     if os.path.exists(os.path.join(src, "params.npz")):
         with open(os.path.join(src, "model.yaml")) as f:
             model = (yaml.safe_load(f) or {}).get("model", {})
         with np.load(os.path.join(src, "params.npz")) as z:
             params = unflatten({k: z[k] for k in z.files})
         return model, params, None
-    from jaxcolossal.checkpoint import CheckpointManager, step_dirs
+    from jaxcolossal.checkpoint import CheckpointManager, step_dirs  # heavy: orbax; checkpoint sources only
 
     steps = step_dirs(src)
     parent = os.path.dirname(os.path.abspath(src))
@@ -251,11 +249,6 @@ def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = No
     special-token ids come from ``tokenizer``, the run's tokenizer or its HF config
     (:func:`special_tokens`); the tokenizer's files are copied into ``out``.
     """
-    from jaxcolossal.config import config_from_dict
-    from jaxcolossal.models.hf_io import save_hf
-    from jaxcolossal.models.layers.lora import merged_weights, split
-    from jaxcolossal.models.peft import save_adapters
-
     model, params, saved = load_source(src, step)
     # validated as a config whose only other setting is a sequence length that any model accepts
     cfg = config_from_dict({"model": {**model, "init_from": ""}, "training": {"seq_len": 1}}).model
@@ -291,11 +284,7 @@ def main(argv=None) -> int:
                          "do); default: the run's data.tokenizer, else the ids of its model.init_from")
     args = ap.parse_args(argv)
 
-    from jaxcolossal.runtime.launch import use_cpu_without_gpu
-
     use_cpu_without_gpu()  # host arrays only: no GPU start (and no log of a failed one) where a CUDA plugin is
-    from jaxcolossal.config import ConfigError
-    from jaxcolossal.errors import DependencyError
 
     try:
         if args.to_jax:

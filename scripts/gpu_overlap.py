@@ -35,9 +35,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="preset,zero3", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--set", nargs="*", default=[], help="more overrides for every row")
     a = ap.parse_args(argv)
-    from jaxcolossal.aot import fleet, target
+    from jaxcolossal.aot import fleet, target  # heavy: jax and XLA's GPU compiler tools, after argparse
     target.prepare_environment()
-    from jaxcolossal.config import load_config
+    from jaxcolossal.config import load_config  # heavy: after target.prepare_environment() above
     gpu, n = target.parse_fleet(a.fleet)
     bad = [x for x in a.layouts.split(",") if x not in LAYOUTS]
     if bad:

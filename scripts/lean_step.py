@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
@@ -56,12 +58,12 @@ POLICIES = ("none", "selective", "dots", "save_qkv_proj", "full")
 
 def build(model: dict, batch: int, seq: int, parallel: dict, bf16: bool = False):
     """``(cfg, plan, tx)`` for a compile-only step."""
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.config import config_from_dict
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import make_plan
+    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import make_plan  # heavy: jax; main() sets devices first
 
     raw = {"model": model, "training": {"batch_size": batch, "seq_len": seq}, "parallel": parallel}
     if bf16:
@@ -76,11 +78,11 @@ def build(model: dict, batch: int, seq: int, parallel: dict, bf16: bool = False)
 
 def compile_only(model: dict, batch: int, seq: int, parallel: dict, bf16: bool = False) -> dict:
     """Compile the train step on abstract arrays (nothing allocated); its per-device figures."""
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.aot import hlo
-    from jaxcolossal.train.state import init_state
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.aot import hlo  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     cfg, plan, tx = build(model, batch, seq, parallel, bf16)
     abstract = jax.eval_shape(lambda k: init_state(plan, tx, key=k), jax.random.key(0))
@@ -103,10 +105,10 @@ def gib(x: float) -> str:
 def head_only(tokens: int, d: int, v: int, chunk: int, bf16: bool) -> int:
     """Temporary bytes of the LM head + loss alone (value and gradient w.r.t. ``h`` and ``w``) on
     one device, for ``tokens`` tokens, hidden ``d``, (per-device) vocabulary ``v``."""
-    import jax
-    import jax.numpy as jnp
+    import jax  # heavy: jax; main() sets devices first
+    import jax.numpy as jnp  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.models.layers.vocab import lm_head_loss
+    from jaxcolossal.models.layers.vocab import lm_head_loss  # heavy: jax; main() sets devices first
 
     dt = jnp.bfloat16 if bf16 else jnp.float32
     h, w = jax.ShapeDtypeStruct((1, tokens, d), dt), jax.ShapeDtypeStruct((d, v), dt)
@@ -116,8 +118,8 @@ def head_only(tokens: int, d: int, v: int, chunk: int, bf16: bool) -> int:
 
 
 def part_memory(args, log) -> dict:
-    from jaxcolossal.config import ModelConfig
-    from jaxcolossal.models.layers.vocab import fused_pays
+    from jaxcolossal.config import ModelConfig  # heavy: jax; main() sets devices first
+    from jaxcolossal.models.layers.vocab import fused_pays  # heavy: jax; main() sets devices first
 
     model = {**LLAMA_1B, "num_layers": 2}
     chunk = ModelConfig().loss_chunk_tokens
@@ -160,7 +162,7 @@ def part_memory(args, log) -> dict:
 
 
 def part_audit(args, log) -> dict:
-    from jaxcolossal.metrics import flops_per_token
+    from jaxcolossal.metrics import flops_per_token  # heavy: jax; main() sets devices first
 
     shapes = {"tiny": (TINY, 2, 128), "llama_1b": (LLAMA_1B, 1, args.audit_seq)}
     out = {}
@@ -182,11 +184,10 @@ def part_audit(args, log) -> dict:
 
 
 def part_chunk(args, log) -> dict:
-    import jax
-    import numpy as np
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.train.state import init_state
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.train.state import init_state  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     model = dict(type="llama", num_layers=2, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=768, max_position_embeddings=512, vocab_size=32000)
@@ -226,14 +227,13 @@ def part_chunk(args, log) -> dict:
 def main_step_times(repeats: int) -> dict:
     """The main job's compiled train step (configs/llama_tiny.yaml, 8 devices) on the old and the
     new paths, run interleaved on the same batch: median step seconds of each."""
-    import jax
-    import numpy as np
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.config import load_config
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.config import load_config  # heavy: jax; main() sets devices first
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     runs = {}
     for name, ov in (("old", OLD), ("new", NEW)):
@@ -309,9 +309,9 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--part {bad}: choose from {sorted(PARTS)}")
 
-    import jaxcolossal as jc
+    import jaxcolossal as jc  # heavy: jax; main() sets devices first
     jc.simulate_devices(8)
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
     log = lambda *a: print(*a, flush=True)
     log(f"lean_step.py: jax {jax.__version__}, {jax.devices()[0].device_kind} ×{jax.device_count()}, "

@@ -29,6 +29,17 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # --target: the CUDA plugin without a GPU
 
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxcolossal.aot import fleet, target  # noqa: E402
+from jaxcolossal.config import config_from_dict  # noqa: E402
+from jaxcolossal.memory.budget import need  # noqa: E402
+from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
+from jaxcolossal.train.optimizer import build_optimizer, lr_schedule  # noqa: E402
+from jaxcolossal.train.state import abstract_state, make_plan  # noqa: E402
+from jaxcolossal.train.step import make_train_step  # noqa: E402
+
 MODELS = {  # name: model section (LLaMA); the sizes grow from tiny to ~100M parameters
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
     "small": dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
@@ -92,8 +103,6 @@ OVERRIDES: list = []
 
 def config(model: str, parallel: dict, precision: str | None, remat: str, k: int, seq: int = 128, batch: int = 16):
     """One sweep row's config (a pipeline row's ``k``: its microbatches, at least ``2·pp``)."""
-    from jaxcolossal.config import config_from_dict
-
     raw = {"model": {**MODELS[model], "max_position_embeddings": seq, "remat": remat},
            "training": {"batch_size": batch, "seq_len": seq, "gradient_accumulation_steps": k},
            "parallel": {"data_parallel_size": -1, **parallel}}
@@ -112,9 +121,6 @@ def config(model: str, parallel: dict, precision: str | None, remat: str, k: int
 
 def measure_gpu(cfg, fleet_name: str) -> tuple[float, float, dict]:
     """(predicted bytes, compiled bytes, predicted parts) per device, compiled by XLA's GPU compiler."""
-    from jaxcolossal.aot import fleet, target
-    from jaxcolossal.memory.budget import need
-
     tgt, n = target.parse_fleet(fleet_name)
     fc = fleet.compile_for(cfg, tgt, n, keep_hlo=False)
     predicted = need(cfg, n, backend="gpu")
@@ -125,15 +131,6 @@ def measure(model: str, parallel: dict, precision: str | None, remat: str, k: in
             batch: int = 16, fleet_name: str = "") -> tuple[float, float, dict]:
     """(predicted bytes, compiled bytes, predicted parts) per device for one configuration, on
     ``fleet_name`` (``h200x8``: XLA:GPU) or, when empty, XLA:CPU's 8 simulated devices."""
-    import jax
-    import numpy as np
-
-    from jaxcolossal.memory.budget import need
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
-    from jaxcolossal.train.state import abstract_state, make_plan
-    from jaxcolossal.train.step import make_train_step
-
     cfg = config(model, parallel, precision, remat, k, seq, batch)
     if fleet_name:
         return measure_gpu(cfg, fleet_name)

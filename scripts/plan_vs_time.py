@@ -36,6 +36,9 @@ import statistics
 import sys
 import time
 
+import numpy as np
+from scipy.optimize import nnls
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768,
@@ -98,9 +101,8 @@ def machine(devices: int) -> tuple[float, float, float]:
     """Microbenchmarks, for comparison with the fitted constants: (fp32 matmul FLOP/s, the bytes/s
     of an elementwise op writing fresh memory: read + write) of this machine, each divided by ``devices``, and the
     time of one small all-reduce over the ``devices`` simulated devices (seconds)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+    import jax  # heavy: jax; main() sets devices first
+    import jax.numpy as jnp  # heavy: jax; main() sets devices first
 
     cpu = jax.devices()[0]
     a = jax.device_put(np.ones((1024, 1024), np.float32), cpu)
@@ -120,7 +122,7 @@ def machine(devices: int) -> tuple[float, float, float]:
         cp(big).block_until_ready()
         t.append(time.perf_counter() - t0)
     copy = 2 * big.nbytes / min(t)  # read + write
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import PartitionSpec as P  # heavy: jax; main() sets devices first
     mesh = jax.make_mesh((devices,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     hops = 200
     ar = jax.jit(jax.shard_map(lambda v: jax.lax.fori_loop(0, hops, lambda i, v: jax.lax.pcast(jax.lax.psum(v, "x") / devices, "x", to="varying"), v),
@@ -140,7 +142,7 @@ def terms(cfg, devices: int = 8) -> list[float]:
     constants multiply (:func:`jaxcolossal.plan.cost_terms`): matmul FLOPs, collectives, bytes
     sent (the collectives XLA:CPU emits) and the bytes the step touches (``cost_terms``' ``memory``),
     per device per step."""
-    from jaxcolossal.plan import cost_terms
+    from jaxcolossal.plan import cost_terms  # heavy: jax; main() sets devices first
     c = cost_terms(cfg, devices, shared_host=True, backend="cpu")
     return [c["flops"], c["collectives"], sum(b for _, b in c["bytes"]), c["memory"]]
 
@@ -152,18 +154,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128, help="sequence length, tokens (default 128)")
     a = ap.parse_args(argv)
 
-    from jaxcolossal import simulate_devices
+    from jaxcolossal import simulate_devices  # heavy: jax; main() sets devices first
     simulate_devices(8)
-    import jax
-    import numpy as np
-    from scipy.optimize import nnls
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.config import config_from_dict
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.plan import Device, predict
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.plan import Device, predict  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     flops, fresh, latency = machine(8)
     runs = []

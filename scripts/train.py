@@ -30,8 +30,11 @@ import json
 import os
 import sys
 
-from jaxcolossal.config import config_help
+import jaxcolossal as jc
+from jaxcolossal.aot import fleet, report, target
+from jaxcolossal.config import config_help, load_config
 from jaxcolossal.errors import exit_status
+from jaxcolossal.plan import plan_dry_run
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "llama_tiny.yaml")
 
@@ -48,8 +51,6 @@ def _devices_in_xla_flags() -> int | None:
 def compile_for_fleet(cfg, args, predicted: bool = False) -> int:
     """``--compile-for``: 0 when the step fits the fleet's HBM, 1 when it does not; with
     ``predicted`` (``--dry-run`` too) also the planner's prediction against the compiled peak."""
-    from jaxcolossal.aot import fleet, report, target
-
     target.prepare_environment()  # before jax's backends start
     gpu, count = target.parse_fleet(args.compile_for)
     fleet.check_fleet(cfg, count, args.devices_per_host or gpu.devices_per_host, gpu)
@@ -65,8 +66,6 @@ def compile_for_fleet(cfg, args, predicted: bool = False) -> int:
 
 def dry_run(cfg, args) -> int:
     """``--dry-run``: the plan; 1 when the run would be refused for ``offload.device_memory_limit``."""
-    from jaxcolossal.plan import plan_dry_run
-
     p = cfg.parallel
     explicit = -1 not in (p.data_parallel_size, p.tensor_parallel_size, p.pipeline_parallel_size)
     # explicit sizes give the device count; otherwise plan for --devices (default 8)
@@ -80,9 +79,6 @@ def dry_run(cfg, args) -> int:
 
 def run(args) -> int:
     """Load and validate the config (before JAX starts), then compile for a fleet, plan, or train."""
-    import jaxcolossal as jc
-    from jaxcolossal.config import load_config
-
     cfg = load_config(args.config, args.overrides)
     if args.compile_for and args.dry_run:  # the plan, then what the GPU compiler made of it
         status = dry_run(cfg, args)
@@ -95,7 +91,7 @@ def run(args) -> int:
     jc.gpu_memory_fraction()  # 0.9 of each GPU's memory, as the planner plans (jax's default: 0.75)
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)
-    from jaxcolossal.train.loop import train
+    from jaxcolossal.train.loop import train  # heavy: orbax and tensorstore, for training runs only
     return train(cfg)["exit_code"]  # 0, or 143 / 130 after SIGTERM / Ctrl-C (128 + signal), as schedulers expect
 
 

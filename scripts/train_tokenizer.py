@@ -32,7 +32,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
 
 def texts(corpus: str, text_key: str):
     """Every text of the corpus: documents, or the contents of chat lines."""
-    from jaxcolossal.data.corpus import read_text, iter_json_lines, resolve_files
+    from jaxcolossal.data.corpus import read_text, iter_json_lines, resolve_files  # heavy: jax; keeps this module light
 
     for path in resolve_files(corpus):
         if not path.lower().endswith((".jsonl", ".json")):
@@ -51,7 +51,7 @@ def texts(corpus: str, text_key: str):
 def train(corpus: str, vocab_size: int, out: str, eos: str = "</s>", text_key: str = "text",
           chat_template: bool = False) -> int:
     """Train, save to ``out``, and return the vocabulary size (special tokens included)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # heavy: only train() needs it
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -16,6 +16,8 @@ import math
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
@@ -30,16 +32,15 @@ def measure(precision: str, zero: int, *, accum: int = 1, hidden: int = 256, lay
     step's per-step collective totals (:func:`jaxcolossal.aot.hlo.collective_totals`) and its HLO text.
     Call after the device count is set (``jc.simulate_devices``).
     """
-    import jax
-    import numpy as np
+    import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.aot import hlo
-    from jaxcolossal import metrics as mx
-    from jaxcolossal.config import config_from_dict
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import BYTES_PER_PARAM, init_state, make_plan
-    from jaxcolossal.train.step import make_train_step
+    from jaxcolossal.aot import hlo  # heavy: jax; main() sets devices first
+    from jaxcolossal import metrics as mx  # heavy: jax; main() sets devices first
+    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
+    from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.state import BYTES_PER_PARAM, init_state, make_plan  # heavy: jax; main() sets devices first
+    from jaxcolossal.train.step import make_train_step  # heavy: jax; main() sets devices first
 
     n = jax.device_count()
     raw = {"model": dict(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
@@ -73,9 +74,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
 
-    import jaxcolossal as jc
+    import jaxcolossal as jc  # heavy: jax; main() sets devices first
     jc.simulate_devices(args.devices)
-    import jax
+    import jax  # heavy: jax; main() sets devices first
 
     n = jax.device_count()
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]

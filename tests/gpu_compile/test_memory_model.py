@@ -19,7 +19,7 @@ stages, interleaved, circular GPipe, from the tiny LLaMA to the medium one."""
 def test_predicted_peak_memory_is_within_10_percent_of_xla_gpu(row):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
-        from plan_vs_compiler import SWEEP, measure
+        from plan_vs_compiler import SWEEP, measure  # heavy: a script (XLA_FLAGS at import), on sys.path only here
     finally:
         sys.path.pop(0)
     model, par, prec, remat, k = SWEEP[row]

@@ -7,12 +7,13 @@ Each assertion reads the compiled (scheduled) HLO, so it holds for the program a
 import re
 
 import pytest
-from tiny import TINY_MODEL, TINY_TRAINING
+from tiny import TINY_MODEL, TINY_TRAINING, tiny_config
 
-from jaxcolossal.aot import hlo
+from jaxcolossal.aot import fleet, hlo, target
 from jaxcolossal.aot import report
 from jaxcolossal.aot.fleet import memory_kinds_supported
 from jaxcolossal.aot.target import compile_only_devices
+from jaxcolossal.config import ConfigError
 
 FOUR_LAYERS = {"num_layers": 4, "remat": "full"}  # a layer loop that XLA keeps as a loop
 
@@ -135,10 +136,6 @@ def test_fp8_runs_every_projection_as_an_fp8_gemm(compile_tiny, remat, per_layer
 
 
 def test_fp8_on_a100s_is_refused_before_compiling():
-    from tiny import tiny_config
-
-    from jaxcolossal.aot import fleet, target
-    from jaxcolossal.config import ConfigError
     cfg = tiny_config({"zero_stage": 2}, "bf16")
     cfg.precision.fp8 = True
     with pytest.raises(ConfigError, match="compute capability 8.0.*has no FP8 tensor cores"):

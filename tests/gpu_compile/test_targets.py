@@ -4,8 +4,11 @@ give compile-only devices; bad fleet names are refused before anything compiles.
 import pytest
 
 from jaxcolossal.aot import target
+from jaxcolossal.aot.confirm import TARGET_OF
 from jaxcolossal.aot.fleet import check_fleet
+from jaxcolossal.aot.target import get_target
 from jaxcolossal.config import ConfigError, load_config
+from jaxcolossal.plan.devices import DEVICES
 
 DATASHEET = {  # name: (SMs, HBM GiB rounded, HBM TB/s, bf16 dense TFLOP/s, compute capability)
     "h100": (132, 79, 3.35, 989, "9.0"),
@@ -56,9 +59,6 @@ def test_a_layout_that_does_not_fit_the_device_count_is_refused_before_compiling
 def test_the_planners_devices_are_the_compilers_targets():
     """The planner's ``--device`` table and the GPU compiler's targets describe the same GPUs with
     the same HBM bytes and bf16 peak (the planner's 90% rule and ``--confirm``'s agree)."""
-    from jaxcolossal.aot.confirm import TARGET_OF
-    from jaxcolossal.aot.target import get_target
-    from jaxcolossal.plan.devices import DEVICES
     for name, target_name in TARGET_OF.items():
         device, tgt = DEVICES[name], get_target(target_name)
         assert device.memory == tgt.hbm_bytes, name

@@ -4,13 +4,16 @@ and line, and the main job fine-tuning on a chat file."""
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.data import ExampleLoader, get_tokenizer
-from jaxcolossal.data.chat import load_chat
+from jaxcolossal.data.chat import generation_prompt, load_chat
+from jaxcolossal.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
@@ -50,8 +53,6 @@ def test_plain_template_masks_the_responses_only(tmp_path):
 
 
 def test_chat_template_of_the_tokenizer(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
@@ -107,8 +108,6 @@ def test_chat_needs_a_corpus():
 def test_main_job_fine_tunes_on_chat(tmp_path):
     """The response loss falls; the log counts the conversations loaded, cut and held out; the
     end-of-run sample continues the first held-out conversation's prompt, not a text prompt."""
-    from jaxcolossal.train.loop import train
-
     corpus = _write_chat(tmp_path / "c.jsonl", n=128)
     cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [
         "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=48",
@@ -126,7 +125,6 @@ def test_main_job_fine_tunes_on_chat(tmp_path):
 
 
 def test_a_given_sample_prompt_is_the_users_turn():
-    from jaxcolossal.data.chat import generation_prompt
     assert generation_prompt([{"role": "user", "content": "double 4"}], get_tokenizer("byte")) == \
         "user: double 4\nassistant: "
 
@@ -136,17 +134,12 @@ def test_sft_from_hugging_face_matches_transformers(tmp_path):
     converted and fine-tuned on chat lines (``model.init_from``, the tokenizer's chat template):
     the first step's loss equals ``transformers``' loss on the same batch with the same mask
     (labels -100 off the responses; rtol 1e-4), and the response loss falls."""
-    import sys
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # optional: torch (the test extra)
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional: transformers (the test extra)
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import convert_hf
-    import train_tokenizer
-
-    from jaxcolossal.data.chat import load_chat
-    from jaxcolossal.train.loop import train
+    import convert_hf  # heavy: from scripts/, put on sys.path by this test only
+    import train_tokenizer  # heavy: from scripts/, put on sys.path by this test only
 
     corpus = _write_chat(tmp_path / "chat.jsonl", n=96)
     hf = tmp_path / "hf"

@@ -6,6 +6,7 @@ import os
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from tiny import run_steps, tiny_config
 
@@ -117,8 +118,6 @@ def test_restore_target_without_shardings_is_refused(tmp_path):
 
 
 def test_steps_written_before_the_config_item_still_restore(tmp_path):
-    import orbax.checkpoint as ocp
-
     state, _, _ = run_steps(tiny_config(), jax.devices()[:1], steps=1)
     old = ocp.CheckpointManager(str(tmp_path), options=ocp.CheckpointManagerOptions(create=True))
     old.save(1, args=ocp.args.StandardSave(state))  # the format of the first release: one unnamed item

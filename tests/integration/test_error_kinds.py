@@ -44,7 +44,7 @@ def test_data_file_malformed_json_line(tmp_path):
 
 def test_data_file_parquet_without_the_text_column(tmp_path):
     pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional: pyarrow (the data extra), skipped above without it
     f = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"body": ["some text " * 50] * 40}), f)
     _one_line(_cli(tmp_path, "data.format=parquet", f"data.corpus={f}"), 3, "data error",

@@ -22,10 +22,11 @@ pytest.importorskip("safetensors")
 
 from jaxcolossal.checkpoint import CheckpointManager  # noqa: E402
 from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
-from jaxcolossal.data import get_tokenizer  # noqa: E402
+from jaxcolossal.data import eval_batches, get_tokenizer, load_splits  # noqa: E402
 from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
 from jaxcolossal.models import get_family, gpt2  # noqa: E402
 from jaxcolossal.models.hf_io import config_from_hf, init_params_from, load_hf, read_special_tokens, save_hf  # noqa: E402
+from jaxcolossal.train.loop import train  # noqa: E402
 from jaxcolossal.train.optimizer import build_optimizer  # noqa: E402
 from jaxcolossal.train.state import init_state, make_plan  # noqa: E402
 from jaxcolossal.train.step import make_train_step  # noqa: E402
@@ -405,9 +406,6 @@ def test_gpt2_trains_zero3_tp_matches_single_device(tmp_path):
 
 
 def test_init_from_starts_main_job_from_hf_weights(tmp_path):
-    from jaxcolossal.data import eval_batches, load_splits
-    from jaxcolossal.train.loop import train
-
     hf = hf_gpt2(vocab=256, layers=4)
     hf.save_pretrained(tmp_path / "hf")
     corpus = tmp_path / "corpus.txt"

@@ -6,10 +6,12 @@ import os
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.data import get_tokenizer, load_corpus
 from jaxcolossal.data.tokenizer import HFTokenizer
+from jaxcolossal.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = [f"def function_{i}(x):\n    return x * {i} + {i * i}\n" for i in range(400)]
@@ -19,8 +21,6 @@ DOCS = [f"def function_{i}(x):\n    return x * {i} + {i * i}\n" for i in range(4
 def tok_dir(tmp_path_factory):
     """A 300-entry byte-level BPE trained with the ``tokenizers`` library, saved as a HF folder,
     plus a JSON-lines corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     d = tmp_path_factory.mktemp("tok")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -70,8 +70,6 @@ def test_bad_tokenizer_path_is_a_config_error(tmp_path):
 
 
 def test_main_job_trains_on_a_hf_tokenizer(tok_dir, tmp_path):
-    from jaxcolossal.train.loop import train
-
     base = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=32",
             "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=8",
             "logging.progress_bar=false", "training.eval_every=0", "training.max_steps=6",
@@ -87,12 +85,12 @@ def test_formats_give_the_same_stream(tok_dir, tmp_path, fmt):
     """JSON lines, parquet (pyarrow) and a saved ``datasets`` folder of the same documents give the
     same token stream; a missing column is an error that lists the columns."""
     if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow as pa  # optional: pyarrow (the data extra)
+        import pyarrow.parquet as pq  # optional: pyarrow (the data extra)
         corpus = str(tmp_path / "docs.parquet")
         pq.write_table(pa.table({"text": DOCS, "id": list(range(len(DOCS)))}), corpus)
     elif fmt == "datasets":
-        import datasets
+        import datasets  # optional: datasets (the data extra)
         corpus = str(tmp_path / "ds")
         datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS})}).save_to_disk(corpus)
     else:
@@ -125,7 +123,7 @@ def test_auto_tokenizer_is_the_init_from_folders(tok_dir):
 def test_sentencepiece_model(tmp_path):
     """A SentencePiece ``tokenizer.model`` (LLaMA-1/2's format): loaded, round-trips, joins
     documents with its eos id, and is accepted by the config (folder or file)."""
-    import sentencepiece
+    import sentencepiece  # optional: sentencepiece (the data extra)
 
     text = tmp_path / "train.txt"
     text.write_text("\n".join(DOCS))

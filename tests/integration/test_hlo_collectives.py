@@ -14,8 +14,9 @@ import math
 import re
 
 import jax
+import numpy as np
 import pytest
-from tiny import random_batches, setup, tiny_config
+from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 from jaxcolossal.aot import hlo
 
@@ -240,8 +241,6 @@ def test_zero3_prefetch_gathers_the_next_layer_ahead(overlap):
 def test_zero3_prefetch_equals_no_prefetch():
     """The prefetched layer scan is the same computation: 3 fp32 steps with ``overlap`` on and off
     give the same losses and grad norms (rtol 1e-5; observed bit-equal) and parameters."""
-    import numpy as np
-    from tiny import assert_params_match, run_steps
     out = {}
     for overlap in (False, True):
         cfg = tiny_config({"zero_stage": 3, "data_parallel_size": 8, "overlap": overlap}, model={"remat": "full"})

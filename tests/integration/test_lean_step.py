@@ -18,6 +18,7 @@ from tiny import assert_params_match, run_steps, tiny_config
 from jaxcolossal.aot import hlo
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.models import llama
 from jaxcolossal.models.layers import vocab
 from jaxcolossal.parallel.sharding import Sharder
 
@@ -185,8 +186,6 @@ def test_lean_training_matches_single_device(name, references):
 def test_remat_policies_cost_what_they_say():
     """The compiled matmul FLOPs of the loss gradient order as the policies recompute:
     none < selective = dots < save_qkv_proj < full (compiled only; their numerics are checked above)."""
-    from jaxcolossal.models import llama
-
     flops = {}
     for policy in ("none", "selective", "dots", "save_qkv_proj", "full"):
         cfg = tiny_config({"data_parallel_size": 1}, model={"remat": policy}).model

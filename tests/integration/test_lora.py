@@ -12,12 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import assert_params_match, resumed_and_uninterrupted, run_steps, tiny_config
+from tiny import assert_params_match, random_batches, resumed_and_uninterrupted, run_steps, setup, tiny_config
 
-from jaxcolossal.config import ConfigError, LoraConfig, load_config
+from jaxcolossal.aot import hlo
+from jaxcolossal.config import ConfigError, LoraConfig, gib, load_config
+from jaxcolossal.metrics import flops_per_token
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.models import llama
+from jaxcolossal.models.hf_io import load_hf, save_hf, save_shared
 from jaxcolossal.models.layers.lora import adapter_shapes_and_axes, merge, merged_weights
+from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
+from jaxcolossal.plan.dry_run import dry_run
 from jaxcolossal.train.loop import memory_report, train
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
@@ -122,8 +127,6 @@ def test_peft_loads_our_adapters_with_the_same_logits(tmp_path):
     the merged weights through ``transformers`` give the same logits as well."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
-    from jaxcolossal.models.hf_io import load_hf, save_hf
-    from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
 
     base_model = _hf_llama(tmp_path / "hf")
     cfg, base = load_hf(tmp_path / "hf")
@@ -145,7 +148,7 @@ def test_peft_loads_our_adapters_with_the_same_logits(tmp_path):
     assert np.abs(ours - np.asarray(llama.forward(jax.tree.map(jnp.asarray, base), jnp.asarray(tokens), cfg))[..., :100]).max() > 1e-2
 
     save_hf(tmp_path / "merged", cfg, merged_weights(merge(base, adapters), cfg.lora))
-    import transformers
+    import transformers  # optional: transformers (the test extra)
     merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager").eval()
     with torch.no_grad():
         np.testing.assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), theirs, atol=1e-4, rtol=0)
@@ -159,11 +162,11 @@ def test_chat_sft_with_lora_from_hugging_face(tmp_path):
     the adapters (``model.lora.init_from``) at the first run's validation loss."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
-    import transformers
+    import transformers  # optional: transformers (the test extra)
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import convert_hf
-    import train_tokenizer
-    from test_chat_sft import _write_chat
+    import convert_hf  # heavy: from scripts/, put on sys.path by this test only
+    import train_tokenizer  # heavy: from scripts/, put on sys.path by this test only
+    from test_chat_sft import _write_chat  # heavy: another test module and its imports, for this test only
 
     corpus = _write_chat(tmp_path / "chat.jsonl", n=96)
     hf = tmp_path / "hf"
@@ -219,9 +222,6 @@ def test_lora_dropout_is_a_function_of_the_seed_and_step():
 def test_dry_run_counts_the_frozen_base_and_the_adapters_state():
     """``--dry-run`` of a LoRA config: the per-device params (frozen base + adapters), gradients and
     optimizer state equal those measured from the arrays of the built state."""
-    from jaxcolossal.config import gib
-    from jaxcolossal.plan.dry_run import dry_run
-
     cfg = load_config(TINY, ["model.lora.rank=8", "model.lora.targets=q,v,up"])
     text = dry_run(cfg, num_devices=8)
     plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()))
@@ -261,11 +261,6 @@ def test_lora_flops_are_4n_plus_6n_adapters(targets):
     """The compiled step's matmul FLOPs (:func:`jaxcolossal.aot.hlo.dot_flops`) drop from full training's
     by exactly what :func:`jaxcolossal.metrics.flops_per_token` says: the frozen weights lose their
     weight-gradient matmuls (6N -> 4N), the adapters add 6 FLOPs per parameter and token."""
-    from tiny import random_batches, setup
-
-    from jaxcolossal.aot import hlo
-    from jaxcolossal.metrics import flops_per_token
-
     def compiled_and_formula(model):
         cfg = tiny_config({"data_parallel_size": 1}, model=model)
         plan, _, state, step = setup(cfg, jax.devices()[:1])
@@ -281,8 +276,6 @@ def test_lora_flops_are_4n_plus_6n_adapters(targets):
 
 def test_exported_weights_are_readable_like_any_file_written(tmp_path):
     """safetensors writes through a 0600 temporary file; the exports get the process's usual mode."""
-    from jaxcolossal.models.hf_io import save_shared
-
     save_shared({"w": np.zeros((2, 2), np.float32)}, tmp_path / "w.safetensors")
     (tmp_path / "plain.txt").write_text("x")
     assert os.stat(tmp_path / "w.safetensors").st_mode & 0o777 == os.stat(tmp_path / "plain.txt").st_mode & 0o777

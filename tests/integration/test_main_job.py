@@ -43,7 +43,7 @@ def test_main_job_writes_metrics_and_sample(tmp_path, capsys):
     assert "['layers']['wq']" in printed and "per-device model state" in printed and "----- sample -----" in printed
 
     # TensorBoard: the same scalars, read back by tensorboard's own reader
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # optional: tensorboard
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

@@ -5,17 +5,23 @@ Qwen3-MoE from and to Hugging Face (logits against transformers to 1e-4, the rou
 and bad input refused before anything compiles."""
 
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import assert_params_match, run_steps, tiny_config
+from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
+from jaxcolossal.aot import hlo
 from jaxcolossal.config import ConfigError, ModelConfig, load_config, validate
 from jaxcolossal.models import llama
+from jaxcolossal.models.hf_io import load_hf, read_safetensors, save_hf
 from jaxcolossal.models.layers import moe
 from jaxcolossal.parallel.expert import routed_experts
+from jaxcolossal.plan.collectives import collective_bytes
+from jaxcolossal.plan.dry_run import dry_run
+from jaxcolossal.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs/llama_tiny.yaml")
@@ -136,7 +142,6 @@ def _randomized(model, torch):
 def test_hugging_face_moe_logits_and_round_trip(tmp_path, kind):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from jaxcolossal.models.hf_io import load_hf, read_safetensors, save_hf
 
     common = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, num_experts_per_tok=2, attn_implementation="eager")
@@ -183,11 +188,6 @@ def test_router_losses_follow_their_formulas():
 def test_all_to_all_bytes_equal_the_planners(overrides):
     """The compiled step's all-to-alls (per step, bytes each device sends) against the planner's
     :func:`jaxcolossal.plan.collectives.collective_bytes` for ``configs/mixtral_tiny.yaml``: within 5%."""
-    from tiny import random_batches, setup
-
-    from jaxcolossal.aot import hlo
-    from jaxcolossal.plan.collectives import collective_bytes
-
     cfg = load_config(os.path.join(ROOT, "configs/mixtral_tiny.yaml"), overrides + ["model.num_layers=2"])
     plan, _, state, step = setup(cfg)
     x = random_batches(cfg, 1)[0]
@@ -201,14 +201,10 @@ def test_mixtral_from_hugging_face_trains_and_exports(tmp_path):
     """``convert_hf.py --to-jax`` of a Mixtral saved by transformers, then the main job from it
     (``model.init_from``) with the experts over ep 2; ``--to-hf`` of the checkpoint loads back into
     ``MixtralForCausalLM``, whose logits equal ours on the exported weights (1e-4)."""
-    import sys
-
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import convert_hf
-
-    from jaxcolossal.train.loop import train
+    import convert_hf  # heavy: from scripts/, put on sys.path by this test only
 
     hf = tmp_path / "hf"
     torch.manual_seed(0)
@@ -229,7 +225,6 @@ def test_mixtral_from_hugging_face_trains_and_exports(tmp_path):
     assert type(back).__name__ == "MixtralForCausalLM"
     # the exported weights are the trained ones: their loss on a batch equals ours after training
     tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
-    from jaxcolossal.models.hf_io import load_hf
     c2, p2 = load_hf(tmp_path / "back")
     ours = np.asarray(llama.forward(jax.tree.map(jnp.asarray, p2), jnp.asarray(tokens), c2))[..., :256]
     with torch.no_grad():
@@ -265,8 +260,6 @@ def test_expert_parallel_in_a_pipeline_equals_the_same_microbatches_without_one(
 def test_dry_run_counts_mixtral_8x7b_as_published():
     """Mixtral-8x7B's shape: 46.7 B parameters, 12.9 B active per token (Jiang et al., 2024), one
     expert per device and layer over ep 8."""
-    from jaxcolossal.plan.dry_run import dry_run
-
     text = dry_run(load_config(os.path.join(ROOT, "configs/mixtral_8x7b.yaml")))
     assert "parameters 46,702,792,704 (46.70 B); 12,879,925,248 (12.88 B) active per token" in text
     assert "experts    8 of width 14336, top-2, in 32 layers (dropless); ep 8: 1 per device and layer" in text

@@ -4,15 +4,19 @@ Equivalence is bit for bit: the files hold the same fp32 bytes that host memory 
 update is the same streamed one. Crash safety: a step that dies in the middle of its writes leaves
 the previous step's generation whole and committed."""
 
+import collections
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 from tiny import run_steps, tiny_config
 
+import jaxcolossal.train.nvme as nvme
 from jaxcolossal.config import ConfigError, load_config, validate
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.loop import train
@@ -72,8 +76,6 @@ print("step 3 finished: the crash did not happen")
 def test_a_crash_in_the_middle_of_the_writes_leaves_the_previous_step_whole(tmp_path):
     """A process killed (SIGKILL) after five of step 3's shard files are written: step 2's
     generation is untouched, still the committed one, and reads back as the state at step 2."""
-    import subprocess
-    import sys
     nvme, want = tmp_path / "nvme", tmp_path / "step2.npz"
     code = CRASH_WORKER.format(tests=os.path.join(ROOT, "tests"), path=str(nvme), want=str(want))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -109,9 +111,6 @@ def test_nvme_settings_are_checked_before_compiling(tmp_path):
     with pytest.raises(ConfigError, match="offload_optim_frac is 0"):
         validate(_cfg({"data_parallel_size": 8}, None, nvme_path=str(tmp_path)))
     # a disk too small for both generations: refused with the bytes, before anything compiles
-    import collections
-
-    import jaxcolossal.train.nvme as nvme
     cfg = _cfg({"data_parallel_size": 8, "zero_stage": 3}, "bf16", offload_optim_frac=1.0, nvme_path=str(tmp_path / "n"))
     plan = make_plan(cfg, make_mesh(cfg.parallel))
     Usage = collections.namedtuple("Usage", "total used free")

@@ -7,16 +7,20 @@ Memory: per-device bytes by memory kind, read from each shard's ``sharding.memor
 docs/offload.md's formulas within 2%."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from tiny import assert_params_match, random_batches, run_steps, tiny_config
 
 from jaxcolossal import Booster, GeminiPlugin, LowLevelZeroPlugin
 from jaxcolossal.checkpoint import CheckpointManager
-from jaxcolossal.config import ConfigError, load_config
-from jaxcolossal.memory.budget import formula_bytes
+from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict, load_config
+from jaxcolossal.memory.budget import device_need, formula_bytes
 from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.models import LlamaForCausalLM
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
@@ -220,7 +224,6 @@ def test_too_big_is_refused_before_compiling_and_auto_fits():
     cfg = _cfg(Z3, "bf16")
     mesh = make_mesh(cfg.parallel)
     plan = make_plan(cfg, mesh)
-    from jaxcolossal.memory.budget import device_need
     need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, platform(plan.mesh))
     limit = int(need["total"] - 0.5 * need["state"])  # below the need without offload, above it with
     cfg.offload.device_memory_limit = str(limit)
@@ -264,14 +267,11 @@ def test_main_job_trains_under_auto_placement(tmp_path):
              f"logging.run_dir={tmp_path}/run"]
     cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), small)
     plan = make_plan(cfg, make_mesh(cfg.parallel))
-    from jaxcolossal.memory.budget import device_need
     need = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, platform(plan.mesh))
     limit = [f"offload.device_memory_limit={int(need['total'] - 0.4 * need['state'])}"]
     # the dry run plans with the GPU's memory terms, the run here with the CPU's: a budget below each
     gpu = device_need(plan.placement, cfg, plan.param_shapes, plan.specs, plan.mesh_shape, "gpu")
     gpu_limit = [f"offload.device_memory_limit={int(gpu['total'] - 0.4 * gpu['state'])}"]
-    import subprocess
-    import sys
     dry = subprocess.run([sys.executable, os.path.join(ROOT, "scripts/train.py"), "--config",
                           os.path.join(ROOT, "configs/llama_tiny.yaml"), "--dry-run", *small, *gpu_limit,
                           "offload.placement_policy=auto"], capture_output=True, text=True, timeout=120)
@@ -331,10 +331,6 @@ def test_resume_across_offload_settings_is_bit_exact(tmp_path):
 
 
 def test_plugins_offload():
-    import optax
-    from flax import nnx
-
-    from jaxcolossal.config import ModelConfig
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=128, max_position_embeddings=64)
     assert LowLevelZeroPlugin(stage=2, cpu_offload=True).offload.offload_optim_frac == 1.0
@@ -355,7 +351,6 @@ def test_bad_offload_values_are_refused():
                      ({"nvme_path": "/tmp/nvme"}, "offload_optim_frac is 0"),
                      ({"device_memory_limit": "lots"}, "expected a byte count"),
                      ({"placement_policy": "auto"}, "needs offload.device_memory_limit")]:
-        from jaxcolossal.config import config_from_dict
         with pytest.raises(ConfigError, match=msg):
             cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                               "num_key_value_heads": 2, "intermediate_size": 128},

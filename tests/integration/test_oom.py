@@ -7,6 +7,7 @@ import os
 import pytest
 from tiny import tiny_config
 
+import jaxcolossal.train.loop as loop
 from jaxcolossal.config import load_config
 from jaxcolossal.memory.budget import need
 from jaxcolossal.memory.oom import explain_oom, is_oom, oom_changes
@@ -38,8 +39,6 @@ def test_the_explanation_ranks_the_changes_that_lower_the_need():
 
 
 def test_the_main_job_explains_an_out_of_memory_compile(tmp_path, monkeypatch, capfd):
-    import jaxcolossal.train.loop as loop
-
     class Lowered:
         def compile(self, **options):
             raise OOM

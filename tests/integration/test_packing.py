@@ -16,6 +16,7 @@ import pytest
 from jaxcolossal.config import ConfigError, config_from_dict, load_config
 from jaxcolossal.data.loader import packing_fields
 from jaxcolossal.models import get_family
+from jaxcolossal.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LENGTHS = (7, 12, 9)
@@ -64,8 +65,6 @@ def test_packing_mask_config_checks():
 
 
 def test_main_job_trains_packed(tmp_path):
-    from jaxcolossal.train.loop import train
-
     cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [
         "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=64",
         "training.batch_size=16", "training.eval_batches=2", "training.sample_tokens=0", "logging.progress_bar=false",

@@ -6,13 +6,16 @@ measured from the arrays' shards on device 0; the gradient buffer from its ZeRO 
 """
 
 import math
+import os
 
 import jax
 import pytest
 from tiny import tiny_config
 
 from jaxcolossal import metrics as mx
+from jaxcolossal.config import load_config
 from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.train.loop import memory_report
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import BYTES_PER_PARAM, init_state, make_plan
 
@@ -38,11 +41,6 @@ def test_memory_matches_zero_formula(zero_stage, precision):
 def test_memory_report_formula_counts_pipeline_stages():
     """The printed table compares against Ψ per model-parallel rank: with pp 2 × tp 2 each device
     holds about a quarter of the layers' parameters before ZeRO (configs/llama_tiny_3d.yaml)."""
-    import os
-
-    from jaxcolossal.config import load_config
-    from jaxcolossal.train.loop import memory_report
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs", "llama_tiny_3d.yaml"))
     plan = make_plan(cfg, make_mesh(cfg.parallel))

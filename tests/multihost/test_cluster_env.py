@@ -9,12 +9,16 @@ device ids as JAX does; the last one runs real 2-process jobs on this machine wi
 detections and with our launchers.
 """
 import importlib
+import subprocess
 import sys
+import time
 
 import jax
 import pytest
 from jax._src import clusters
 from mh import REPO, clean_env, free_port, tagged_json
+
+from jaxcolossal.train.guard import StepWatchdog
 
 L = importlib.import_module("jaxcolossal.runtime.launch")  # the module (the package re-exports a function named launch)
 
@@ -134,9 +138,6 @@ def test_launch_passes_the_collective_timeout(env, calls):
 
 
 def test_step_watchdog_fires_and_stays_quiet(monkeypatch):
-    import time
-
-    from jaxcolossal.train.guard import StepWatchdog
     fired = []
     with StepWatchdog(0.3, process_index=1, on_timeout=fired.append) as wd:
         for _ in range(6):  # kicked every 0.1 s: no alarm
@@ -194,7 +195,6 @@ def _cluster_env(mode: str, rank: int, port: int) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["jax-slurm", "jax-ompi", "launch_from_slurm", "launch_from_openmpi"])
 def test_real_two_process_job_under_simulated_cluster(mode, tmp_path):
-    import subprocess
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, mode], env=_cluster_env(mode, r, port), cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

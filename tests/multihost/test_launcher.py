@@ -3,7 +3,12 @@
 The programs here do not import JAX, so these tests take seconds. The real training job under
 the launcher is in test_train_multiprocess.py, the JAX failure cases in test_failures.py.
 """
+import io
+import os
+import signal
+import subprocess
 import textwrap
+import time
 
 import pytest
 from mh import clean_env, launcher, run, tagged_json
@@ -101,7 +106,6 @@ def test_launcher_bounds_the_wait_after_a_clean_exit(tmp_path):
 @pytest.mark.timeout(60)
 def test_launcher_two_nodes_on_one_machine(tmp_path):
     # torchrun-style --nnodes/--node-rank: two launchers, 2 processes each, one coordinator port.
-    import subprocess
     prog = _script(tmp_path, "env_dump.py", ENV_DUMP)
     port = R.free_port()
     procs = []
@@ -158,10 +162,6 @@ def test_launcher_argument_errors(argv, message, capsys):
 
 @pytest.mark.timeout(60)
 def test_ctrl_c_to_the_launcher_stops_every_process(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import time
     prog = _script(tmp_path, "sleep.py", textwrap.dedent("""
         import os, time
         open(os.path.join(os.environ["OUT"], "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
@@ -200,7 +200,6 @@ class _Chunks:
 
 
 def test_terminal_gets_whole_lines_without_gloos_connection_lines():
-    import io
     gloo = b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
     chunks = [b"step 1: lo", gloo, b"ss 5.2\n", b"train:  50%\r", b"train: 100%\r", gloo + b"done"]
     log, term = io.BytesIO(), io.BytesIO()

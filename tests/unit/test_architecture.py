@@ -1,6 +1,6 @@
 """The house stays one-way: import-linter's contracts in pyproject.toml (layers, no model importing
 training code, no circle in any package), imports at the top of their files except heavy optional
-ones (each marked), and functions short enough to read."""
+ones (each marked; in the package, scripts/ and tests/), and functions short enough to read."""
 
 import ast
 import pathlib
@@ -18,6 +18,11 @@ def _trees():
         yield path.relative_to(ROOT), ast.parse(path.read_text())
 
 
+def _import_rule_files() -> list[pathlib.Path]:
+    """The files under the import rule: the package, ``scripts/*.py`` and ``tests/**/*.py``."""
+    return sorted([*PACKAGE.rglob("*.py"), *(ROOT / "scripts").glob("*.py"), *(ROOT / "tests").rglob("*.py")])
+
+
 def test_the_import_contracts_hold():
     # In its own process: import-linter configures logging with dictConfig, which disables every logger
     # that exists in the calling process (the project's included) for the rest of the test worker.
@@ -28,15 +33,22 @@ def test_the_import_contracts_hold():
 
 
 def test_imports_sit_at_the_top_except_marked_heavy_optional_ones():
-    lines = {}
+    """An import inside a function (or class, or ``if`` block) carries ``# heavy: why`` or
+    ``# optional: why`` on its line: a heavy or optional dependency, or one that must wait (a
+    script's jax until its ``main`` has set up the devices; a script a test puts on ``sys.path``).
+    The files are read with ``ast``, not imported."""
+    files = _import_rule_files()
+    assert {p.relative_to(ROOT).parts[0] for p in files} == {"jaxcolossal", "scripts", "tests"}
     late = []
-    for path, tree in _trees():
+    for path in files:
+        text = path.read_text()
+        lines, tree = text.splitlines(), ast.parse(text, filename=str(path))
         top = {id(n) for n in tree.body}
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
-                text = lines.setdefault(path, (ROOT / path).read_text().splitlines())[node.lineno - 1]
-                if not any(w in text for w in ("# heavy", "# optional")):
-                    late.append(f"{path}:{node.lineno}: {text.strip()}")
+                line = lines[node.lineno - 1]
+                if not any(w in line for w in ("# heavy", "# optional")):
+                    late.append(f"{path.relative_to(ROOT)}:{node.lineno}: {line.strip()}")
     assert not late, "function-local imports without a '# heavy' or '# optional' mark:\n" + "\n".join(late)
 
 

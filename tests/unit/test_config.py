@@ -1,10 +1,23 @@
 """Config loading and validation: every bad input gets a clear error before compilation."""
 
+import dataclasses
+import os
+import typing
+
 import pytest
 
-from jaxcolossal.config import ConfigError, ParallelConfig, config_from_dict, load_config, validate
+from jaxcolossal.config import (
+    RANGES,
+    Config,
+    ConfigError,
+    ParallelConfig,
+    all_keys,
+    config_from_dict,
+    load_config,
+    validate,
+)
 from jaxcolossal.parallel.mesh import make_mesh
-from jaxcolossal.plan import dry_run
+from jaxcolossal.plan import dp_gradient_bytes, dry_run
 
 
 def test_default_config_loads_and_overrides_apply():
@@ -94,8 +107,6 @@ def test_80_layer_example_validates_and_plans():
 
 def test_dry_run_names_the_gradient_communication():
     """The dry run's ``comm`` line: the reduction's kind, its options and the planner's bytes."""
-    from jaxcolossal.config import config_from_dict
-    from jaxcolossal.plan import dp_gradient_bytes
     base = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
                       "vocab_size": 256, "max_position_embeddings": 32},
             "training": {"batch_size": 8, "seq_len": 32, "adam_freeze_step": 10}}
@@ -113,11 +124,6 @@ def test_dry_run_names_the_gradient_communication():
 
 
 def _numeric_keys():
-    import dataclasses
-    import typing
-
-    from jaxcolossal.config import Config, all_keys
-
     out = {}
     for key in all_keys():
         ann = Config
@@ -130,8 +136,6 @@ def _numeric_keys():
 
 
 def test_every_numeric_key_has_a_range():
-    from jaxcolossal.config import RANGES
-
     assert set(_numeric_keys()) == set(RANGES)
 
 
@@ -139,8 +143,6 @@ def test_every_numeric_key_has_a_range():
 def test_sweep_zero_negative_nan_inf(key):
     """Each numeric key: values outside its range are refused by load_config naming the key; values
     inside it are accepted (or refused for another key's sake, never this one's)."""
-    from jaxcolossal.config import RANGES
-
     rng, ann = RANGES[key], _numeric_keys()[key]
     values = [0, -1, -2] + ([float("nan"), float("inf"), float("-inf")] if ann is float else [])
     for v in values:
@@ -176,8 +178,6 @@ def test_nonsense_values_named_by_key():
 
 
 def test_paths_expand_home_and_variables(monkeypatch):
-    import os
-
     monkeypatch.setenv("SCRATCH", "/scratch/me")
     cfg = config_from_dict({}, ["checkpoint.dir=~/ckpt", "logging.run_dir=$SCRATCH/runs",
                                 "model.init_from=${SCRATCH}/hf", "data.corpus=~/a/*.txt, $SCRATCH/b/**/*.jsonl"])

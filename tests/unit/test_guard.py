@@ -11,11 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import logging as absl_logging
+from tiny import random_batches, setup, tiny_config
 
 from jaxcolossal.config import PrecisionConfig, TrainingConfig
 from jaxcolossal.generate import printable
 from jaxcolossal.metrics import json_line
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StopSignals
+from jaxcolossal.train.loop import _quiet_console, _StepClock
 from jaxcolossal.train.optimizer import lr_schedule
 
 
@@ -89,8 +92,6 @@ def test_warmup_first_step_moves():
 
 
 def test_step_clock_leaves_out_pauses():
-    from jaxcolossal.train.loop import _StepClock
-
     clock = _StepClock(0)
     time.sleep(0.05)
     with clock.paused(None):
@@ -99,10 +100,6 @@ def test_step_clock_leaves_out_pauses():
 
 
 def test_orbax_metric_warning_stays_off_the_console(capsys):
-    from absl import logging as absl_logging
-
-    from jaxcolossal.train.loop import _quiet_console
-
     with _quiet_console():
         absl_logging.warning("Requested `tracked_metric`; did not provide metrics.")
     assert "tracked_metric" not in capsys.readouterr().err
@@ -112,8 +109,6 @@ def test_orbax_metric_warning_stays_off_the_console(capsys):
 def test_nonfinite_step_is_not_applied_in_bf16():
     """The same select runs in every precision (train/step.py); fp32 is exercised end to end by
     tests/integration/test_nothing_lost.py, fp16 by tests/integration/test_fused_adamw_zero.py."""
-    from tiny import random_batches, setup, tiny_config
-
     cfg = tiny_config({"data_parallel_size": 1}, precision="bf16", training={"learning_rate": 1e30})
     plan, _, state, step = setup(cfg, jax.devices()[:1])
     for i, x in enumerate(random_batches(cfg, 6)):

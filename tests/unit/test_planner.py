@@ -2,16 +2,38 @@
 Face config.json files, its best layout is one the config accepts and that fits, its memory
 model orders the ZeRO stages as the formulas do, and bad input gets a clear error."""
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
+from tiny import tiny_config
 
-from jaxcolossal.config import load_config, validate
-from jaxcolossal.plan import DEVICES, main, predict, search
+from jaxcolossal.aot import hlo
+from jaxcolossal.config import config_from_dict, load_config, validate
+from jaxcolossal.memory.activations import _input_free, residuals, step_peak
+from jaxcolossal.memory.budget import layout
+from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
+from jaxcolossal.plan import (
+    DEVICES,
+    SEED_TABLE,
+    collective_bytes,
+    collective_count,
+    compiled_flops,
+    main,
+    predict,
+    run_overrides,
+    search,
+)
+from jaxcolossal.train.optimizer import build_optimizer
+from jaxcolossal.train.state import abstract_state, make_plan
+from jaxcolossal.train.step import make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -130,17 +152,6 @@ def test_predicted_flops_equal_the_compiled_step(case):
     (GPipe with tp, 1F1B with remat, interleaved): the program's static count, every tick's
     compute branch, against the prediction over ``1 − bubble`` (the head's work counted in every
     tick of every stage), within 5% (measured: equal to the FLOP)."""
-    import jax
-    import jax.numpy as jnp
-    from tiny import tiny_config
-
-    from jaxcolossal.aot import hlo
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.plan import compiled_flops
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import abstract_state, make_plan
-    from jaxcolossal.train.step import make_train_step
-
     par, model, training = FLOP_CASES[case]
     cfg = tiny_config(parallel=par, model=model, training=dict(seq_len=64, batch_size=16, **training))
     plan = make_plan(cfg, make_mesh(cfg.parallel))
@@ -151,7 +162,6 @@ def test_predicted_flops_equal_the_compiled_step(case):
         assert hlo.dot_flops(text)["flops"] == pytest.approx(compiled_flops(cfg, 8), rel=0.01)
     else:  # the program counts every tick's compute, idle ticks too: the layers' work over 1 − bubble, and
         # the head's (which only the last stage runs, m times) in every tick of every stage
-        from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
         pp = cfg.parallel.pipeline_parallel_size
         sched = pipeline_schedule_for(cfg, pp)
         head = 6 * cfg.model.hidden_size * cfg.model.vocab_size * 16 * 64 / 8  # per device, as executed
@@ -198,17 +208,6 @@ def test_predicted_collective_bytes_per_kind_equal_the_compiled_step(case):
     the same kinds, each within 5%. The cases cover ZeRO 0–3, accumulation, tp 2/4, Megatron-SP
     with and without the TP collective matmul, GPipe, 1F1B and interleaved pipelines (three with
     tp), ring attention, Ulysses, fp8 communication, top-k and PowerSGD."""
-    import jax
-    import jax.numpy as jnp
-    from tiny import tiny_config
-
-    from jaxcolossal.aot import hlo
-    from jaxcolossal.parallel.mesh import make_mesh
-    from jaxcolossal.plan import collective_bytes
-    from jaxcolossal.train.optimizer import build_optimizer
-    from jaxcolossal.train.state import abstract_state, make_plan
-    from jaxcolossal.train.step import make_train_step
-
     par, precision, model, training = COMM_CASES[case]
     batch = 16 * training.get("gradient_accumulation_steps", 1)
     cfg = tiny_config(parallel=par, precision=precision, model=model,
@@ -227,7 +226,6 @@ def test_predicted_collective_bytes_per_kind_equal_the_compiled_step(case):
 def test_long_sequences_consider_ring_attention():
     """From 8k tokens the search adds ring attention over sp (no pipeline), and its layouts are ones
     the config accepts, with the sequence-parallel keys in their command line."""
-    from jaxcolossal.plan import run_overrides
     cfg = load_config(os.path.join(ROOT, "configs/bench/llama_1b.yaml"),
                       overrides=["training.micro_batch_size=0", "training.batch_size=8", "training.seq_len=8192"])
     layouts, _ = search(cfg, 8, DEVICES["h200"])
@@ -246,7 +244,6 @@ def test_seed_table_prints_each_published_row_beside_the_prediction(capsys):
     each with the planner's prediction for that layout, its error and the planner's own choice; 70B
     ZeRO-2 on 16 H200 is predicted not to fit (2Ψ of bf16 params alone is 140 GB per device); one
     efficiency constant for every row that fits keeps each within 15% of its published figure."""
-    from jaxcolossal.plan import SEED_TABLE, main
     assert main(["--seed-table"]) == 0
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
@@ -266,9 +263,8 @@ def test_benchmark_prints_the_planners_step_time_beside_the_measured_one():
     """scripts/benchmark.py (run by gpu_check.sh) adds the planner's prediction for the measured
     layout on a GPU it knows, and none on a CPU; a layout with more collectives pays more α."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import benchmark
+    import benchmark  # heavy: from scripts/, put on sys.path by this test only
 
-    from jaxcolossal.plan import collective_count
     preset = os.path.join(ROOT, "configs", "bench", "llama_1b.yaml")
     cfg = load_config(preset, ["training.micro_batch_size=2"])
     got = benchmark.planner_prediction(cfg, {"hardware": "NVIDIA H200", "num_devices": 1, "step_s_median": 2.0})
@@ -294,7 +290,7 @@ def test_predicted_peak_memory_is_within_10_percent_of_the_compiled_step(row):
     script's, and its worst error is above 10%: see docs/planner.md."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
-        from plan_vs_compiler import SWEEP, measure
+        from plan_vs_compiler import SWEEP, measure  # heavy: a script (XLA_FLAGS at import), on sys.path only here
     finally:
         sys.path.pop(0)
     model, par, prec, remat, k = SWEEP[row]
@@ -307,11 +303,6 @@ def test_traced_residuals_follow_the_remat_policy_and_the_layout():
     each remat policy saves less than the one before it, none more than ``none``; one layer's
     backward working set is the same under every policy; residuals grow with the microbatch and
     tensor parallelism divides the per-layer ones."""
-    from tiny import tiny_config
-
-    from jaxcolossal.memory.activations import residuals
-    from jaxcolossal.memory.budget import layout
-
     def res(policy, batch=2, tp=1, dtype="fp32"):
         cfg = tiny_config({"data_parallel_size": 8 // tp, "tensor_parallel_size": tp, "zero_stage": 0}, None,
                           model={"remat": policy}, training={"seq_len": 64, "batch_size": 16})
@@ -333,13 +324,6 @@ def test_residuals_made_from_the_shapes_alone_count_once_per_gpipe_step():
     """The causal mask and the rotary tables depend on neither the params nor the tokens
     (``const``): part of the head's residuals, the same for every batch, and counted once under
     GPipe, whose tick scan computes them outside the loop, not once per tick."""
-    import jax
-    import jax.numpy as jnp
-    from tiny import tiny_config
-
-    from jaxcolossal.memory.activations import _input_free, residuals, step_peak
-    from jaxcolossal.memory.budget import layout
-
     jaxpr = jax.make_jaxpr(lambda x: (x * 2, jnp.arange(4.0) + 1))(jnp.ones(4)).jaxpr
     assert [id(v) in _input_free(jaxpr) for v in jaxpr.outvars] == [False, True]
 
@@ -358,9 +342,6 @@ def test_a_shared_host_device_charges_only_the_bubble_that_computes():
     """Simulated devices share one host's cores: 1F1B's idle ticks are skipped and cost nothing,
     GPipe's compute on a placeholder and cost their work; ``memory_cost`` adds the predicted
     memory's bytes × the cost. On a GPU (the table's devices) every bubble costs its time."""
-    import dataclasses
-
-    from jaxcolossal.config import config_from_dict
     model = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 32}
 

@@ -26,7 +26,7 @@ def test_the_arena_and_its_peak_are_read_from_the_dump(tmp_path):
     temp = int(out.stdout.split()[-1])
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
-        import xla_buffers
+        import xla_buffers  # heavy: from scripts/, on sys.path only around this import
     finally:
         sys.path.pop(0)
     arena_path, range_path = xla_buffers.find_dump(str(tmp_path), "jit_step")

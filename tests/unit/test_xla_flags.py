@@ -1,11 +1,13 @@
 """``parallel.overlap`` / ``bucket_size_mb`` -> XLA's GPU flags (jaxcolossal.runtime.xla_flags): which
 flags, only the spellings this jaxlib accepts, the user's own XLA_FLAGS kept, nothing set off GPUs."""
 
+import os
+
 import pytest
 from tiny import tiny_config
 
 from jaxcolossal.runtime import xla_flags
-from jaxcolossal.config import ConfigError, validate
+from jaxcolossal.config import ConfigError, double_buffers_loops, validate
 
 
 def test_groups_per_setting():
@@ -18,7 +20,6 @@ def test_groups_per_setting():
 
 
 def test_double_buffering_only_under_zero3():
-    from jaxcolossal.config import double_buffers_loops
     assert [double_buffers_loops(tiny_config({"zero_stage": z})) for z in range(4)] == [False, False, False, True]
     assert not double_buffers_loops(tiny_config({"zero_stage": 3, "overlap": False}))
 
@@ -58,7 +59,6 @@ def test_the_users_flags_win_and_cpu_runs_get_none(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert not xla_flags.gpu_expected()
     assert xla_flags.apply(True, 64) == []
-    import os
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
