@@ -15,6 +15,7 @@ from jaxcolossal.booster import (
     TorchFSDPPlugin,
 )
 from jaxcolossal.config import Config, ConfigError, load_config
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.runtime.launch import (
     gpu_memory_fraction,
@@ -26,7 +27,6 @@ from jaxcolossal.runtime.launch import (
     set_seed,
     simulate_devices,
 )
-from jaxcolossal.parallel.mesh import make_mesh
 
 __version__ = "0.1.0"
 

@@ -48,8 +48,8 @@ def _setup(name, args, n, h, tmp):
     """Build, compile and warm up the train step for one setting."""
     import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
     from jaxcolossal.aot.hlo import host_io_bytes  # heavy: jax; main() sets devices first
+    from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
     from jaxcolossal.memory.budget import traffic  # heavy: jax; main() sets devices first
     from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
     from jaxcolossal.train.nvme import nvme_tier  # heavy: jax; main() sets devices first

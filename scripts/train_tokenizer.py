@@ -32,7 +32,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
 
 def texts(corpus: str, text_key: str):
     """Every text of the corpus: documents, or the contents of chat lines."""
-    from jaxcolossal.data.corpus import read_text, iter_json_lines, resolve_files  # heavy: jax; keeps this module light
+    from jaxcolossal.data.corpus import iter_json_lines, read_text, resolve_files  # heavy: jax; keeps this module light
 
     for path in resolve_files(corpus):
         if not path.lower().endswith((".jsonl", ".json")):

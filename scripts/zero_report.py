@@ -34,8 +34,8 @@ def measure(precision: str, zero: int, *, accum: int = 1, hidden: int = 256, lay
     """
     import jax  # heavy: jax; main() sets devices first
 
-    from jaxcolossal.aot import hlo  # heavy: jax; main() sets devices first
     from jaxcolossal import metrics as mx  # heavy: jax; main() sets devices first
+    from jaxcolossal.aot import hlo  # heavy: jax; main() sets devices first
     from jaxcolossal.config import config_from_dict  # heavy: jax; main() sets devices first
     from jaxcolossal.parallel.mesh import make_mesh  # heavy: jax; main() sets devices first
     from jaxcolossal.train.optimizer import build_optimizer  # heavy: jax; main() sets devices first

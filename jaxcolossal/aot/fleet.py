@@ -30,12 +30,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.aot import hlo
-from jaxcolossal.runtime import xla_flags
 from jaxcolossal.aot import gpu_schedule as schedule
+from jaxcolossal.aot import hlo
 from jaxcolossal.aot.target import Target, compile_only_devices, topology
 from jaxcolossal.config import Config, ConfigError, double_buffers_loops, validate
 from jaxcolossal.parallel.mesh import make_mesh, platform
+from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.platforms import fp8_refusal
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import abstract_state, make_plan

@@ -74,9 +74,9 @@ from jaxcolossal.config import (
     prefetches_weights,
     reduces_layerwise,
 )
-from jaxcolossal.parallel.mesh import data_size, entry_axes
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.models.layers.vocab import fused_pays
+from jaxcolossal.parallel.mesh import data_size, entry_axes
 from jaxcolossal.parallel.sharding import Sharder, is_shape, rules_for, state_specs
 
 

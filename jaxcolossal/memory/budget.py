@@ -25,11 +25,11 @@ import jax
 
 from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, parse_bytes
 from jaxcolossal.memory.activations import step_peak
-from jaxcolossal.parallel.mesh import mesh_shape as resolved_shape
-from jaxcolossal.parallel.mesh import platform
+from jaxcolossal.memory.placement import Placement, local_elements, make_placement
 from jaxcolossal.models import adapter_layout, param_layout
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
-from jaxcolossal.memory.placement import Placement, local_elements, make_placement
+from jaxcolossal.parallel.mesh import mesh_shape as resolved_shape
+from jaxcolossal.parallel.mesh import platform
 from jaxcolossal.parallel.sharding import is_shape, rules_for, state_specs
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable
 
 import jax
@@ -65,6 +66,31 @@ class Family:
     params_to_hf: Callable
     embedding: str
     init_from_keys: tuple
+
+
+MODEL_FUNCTIONS = ("padded_vocab_size", "param_shapes_and_axes", "init_params", "hidden_states", "head_weight",
+                   "forward", "head_loss", "loss_sum", "loss_and_stats", "pipeline_stages")
+"""The :class:`Family` fields that a family's ``model`` module defines under the same names."""
+
+HF_FUNCTIONS = ("config_from_hf", "config_to_hf", "params_from_hf", "params_to_hf")
+"""The :class:`Family` fields that a family's ``hf`` module defines under the same names."""
+
+
+def family_from(name: str, model: ModuleType, hf: ModuleType, module: type, embedding: str) -> Family:
+    """The :class:`Family` of a family folder: its ``model`` module's :data:`MODEL_FUNCTIONS`, its ``hf``
+    module's :data:`HF_FUNCTIONS` with ``ARCHITECTURES`` and ``INIT_FROM_KEYS``, the NNX ``module``
+    class and the name of its vocabulary-padded ``embedding``.
+
+    Raises:
+        TypeError: a function of the interface that the family does not define (named).
+    """
+    missing = [f"{m.__name__}.{f}" for m, names in ((model, MODEL_FUNCTIONS), (hf, HF_FUNCTIONS + ("ARCHITECTURES",
+               "INIT_FROM_KEYS"))) for f in names if not hasattr(m, f)]
+    if missing:
+        raise TypeError(f"model family {name!r} lacks {', '.join(missing)} (jaxcolossal.models.family.Family)")
+    return Family(name=name, module=module, **{f: getattr(model, f) for f in MODEL_FUNCTIONS},
+                  hf_architectures=hf.ARCHITECTURES, **{f: getattr(hf, f) for f in HF_FUNCTIONS},
+                  embedding=embedding, init_from_keys=hf.INIT_FROM_KEYS)
 
 
 def param_axes(model: nnx.Module) -> dict:

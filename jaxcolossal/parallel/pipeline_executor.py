@@ -90,9 +90,18 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, PP_AXIS, SP_AXIS, ZERO_AXIS, entry_axes
 from jaxcolossal.parallel.layer_scan import scan_chunk, scan_layers
-from jaxcolossal.parallel.pipeline_schedule import CHUNK, FIRST, LAST, MB, SLOT, VALID, PipelineSchedule, pipeline_schedule_for
+from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, PP_AXIS, SP_AXIS, ZERO_AXIS, entry_axes
+from jaxcolossal.parallel.pipeline_schedule import (
+    CHUNK,
+    FIRST,
+    LAST,
+    MB,
+    SLOT,
+    VALID,
+    PipelineSchedule,
+    pipeline_schedule_for,
+)
 from jaxcolossal.parallel.sequence import zigzag_batch, zigzag_order
 from jaxcolossal.parallel.sharding import Sharder, is_spec
 

@@ -12,11 +12,11 @@ import jax
 
 from jaxcolossal.config import BYTES_PER_PARAM, WIRE_BYTES, Config, prefetches_weights, weight_gather_dtype
 from jaxcolossal.memory.budget import layout
+from jaxcolossal.memory.placement import local_elements
 from jaxcolossal.metrics import param_count
 from jaxcolossal.models import adapter_layout, get_family, param_layout
 from jaxcolossal.parallel.compression import powersgd_views, powersgd_wire, wire_bytes
 from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
-from jaxcolossal.memory.placement import local_elements
 
 
 def ring_factor(n: int) -> float:

@@ -17,8 +17,8 @@ from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
 from jaxcolossal.parallel.compression import check_powersgd
 from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
-from jaxcolossal.plan.collectives import dp_gradient_bytes
 from jaxcolossal.parallel.sharding import is_shape, shard_bytes
+from jaxcolossal.plan.collectives import dp_gradient_bytes
 
 
 @dataclass(frozen=True)

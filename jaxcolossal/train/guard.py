@@ -28,12 +28,12 @@ from collections.abc import Callable
 
 import jax
 
-from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.errors import StoppedError
-from jaxcolossal.runtime.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, backend_started
 from jaxcolossal.memory.budget import device_limit
 from jaxcolossal.memory.oom import explain_oom as explain
 from jaxcolossal.memory.oom import is_oom
+from jaxcolossal.runtime.dist_logger import get_dist_logger
+from jaxcolossal.runtime.launch import COLLECTIVE_TIMEOUT_ENV, WATCHDOG_EXIT_CODE, backend_started
 
 EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}
 """Exit status after a signal-triggered save, ``128 + signal number``, as schedulers expect."""

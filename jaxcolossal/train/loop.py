@@ -30,22 +30,22 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jaxcolossal import metrics as mx
-from jaxcolossal.runtime import xla_flags
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
 from jaxcolossal.config import Config, ConfigError, double_buffers_loops
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.data.chat import generation_prompt, load_chat
-from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.generate import printable, sample_tokens
-from jaxcolossal.runtime.launch import collective_timeout
 from jaxcolossal.memory.budget import formula_bytes
-from jaxcolossal.parallel.mesh import make_mesh, platform
+from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
 from jaxcolossal.models.hf_io import check_init_from, init_params_from
 from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
-from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
-from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
+from jaxcolossal.parallel.layer_scan import fetch_layer
+from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape, shard_bytes
+from jaxcolossal.runtime import xla_flags
+from jaxcolossal.runtime.dist_logger import get_dist_logger
+from jaxcolossal.runtime.launch import collective_timeout
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals, explain_oom
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule

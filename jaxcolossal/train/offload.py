@@ -18,8 +18,8 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.models.layers.lora import merge
 from jaxcolossal.memory.placement import DEVICE, HOST
+from jaxcolossal.models.layers.lora import merge
 from jaxcolossal.parallel.sharding import constrain
 from jaxcolossal.train.optimizer import optimizer_parts
 

@@ -33,14 +33,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, ConfigError, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
 from jaxcolossal.memory.budget import resolve
-from jaxcolossal.parallel.mesh import DATA_AXES, data_size, platform
+from jaxcolossal.memory.placement import Placement, place_state
 from jaxcolossal.models import adapter_layout, get_family, param_layout
 from jaxcolossal.models.layers.lora import init_adapters, merge
 from jaxcolossal.optim.loss_scale import LossScaleState, scaler_init
 from jaxcolossal.parallel.compression import check_powersgd, powersgd_init, powersgd_specs, powersgd_views
-from jaxcolossal.memory.placement import Placement, place_state
-from jaxcolossal.runtime.platforms import fp8_refusal
+from jaxcolossal.parallel.mesh import DATA_AXES, data_size, platform
 from jaxcolossal.parallel.sharding import Sharder, StateSpecs, named, rules_for, state_specs
+from jaxcolossal.runtime.platforms import fp8_refusal
 
 
 @struct.dataclass

@@ -51,17 +51,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import prefetches_weights, reduces_layerwise, weight_gather_dtype
-from jaxcolossal.parallel.mesh import DATA_AXES, platform
 from jaxcolossal.models.layers import moe
 from jaxcolossal.models.layers.lora import merge
-from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.parallel.compression import lowp_reduce, powersgd_reduce, topk_reduce
+from jaxcolossal.parallel.layer_scan import fetch_layer
+from jaxcolossal.parallel.mesh import DATA_AXES, platform
+from jaxcolossal.parallel.pipeline_executor import make_pipeline_grad_fn
 from jaxcolossal.parallel.sequence import zigzag_batch
 from jaxcolossal.parallel.sharding import constrain
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
-from jaxcolossal.parallel.pipeline_executor import make_pipeline_grad_fn
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
 
 Metrics = dict

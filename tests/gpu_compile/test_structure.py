@@ -9,8 +9,7 @@ import re
 import pytest
 from tiny import TINY_MODEL, TINY_TRAINING, tiny_config
 
-from jaxcolossal.aot import fleet, hlo, target
-from jaxcolossal.aot import report
+from jaxcolossal.aot import fleet, hlo, report, target
 from jaxcolossal.aot.fleet import memory_kinds_supported
 from jaxcolossal.aot.target import compile_only_devices
 from jaxcolossal.config import ConfigError

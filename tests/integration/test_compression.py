@@ -20,7 +20,6 @@ from tiny import assert_params_match, random_batches, run_steps, setup, tiny_con
 from jaxcolossal.aot import hlo
 from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, validate
-from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.parallel.compression import (
     lowp_reduce,
     orthonormalize,
@@ -30,9 +29,10 @@ from jaxcolossal.parallel.compression import (
     topk_reduce,
     wire_bytes,
 )
+from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.parallel.sharding import DATA_AXES, one_layer_specs, shard_bytes
 from jaxcolossal.parallel.wire import WIRE_BYTES, decode, encode, gather_lowp
 from jaxcolossal.plan import dp_gradient_bytes
-from jaxcolossal.parallel.sharding import DATA_AXES, one_layer_specs, shard_bytes
 from jaxcolossal.train.loop import memory_report
 from jaxcolossal.train.state import make_plan, powersgd_views_of
 

@@ -23,9 +23,9 @@ pytest.importorskip("safetensors")
 from jaxcolossal.checkpoint import CheckpointManager  # noqa: E402
 from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
 from jaxcolossal.data import eval_batches, get_tokenizer, load_splits  # noqa: E402
-from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
 from jaxcolossal.models import get_family, gpt2  # noqa: E402
 from jaxcolossal.models.hf_io import config_from_hf, init_params_from, load_hf, read_special_tokens, save_hf  # noqa: E402
+from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
 from jaxcolossal.train.loop import train  # noqa: E402
 from jaxcolossal.train.optimizer import build_optimizer  # noqa: E402
 from jaxcolossal.train.state import init_state, make_plan  # noqa: E402

@@ -17,9 +17,9 @@ from tiny import assert_params_match, run_steps, tiny_config
 
 from jaxcolossal.aot import hlo
 from jaxcolossal.config import config_from_dict
-from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.models import llama
 from jaxcolossal.models.layers import vocab
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.parallel.sharding import Sharder
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -17,11 +17,11 @@ from tiny import assert_params_match, random_batches, resumed_and_uninterrupted,
 from jaxcolossal.aot import hlo
 from jaxcolossal.config import ConfigError, LoraConfig, gib, load_config
 from jaxcolossal.metrics import flops_per_token
-from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.models import llama
 from jaxcolossal.models.hf_io import load_hf, save_hf, save_shared
 from jaxcolossal.models.layers.lora import adapter_shapes_and_axes, merge, merged_weights
 from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan.dry_run import dry_run
 from jaxcolossal.train.loop import memory_report, train
 from jaxcolossal.train.optimizer import build_optimizer

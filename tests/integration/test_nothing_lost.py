@@ -19,8 +19,8 @@ import pytest
 
 from jaxcolossal.checkpoint import CheckpointManager, CheckpointMismatchError, step_dirs
 from jaxcolossal.config import ConfigError, load_config
-from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.models.hf_io import load_hf
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train import loop
 from jaxcolossal.train.guard import NonFiniteError
 from jaxcolossal.train.optimizer import build_optimizer

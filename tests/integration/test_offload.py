@@ -21,9 +21,9 @@ from jaxcolossal import Booster, GeminiPlugin, LowLevelZeroPlugin
 from jaxcolossal.checkpoint import CheckpointManager
 from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict, load_config
 from jaxcolossal.memory.budget import device_need, formula_bytes
-from jaxcolossal.parallel.mesh import make_mesh, platform
-from jaxcolossal.models import LlamaForCausalLM
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
+from jaxcolossal.models import LlamaForCausalLM
+from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.parallel.sharding import shard_bytes
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier

@@ -16,9 +16,9 @@ import pytest
 from tiny import assert_params_match, random_batches, run_steps, setup, tiny_config
 
 from jaxcolossal.aot import hlo
+from jaxcolossal.aot.hlo import collective_totals
 from jaxcolossal.config import ConfigError, validate
 from jaxcolossal.data.loader import packing_fields
-from jaxcolossal.aot.hlo import collective_totals
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.parallel.sequence import zigzag_order
 from jaxcolossal.train.state import make_plan

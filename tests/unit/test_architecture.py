@@ -4,9 +4,9 @@ ones (each marked; in the package, scripts/ and tests/), and functions short eno
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
-import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "jaxcolossal"
@@ -67,7 +67,8 @@ def _chain(text: str) -> list[str]:
 
 
 def test_readme_and_design_chains_equal_the_layers_contract():
-    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    block = re.search(r'type = "layers"\nlayers = \[(.*?)\]', (ROOT / "pyproject.toml").read_text(), re.S).group(1)
+    layers = re.findall(r'"([^"]+)"', block)  # the first contract's layers, top first
     bottom_up = [layer.split("|")[0].strip().removeprefix("jaxcolossal.") for layer in reversed(layers)]
     assert _chain((ROOT / "README.md").read_text()) == bottom_up
     assert _chain((ROOT / "docs" / "design.md").read_text()) == bottom_up

@@ -6,8 +6,8 @@ import os
 import pytest
 from tiny import tiny_config
 
-from jaxcolossal.runtime import xla_flags
 from jaxcolossal.config import ConfigError, double_buffers_loops, validate
+from jaxcolossal.runtime import xla_flags
 
 
 def test_groups_per_setting():

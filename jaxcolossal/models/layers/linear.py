@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from jaxcolossal.parallel.collective_matmul import operands, all_gather_matmul, matmul_reduce_scatter
+from jaxcolossal.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter, operands
 
 
 def project(eq: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:

@@ -1,0 +1,38 @@
+"""The model-family interface: every registered family fills every field of
+:class:`jaxcolossal.models.family.Family`, and a family folder that lacks a function of the
+interface is refused by name when its record is built."""
+
+import dataclasses
+import types
+
+import pytest
+
+from jaxcolossal.config import ModelConfig
+from jaxcolossal.models import FAMILIES, get_family
+from jaxcolossal.models.family import HF_FUNCTIONS, MODEL_FUNCTIONS, Family, family_from
+from jaxcolossal.models.llama import hf, model
+
+
+def test_every_registered_family_fills_the_interface():
+    assert sorted(FAMILIES) == ["gpt2", "llama"]
+    for name, fam in FAMILIES.items():
+        assert fam.name == name
+        for f in MODEL_FUNCTIONS + HF_FUNCTIONS:
+            assert callable(getattr(fam, f)), (name, f)
+        assert fam.hf_architectures and all(isinstance(a, str) for a in fam.hf_architectures.values())
+    assert {f.name for f in dataclasses.fields(Family)} == {
+        "name", "module", "hf_architectures", "embedding", "init_from_keys", *MODEL_FUNCTIONS, *HF_FUNCTIONS}
+
+
+def test_a_family_lacking_a_function_is_refused_by_name():
+    partial = types.ModuleType("jaxcolossal.models.mistral.model")
+    for f in MODEL_FUNCTIONS:
+        if f != "pipeline_stages":
+            setattr(partial, f, getattr(model, f))
+    with pytest.raises(TypeError, match=r"'mistral' lacks jaxcolossal\.models\.mistral\.model\.pipeline_stages"):
+        family_from("mistral", partial, hf, object, embedding="embed_tokens")
+
+
+def test_get_family_refuses_an_unknown_type():
+    with pytest.raises(Exception, match=r"model.type='mistral': allowed values are \['gpt2', 'llama'\]"):
+        get_family(dataclasses.replace(ModelConfig(), type="mistral"))
