@@ -172,7 +172,8 @@ def predict(cfg: Config, num_devices: int, device: Device, efficiency: float = 0
     def bw(span):  # within a node, or across nodes
         return device.intra_bw if span <= device.per_node else device.inter_bw
 
-    span = {"tp": tp, "sp": sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost, then sp, dp, pp
+    ep = rp.expert_parallel_size  # the experts' all-to-all: ep sits inside the data group, outside sp and tp
+    span = {"tp": tp, "sp": sp * tp, "ep": ep * sp * tp, "dp": dp * sp * tp, "pp": num_devices}  # tp innermost
     comm = sum(b / bw(span[axis]) for axis, b in terms["bytes"]) + terms["collectives"] * device.latency
     step = compute + comm
     model_flops = fpt * tokens / num_devices

@@ -26,6 +26,7 @@ from jaxcolossal.plan import (
     collective_bytes,
     collective_count,
     compiled_flops,
+    cost_terms,
     main,
     predict,
     run_overrides,
@@ -362,3 +363,20 @@ def test_a_shared_host_device_charges_only_the_bubble_that_computes():
     touched = flat.need["total"] + flat.need["grads"]
     assert costly.compute_s - flat.compute_s == pytest.approx(touched * 1e-9, rel=1e-9)
     assert flat.need["total"] > flat.need["activations"] > 0
+
+
+def test_an_moe_configs_expert_all_to_all_is_priced_over_ep_times_sp_times_tp():
+    # the planner once raised KeyError: 'ep' on every mixture of experts with ep > 1; the experts'
+    # all-to-all spans ep·sp·tp devices (the mesh is (pp, dp, fsdp, ep, sp, tp)): within a node of 4
+    # at ep 2 × tp 2, across nodes when a node holds 2
+    cfg = load_config("configs/mixtral_tiny.yaml")
+    terms = cost_terms(cfg, 8, False, "gpu")
+    ep_bytes = sum(b for axis, b in terms["bytes"] if axis == "ep")
+    assert ep_bytes > 0
+    node4 = dataclasses.replace(DEVICES["h200"], per_node=4)
+    node2 = dataclasses.replace(DEVICES["h200"], per_node=2)
+    dp_tp = [(a, b) for a, b in terms["bytes"] if a != "ep"]
+    assert all(a in ("dp", "tp") for a, _ in dp_tp)
+    # tp (2) stays within a node of 2 and of 4; dp (8) crosses both; only ep's span (4) tells the two apart
+    extra = predict(cfg, 8, node2).comm_s - predict(cfg, 8, node4).comm_s
+    assert extra == pytest.approx(ep_bytes / node2.inter_bw - ep_bytes / node2.intra_bw, rel=1e-9)
