@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -149,16 +150,49 @@ def _lora_line(plan: TrainPlan, got: dict, n: int, b: dict) -> str:
 # ----------------------------------------------------------------------------- preflight
 
 
+OUTPUT_DIR_EXAMPLES = {"checkpoint.dir": "checkpoints/run1", "logging.run_dir": "runs/default"}
+"""A value that works for each output folder key, for its refusal (relative: under the working directory)."""
+
+
+def check_output_dir(key: str, path: str) -> None:
+    """Refuse a folder the run would write (``key``, e.g. ``checkpoint.dir``) when it cannot be
+    created: a file in its way, or a nearest existing folder where nothing can be created
+    (permissions, a read-only or virtual file system such as ``/proc``). Checked by creating and
+    at once removing an empty probe folder in the nearest existing one: nothing is left behind.
+
+    Raises:
+        ConfigError: ``checkpoint.dir='a.jsonl/ck': cannot create it: a.jsonl is a file; ...``.
+    """
+    head = os.path.abspath(path)
+    while not os.path.exists(head) and os.path.dirname(head) != head:  # the nearest part that exists
+        head = os.path.dirname(head)
+    shown = head if os.path.isabs(path) else os.path.relpath(head)
+    fix = f"set {key} to a folder that can be created, e.g. {key}={OUTPUT_DIR_EXAMPLES.get(key, 'out')}"
+    if not os.path.isdir(head):
+        raise ConfigError(f"{key}={path!r}: cannot create it: {shown} is a file; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxcolossal-probe-", dir=head))
+    except OSError as e:
+        raise ConfigError(f"{key}={path!r}: cannot create it: nothing can be created in {shown} "
+                          f"({e.strerror}); {fix}") from None
+
+
 def preflight(cfg: Config) -> None:
     """Every check that needs the file system, before anything is compiled.
 
     Raises:
-        ConfigError: one line naming the key: ``model.init_from`` missing or not matching;
+        ConfigError: one line naming the key: ``checkpoint.dir`` or (on process 0, which writes it)
+            ``logging.run_dir`` that cannot be created (:func:`check_output_dir`);
+            ``model.init_from`` missing or not matching;
             ``model.vocab_size`` below the tokenizer's ids; ``training.resume=true`` with a
             ``checkpoint.dir`` that holds no step; a fresh run into a ``checkpoint.dir`` that
             holds steps, without ``checkpoint.overwrite``.
     """
     m, t, c = cfg.model, cfg.training, cfg.checkpoint
+    if c.dir:
+        check_output_dir("checkpoint.dir", c.dir)
+    if jax.process_index() == 0:  # the only process that writes the run folder (_start)
+        check_output_dir("logging.run_dir", cfg.logging.run_dir)
     if m.init_from:
         check_init_from(m)
     if m.lora.init_from:  # a PEFT adapter to continue: its rank, alpha and targets are the run's

@@ -70,3 +70,18 @@ def test_resume_with_another_model_size_is_a_config_error(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     _one_line(_cli(tmp_path, ckpt, "training.resume=true", "training.max_steps=4", "model.intermediate_size=96"),
               2, "config error", "model.intermediate_size: saved 128, now 96")
+
+
+@pytest.mark.parametrize("key, under, why", [
+    ("checkpoint.dir", "a.jsonl/ck", "a.jsonl is a file"),
+    ("logging.run_dir", "a.jsonl/run", "a.jsonl is a file"),
+    ("checkpoint.dir", "/proc/nope", "nothing can be created in /proc"),
+])
+def test_output_folder_that_cannot_be_created_is_a_config_error(tmp_path, key, under, why):
+    # issue 45 item 7: a traceback (exit 1), or for /proc a data error naming no key after compiling
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    path = under if os.path.isabs(under) else str(tmp_path / under)
+    if os.path.isabs(under) and not os.path.isdir(os.path.dirname(under)):
+        pytest.skip(f"{os.path.dirname(under)} does not exist here")
+    _one_line(_cli(tmp_path, f"{key}={path}"), 2, "config error",
+              f"{key}={path!r}: cannot create it: " + (f"{tmp_path}/{why}" if not os.path.isabs(under) else why))
