@@ -17,10 +17,12 @@ from jaxcolossal.config.checks import RANGES, Range, check_ranges, validate
 from jaxcolossal.config.derived import (
                                         BYTES_PER_PARAM,
                                         COMPUTE_DTYPES,
+                                        FP8_RECIPE,
                                         WIRE_BYTES,
                                         attention_kernel,
                                         double_buffers_loops,
                                         pipeline_microbatches,
+                                        precision_label,
                                         prefetches_weights,
                                         reduces_layerwise,
                                         weight_gather_dtype,
@@ -54,10 +56,11 @@ from jaxcolossal.config.schema import (
 from jaxcolossal.errors import ConfigError
 
 __all__ = [
-    "ALIASES", "BYTES_PER_PARAM", "COMPUTE_DTYPES", "PATH_KEYS", "RANGES", "WIRE_BYTES", "Bytes", "CheckpointConfig",
+    "ALIASES", "BYTES_PER_PARAM", "COMPUTE_DTYPES", "FP8_RECIPE", "PATH_KEYS", "RANGES", "WIRE_BYTES", "Bytes", "CheckpointConfig",
     "attention_kernel", "config_help", "config_reference_markdown", "double_buffers_loops", "field_docs",
     "Config", "ConfigError", "DataConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OffloadConfig", "ParallelConfig",
     "PrecisionConfig", "Range", "TrainingConfig", "all_keys", "check_ranges", "config_from_dict", "expand_path",
-    "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "pipeline_microbatches", "prefetches_weights",
+    "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "pipeline_microbatches", "precision_label",
+    "prefetches_weights",
     "reduces_layerwise", "validate", "weight_gather_dtype",
 ]

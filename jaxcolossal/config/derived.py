@@ -1,5 +1,5 @@
 """Pure functions of the config that several stages need: the bytes per parameter of each
-precision, the compute dtype, the pipeline's microbatches, and which path the train step takes
+precision and its label in the logs, the compute dtype, the pipeline's microbatches, and which path the train step takes
 (the layer-wise gradient reduction, ZeRO-3's weight prefetch, a narrower weight gather, the
 attention kernel)."""
 
@@ -37,6 +37,17 @@ gradients (always fp32), ``K`` the optimizer state with any fp32 master copy (do
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 """Bytes per element of each ``parallel.communication_dtype``."""
+
+FP8_RECIPE = "fp8 projections (e4m3/e5m2, current scaling)"
+"""What ``precision.fp8`` adds, as the logs say it: the layers' projections in FP8, activations and
+weights in e4m3 and gradients in e5m2, each scaled by its own amax in the step that uses it."""
+
+
+def precision_label(cfg: Config) -> str:
+    """The run's precision as the start-up log and the dry run print it: ``precision.mode``
+    (``fp32``, ``bf16``, ``fp16``), plus :data:`FP8_RECIPE` when ``precision.fp8`` is on, e.g.
+    ``bf16 + fp8 projections (e4m3/e5m2, current scaling)``. Raises nothing."""
+    return cfg.precision.mode + (f" + {FP8_RECIPE}" if cfg.precision.fp8 else "")
 
 
 def reduces_layerwise(cfg: Config) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, validate, weight_gather_dtype
+from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, precision_label, validate, weight_gather_dtype
 from jaxcolossal.memory.activations import describe
 from jaxcolossal.memory.budget import device_need, layout, lora_layout, resolve
 from jaxcolossal.metrics import flops_per_token, param_count
@@ -88,7 +88,7 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
         f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
         f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)" + _experts_line(cfg, shape, n),
         f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × ep × sp × tp)",
-        f"precision  {cfg.precision.mode}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
+        f"precision  {precision_label(cfg)}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
         f"total {gib(params + grads + opt)}"
         + (f"\nLoRA       rank {lora.rank} on {', '.join(lora.target_list)}: "

@@ -32,7 +32,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
-from jaxcolossal.config import Config, ConfigError, double_buffers_loops
+from jaxcolossal.config import Config, ConfigError, double_buffers_loops, precision_label
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.data.chat import generation_prompt, load_chat
 from jaxcolossal.generate import printable, sample_tokens
@@ -370,7 +370,7 @@ def _run_line(cfg: Config, plan: TrainPlan, mesh) -> str:
     config switches on (sequence parallelism, attention, prefetch, collective matmul, compression)."""
     t = cfg.training
     return (f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} device(s), "
-             f"{jax.process_count()} process(es); precision {plan.precision}; "
+             f"{jax.process_count()} process(es); precision {precision_label(cfg)}; "
              f"zero_stage {cfg.parallel.zero_stage}"
              + (f"; sequence parallelism {cfg.parallel.sequence_parallelism_mode}"
                 if cfg.parallel.sequence_parallelism_mode != "none" else "")
