@@ -193,6 +193,9 @@ def _check_data(cfg: Config) -> None:
     if d.packing_mask and d.format == "chat":
         raise ConfigError("data.packing_mask=true applies to the pre-training formats, not data.format=chat "
                           "(a chat row holds one conversation)")
+    if d.skip_long_examples and d.format != "chat":
+        raise ConfigError(f"data.skip_long_examples=true applies to data.format=chat, not {d.format} "
+                          "(pre-training windows are cut from one stream, never too long)")
     if d.format in ("parquet", "datasets", "jsonl") and d.corpus == "stdlib":
         raise ConfigError(f"data.format={d.format} needs data.corpus: the files (or, for datasets, "
                           "the saved folder) to read")

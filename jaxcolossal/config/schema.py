@@ -605,6 +605,12 @@ class DataConfig:
     the target that crosses one is not trained on (:func:`jaxcolossal.data.loader.packing_fields`).
     Pre-training formats only; needs ``model.attention_impl`` ``xla`` or ``flash``, and no pipeline
     parallelism."""
+    skip_long_examples: bool = False
+    """``format=chat`` only. ``false`` (the default): a conversation with no response token left within
+    ``training.seq_len`` tokens (its prompt alone fills the window) stops the run, naming its file and
+    line. ``true``: such conversations are dropped, and the log says how many and where (the first few
+    ``file:line``); the others are kept as they are, in the same order. A conversation whose response is
+    only partly cut is kept either way (counted as cut)."""
 
 
 @dataclass

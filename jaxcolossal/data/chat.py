@@ -7,9 +7,11 @@
 
 Each conversation becomes one row of ``seq_len + 1`` tokens: the rendered text, cut at
 ``seq_len + 1`` tokens (counted and reported), padded with the tokenizer's end-of-text id (0 for
-the byte tokenizer). The loss mask is 1 exactly on the targets that are assistant tokens
-(including the end-of-text that closes each assistant turn, so the model learns to stop), 0 on
-system/user turns, role headers and padding: only the responses are trained on.
+the byte tokenizer). A conversation whose responses all fall beyond ``seq_len`` is refused, or
+dropped and counted with ``data.skip_long_examples``. The loss mask is 1 exactly on the targets
+that are assistant tokens (including the end-of-text that closes each assistant turn, so the
+model learns to stop), 0 on system/user turns, role headers and padding: only the responses are
+trained on.
 
 Rendering: a Hugging Face tokenizer whose ``tokenizer_config.json`` has a ``chat_template`` is
 rendered with that Jinja template (``jinja2``, as ``transformers`` does), segment by segment: the
@@ -41,13 +43,15 @@ class ChatData:
     ``[N, seq_len]`` aligned with the targets ``examples[:, 1:]``; ``truncated``: rows cut to fit;
     ``prompts``: each conversation's rendered text before its first response (what a model is
     asked to continue: the chat template's generation prompt included); ``files``: how many
-    files were read."""
+    files were read; ``skipped``: the ``file:line`` of each conversation dropped because no
+    response token was left within ``seq_len`` (``data.skip_long_examples``), in file order."""
 
     examples: np.ndarray
     masks: np.ndarray
     truncated: int
     prompts: list = field(default_factory=list)
     files: int = 0
+    skipped: list = field(default_factory=list)
 
     def split(self, val_fraction: float) -> tuple["ChatData", "ChatData"]:
         """The last ``ceil(N · val_fraction)`` rows (at least one when ``val_fraction > 0`` and
@@ -55,7 +59,8 @@ class ChatData:
         n = len(self.examples)
         k = 0 if val_fraction <= 0 or n < 2 else max(1, int(np.ceil(n * val_fraction)))
         cut = n - k
-        return (ChatData(self.examples[:cut], self.masks[:cut], self.truncated, self.prompts[:cut], self.files),
+        return (ChatData(self.examples[:cut], self.masks[:cut], self.truncated, self.prompts[:cut], self.files,
+                         self.skipped),
                 ChatData(self.examples[cut:], self.masks[cut:], 0, self.prompts[cut:], self.files))
 
 
@@ -140,39 +145,56 @@ def generation_prompt(messages: list[dict], tokenizer) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
+def _render_row(segments, tokenizer, seq_len: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """``(tokens, trained, prompt_len, cut)`` of one conversation's segments: the token ids and
+    their 0/1 trained flags, cut to ``seq_len + 1`` tokens (``cut``: whether they were), and the
+    number of tokens before the first trained one (all of them when none is trained)."""
+    ids = [tokenizer.encode(text).astype(np.int64) for text, _ in segments]
+    flags = [np.full(len(i), trained, np.float32) for i, (_, trained) in zip(ids, segments)]
+    tokens, trained = np.concatenate(ids), np.concatenate(flags)
+    prompt_len = int(np.argmax(trained > 0)) if trained.any() else len(tokens)
+    cut = len(tokens) > seq_len + 1
+    if cut:
+        tokens, trained = tokens[: seq_len + 1], trained[: seq_len + 1]
+    return tokens, trained, prompt_len, cut
+
+
 def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
     """Read ``data_cfg.corpus`` (JSON-lines globs) as conversations and render them (module doc).
 
+    A conversation with no response token left within ``seq_len`` tokens is an error, or, with
+    ``data_cfg.skip_long_examples`` true, is dropped and its ``file:line`` listed in
+    :attr:`ChatData.skipped` (the rows kept are the same, in the same order, either way).
+
     Returns:
-        :class:`ChatData` with one row per conversation.
+        :class:`ChatData` with one row per conversation kept.
 
     Raises:
         FileNotFoundError: no file matches.
         ValueError: a line that does not parse or is not a conversation (file and line named),
-            an empty corpus, or a conversation whose responses are all cut off by ``seq_len``.
+            an empty corpus (or one whose conversations were all dropped), or a conversation whose
+            responses are all cut off by ``seq_len`` unless ``skip_long_examples``.
     """
     template = _chat_template(tokenizer) if hasattr(tokenizer, "encode_batch") else None
     eos = getattr(tokenizer, "eos_id", None)
     pad = 0 if eos is None else eos
     eos_text = tokenizer.decode([eos]) if (eos is not None and template is None) else ""
-    rows, masks, prompts, truncated = [], [], [], 0
+    rows, masks, prompts, truncated, skipped = [], [], [], 0, []
     files = resolve_files(data_cfg.corpus)
     for path in files:
         for where, record in iter_json_lines(path):
             segments = render_segments(_conversation(record, where), template, eos_text)
-            first = next((i for i, (_, trained) in enumerate(segments) if trained), len(segments))
-            prompts.append("".join(text for text, _ in segments[:first]))
-            ids = [tokenizer.encode(text).astype(np.int64) for text, _ in segments]
-            flags = [np.full(len(i), trained, np.float32) for i, (_, trained) in zip(ids, segments)]
-            tokens, trained = np.concatenate(ids), np.concatenate(flags)
-            prompt_len = int(np.argmax(trained > 0)) if trained.any() else len(tokens)
-            if len(tokens) > seq_len + 1:
-                truncated += 1
-                tokens, trained = tokens[: seq_len + 1], trained[: seq_len + 1]
+            tokens, trained, prompt_len, cut = _render_row(segments, tokenizer, seq_len)
             if not trained[1:].any():
+                if data_cfg.skip_long_examples:
+                    skipped.append(where)
+                    continue
                 raise DataError(f"{where}: no response token is left within training.seq_len={seq_len} "
-                                 f"(the text before the first response takes {prompt_len} tokens); raise seq_len or "
-                             "shorten the prompt")
+                                 f"(the text before the first response takes {prompt_len} tokens); raise seq_len, "
+                                 "shorten the prompt, or set data.skip_long_examples=true to drop such conversations")
+            truncated += cut
+            first = next((i for i, (_, t) in enumerate(segments) if t), len(segments))
+            prompts.append("".join(text for text, _ in segments[:first]))
             row = np.full(seq_len + 1, pad, np.int32)
             row[: len(tokens)] = tokens
             m = np.zeros(seq_len + 1, np.float32)
@@ -180,5 +202,7 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
             rows.append(row)
             masks.append(m[1:])  # target j is token j + 1
     if not rows:
-        raise DataError(f"data.corpus={data_cfg.corpus!r} holds no conversations")
-    return ChatData(np.stack(rows), np.stack(masks), truncated, prompts, len(files))
+        dropped = f" ({len(skipped)} dropped by data.skip_long_examples: none fits training.seq_len={seq_len})" \
+            if skipped else ""
+        raise DataError(f"data.corpus={data_cfg.corpus!r} holds no conversations{dropped}")
+    return ChatData(np.stack(rows), np.stack(masks), truncated, prompts, len(files), skipped)

@@ -229,6 +229,9 @@ whole window through every layer per token (a 16k window of a long-context run d
 23 GiB host)."""
 TEXT_SAMPLE_PROMPT = "def "
 """The end-of-run sample's prompt for text corpora when ``training.sample_prompt`` is empty."""
+SKIPPED_SHOWN = 5
+"""How many ``file:line`` locations of conversations dropped by ``data.skip_long_examples`` the log
+line names (the count covers them all)."""
 
 
 @dataclass
@@ -340,6 +343,10 @@ def _chat_data(cfg: Config, mesh, spec, eval_bs: int) -> tuple[ExampleLoader, li
     if chat.truncated:
         log.warning(f"data.format=chat: {chat.truncated} of {len(chat.examples)} conversations were cut to "
                     f"training.seq_len={t.seq_len} tokens", ranks=[0])
+    if chat.skipped:
+        first = ", ".join(chat.skipped[:SKIPPED_SHOWN]) + (", ..." if len(chat.skipped) > SKIPPED_SHOWN else "")
+        log.warning(f"data.skip_long_examples: dropped {len(chat.skipped)} conversation(s) with no response token "
+                    f"within training.seq_len={t.seq_len} ({first})", ranks=[0])
     loader = ExampleLoader(train_part.examples, train_part.masks, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
     held = val_part if len(val_part.examples) else train_part
     prompt = generation_prompt([{"role": "user", "content": t.sample_prompt}], tok) if t.sample_prompt \

@@ -3,6 +3,7 @@ responses only (plain template and a tokenizer's Jinja chat template), errors th
 and line, and the main job fine-tuning on a chat file."""
 
 import json
+import logging
 import os
 import sys
 
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.data import ExampleLoader, get_tokenizer
 from jaxcolossal.data.chat import generation_prompt, load_chat
-from jaxcolossal.train.loop import train
+from jaxcolossal.train.loop import _chat_data, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
@@ -34,8 +35,9 @@ def _write_chat(path, n=64):
 
 
 class _Data:
-    def __init__(self, corpus):
+    def __init__(self, corpus, skip_long_examples=False):
         self.corpus = str(corpus)
+        self.skip_long_examples = skip_long_examples
 
 
 def _trained_text(tok, chat, row):
@@ -84,8 +86,58 @@ def test_bad_lines_name_file_and_line(tmp_path, line, match):
 def test_prompt_longer_than_the_window_is_an_error(tmp_path):
     p = tmp_path / "c.jsonl"
     p.write_text(json.dumps({"prompt": "x" * 100, "response": "y"}) + "\n")
-    with pytest.raises(ValueError, match=r"c.jsonl:1: no response token is left within training.seq_len=16"):
+    with pytest.raises(ValueError, match=r"c.jsonl:1: no response token is left within training.seq_len=16"
+                                          r".*set data.skip_long_examples=true to drop such conversations"):
         load_chat(_Data(p), get_tokenizer("byte"), seq_len=16)
+
+
+def _with_long_rows(path, long_lines=(3, 7, 8)):
+    """The conversations of :func:`_write_chat` with over-long ones inserted at the given 1-based
+    lines (a prompt of 100 bytes, so no response fits 48 tokens); returns the path."""
+    short = open(_write_chat(path.with_suffix(".short"))).read().splitlines()
+    lines = []
+    for line in short:
+        while len(lines) + 1 in long_lines:
+            lines.append(json.dumps({"prompt": "x" * 100, "response": "y"}))
+        lines.append(line)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_skip_long_examples_drops_and_names_them(tmp_path):
+    """``data.skip_long_examples``: the over-long conversations are dropped and listed by file:line,
+    the others are the same rows, in the same order, as a corpus without them."""
+    p = _with_long_rows(tmp_path / "a.jsonl")
+    tok = get_tokenizer("byte")
+    with pytest.raises(ValueError, match=r"a.jsonl:3: no response token"):
+        load_chat(_Data(p), tok, seq_len=48)
+    chat = load_chat(_Data(p, skip_long_examples=True), tok, seq_len=48)
+    assert [w.rsplit("/", 1)[-1] for w in chat.skipped] == ["a.jsonl:3", "a.jsonl:7", "a.jsonl:8"]
+    clean = load_chat(_Data(tmp_path / "a.short"), tok, seq_len=48)
+    np.testing.assert_array_equal(chat.examples, clean.examples)
+    np.testing.assert_array_equal(chat.masks, clean.masks)
+    assert chat.prompts == clean.prompts and chat.truncated == clean.truncated == 0
+    kept = load_chat(_Data(tmp_path / "a.short", skip_long_examples=True), tok, seq_len=48)  # nothing to drop
+    np.testing.assert_array_equal(kept.examples, clean.examples)
+    assert kept.skipped == [] and kept.prompts == clean.prompts
+
+
+def test_skip_long_examples_logs_the_count_and_first_places(tmp_path, caplog):
+    p = _with_long_rows(tmp_path / "a.jsonl", long_lines=range(1, 9))
+    cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), [
+        "training.seq_len=48", "data.format=chat", f"data.corpus={p}", "data.skip_long_examples=true"])
+    log = logging.getLogger("jaxcolossal")  # it does not propagate once the run's logger is set up
+    log.addHandler(caplog.handler)
+    try:
+        _chat_data(cfg, None, None, 4)
+    finally:
+        log.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if "skip_long_examples" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("data.skip_long_examples: dropped 8 conversation(s) with no response token within "
+                             f"training.seq_len=48 ({p}:1, {p}:2, {p}:3, {p}:4, {p}:5, ...)")
+    with pytest.raises(ConfigError, match="data.skip_long_examples=true applies to data.format=chat, not text"):
+        load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), ["data.skip_long_examples=true"])
 
 
 def test_example_loader_is_a_pure_function_of_the_step(tmp_path):
