@@ -17,8 +17,9 @@ are a pure function of ``(seed, step)``, so restoring the step restores the data
   :class:`CheckpointError` instead of returning quietly.
 * **Damaged steps move aside**: orbax writes each step into a temporary folder and renames it
   when complete, but a folder can still be truncated later, or be foreign (an empty ``999/``).
-  ``restore`` skips such a step with a warning and moves it to ``<dir>/damaged/`` so that it can
-  neither shadow nor block the new saves of the resumed run.
+  ``restore`` skips such a step with one log line (the step and :func:`damage_reason`) and moves
+  it to ``<dir>/damaged/`` so that it can neither shadow nor block the new saves of the resumed
+  run.
 * **Mismatch is not damage**: a step whose saved tree differs from the target (another model
   size, optimizer or precision) raises :class:`CheckpointMismatchError` naming the differing
   leaves and config keys, saved vs now. A different *parallel layout* is not a mismatch.
@@ -43,6 +44,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxcolossal.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError  # noqa: F401
+from jaxcolossal.runtime.dist_logger import get_dist_logger
 
 _policies = ocp.checkpoint_managers
 
@@ -56,6 +58,18 @@ they restore and export as before, without a saved config."""
 
 class NonFiniteStateError(CheckpointError, FloatingPointError):
     """The state to be saved holds NaN or inf values."""
+
+
+def damage_reason(error: BaseException) -> str:
+    """Why a step failed to restore, in a few words for the log, from the error orbax or
+    TensorStore raised (whose text can run to pages): missing files, damaged data, or the error's
+    type name."""
+    text = str(error)
+    if isinstance(error, FileNotFoundError) or any(k in text for k in ("does not exist", "NOT_FOUND", "holds no")):
+        return "files are missing (an incomplete or foreign folder)"
+    if any(k in text for k in ("DATA_LOSS", "OUT_OF_RANGE", "corrupt", "truncat", "Error reading", "decod")):
+        return "its data files are truncated or corrupt"
+    return f"it could not be read ({type(error).__name__})"
 
 
 def step_dirs(directory: str) -> list[int]:
@@ -286,7 +300,8 @@ class CheckpointManager:
         shapes, dtypes and shardings of ``target`` (a state or :func:`abstract_like` tree).
 
         Without ``step``, a step that cannot be read (truncated files, an empty or foreign folder)
-        is skipped with a warning and moved to ``<dir>/damaged/``; the next older one is tried.
+        is skipped with one warning through the run's logger (the step and :func:`damage_reason`;
+        the full error at DEBUG) and moved to ``<dir>/damaged/``; the next older one is tried.
 
         Raises:
             ValueError: a leaf of ``target`` carries no sharding.
@@ -306,8 +321,10 @@ class CheckpointManager:
                 raise
             except Exception as e:  # a corrupt, truncated or foreign step: move it aside, try the previous one
                 dest = self.quarantine(s)
-                warnings.warn(f"checkpoint step {s} in {self.directory} could not be restored and is skipped "
-                              f"(moved to {dest}): {type(e).__name__}: {str(e)[:300]}", RuntimeWarning, stacklevel=2)
+                log = get_dist_logger()
+                log.warning(f"checkpoint step {s} is skipped: {damage_reason(e)}; it was moved to {dest} and an "
+                            "older step is tried", ranks=[0])
+                log.debug(f"checkpoint step {s}: {type(e).__name__}: {e}", ranks=[0])
         raise CheckpointNotFoundError(f"no restorable checkpoint in {self.directory}")
 
     def restore_params(self, step: int | None = None, prefer_master: bool = True) -> tuple[dict, int]:

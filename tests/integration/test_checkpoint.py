@@ -2,7 +2,9 @@
 
 Signals and loop-level recovery: tests/integration/test_nothing_lost.py."""
 
+import logging
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -30,7 +32,7 @@ def test_keeps_last_n_and_the_best(tmp_path):
     cm.close()
 
 
-def test_corrupt_latest_step_is_skipped_with_a_warning(tmp_path):
+def test_corrupt_latest_step_is_skipped_with_a_warning(tmp_path, caplog):
     state, _, plan = run_steps(tiny_config(), jax.devices()[:1], steps=1)
     cm = CheckpointManager(str(tmp_path), max_to_keep=5)
     cm.save(1, state)
@@ -44,9 +46,22 @@ def test_corrupt_latest_step_is_skipped_with_a_warning(tmp_path):
             if not f.startswith("_"):
                 with open(os.path.join(dirpath, f), "r+b") as fh:
                     fh.truncate(3)
-    with pytest.warns(RuntimeWarning, match=r"checkpoint step 2 .* could not be restored and is skipped"):
-        restored = cm.restore(state)
+    log = logging.getLogger("jaxcolossal")  # it does not propagate once the run's logger is set up
+    log.addHandler(caplog.handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored = cm.restore(state)
+    finally:
+        log.removeHandler(caplog.handler)
     assert int(restored.step) == 1
+    assert [str(w.message) for w in caught if "checkpoint" in str(w.message)] == []  # no Python warning
+    lines = [r for r in caplog.records if "checkpoint step" in r.getMessage() and r.levelno == logging.WARNING]
+    assert len(lines) == 1
+    msg = lines[0].getMessage()
+    assert "\n" not in msg and len(msg) < 300, msg  # one short line, no TensorStore repr
+    assert msg.endswith(f"checkpoint step 2 is skipped: its data files are truncated or corrupt; it was moved to "
+                        f"{tmp_path}/damaged/{os.listdir(tmp_path / 'damaged')[0]} and an older step is tried"), msg
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
     cm.save(3, state2.replace(step=state.step + 2))  # later saves still happen
     cm.wait()

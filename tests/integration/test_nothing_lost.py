@@ -91,10 +91,9 @@ def test_damaged_newest_and_stray_steps_never_block_new_saves(trained, tmp_path,
                 with open(os.path.join(dirpath, f), "r+b") as fh:
                     fh.truncate(3)
     os.makedirs(tmp_path / "ckpt" / "99")  # a stray empty folder with a higher step number
-    with pytest.warns(RuntimeWarning, match="could not be restored and is skipped"):
-        out = loop.train(config(tmp_path, "training.max_steps=10", "checkpoint.save_every=2",
-                                "checkpoint.max_to_keep=10", "training.resume=true", "model.vocab_size=512",
-                                "logging.log_every=1"))
+    out = loop.train(config(tmp_path, "training.max_steps=10", "checkpoint.save_every=2",
+                            "checkpoint.max_to_keep=10", "training.resume=true", "model.vocab_size=512",
+                            "logging.log_every=1"))
     assert out["exit_code"] == 0
     steps = step_dirs(str(tmp_path / "ckpt"))
     assert steps == [2, 4, 6, 8, 10]  # 8 and 10 were written again by the resumed run
@@ -102,7 +101,13 @@ def test_damaged_newest_and_stray_steps_never_block_new_saves(trained, tmp_path,
     assert moved == ["8", "99"]
     trained_steps = [r["step"] for r in records(tmp_path) if "loss" in r]
     assert trained_steps[0] == 7  # resumed from 6, the newest step that restored
-    assert "schedule differs from the saved run's" in capfd.readouterr().err  # max_steps 8 -> 10
+    err = capfd.readouterr().err
+    assert "schedule differs from the saved run's" in err  # max_steps 8 -> 10
+    skipped = [line for line in err.splitlines() if "is skipped:" in line]  # one line each, no warnings' echo
+    assert [line.split("] ", 1)[1].split(";")[0] for line in skipped] == [
+        "checkpoint step 99 is skipped: files are missing (an incomplete or foreign folder)",
+        "checkpoint step 8 is skipped: its data files are truncated or corrupt"], skipped
+    assert "RuntimeWarning" not in err and "warnings.warn" not in err
 
 
 def test_resume_with_nothing_left_to_train_is_an_error(trained, tmp_path):
