@@ -335,6 +335,26 @@ class TrainingConfig:
     end-of-text token."""
 
 
+SIMULATED_DEVICES = "(simulated CPU devices) run scripts/train.py with --devices {n}"
+"""How :meth:`ParallelConfig.resolve` advises running on ``{n}`` devices by default."""
+
+
+def fitting_overrides(sizes: dict[str, int], num_devices: int) -> str:
+    """The overrides (``parallel.KEY=VALUE``, space-separated, as scripts/train.py takes them) that
+    make ``sizes`` (parallel size name -> size, one of them possibly ``-1``) fit ``num_devices``:
+    each size that does not divide the devices left by the sizes before it is lowered to its
+    greatest common divisor with them; a ``-1`` is left out (it takes what is left)."""
+    left, changes = num_devices, []
+    for k, v in sizes.items():
+        if v == -1:
+            continue
+        fit = math.gcd(v, left)
+        if fit != v:
+            changes.append(f"parallel.{k}={fit}")
+        left //= fit
+    return " ".join(changes)
+
+
 @dataclass
 class ParallelConfig:
     """The device mesh, the ZeRO stage, the pipeline and the data-parallel communication
@@ -465,11 +485,16 @@ class ParallelConfig:
     the state over the rest of the data group (``data_parallel_size / expert_parallel_size``). Above 1
     it needs ``model.num_experts``."""
 
-    def resolve(self, num_devices: int) -> "ParallelConfig":
+    def resolve(self, num_devices: int, other_count: str = SIMULATED_DEVICES) -> "ParallelConfig":
         """Return a copy with ``-1`` filled so that dp·sp·tp·pp == ``num_devices``.
 
+        ``other_count`` is the advice for running on as many devices as the sizes multiply to, with
+        ``{n}`` for that count (the default: scripts/train.py's ``--devices`` for simulated CPU devices;
+        ``--compile-for`` passes its own).
+
         Raises:
-            ConfigError: if the sizes cannot multiply to ``num_devices``.
+            ConfigError: if the sizes cannot multiply to ``num_devices``, naming the overrides that
+                fit the devices (:func:`fitting_overrides`).
         """
         sizes = {
             "data_parallel_size": self.data_parallel_size,
@@ -491,7 +516,7 @@ class ParallelConfig:
                 raise ConfigError(
                     f"parallel.{unknown[0]}=-1: the other sizes ({given}) multiply to {known}, "
                     f"which does not divide the {num_devices} devices; their product must be one of "
-                    f"{divisors}")
+                    f"{divisors}: set {fitting_overrides(sizes, num_devices)}")
             sizes[unknown[0]] = num_devices // known
         product = math.prod(sizes.values())
         if product != num_devices:
@@ -502,8 +527,9 @@ class ParallelConfig:
                 f"{sizes['data_parallel_size']}×{sizes['tensor_parallel_size']}×"
                 f"{sizes['pipeline_parallel_size']}" + (f"×{sp}" if sp != 1 else "")
                 + f" = {product}, but there are {num_devices} devices; set "
-                f"parallel.data_parallel_size=-1 to use them all, or (simulated CPU devices) run scripts/train.py "
-                f"with --devices {product}")
+                + f"parallel.data_parallel_size=-1 {fitting_overrides(dict(sizes, data_parallel_size=-1), num_devices)}"
+                .strip()
+                + f" to use them all, or {other_count.format(n=product)}")
         return dataclasses.replace(self, **sizes)
 
 

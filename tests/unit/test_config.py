@@ -2,6 +2,8 @@
 
 import dataclasses
 import os
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -18,6 +20,9 @@ from jaxcolossal.config import (
 )
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan import dp_gradient_bytes, dry_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "llama_tiny.yaml")  # the default config of scripts/train.py
 
 
 def test_default_config_loads_and_overrides_apply():
@@ -211,6 +216,29 @@ def test_unknown_keys_suggest_the_right_one():
 def test_mesh_mismatch_suggests_devices_flag():
     with pytest.raises(ConfigError, match=r"1×1×1 = 1, but there are 8 devices.*--devices 1"):
         ParallelConfig(data_parallel_size=1).resolve(8)
+
+
+def test_sizes_that_do_not_divide_the_devices_name_the_overrides_that_do():
+    # issue 45 item 3: the default config (tensor_parallel_size 2, data_parallel_size -1) on 1 device
+    cfg = load_config(TINY)
+    with pytest.raises(ConfigError, match=r"one of \[1\]: set parallel.tensor_parallel_size=1$"):
+        validate(cfg, num_devices=1)
+    validate(load_config(TINY, ["parallel.tensor_parallel_size=1"]), num_devices=1)  # the named fix works
+    with pytest.raises(ConfigError, match=r"set parallel.tensor_parallel_size=2 parallel.pipeline_parallel_size=1$"):
+        ParallelConfig(data_parallel_size=-1, tensor_parallel_size=4, pipeline_parallel_size=2).resolve(6)
+    # no -1: data_parallel_size=-1 and every other size that does not divide the devices
+    with pytest.raises(ConfigError, match=r"7 devices; set parallel.data_parallel_size=-1 "
+                                          r"parallel.tensor_parallel_size=1 to use them all, or"):
+        ParallelConfig(data_parallel_size=4, tensor_parallel_size=2).resolve(7)
+
+
+def test_train_on_one_device_with_the_default_config_names_the_override_in_one_line():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "scripts/train.py", "--devices", "1", "training.max_steps=2"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "Traceback" not in r.stderr
+    assert r.stderr.strip().endswith("set parallel.tensor_parallel_size=1"), r.stderr
 
 
 def test_broken_yaml_is_a_config_error_with_its_place(tmp_path):
