@@ -122,6 +122,8 @@ def check_fleet(cfg: Config, num_devices: int, devices_per_host: int, target: Ta
     if cfg.offload.nvme_path:
         raise ConfigError("--compile-for: offload.nvme_path holds state in files between steps; compile without it "
                           "(the step compiles the same with offload.offload_optim_frac alone)")
+    name = target.name if target is not None else "NAME"
+    cfg.parallel.resolve(num_devices, other_count=f"compile for {{n}} GPUs: --compile-for {name}x{{n}}")
     validate(cfg, num_devices=num_devices)
 
 

@@ -51,3 +51,14 @@ def test_bad_fleets_get_one_line_and_exit_2():
         err = [line for line in r.stderr.strip().splitlines() if line.startswith("config error")]
         assert len(err) == 1 and message in err[0], r.stderr[-2000:]
         assert "Traceback" not in r.stderr and not r.stdout.strip()
+
+
+def test_a_fleet_the_sizes_do_not_fit_is_told_the_fleet_that_fits_not_simulated_devices():
+    # issue 45 item 15a: the advice was "--devices 8 (simulated CPU devices)", which --compile-for ignores
+    for extra in ((), ("--dry-run",)):
+        r = run("--compile-for", "h200x7", "parallel.data_parallel_size=4", *extra, timeout=120)
+        assert r.returncode == 2, r.stderr[-2000:]
+        err = r.stderr.strip()
+        assert err.endswith("set parallel.data_parallel_size=-1 parallel.tensor_parallel_size=1 to use them all, "
+                            "or compile for 8 GPUs: --compile-for h200x8"), err
+        assert "--devices" not in err and "Traceback" not in err
