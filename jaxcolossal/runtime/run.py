@@ -334,6 +334,16 @@ def _clean_up(procs: list[_Proc]) -> None:
 
 
 # ------------------------------------------------------------------------ CLI
+def _refuse(msg: str) -> None:
+    """A bad value on the command line: one line on stderr (no usage, unlike ``parser.error``).
+
+    Raises:
+        SystemExit: always, with status 2.
+    """
+    sys.stderr.write(f"{_PREFIX}: error: {msg}\n")
+    raise SystemExit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m jaxcolossal.run", description=__doc__,
@@ -370,25 +380,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
     if a.nproc < 1:
-        ap.error(f"--nproc must be >= 1, got {a.nproc}")
+        _refuse(f"--nproc must be >= 1, got {a.nproc}")
     if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
-        ap.error(f"need --nnodes >= 1 and 0 <= --node-rank < --nnodes, got {a.nnodes} and {a.node_rank}")
+        _refuse(f"need --nnodes >= 1 and 0 <= --node-rank < --nnodes, got {a.nnodes} and {a.node_rank}")
     if a.nnodes > 1 and not a.master_port:
-        ap.error("--master-port is required with --nnodes > 1 (every node must use the same one)")
+        _refuse("--master-port is required with --nnodes > 1 (every node must use the same one)")
     if a.timeout is not None and a.timeout < 1:
-        ap.error(f"--timeout must be >= 1 second, got {a.timeout}")
+        _refuse(f"--timeout must be >= 1 second, got {a.timeout}")
     platform = _detect_platform() if a.platform == "auto" else a.platform
     devices = a.devices_per_proc
     if platform == "cpu":
         if devices is None:
             if a.nproc > DEFAULT_TOTAL_DEVICES or DEFAULT_TOTAL_DEVICES % a.nproc:
-                ap.error(f"--nproc {a.nproc} does not divide {DEFAULT_TOTAL_DEVICES} devices; "
-                         f"give --devices-per-proc")
+                _refuse(f"--nproc {a.nproc} does not divide {DEFAULT_TOTAL_DEVICES} devices; give --devices-per-proc "
+                        f"(e.g. --nproc {a.nproc} --devices-per-proc 2), or --nproc one of "
+                        f"{[n for n in range(1, DEFAULT_TOTAL_DEVICES + 1) if DEFAULT_TOTAL_DEVICES % n == 0]}")
             devices = DEFAULT_TOTAL_DEVICES // a.nproc
         elif devices < 1:
-            ap.error(f"--devices-per-proc must be >= 1, got {devices}")
+            _refuse(f"--devices-per-proc must be >= 1, got {devices}")
     elif devices is not None:
-        ap.error("--devices-per-proc applies to --platform cpu only")
+        _refuse("--devices-per-proc applies to --platform cpu only")
 
     timeout = a.timeout
     if timeout is None:

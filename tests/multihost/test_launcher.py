@@ -147,7 +147,8 @@ def test_build_env_is_pure_and_gpu_leaves_devices_alone():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--nproc", "3", "x.py"], "--nproc 3 does not divide 8 devices; give --devices-per-proc"),
+    (["--nproc", "3", "x.py"], "--nproc 3 does not divide 8 devices; give --devices-per-proc (e.g. --nproc 3 "
+                               "--devices-per-proc 2), or --nproc one of [1, 2, 4, 8]"),
     (["--nproc", "0", "x.py"], "--nproc must be >= 1"),
     (["--nproc", "2", "--nnodes", "2", "x.py"], "--master-port is required with --nnodes > 1"),
     (["--nproc", "2", "--timeout", "0", "x.py"], "--timeout must be >= 1 second"),
@@ -157,7 +158,10 @@ def test_launcher_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         R.main(["--platform", "cpu", *argv] if "--platform" not in argv else argv)
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    # issue 45 item 15d: the error alone, one line, without argparse's usage before it
+    assert err.splitlines() == [err.strip()] and err.startswith("jaxcolossal.run: error: "), err
 
 
 @pytest.mark.timeout(60)
