@@ -649,8 +649,10 @@ class CheckpointConfig:
     ``auto`` need it; a fresh run into a folder that already holds checkpoints is refused unless
     ``overwrite``. ``~`` and ``$VAR`` are expanded."""
     save_every: int = 0
-    """Save every this many steps, >= 0; 0: only at the evaluations (``training.eval_every``) and the
-    end. A run stopped by SIGTERM or Ctrl-C saves its current step too."""
+    """Also save every this many steps, >= 0; 0: no periodic saves. Whatever its value, with ``dir`` set
+    the loop saves at each evaluation (every ``training.eval_every`` steps, a candidate for the best
+    checkpoint) and at the end (after the final evaluation); a run stopped by SIGTERM or Ctrl-C saves
+    its current step, one stopped on a non-finite loss its last finite step."""
     max_to_keep: int = 3
     """The most recent saved steps kept, >= 1; the step with the lowest finite validation loss is kept
     besides."""

@@ -85,3 +85,11 @@ def test_train_help_prints_every_key_with_its_doc():
     docs = field_docs()
     missing = [k for k in entries if plain(first_sentence(docs[k])) not in entries[k]]
     assert not missing, f"--help lacks the doc of: {missing}"
+
+
+def test_save_every_says_evaluations_save_whatever_its_value():
+    # issue 45 item 15c: train.loop saves at each evaluation and at the end for any save_every
+    # (save = evaluate or done % save_every == 0), not only with 0
+    doc = " ".join(field_docs()["checkpoint.save_every"].split())
+    assert "Whatever its value" in doc and "at each evaluation" in doc and "at the end" in doc, doc
+    assert "0: only at" not in doc, doc
