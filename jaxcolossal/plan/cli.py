@@ -12,7 +12,7 @@ from typing import Callable
 from jaxcolossal.config import Config, ConfigError, config_from_dict, load_config
 from jaxcolossal.errors import DependencyError
 from jaxcolossal.models.hf_io import config_from_hf, read_hf_config
-from jaxcolossal.plan.devices import DEVICES, Device
+from jaxcolossal.plan.devices import DEVICES, Device, device_key
 from jaxcolossal.plan.search import plan_layouts
 from jaxcolossal.plan.seed_table import seed_table
 
@@ -55,7 +55,7 @@ def confirm_target(top: int, device_name: str) -> str:
     """
     if top < 1:
         raise ConfigError(f"--confirm {top}: the number of layouts to compile, at least 1 (0, the default: off)")
-    device = DEVICES.get(device_name.lower())
+    device = DEVICES.get(device_key(device_name))
     if device is None or not device.target:
         raise ConfigError(f"--confirm: no GPU compile target for --device {device_name!r}; --confirm compiles for "
                           f"{sorted(k for k, d in DEVICES.items() if d.target)}")
@@ -73,9 +73,9 @@ def _device(a: argparse.Namespace) -> Device:
     Raises:
         ConfigError: an unknown device, or a value that is not positive.
     """
-    name = a.device.lower()
+    name = device_key(a.device)
     if name not in DEVICES:
-        raise ConfigError(f"--device {a.device!r}: known devices are {sorted(DEVICES)}; or give --memory-gb and "
+        raise ConfigError(f"--device {a.device!r}: known devices are {sorted(DEVICES)} (a100 = a100-80); or give --memory-gb and "
                           "--peak-tflops with the closest one")
     for flag, value in (("--memory-gb", a.memory_gb), ("--peak-tflops", a.peak_tflops),
                         ("--intra-gbps", a.intra_gbps), ("--inter-gbps", a.inter_gbps)):

@@ -56,3 +56,14 @@ DEVICES = {  # NVIDIA datasheets; inter-node: one 400 Gb/s NIC per GPU (200 Gb/s
 are close to GiB (the H200's is 141 GiB = 151.4e9 bytes), the same bytes as the GPU compiler's
 targets (:mod:`jaxcolossal.aot.target`; a test keeps them equal). NVLink bandwidths are per
 direction (H100/H200: 900 GB/s bidirectional)."""
+
+ALIASES = {"a100": "a100-80", "a100_80gb": "a100-80", "a100-80gb": "a100-80", "a100_40gb": "a100-40",
+           "a100-40gb": "a100-40", "h100_sxm": "h100", "h100-sxm": "h100"}
+"""Other spellings of :data:`DEVICES` names: ``--compile-for``'s (``a100`` is the A100 80GB,
+:data:`jaxcolossal.aot.target.ALIASES`) and the spec files' stems."""
+
+
+def device_key(name: str) -> str:
+    """The :data:`DEVICES` key of ``name`` (case-insensitive; :data:`ALIASES` too); unknown names
+    are returned lower-cased, for the caller to refuse."""
+    return ALIASES.get(name.lower(), name.lower())

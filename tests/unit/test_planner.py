@@ -15,6 +15,7 @@ import pytest
 from tiny import tiny_config
 
 from jaxcolossal.aot import hlo
+from jaxcolossal.aot.target import TARGETS, get_target
 from jaxcolossal.config import config_from_dict, load_config, validate
 from jaxcolossal.memory.activations import _input_free, residuals, step_peak
 from jaxcolossal.memory.budget import layout
@@ -32,6 +33,8 @@ from jaxcolossal.plan import (
     run_overrides,
     search,
 )
+from jaxcolossal.plan.cli import confirm_target
+from jaxcolossal.plan.devices import device_key
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import abstract_state, make_plan
 from jaxcolossal.train.step import make_train_step
@@ -380,3 +383,14 @@ def test_an_moe_configs_expert_all_to_all_is_priced_over_ep_times_sp_times_tp():
     # tp (2) stays within a node of 2 and of 4; dp (8) crosses both; only ep's span (4) tells the two apart
     extra = predict(cfg, 8, node2).comm_s - predict(cfg, 8, node4).comm_s
     assert extra == pytest.approx(ep_bytes / node2.inter_bw - ep_bytes / node2.intra_bw, rel=1e-9)
+
+
+def test_the_planner_and_compile_for_take_each_others_gpu_names():
+    # issue 45 item 15b: the planner said a100-40/a100-80 where --compile-for says a100
+    for name in TARGETS:  # every --compile-for name is a planner --device
+        assert DEVICES[device_key(name)].target == name
+    for key, dev in DEVICES.items():  # every planner name with a compile target is a --compile-for name
+        if dev.target:
+            assert get_target(key).name == dev.target
+    assert confirm_target(1, "A100") == "a100"
+    assert main(["--model", "llama3_70b", "--devices", "2", "--device", "a100", "--global-batch", "8"]) == 1
