@@ -673,7 +673,10 @@ class LoggingConfig:
     """The steps between logged metrics (``metrics.jsonl``, the log, TensorBoard), >= 1; the last
     step is always logged."""
     progress_bar: bool = True
-    """Show a progress bar (tqdm) with the loss, tokens/s and TFLOPS."""
+    """Show a progress bar (tqdm) with the loss, tokens/s and TFLOPS when stderr is a terminal. When it
+    is not (a file, a pipe: SLURM, nohup, ``> log``) or with ``false``, the log gets one plain line per
+    ``log_every`` steps instead (step, loss, lr, grad norm, tokens/s, TFLOPS, MFU); ``train.log`` gets
+    those lines in every case."""
     tensorboard: bool = False
     """``true``: also write every logged scalar as TensorBoard events to ``<run_dir>/tensorboard``
     (:class:`jaxcolossal.metrics.MetricsWriter`; needs the ``tensorboardX`` package)."""

@@ -113,17 +113,25 @@ class DistributedLogger:
         setattr(handler, _MARK, "file")
         self._logger.addHandler(handler)
 
-    def _log(self, level: int, msg: object, ranks: Iterable[int] | None) -> None:
+    def _log(self, level: int, msg: object, ranks: Iterable[int] | None, file_only: bool = False) -> None:
         if not self._logger.isEnabledFor(level):
             return
         rank = _process_index()
         if ranks is not None and rank not in set(ranks):
             return
-        self._logger.log(level, "[rank %d] %s", rank, msg, stacklevel=3)
+        if not file_only:
+            self._logger.log(level, "[rank %d] %s", rank, msg, stacklevel=3)
+            return
+        record = self._logger.makeRecord(self._logger.name, level, "(unknown file)", 0, "[rank %d] %s", (rank, msg),
+                                         None)
+        for h in self._logger.handlers:
+            if getattr(h, _MARK, None) == "file" and record.levelno >= h.level:
+                h.handle(record)
 
-    def info(self, msg: object, ranks: Iterable[int] | None = None) -> None:
-        """Log ``msg`` at INFO on the processes in ``ranks`` (None: every process)."""
-        self._log(logging.INFO, msg, ranks)
+    def info(self, msg: object, ranks: Iterable[int] | None = None, file_only: bool = False) -> None:
+        """Log ``msg`` at INFO on the processes in ``ranks`` (None: every process). ``file_only``:
+        only to the files of :meth:`log_to_file`, not the console (a line the progress bar shows there)."""
+        self._log(logging.INFO, msg, ranks, file_only)
 
     def warning(self, msg: object, ranks: Iterable[int] | None = None) -> None:
         """Log ``msg`` at WARNING on the processes in ``ranks`` (None: every process)."""

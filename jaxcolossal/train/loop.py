@@ -8,8 +8,9 @@ sample). What happens on a signal, a NaN or a hung peer is decided in
 
 It prints, in order: the mesh, a table of every parameter's shape, dtype and sharding, the
 per-device bytes of params / gradients / optimizer state (against the ZeRO formulas), the
-validation loss at start, a progress bar with loss, tokens/s and TFLOPS, the validation loss at
-the end and a short generated sample. Metrics go to ``<run_dir>/metrics.jsonl`` (one strict
+validation loss at start, a progress bar with loss, tokens/s and TFLOPS (on a terminal; elsewhere one
+plain line per ``logging.log_every`` steps, :func:`step_line`, which ``train.log`` always gets), the
+validation loss at the end and a short generated sample. Metrics go to ``<run_dir>/metrics.jsonl`` (one strict
 JSON object a line), written by process 0 only.
 """
 
@@ -19,6 +20,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -528,7 +530,25 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
     moe = {} if "expert_load" not in m else {  # a mixture of experts: its busiest expert's share, the dropped slots
         "top_expert": f"{max(m['expert_load']):.0%}", "dropped": f"{m['moe_dropped_share']:.1%}"}
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}", tflops=f"{perf['tflops_6n']:.3f}", **moe)
+    # the bar on a terminal, this line in train.log; elsewhere (a file, a pipe) the line is the log's only record
+    get_dist_logger().info(step_line(done, t.max_steps, m, perf, moe), ranks=[0], file_only=not bar.disable)
     return perf
+
+
+def step_line(step: int, max_steps: int, m: dict, perf: dict, extra: dict | None = None) -> str:
+    """One plain log line for a logged step, with what the progress bar shows: the loss (nats/token),
+    the learning rate, the gradient norm, tokens/s and TFLOPS per device (6N + attention), the MFU
+    when the device's peak is known, and ``extra`` (``name value`` pairs)."""
+    parts = [f"step {step}/{max_steps}", f"loss {m['loss']:.4f}"]
+    if "lr" in m:
+        parts.append(f"lr {m['lr']:.3e}")
+    if "grad_norm" in m:
+        parts.append(f"grad_norm {m['grad_norm']:.4f}")
+    parts += [f"{perf['tokens_per_s']:,.0f} tok/s", f"{perf['tflops_6n']:.3f} TFLOPS"]
+    if perf.get("mfu") is not None:
+        parts.append(f"MFU {perf['mfu']:.1%}")
+    parts += [f"{k} {v}" for k, v in (extra or {}).items()]
+    return ", ".join(parts)
 
 
 def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, dict]:
@@ -543,7 +563,7 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
     state, start = run.state, int(run.state.step)
     clock, perf = _StepClock(start), {}
     bar = tqdm(range(start, t.max_steps), initial=start, total=t.max_steps, dynamic_ncols=True, desc="train",
-               disable=not (run.is_main and cfg.logging.progress_bar))
+               disable=not (run.is_main and cfg.logging.progress_bar and sys.stderr.isatty()))
     try:
         for step in bar:
             state, m = run.compiled(state, run.loader.batch(step))

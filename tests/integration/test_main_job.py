@@ -1,9 +1,14 @@
 """The main job end to end on a small slice of the default corpus: metrics, checkpoints, resume."""
 
+import fcntl
 import json
 import os
+import pty
+import re
+import struct
 import subprocess
 import sys
+import termios
 
 import jax
 import numpy as np
@@ -83,6 +88,61 @@ def test_resume_is_bit_exact(tmp_path, fmt):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(full["state"].params),
                  jax.device_get(resumed["state"].params))
     assert int(resumed["state"].step) == 8
+
+
+def _cli_args(run_dir, steps):
+    """``scripts/train.py`` for ``steps`` steps, a log line every 5, the progress bar asked for."""
+    return [sys.executable, "scripts/train.py", *SMALL, f"training.max_steps={steps}", "logging.log_every=5",
+            "training.sample_tokens=0", "logging.progress_bar=true", f"logging.run_dir={run_dir}"]
+
+
+def _run_on_a_terminal(args) -> tuple[int, str]:
+    """Run ``args`` with stderr on a pseudo-terminal; returns the exit status and what it showed."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns for the bar
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=child)
+    os.close(child)
+    chunks = []
+    try:
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the process closed its end, everything is read
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return proc.wait(timeout=300), b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(main)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _step_lines(text):
+    """The steps of the plain step lines (``[rank 0] step 5/20, loss ...``) in ``text``."""
+    pattern = r"\[rank 0\] step (\d+)/\d+, loss \d+\.\d+, lr \S+, grad_norm \S+, [\d,]+ tok/s, \S+ TFLOPS"
+    return [int(s) for s in re.findall(pattern, text)]
+
+
+@pytest.mark.timeout(600)
+def test_log_is_readable_without_a_terminal(tmp_path):
+    """Issue 45 item 8: stderr to a pipe (SLURM, nohup, ``> log``) gets no progress bar (no ``\\r``
+    rewrites) but one plain line per ``log_every`` steps; ``train.log`` holds the same lines. On a
+    terminal the bar stays, and the step lines go to ``train.log`` only."""
+    r = subprocess.run(_cli_args(tmp_path / "pipe", 20), cwd=ROOT, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "\r" not in r.stderr, repr(r.stderr[-2000:])
+    assert _step_lines(r.stderr) == [5, 10, 15, 20], r.stderr[-3000:]
+    log = (tmp_path / "pipe" / "train.log").read_text()
+    assert _step_lines(log) == [5, 10, 15, 20], log[-3000:]
+
+    status, shown = _run_on_a_terminal(_cli_args(tmp_path / "tty", 10))
+    assert status == 0, shown[-3000:]
+    assert "train: 100%|" in shown and "\rtrain:" in shown  # tqdm's bar, rewritten in place
+    assert _step_lines(shown) == [], shown[-3000:]
+    assert _step_lines((tmp_path / "tty" / "train.log").read_text()) == [5, 10]
 
 
 def test_cli_rejects_bad_config_before_compiling():
