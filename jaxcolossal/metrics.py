@@ -187,7 +187,8 @@ def json_line(record: Mapping[str, Any]) -> str:
 class MetricsWriter:
     """The run's metric sinks: ``<run_dir>/metrics.jsonl`` (one strict-JSON object per record,
     :func:`json_line`) and, with ``tensorboard=True``, TensorBoard event files in
-    ``<run_dir>/tensorboard`` (tensorboardX's ``SummaryWriter``).
+    ``<run_dir>/tensorboard/<run_id>`` (tensorboardX's ``SummaryWriter``; TensorBoard shows each
+    run id as a run of its own; ``<run_dir>/tensorboard`` when ``run_id`` is empty).
 
     Every numeric field of a record with a ``step`` becomes a scalar at that step: ``val_loss`` as
     ``eval/val_loss``, the others as ``train/<name>`` (``loss``, ``grad_norm``, ``lr``,
@@ -198,7 +199,7 @@ class MetricsWriter:
         ImportError: ``tensorboard=True`` without the ``tensorboardX`` package.
     """
 
-    def __init__(self, run_dir: str, tensorboard: bool = False, enabled: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = False, enabled: bool = True, run_id: str = ""):
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if enabled else None
         self.tb = None
         if enabled and tensorboard:
@@ -207,10 +208,11 @@ class MetricsWriter:
             except ImportError as e:
                 raise ImportError("logging.tensorboard=true needs the tensorboardX package: "
                                   "pip install tensorboardX") from e
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard", run_id))
 
     def write(self, rec: Mapping[str, Any]) -> None:
-        """Append one record (a flat dict, usually with ``step``) to every sink."""
+        """Append one record (a flat dict, usually with ``step``) to every sink; one without ``step``
+        (``run_start``) goes to ``metrics.jsonl`` only."""
         if self.jsonl:
             self.jsonl.write(json_line(rec) + "\n")
             self.jsonl.flush()

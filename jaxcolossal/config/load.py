@@ -228,4 +228,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from None
-    return config_from_dict(raw, overrides)
+    cfg = config_from_dict(raw, overrides)
+    if path is not None:
+        cfg.source = str(path.resolve())
+    return cfg

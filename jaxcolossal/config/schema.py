@@ -14,7 +14,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from jaxcolossal.errors import ConfigError
 
@@ -667,8 +667,9 @@ class LoggingConfig:
 
     run_dir: str = "runs/default"
     """The run's output folder. It gets ``metrics.jsonl`` (one strict-JSON object per logged step and
-    per evaluation; runs that share the folder append to it), ``train.log`` and, with ``tensorboard``,
-    ``tensorboard/``. ``~`` and ``$VAR`` are expanded."""
+    per evaluation; runs that share the folder append to it, each after a ``run_start`` record with
+    its run id), ``train.log`` (each run after a line naming its id) and, with ``tensorboard``,
+    ``tensorboard/<run id>/``. ``~`` and ``$VAR`` are expanded."""
     log_every: int = 10
     """The steps between logged metrics (``metrics.jsonl``, the log, TensorBoard), >= 1; the last
     step is always logged."""
@@ -678,8 +679,9 @@ class LoggingConfig:
     ``log_every`` steps instead (step, loss, lr, grad norm, tokens/s, TFLOPS, MFU); ``train.log`` gets
     those lines in every case."""
     tensorboard: bool = False
-    """``true``: also write every logged scalar as TensorBoard events to ``<run_dir>/tensorboard``
-    (:class:`jaxcolossal.metrics.MetricsWriter`; needs the ``tensorboardX`` package)."""
+    """``true``: also write every logged scalar as TensorBoard events to ``<run_dir>/tensorboard/<run id>``,
+    one TensorBoard run per run (:class:`jaxcolossal.metrics.MetricsWriter`; needs the ``tensorboardX``
+    package)."""
 
 
 class Bytes(str):
@@ -778,6 +780,9 @@ class Config:
     """Metrics, the log file, the progress bar and TensorBoard."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Host-memory and NVMe offload of the train state, and the memory budgets."""
+    source: ClassVar[str | None] = None
+    """Not a key: the YAML file :func:`jaxcolossal.config.load_config` read, as an absolute path (None:
+    the defaults or a dict), named in the run's ``run_start`` record."""
 
     def to_dict(self) -> dict:
         """The config as nested plain dicts (YAML-serialisable)."""

@@ -11,18 +11,21 @@ per-device bytes of params / gradients / optimizer state (against the ZeRO formu
 validation loss at start, a progress bar with loss, tokens/s and TFLOPS (on a terminal; elsewhere one
 plain line per ``logging.log_every`` steps, :func:`step_line`, which ``train.log`` always gets), the
 validation loss at the end and a short generated sample. Metrics go to ``<run_dir>/metrics.jsonl`` (one strict
-JSON object a line), written by process 0 only.
+JSON object a line), written by process 0 only; each run starts with a ``run_start`` record
+(:func:`run_start_record`) and a line in ``train.log`` naming the same run id.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
 import os
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,6 +256,7 @@ class Run:
     metrics: mx.MetricsWriter
     nvme: NvmeTier | None = None
     sample_prompt: str = TEXT_SAMPLE_PROMPT
+    run_id: str = ""
 
     def full(self, state: Any) -> Any:
         """``state`` whole: with the NVMe tier, its leaves read back from their files (for a save)."""
@@ -286,7 +290,8 @@ SCHEDULE_KEYS = tuple(f"training.{k}" for k in ("learning_rate", "min_learning_r
 
 def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
     """``training.resume``: true restores the newest step that restores (or fails), auto as
-    well when there is one; damaged steps are moved aside by the checkpoint manager."""
+    well when there is one; damaged steps are moved aside by the checkpoint manager. Returns
+    ``state`` itself (the same object) when it restores nothing."""
     if ckpt is None or cfg.training.resume is False:
         return state
     try:
@@ -404,13 +409,28 @@ def _run_line(cfg: Config, plan: TrainPlan, mesh) -> str:
                 if cfg.parallel.gradient_compression != "none" else ""))
 
 
+def new_run_id() -> str:
+    """A unique id for one run: its UTC start time and 6 random hex digits (``20250105-143000-1a2b3c``)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+def run_start_record(cfg: Config, run_id: str, resumed_from_step: int | None) -> dict:
+    """The first record of a run in ``metrics.jsonl``, its boundary from the runs before it in the
+    same ``run_dir``: ``event`` ``"run_start"``, ``time`` (ISO 8601, UTC), ``run`` (the id, also in
+    ``train.log`` and the TensorBoard folder), ``resumed_from_step`` (None: a fresh start) and
+    ``config`` (the YAML file, None when there was none). It has no ``step``."""
+    return {"event": "run_start", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "run": run_id, "resumed_from_step": resumed_from_step, "config": cfg.source}
+
+
 def _start(cfg: Config) -> Run:
     log = get_dist_logger()
     run_dir, t = cfg.logging.run_dir, cfg.training
-    is_main = jax.process_index() == 0
+    is_main, run_id = jax.process_index() == 0, new_run_id()
     if is_main:
         os.makedirs(run_dir, exist_ok=True)
         log.log_to_file(os.path.join(run_dir, "train.log"))
+    log.info(f"========== run {run_id} (config {cfg.source or '-'}) ==========", ranks=[0], file_only=True)
     mesh = make_mesh(cfg.parallel)
     plan = make_plan(cfg, mesh)
     log.info(_run_line(cfg, plan, mesh), ranks=[0])
@@ -437,7 +457,8 @@ def _start(cfg: Config) -> Run:
         print(param_table(plan))
         print(memory_report(plan, state, tier)[0])
     ckpt = _open_checkpoints(cfg)
-    state = _restore(cfg, ckpt, state)
+    fresh, state = state, _restore(cfg, ckpt, state)
+    resumed_from = None if state is fresh else int(state.step)
     if tier is not None:  # the offloaded optimizer state goes to its files; tokens take its places
         state = tier.spill(state)
         log.info(f"NVMe tier: {len(tier.slots)} optimizer-state leaves, {tier.bytes_per_device() / 2**20:.3f} MiB "
@@ -465,10 +486,11 @@ def _start(cfg: Config) -> Run:
                                                  "temp_size_in_bytes")) - (getattr(mem, "alias_size_in_bytes", 0) or 0)
     log.info(f"train step compiled in {compile_s:.1f}s; per-device temporary memory "
              f"{(getattr(mem, 'temp_size_in_bytes', 0) or 0) / 2**20:.1f} MiB", ranks=[0])
-    metrics = mx.MetricsWriter(run_dir, cfg.logging.tensorboard, enabled=is_main)
+    metrics = mx.MetricsWriter(run_dir, cfg.logging.tensorboard, enabled=is_main, run_id=run_id)
+    metrics.write(run_start_record(cfg, run_id, resumed_from))
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
                eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
-               sample_prompt=sample_prompt)
+               sample_prompt=sample_prompt, run_id=run_id)
 
 
 # ----------------------------------------------------------------------------- evaluate, save

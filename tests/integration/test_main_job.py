@@ -1,5 +1,6 @@
 """The main job end to end on a small slice of the default corpus: metrics, checkpoints, resume."""
 
+import datetime
 import fcntl
 import json
 import os
@@ -49,7 +50,9 @@ def test_main_job_writes_metrics_and_sample(tmp_path, capsys):
 
     # TensorBoard: the same scalars, read back by tensorboard's own reader
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # optional: tensorboard
-    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    (tb_run,) = (tmp_path / "run" / "tensorboard").iterdir()  # one folder per run, named by its id
+    assert tb_run.name == recs[0]["run"]
+    acc = EventAccumulator(str(tb_run))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     want = {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/tflops_6n",
@@ -58,6 +61,30 @@ def test_main_job_writes_metrics_and_sample(tmp_path, capsys):
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 13))
     np.testing.assert_allclose([e.value for e in acc.Scalars("train/loss")], [r["loss"] for r in steps], rtol=1e-6)
     assert [e.value for e in acc.Scalars("eval/val_loss")] == pytest.approx([r["val_loss"] for r in vals], rel=1e-6)
+
+
+def test_runs_sharing_a_run_dir_are_told_apart(tmp_path):
+    """Issue 45 item 6: each run into a ``run_dir`` starts with a ``run_start`` record (a unique id,
+    the UTC time, the step it resumed from, the config file), a ``train.log`` line naming the same
+    id, and TensorBoard events in a folder of its own."""
+    extra = ["training.sample_tokens=0", "logging.tensorboard=true"]
+    train(_cfg(tmp_path, "training.max_steps=2", *extra))
+    train(_cfg(tmp_path, "training.max_steps=4", "training.resume=true", *extra))
+    recs = _records(tmp_path / "run" / "metrics.jsonl")
+    starts = [i for i, r in enumerate(recs) if r.get("event") == "run_start"]
+    assert len(starts) == 2 and starts[0] == 0, recs
+    first, second = recs[starts[0]], recs[starts[1]]
+    assert first["run"] != second["run"]
+    assert (first["resumed_from_step"], second["resumed_from_step"]) == (None, 2)
+    assert first["config"] == second["config"] == os.path.join(ROOT, "configs", "llama_tiny.yaml")
+    for r in (first, second):
+        assert datetime.datetime.fromisoformat(r["time"]).utcoffset() == datetime.timedelta(0)
+    # each run's records follow its own start: the first run's steps 1-2, then the second's 3-4
+    assert [r["step"] for r in recs[: starts[1]] if "loss" in r] == [1, 2]
+    assert [r["step"] for r in recs[starts[1]:] if "loss" in r] == [3, 4]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert [m for m in re.findall(r"========== run (\S+) ", log)] == [first["run"], second["run"]]
+    assert sorted(p.name for p in (tmp_path / "run" / "tensorboard").iterdir()) == sorted([first["run"], second["run"]])
 
 
 def _chat_corpus(path):

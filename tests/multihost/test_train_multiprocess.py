@@ -110,7 +110,8 @@ def test_dp_tp_two_processes_match_one_process(dp_tp):
 @pytest.mark.timeout(400)
 def test_checkpoint_from_two_processes_resumes_in_one(zero3):
     records = read_metrics(zero3["root"] / "resumed")
-    assert records[0]["step"] == 3 and "val_loss" in records[0]  # started from the 2x4 checkpoint
+    assert records[0]["event"] == "run_start" and records[0]["resumed_from_step"] == 3
+    assert records[1]["step"] == 3 and "val_loss" in records[1]  # started from the 2x4 checkpoint
     assert "resumed from step 3" in zero3["resumed"].stderr
     resumed = train_losses(records)
     assert sorted(resumed) == [4, 5, 6, 7]
@@ -121,8 +122,8 @@ def test_checkpoint_from_two_processes_resumes_in_one(zero3):
 def test_logs_metrics_and_checkpoints_are_written_once(zero3):
     root = zero3["root"]
     records = read_metrics(root / "multi")
-    # metrics.jsonl: 7 train steps and 2 validations, each once (train_losses asserts no repeats)
-    assert len(records) == 9 and [r["step"] for r in records if "val_loss" in r] == [0, 7]
+    # metrics.jsonl: the run's start, 7 train steps and 2 validations, each once (train_losses asserts no repeats)
+    assert len(records) == 10 and records[0]["event"] == "run_start" and [r["step"] for r in records if "val_loss" in r] == [0, 7]
     assert sorted(train_losses(records)) == [1, 2, 3, 4, 5, 6, 7]
     # train.log: written by process 0 only, each line once
     log = (root / "multi" / "train.log").read_text().splitlines()
