@@ -14,7 +14,11 @@ or a sharded ``model.safetensors.index.json`` of a ``LlamaForCausalLM``, ``GPT2L
 * ``params.npz``: the params dict (float32 numpy, vocabulary padded for ``--tp`` /
   ``--vocab-pad-multiple``), one array per parameter, named by its path joined with ``/``
   (``embed_tokens``, ``layers/wq``, ...; see ``jaxcolossal.models.llama`` / ``gpt2``);
-* ``model.yaml``: the ``model:`` section of a jaxcolossal config for those weights;
+* ``model.yaml``: the ``model:`` section of a jaxcolossal config for those weights, and a
+  ``training:`` section of full-SFT defaults (:func:`fine_tuning_training`: learning rate 2e-5, no
+  weight decay, a 3% warmup and a cosine decay to 0, ``seq_len`` = min(max_position_embeddings,
+  2048)) in place of the schema's byte-level pre-training ones (3e-3, 0.1, 10%, 128 tokens), with
+  a comment saying so and that LoRA runs want ``training.learning_rate=1e-4`` to ``2e-4``;
 * ``generation_config.json``: copied from HF_DIR when it has one (its special-token ids, for a
   later ``--to-hf`` of OUT).
 
@@ -67,7 +71,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jaxcolossal.config import ConfigError, config_from_dict  # noqa: E402
+from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
 from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.errors import DependencyError  # noqa: E402
 from jaxcolossal.models.hf_io import GENERATION_CONFIG, load_hf, read_special_tokens, save_hf  # noqa: E402
@@ -189,13 +193,38 @@ def special_tokens(src: str, saved: dict | None, tokenizer: str | None) -> tuple
     return dict(NO_IDS), None
 
 
+FINE_TUNING_MAX_SEQ_LEN = 2048
+"""The longest ``training.seq_len`` :func:`fine_tuning_training` writes, in tokens."""
+
+FINE_TUNING_COMMENT = """\
+# Fine-tuning defaults, written by scripts/convert_hf.py --to-jax in place of the schema's tiny
+# byte-level pre-training ones (learning_rate 3e-3, weight_decay 0.1, seq_len 128), which wreck a
+# pretrained model: full SFT at 2e-5 (TRL's SFTTrainer default), no weight decay, a warmup of
+# about 3% of max_steps then a cosine decay to 0, seq_len = min(max_position_embeddings, 2048).
+# Scale warmup_steps with max_steps. LoRA runs (model.lora.rank > 0) usually want 1e-4 to 2e-4:
+# pass training.learning_rate=1e-4.
+"""
+
+
+def fine_tuning_training(cfg: ModelConfig) -> dict:
+    """The ``training:`` section ``--to-jax`` writes for ``cfg``'s model: full-SFT defaults
+    (learning rate 2e-5, weight decay 0, warmup 9 of 300 steps, cosine to 0) and ``seq_len`` =
+    min(``cfg.max_position_embeddings``, :data:`FINE_TUNING_MAX_SEQ_LEN`) tokens."""
+    return {"seq_len": min(cfg.max_position_embeddings, FINE_TUNING_MAX_SEQ_LEN), "learning_rate": 2e-5,
+            "weight_decay": 0.0, "max_steps": 300, "warmup_steps": 9, "min_learning_rate_ratio": 0.0}
+
+
 def to_jax(hf_dir: str, out: str, tp: int = 1, vocab_pad_multiple: int = 1) -> None:
-    """HF directory -> ``out/params.npz`` + ``out/model.yaml`` (+ its ``generation_config.json``)."""
+    """HF directory -> ``out/params.npz`` + ``out/model.yaml`` (the ``model:`` section and
+    :func:`fine_tuning_training`'s ``training:``, under :data:`FINE_TUNING_COMMENT`) + its
+    ``generation_config.json``."""
     cfg, params = load_hf(hf_dir, tp=tp, vocab_pad_multiple=vocab_pad_multiple)
     os.makedirs(out, exist_ok=True)
     np.savez(os.path.join(out, "params.npz"), **flatten(params))
     with open(os.path.join(out, "model.yaml"), "w") as f:
         yaml.safe_dump({"model": dataclasses.asdict(cfg)}, f, sort_keys=False)
+        f.write(FINE_TUNING_COMMENT)
+        yaml.safe_dump({"training": fine_tuning_training(cfg)}, f, sort_keys=False)
     if os.path.isfile(os.path.join(hf_dir, GENERATION_CONFIG)):
         shutil.copyfile(os.path.join(hf_dir, GENERATION_CONFIG), os.path.join(out, GENERATION_CONFIG))
 

@@ -221,7 +221,9 @@ def make_chat(fx: "Fixtures", path: str) -> None:
 
 def make_hf_llama(fx: "Fixtures", path: str) -> None:
     """A tokenizer (with the chat template) trained on the text and chat fixtures, and a tiny
-    LLaMA of its vocabulary saved next to it by ``transformers``."""
+    LLaMA of its vocabulary saved next to it by ``transformers``, with a context of 256 tokens: the
+    ``training.seq_len`` that ``--to-jax`` writes for it (min(max_position_embeddings, 2048)), so
+    the SFT and LoRA rows stay quick on the CPU."""
     import torch  # heavy
     from transformers import LlamaConfig, LlamaForCausalLM  # heavy
 
@@ -229,7 +231,8 @@ def make_hf_llama(fx: "Fixtures", path: str) -> None:
     fx.vocab = train_tokenizer.train(corpus, TOKENIZER_VOCAB, path, chat_template=True)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=fx.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=256)).save_pretrained(path)
 
 
 def vocab_size(fx: "Fixtures", path: str) -> str:

@@ -6,7 +6,8 @@ compiles) → **start** (mesh, plan, data, state, **restore**, compile) → **st
 sample). What happens on a signal, a NaN or a hung peer is decided in
 :mod:`jaxcolossal.train.guard`.
 
-It prints, in order: the mesh, a table of every parameter's shape, dtype and sharding, the
+It prints, in order: the mesh, the learning rate and its schedule, seq_len and the global batch
+in tokens (with a warning when ``model.init_from`` runs at the pre-training learning rate), a table of every parameter's shape, dtype and sharding, the
 per-device bytes of params / gradients / optimizer state (against the ZeRO formulas), the
 validation loss at start, a progress bar with loss, tokens/s and TFLOPS (on a terminal; elsewhere one
 plain line per ``logging.log_every`` steps, :func:`step_line`, which ``train.log`` always gets), the
@@ -37,7 +38,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
-from jaxcolossal.config import Config, ConfigError, double_buffers_loops, precision_label
+from jaxcolossal.config import Config, ConfigError, TrainingConfig, double_buffers_loops, precision_label
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.data.chat import generation_prompt, load_chat
 from jaxcolossal.generate import printable, sample_tokens
@@ -379,6 +380,30 @@ def _warn_about_freeze(cfg: Config) -> None:
                     "docs/communication.md); freeze well after it", ranks=[0])
 
 
+def optimization_line(cfg: Config) -> str:
+    """The run's second log line: the peak learning rate, its schedule (warmup steps, cosine decay to
+    ``learning_rate × min_learning_rate_ratio`` at ``max_steps``), weight decay, ``seq_len`` in
+    tokens, the global batch in sequences and in tokens (``batch_size × seq_len``) and the steps."""
+    t = cfg.training
+    return (f"learning rate {t.learning_rate:g}: warmup {t.warmup_steps} steps, cosine decay to "
+            f"{t.learning_rate * t.min_learning_rate_ratio:g} at step {t.max_steps}; weight decay {t.weight_decay:g}; "
+            f"seq_len {t.seq_len} tokens; global batch {t.batch_size} sequences = {t.batch_size * t.seq_len} tokens; "
+            f"{t.max_steps} steps")
+
+
+def fine_tuning_warning(cfg: Config) -> str | None:
+    """The warning for a fine-tuning run (``model.init_from`` set) left at the schema's pre-training
+    learning rate (``TrainingConfig.learning_rate``, 3e-3), which wrecks a pretrained model; None
+    otherwise."""
+    t = cfg.training
+    if not cfg.model.init_from or t.learning_rate != TrainingConfig.learning_rate:
+        return None
+    rate = "1e-4 to 2e-4 for LoRA" if cfg.model.lora.enabled else "1e-5 to 2e-5 for full fine-tuning"
+    return (f"model.init_from is set but training.learning_rate is the pre-training default {t.learning_rate:g}, "
+            f"which wrecks a pretrained model: fine-tuning usually runs at {rate} (full SFT 1e-5 to 2e-5, LoRA 1e-4 "
+            "to 2e-4); set training.learning_rate, or start from the model.yaml of scripts/convert_hf.py --to-jax")
+
+
 def _run_line(cfg: Config, plan: TrainPlan, mesh) -> str:
     """The run's first log line: the mesh and devices, precision, ZeRO stage, and every path the
     config switches on (sequence parallelism, attention, prefetch, collective matmul, compression)."""
@@ -434,6 +459,9 @@ def _start(cfg: Config) -> Run:
     mesh = make_mesh(cfg.parallel)
     plan = make_plan(cfg, mesh)
     log.info(_run_line(cfg, plan, mesh), ranks=[0])
+    log.info(optimization_line(cfg), ranks=[0])
+    if fine_tuning_warning(cfg):
+        log.warning(fine_tuning_warning(cfg), ranks=[0])
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
         log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
                     f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from jaxcolossal.checkpoint import CheckpointManager  # noqa: E402
-from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
+from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict, load_config  # noqa: E402
 from jaxcolossal.data import eval_batches, get_tokenizer, load_splits  # noqa: E402
 from jaxcolossal.models import get_family, gpt2  # noqa: E402
 from jaxcolossal.models.hf_io import config_from_hf, init_params_from, load_hf, read_special_tokens, save_hf  # noqa: E402
@@ -169,6 +169,23 @@ def test_convert_script_round_trip(tmp_path):
     assert_clean(info)
     tokens = tokens_for(seed=5)
     assert maxdiff(hf_logits(back, tokens), hf_logits(model, tokens)) < TOL
+
+
+def test_to_jax_writes_fine_tuning_training_defaults(tmp_path):
+    """Issue 45 item 1: ``--to-jax``'s model.yaml loads with ``load_config`` and carries full-SFT
+    defaults, not the schema's byte-level pre-training ones: learning rate 2e-5, no weight decay, a
+    warmup and cosine decay to 0, seq_len = min(max_position_embeddings, 2048); its comment names
+    LoRA's rates. A model with a longer context gets 2048."""
+    hf_llama(tie=False).save_pretrained(tmp_path / "hf")  # max_position_embeddings 64
+    assert conv.main(["--to-jax", str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+    t = load_config(str(tmp_path / "jax" / "model.yaml")).training
+    assert (t.learning_rate, t.weight_decay, t.seq_len, t.min_learning_rate_ratio) == (2e-5, 0.0, 64, 0.0)
+    assert 0 < t.warmup_steps <= 0.05 * t.max_steps
+    text = (tmp_path / "jax" / "model.yaml").read_text()
+    assert "LoRA" in text and "training.learning_rate=1e-4" in text
+    long = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    assert conv.fine_tuning_training(config_from_hf(long.to_dict()))["seq_len"] == 2048
 
 
 def test_bf16_checkpoint_reads_as_fp32(tmp_path):
