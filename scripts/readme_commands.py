@@ -12,8 +12,8 @@ runs as ``python scripts/convert_hf.py --to-hf X Y``). Each runs with bash from 
 
 * a training run (``scripts/train.py`` without ``--dry-run`` or ``--compile-for``, also under
   ``python -m jaxcolossal.run``) gets SMALL_RUN's overrides (its sample shortened, never turned on)
-  and a ``logging.run_dir`` of its own appended; its ``checkpoint.dir``, and an
-  ``offload.nvme_path`` under /tmp, move into a folder of its own;
+  and a ``logging.run_dir`` of its own appended; its ``checkpoint.dir`` (not with ``--eval-only``,
+  which reads the fixture's), and an ``offload.nvme_path`` under /tmp, move into a folder of its own;
 * the placeholders of FIXTURES (``HF_DIR``, ``N``, ``data/*.jsonl``, ``checkpoints/tiny``, ...)
   become fixtures made first in a temporary folder: a tiny LLaMA saved by ``transformers`` next to a
   tokenizer trained by scripts/train_tokenizer.py, JSON lines, chat JSON lines and parquet files of
@@ -153,7 +153,8 @@ def sample_tokens_set(cmd: str) -> int | None:
 def as_run(cmd: str, workdir: str, resolve) -> str:
     """The command with this script's rules applied; ``workdir``: this command's own folder."""
     if is_training(cmd):
-        cmd = re.sub(r"(checkpoint\.dir=)\S+", lambda m: m.group(1) + os.path.join(workdir, "checkpoint"), cmd)
+        if "--eval-only" not in cmd.split():  # --eval-only reads the checkpoint the row names (the fixture)
+            cmd = re.sub(r"(checkpoint\.dir=)\S+", lambda m: m.group(1) + os.path.join(workdir, "checkpoint"), cmd)
         cmd = re.sub(r"(offload\.nvme_path=)/tmp/\S*", lambda m: m.group(1) + os.path.join(workdir, "nvme"), cmd)
         small = [o for o in SMALL_RUN if not (o.startswith("training.sample_tokens=") and sample_tokens_set(cmd) == 0)]
         cmd = " ".join([cmd] + small + [f"logging.run_dir={os.path.join(workdir, 'run')}"])

@@ -5,6 +5,8 @@
     python scripts/train.py --config configs/llama_80l_example.yaml --dry-run
     python scripts/train.py --config configs/bench/llama2_7b.yaml --compile-for h200x8
     python scripts/train.py --config configs/bench/llama2_7b.yaml --dry-run --compile-for h200x8   # both, side by side
+    python scripts/train.py --eval-only checkpoint.dir=checkpoints/tiny          # a checkpoint's validation loss
+    python scripts/train.py --eval-only --config OUT/model.yaml model.init_from=HF_DIR data.corpus=a.jsonl
 
 On a machine with no accelerator it simulates 8 CPU devices (``--devices`` to change);
 on GPUs it uses the real ones. With torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR,
@@ -19,10 +21,11 @@ The launcher sets each process's device count in ``XLA_FLAGS``; without ``--devi
 count is kept.
 
 Exit status (one line on stderr for each error a user can cause, jaxcolossal.errors): 0 done
-(with --compile-for: the step fits); 1 with --compile-for or --dry-run: it does not fit; 2 a config
-error (before anything compiles; also a resume with nothing left to train, a checkpoint of another
-model size, optimizer or precision, a missing optional package); 3 a data, tokenizer or checkpoint
-error, or training stopped on NaN/inf; 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
+(with --compile-for: the step fits; with --eval-only: evaluated); 1 with --compile-for or
+--dry-run: it does not fit; 2 a config error (before anything compiles; also a resume with
+nothing left to train, --eval-only with nothing to evaluate, a checkpoint of another model size,
+optimizer or precision, a missing optional package); 3 a data, tokenizer or checkpoint error, or
+training stopped on NaN/inf; 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
 """
 
 import argparse
@@ -32,7 +35,7 @@ import sys
 
 import jaxcolossal as jc
 from jaxcolossal.aot import fleet, report, target
-from jaxcolossal.config import config_help, load_config
+from jaxcolossal.config import ConfigError, config_help, load_config
 from jaxcolossal.errors import exit_status
 from jaxcolossal.plan import plan_dry_run
 
@@ -78,8 +81,12 @@ def dry_run(cfg, args) -> int:
 
 
 def run(args) -> int:
-    """Load and validate the config (before JAX starts), then compile for a fleet, plan, or train."""
+    """Load and validate the config (before JAX starts), then compile for a fleet, plan, evaluate
+    (``--eval-only``: :func:`jaxcolossal.train.loop.evaluate_only`) or train."""
     cfg = load_config(args.config, args.overrides)
+    if args.eval_only and (args.dry_run or args.compile_for):
+        raise ConfigError("--eval-only evaluates a checkpoint on this machine's devices; it does not combine with "
+                          "--dry-run or --compile-for")
     if args.compile_for and args.dry_run:  # the plan, then what the GPU compiler made of it
         status = dry_run(cfg, args)
         print()
@@ -91,7 +98,10 @@ def run(args) -> int:
     jc.gpu_memory_fraction()  # 0.9 of each GPU's memory, as the planner plans (jax's default: 0.75)
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False)
-    from jaxcolossal.train.loop import train  # heavy: orbax and tensorstore, for training runs only
+    from jaxcolossal.train.loop import evaluate_only, train  # heavy: orbax and tensorstore, for training runs only
+    if args.eval_only:
+        evaluate_only(cfg)
+        return 0
     return train(cfg)["exit_code"]  # 0, or 143 / 130 after SIGTERM / Ctrl-C (128 + signal), as schedulers expect
 
 
@@ -105,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="simulated CPU devices (per process) when no accelerator (default: the count "
                          "already in XLA_FLAGS, as set by python -m jaxcolossal.run, else 8)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (params, memory, mesh) and exit")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="print the validation loss (nats/token) and perplexity of the newest checkpoint in "
+                         "checkpoint.dir, else of model.init_from's Hugging Face weights, on the config's data "
+                         "(as training.eval_every evaluates), append it to metrics.jsonl and exit; never trains "
+                         "or saves (docs/training.md)")
     ap.add_argument("--compile-for", metavar="FLEET", default=None,
                     help="compile the train step for a GPU fleet with XLA's GPU compiler, no GPU needed, and print "
                          "its memory, collectives, overlap and custom calls; FLEET is TARGETxCOUNT, e.g. h200x16 "

@@ -183,8 +183,9 @@ def check_output_dir(key: str, path: str) -> None:
                           f"({e.strerror}); {fix}") from None
 
 
-def preflight(cfg: Config) -> None:
-    """Every check that needs the file system, before anything is compiled.
+def preflight(cfg: Config, eval_only: bool = False) -> None:
+    """Every check that needs the file system, before anything is compiled. ``eval_only``
+    (:func:`evaluate_only`): the ``training.resume`` checks are left out (it never trains or saves).
 
     Raises:
         ConfigError: one line naming the key: ``checkpoint.dir`` or (on process 0, which writes it)
@@ -209,7 +210,7 @@ def preflight(cfg: Config) -> None:
             f"model.vocab_size={m.vocab_size} is smaller than the {tok.vocab_size} ids of data.tokenizer="
             f"{cfg.data.tokenizer}: ids >= {m.vocab_size} would have no embedding row; set model.vocab_size "
             f">= {tok.vocab_size}")
-    if not c.dir:
+    if not c.dir or eval_only:
         return
     steps = step_dirs(c.dir)
     if t.resume is True and not steps:
@@ -448,17 +449,41 @@ def run_start_record(cfg: Config, run_id: str, resumed_from_step: int | None) ->
             "run": run_id, "resumed_from_step": resumed_from_step, "config": cfg.source}
 
 
+def _mesh_and_plan(cfg: Config, run_id: str | None = None) -> tuple[Any, TrainPlan]:
+    """The run folder and its ``train.log`` (process 0; with ``run_id``, the run's separator line in
+    it), the mesh and the plan, with the run's line."""
+    if jax.process_index() == 0:
+        os.makedirs(cfg.logging.run_dir, exist_ok=True)
+        get_dist_logger().log_to_file(os.path.join(cfg.logging.run_dir, "train.log"))
+    if run_id is not None:
+        get_dist_logger().info(f"========== run {run_id} (config {cfg.source or '-'}) ==========", ranks=[0],
+                               file_only=True)
+    mesh = make_mesh(cfg.parallel)
+    plan = make_plan(cfg, mesh)
+    get_dist_logger().info(_run_line(cfg, plan, mesh), ranks=[0])
+    return mesh, plan
+
+
+def _initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
+    """The state before any restore: ``model.init_from``'s Hugging Face weights (fine-tuning), else
+    a fresh init from ``training.seed``; with ``model.lora.init_from``, its adapters."""
+    log, lora = get_dist_logger(), cfg.model.lora
+    state = init_state(plan, tx, key=jax.random.key(cfg.training.seed),
+                       params=init_params_from(cfg.model, plan.mesh_shape["tp"]),
+                       adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None)
+    if cfg.model.init_from:
+        log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
+    if lora.enabled:
+        log.info(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_list)}: the base weights are "
+                 "frozen" + (f"; adapters from {lora.init_from}" if lora.init_from else ""), ranks=[0])
+    return state
+
+
 def _start(cfg: Config) -> Run:
     log = get_dist_logger()
     run_dir, t = cfg.logging.run_dir, cfg.training
     is_main, run_id = jax.process_index() == 0, new_run_id()
-    if is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        log.log_to_file(os.path.join(run_dir, "train.log"))
-    log.info(f"========== run {run_id} (config {cfg.source or '-'}) ==========", ranks=[0], file_only=True)
-    mesh = make_mesh(cfg.parallel)
-    plan = make_plan(cfg, mesh)
-    log.info(_run_line(cfg, plan, mesh), ranks=[0])
+    mesh, plan = _mesh_and_plan(cfg, run_id)
     log.info(optimization_line(cfg), ranks=[0])
     if fine_tuning_warning(cfg):
         log.warning(fine_tuning_warning(cfg), ranks=[0])
@@ -471,15 +496,7 @@ def _start(cfg: Config) -> Run:
     loader, evals, sample_prompt = _data(cfg, mesh)
 
     tx = build_optimizer(t, plan)
-    # model.init_from: start from Hugging Face weights (fine-tuning); None: a fresh init from the seed
-    lora = cfg.model.lora
-    state = init_state(plan, tx, key=jax.random.key(t.seed), params=init_params_from(cfg.model, plan.mesh_shape["tp"]),
-                       adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None)
-    if cfg.model.init_from:
-        log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
-    if lora.enabled:
-        log.info(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_list)}: the base weights are "
-                 "frozen" + (f"; adapters from {lora.init_from}" if lora.init_from else ""), ranks=[0])
+    state = _initial_state(cfg, plan, tx)
     tier = nvme_tier(plan, tx)
     if is_main:
         print(param_table(plan))
@@ -775,3 +792,62 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
         if run.is_main and out["sample"]:
             print("----- sample -----\n" + printable(out["sample"]) + "\n------------------")
     return out
+
+
+# ----------------------------------------------------------------------------- evaluate only
+
+
+def _nothing_to_evaluate(cfg: Config) -> None:
+    """Raises ConfigError (one line) when ``checkpoint.dir`` holds no step and ``model.init_from`` is empty."""
+    c = cfg.checkpoint
+    if (c.dir and step_dirs(c.dir)) or cfg.model.init_from:
+        return
+    where = f"checkpoint.dir={c.dir!r} holds no checkpoint" if c.dir else "checkpoint.dir is not set"
+    raise ConfigError(f"--eval-only: nothing to evaluate: {where} and model.init_from is empty; set checkpoint.dir "
+                      "to a run's checkpoints or model.init_from=HF_DIR (a Hugging Face folder)")
+
+
+def evaluate_only(cfg: Config) -> dict:
+    """``scripts/train.py --eval-only``: the validation loss of the state a run of ``cfg`` would
+    start from, by the loop's own evaluation (:func:`_evaluate`, the one ``training.eval_every``
+    runs) over the same fixed batches (``training.eval_batches`` of the validation split, with the
+    same data keys, mesh and sharding). The state: the newest step in ``checkpoint.dir`` that
+    restores (as ``training.resume=true`` restores it, whatever ``training.resume`` says), else
+    ``model.init_from``'s Hugging Face weights. Never trains, never saves a checkpoint.
+
+    Prints ``validation loss X.XXXX nats/token, perplexity Y at step N (<source>)`` (process 0),
+    appends ``{"step": N, "val_loss": ..., "eval_only": true}`` to ``<run_dir>/metrics.jsonl`` and
+    returns ``{"step", "val_loss" (nats/token), "perplexity", "source"}``.
+
+    Raises:
+        ConfigError: before anything compiles: nothing to evaluate (no checkpoint in
+            ``checkpoint.dir`` and no ``model.init_from``), or any :func:`preflight` refusal.
+        CheckpointMismatchError: the checkpoint is of another model size, optimizer or precision.
+        CheckpointNotFoundError: ``checkpoint.dir`` holds steps, none of which restores.
+    """
+    preflight(cfg, eval_only=True)
+    _nothing_to_evaluate(cfg)
+    with _quiet_console():
+        mesh, plan = _mesh_and_plan(cfg)
+        _, evals, _ = _data(cfg, mesh)
+        state = _initial_state(cfg, plan, build_optimizer(cfg.training, plan))
+        source = f"the Hugging Face weights in {cfg.model.init_from}"
+        if cfg.checkpoint.dir and step_dirs(cfg.checkpoint.dir):
+            ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.max_to_keep, config=cfg.to_dict())
+            try:
+                state = ckpt.restore(state)
+            finally:
+                ckpt.close()
+            source = f"checkpoint step {int(state.step)} in {ckpt.directory}"
+        metrics = mx.MetricsWriter(cfg.logging.run_dir, cfg.logging.tensorboard, enabled=jax.process_index() == 0)
+        run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=None, evals=evals, compiled=None,
+                  eval_step=make_eval_step(plan), compile_s=0.0, compiled_peak=0, metrics=metrics)
+        try:
+            step, val = int(state.step), _evaluate(run, state)
+            run.write({"step": step, "val_loss": val, "eval_only": True})
+        finally:
+            metrics.close()
+    ppl = math.exp(val) if val < 700 else math.inf  # exp overflows a float past ~709
+    if run.is_main:
+        print(f"validation loss {val:.4f} nats/token, perplexity {ppl:.2f} at step {step} ({source})")
+    return {"step": step, "val_loss": val, "perplexity": ppl, "source": source}

@@ -89,6 +89,10 @@ def test_the_rules():
         "<a.jsonl> <data/*.jsonl> model.vocab_size=<N> NX /a/N"
     assert rc.as_run("python scripts/zero_report.py", "/w", dummy).split()[2:] == rc.QUICK["scripts/zero_report.py"]
     assert rc.needed("python scripts/train.py checkpoint.dir=checkpoints/tiny") == []
+    # --eval-only evaluates the checkpoint fixture where the row names it, with the fixture's model (SMALL_RUN)
+    run = rc.as_run("python scripts/train.py --eval-only checkpoint.dir=checkpoints/tiny", "/w", dummy)
+    assert "checkpoint.dir=<checkpoints/tiny>" in run and run.endswith(" ".join(rc.SMALL_RUN) + " logging.run_dir=/w/run")
+    assert rc.needed("python scripts/train.py --eval-only checkpoint.dir=checkpoints/tiny") == ["checkpoints/tiny"]
     # a sample is shortened, never turned on: configs/llama_tiny_long.yaml sets none (a 16k-token window)
     assert "training.sample_tokens=" not in rc.as_run("python scripts/train.py --config configs/llama_tiny_long.yaml",
                                                       "/w", dummy)
