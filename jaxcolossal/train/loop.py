@@ -485,8 +485,8 @@ def _start(cfg: Config) -> Run:
     is_main, run_id = jax.process_index() == 0, new_run_id()
     mesh, plan = _mesh_and_plan(cfg, run_id)
     log.info(optimization_line(cfg), ranks=[0])
-    if fine_tuning_warning(cfg):
-        log.warning(fine_tuning_warning(cfg), ranks=[0])
+    if warning := fine_tuning_warning(cfg):
+        log.warning(warning, ranks=[0])
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
         log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
                     f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])
@@ -827,8 +827,9 @@ def evaluate_only(cfg: Config) -> dict:
     """
     preflight(cfg, eval_only=True)
     _nothing_to_evaluate(cfg)
+    run_id = new_run_id()  # its own train.log separator and TensorBoard folder, as a training run's
     with _quiet_console():
-        mesh, plan = _mesh_and_plan(cfg)
+        mesh, plan = _mesh_and_plan(cfg, run_id)
         _, evals, _ = _data(cfg, mesh)
         state = _initial_state(cfg, plan, build_optimizer(cfg.training, plan))
         source = f"the Hugging Face weights in {cfg.model.init_from}"
@@ -839,7 +840,8 @@ def evaluate_only(cfg: Config) -> dict:
             finally:
                 ckpt.close()
             source = f"checkpoint step {int(state.step)} in {ckpt.directory}"
-        metrics = mx.MetricsWriter(cfg.logging.run_dir, cfg.logging.tensorboard, enabled=jax.process_index() == 0)
+        metrics = mx.MetricsWriter(cfg.logging.run_dir, cfg.logging.tensorboard, enabled=jax.process_index() == 0,
+                                   run_id=run_id)
         run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=None, evals=evals, compiled=None,
                   eval_step=make_eval_step(plan), compile_s=0.0, compiled_peak=0, metrics=metrics)
         try:
