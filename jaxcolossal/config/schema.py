@@ -390,8 +390,10 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2, 3] = 0
     """The ZeRO stage, 0 to 3: what is sharded over the data-parallel group (the mesh axis ``fsdp``). 0
     nothing (DDP), 1 the optimizer state (with the fp32 master copy), 2 also the gradients, 3 also the
-    parameters (FSDP). With ``zero_stage > 0`` ``model.hidden_size`` must be divisible by the ZeRO group
-    (``data_parallel_size / expert_parallel_size``); ``gradient_compression`` needs 0 or 1,
+    parameters (FSDP). With experts split over ``expert_parallel_size`` the dense part's state is
+    sharded over the whole data group and the experts' over ``data_parallel_size /
+    expert_parallel_size`` (in a pipeline both over the latter). With ``zero_stage > 0``
+    ``model.hidden_size`` must be divisible by that smaller group; ``gradient_compression`` needs 0 or 1,
     ``offload.offload_param_frac`` needs 3."""
     num_microbatches: int = 0
     """The pipeline microbatches per step ``m`` (with ``pipeline_parallel_size > 1``), >= 0: each

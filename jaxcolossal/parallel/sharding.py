@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.parallel.mesh import DATA_AXES, MESH_AXES, ZERO_AXIS, entry_axes  # noqa: F401  (re-exported: the sharding vocabulary)
+from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, MESH_AXES, ZERO_AXIS, entry_axes  # noqa: F401  (re-exported: the sharding vocabulary)
 
 ZERO_LOGICAL_AXIS = "embed"
 
@@ -57,8 +57,14 @@ RULES: dict[str, Any] = {
     "stage": "pp",
     "lora_rank": None,
     "expert": "ep",
+    "zero": ZERO_AXIS,
 }
-"""Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)."""
+"""Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated). ``zero`` is no array
+dimension: it names the mesh axes ZeRO shards the state over (:func:`zero_spec`)."""
+
+ZERO_RULE = "zero"
+"""The rules-table entry of the mesh axes ZeRO shards over: ``fsdp``, or with expert parallelism
+``("fsdp", "ep")`` (:func:`rules_for`)."""
 
 YIELDING = ("seq",)
 """Logical axes that give up a mesh axis that another dimension of the same array uses."""
@@ -106,6 +112,8 @@ def rules_for(parallel, pipeline: bool = False) -> dict[str, Any]:
         rules["seq"] = "sp"
     if pipeline:
         rules["layers"] = "pp"
+    if getattr(parallel, "expert_parallel_size", 1) > 1 and getattr(parallel, "pipeline_parallel_size", 1) == 1:
+        rules[ZERO_RULE] = (ZERO_AXIS, EP_AXIS)  # MoE: the dense state over the whole data group
     return rules
 
 
@@ -155,37 +163,65 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mappin
                 f"of size {n}; choose sizes that divide (see the sharding rules table)")
 
 
+def zero_groups(base: Sequence, rules: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """The mesh axes ZeRO may shard one leaf over, first choice first: the rules' ``zero`` entry
+    less the axes the leaf's ``base`` spec already uses, then ``fsdp`` alone.
+
+    With expert parallelism (``zero`` = ``("fsdp", "ep")``) a dense leaf's state is sharded over the
+    whole data group and a routed expert's (whose expert dimension is on ``ep``) over the data group
+    less ``ep``, as Colossal-AI's MoE plugin does (its ``moe_dp_group``); ``fsdp`` alone is the
+    fall-back for a dense leaf that no dimension of can be split over the whole group."""
+    used = {m for e in base for m in entry_axes(e)}
+    groups = []
+    for group in (entry_axes(rules.get(ZERO_RULE, ZERO_AXIS)), (ZERO_AXIS,)):
+        kept = tuple(a for a in group if a not in used)
+        if kept and kept not in groups:
+            groups.append(kept)
+    return groups
+
+
 def zero_spec(name: str, axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int],
               rules: Mapping[str, Any] = RULES) -> P:
-    """The spec of a parameter-shaped leaf with its ZeRO dimension sharded over ``fsdp``.
+    """The spec of a parameter-shaped leaf with its ZeRO dimension sharded over the ZeRO axes
+    (:func:`zero_groups`: ``fsdp``, with expert parallelism ``fsdp`` × ``ep`` for dense leaves).
 
     The ZeRO dimension is the ``embed`` dimension (every LLaMA/GPT-2 weight matrix has one); a
-    leaf without one (a bias) falls back to the first unsharded dimension that ``fsdp`` divides,
-    then to a ``tp``-sharded dimension split further over ``("tp", "fsdp")``.
+    leaf without one (a bias) falls back to the first unsharded dimension that the group divides,
+    then to a ``tp``-sharded dimension split further over ``("tp", *group)``. The ZeRO axes always
+    come last in their entry (:func:`one_layer_specs` relies on it).
 
     Raises:
         ConfigError: if no dimension can be split evenly over ``fsdp``.
     """
     base = list(logical_to_spec(axes, rules))
+    for group in zero_groups(base, rules):
+        if _axis_size(mesh_shape, group) == 1:  # nothing (left) to shard over
+            return P(*base)
+        spec = _zero_dimension(base, axes, shape, mesh_shape, group)
+        if spec is not None:
+            return spec
     n = mesh_shape.get(ZERO_AXIS, 1)
-    if n == 1:
-        return P(*base)
+    raise ConfigError(
+        f"ZeRO cannot shard parameter {name!r} of shape {tuple(shape)} over fsdp={n}: "
+        "no dimension is divisible; change the data-parallel size or the model sizes")
+
+
+def _zero_dimension(base: list, axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int],
+                    group: tuple[str, ...]) -> P | None:
+    """``base`` with one dimension split over ``group`` (:func:`zero_spec`'s order), or ``None``."""
+    n, entry = _axis_size(mesh_shape, group), group[0] if len(group) == 1 else group
     candidates = [i for i, a in enumerate(axes) if a == ZERO_LOGICAL_AXIS]
     candidates += [i for i, e in enumerate(base) if e is None and i not in candidates]
     for i in candidates:
         if base[i] is None and shape[i] % n == 0:
-            base[i] = ZERO_AXIS
-            return P(*base)
-    # last resort: split a dimension that tensor parallelism already splits further over fsdp
+            return P(*base[:i], entry, *base[i + 1:])
+    # last resort: split a dimension that tensor parallelism already splits further over the group
     for i, e in enumerate(base):
         if e is not None:
             names = entry_axes(e)
             if shape[i] % (_axis_size(mesh_shape, names) * n) == 0:
-                base[i] = names + (ZERO_AXIS,)
-                return P(*base)
-    raise ConfigError(
-        f"ZeRO cannot shard parameter {name!r} of shape {tuple(shape)} over fsdp={n}: "
-        "no dimension is divisible; change the data-parallel size or the model sizes")
+                return P(*base[:i], names + group, *base[i + 1:])
+    return None
 
 
 @dataclass(frozen=True)
@@ -355,11 +391,12 @@ class Sharder:
 
 def one_layer_specs(layer_param_specs: Any) -> tuple[Any, Any]:
     """``(gathered, sharded)``: one layer's param ``PartitionSpec`` trees from the stacked layers'
-    (``P`` leaves ``[L, ...]``): as stored (the leading ``L`` dropped), and without ``fsdp``
-    (ZeRO-3's all-gathered form; tp stays)."""
-    def drop(entry):
+    (``P`` leaves ``[L, ...]``): as stored (the leading ``L`` dropped), and without ZeRO's axes
+    (``fsdp``, and ``ep`` where ZeRO added it: ZeRO-3's all-gathered form; tp and an expert
+    dimension's ``ep`` stay)."""
+    def drop(entry):  # ZeRO's axes come last in an entry, from fsdp on (zero_spec)
         names = entry_axes(entry)
-        kept = tuple(a for a in names if a != "fsdp")
+        kept = names[:names.index(ZERO_AXIS)] if ZERO_AXIS in names else names
         return kept[0] if len(kept) == 1 else (kept or None)
     sharded = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_param_specs, is_leaf=is_spec)
     gathered = jax.tree.map(lambda s: P(*map(drop, s)), sharded, is_leaf=is_spec)

@@ -88,7 +88,8 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
         f"intermediate {cfg.model.intermediate_size}, vocab {cfg.model.vocab_size} (padded {vocab})",
         f"parameters {n['total']:,} ({n['total'] / 1e9:.2f} B)" + _experts_line(cfg, shape, n),
         f"devices    {num_devices}; mesh {shape} (pp × dp × fsdp × ep × sp × tp)",
-        f"precision  {precision_label(cfg)}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}",
+        f"precision  {precision_label(cfg)}: p={b['p']} g={b['g']} K={b['K']} bytes/param; zero_stage {p.zero_stage}"
+        + _zero_groups_note(cfg, shape),
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
         f"total {gib(params + grads + opt)}"
         + (f"\nLoRA       rank {lora.rank} on {', '.join(lora.target_list)}: "
@@ -110,6 +111,17 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
         lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
                      f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
     return DryRunPlan(tuple(lines), refusal)
+
+
+def _zero_groups_note(cfg: Config, shape: dict) -> str:
+    """With experts split over ``ep`` and ZeRO on: the group each part's state is sharded over ("" otherwise;
+    :func:`jaxcolossal.parallel.sharding.zero_groups`)."""
+    ep, fsdp = shape.get("ep", 1), shape.get("fsdp", 1)
+    if not cfg.model.moe or cfg.parallel.zero_stage == 0 or ep == 1:
+        return ""
+    if shape.get("pp", 1) > 1:
+        return f" (over fsdp {fsdp}; with pp the dense part's state is not split over ep)"
+    return f" (the dense part's state over the data group fsdp × ep = {fsdp * ep}, the experts' over fsdp {fsdp})"
 
 
 def _experts_line(cfg: Config, shape: dict, n: dict) -> str:

@@ -39,7 +39,8 @@ def _moe(parallel, **model):
     {"data_parallel_size": 8, "expert_parallel_size": 2, "zero_stage": 2},
     {"data_parallel_size": 4, "tensor_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 1},
     {"data_parallel_size": 8, "expert_parallel_size": 4, "zero_stage": 3},
-], ids=["ep2", "ep4", "ep8", "ep2_zero2", "ep2_tp2", "ep4_zero3"])
+    {"data_parallel_size": 8, "expert_parallel_size": 8, "zero_stage": 1},
+], ids=["ep2", "ep4", "ep8", "ep2_zero2", "ep2_tp2", "ep4_zero3", "ep8_zero1"])
 def test_expert_parallel_equals_one_device(parallel):
     """Dropless, fp32, 3 steps (the load-balancing loss on, coefficient 0.01): loss and gradient norm
     to rtol 1e-5, params as :func:`tiny.assert_params_match`, the router's load per expert equal."""
@@ -51,6 +52,10 @@ def test_expert_parallel_equals_one_device(parallel):
     np.testing.assert_allclose(m8[-1]["expert_load"], m1[-1]["expert_load"], atol=1e-6)
     assert_params_match(jax.device_get(s8.params), jax.device_get(s1.params))
     assert "ep" in str(s8.params["layers"]["moe_w_gate"].sharding.spec)
+    if parallel["zero_stage"]:  # ZeRO: the dense state over the whole data group, the experts' over it less ep
+        dense, expert = plan.specs.opt["layers"]["wq"], plan.specs.opt["layers"]["moe_w_gate"]
+        assert ("fsdp", "ep") in tuple(dense), dense
+        assert tuple(expert).count("ep") == 1 and ("fsdp", "ep") not in tuple(expert), expert
 
 
 def _routing(seed=0, t=64, d=16, e=8, f=32, skew=False):
