@@ -8,7 +8,8 @@ to dispatch, chosen by ``model.capacity_factor``:
 
 * **dropless** (0): the device's ``T·k`` (token, expert) slots are sorted by expert. With ``ep = 1``
   the sorted tokens go straight through the three grouped matmuls (``jax.lax.ragged_dot``, one
-  group per expert: megablox's form, no padding, no token dropped). With ``ep > 1`` the slots of
+  group per expert: megablox's form, no padding, no token dropped; on CPU devices, where XLA
+  lowers ``ragged_dot`` densely, as MegaBlocks' blocks instead, :func:`_experts_blocked`). With ``ep > 1`` the slots of
   each destination device are packed into a ``[ep, T·k, d]`` buffer (room for every slot going to
   one device, so none is dropped) and exchanged by ``all_to_all`` over ``ep``; the receiver sorts
   what it got by its local expert, runs the grouped matmuls, and a second ``all_to_all`` returns
@@ -31,26 +32,74 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, TP_AXIS
+from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, TP_AXIS, platform
 
 
-def _experts_grouped(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd) -> jax.Array:
+BLOCK_ROWS = 64
+"""The rows of one block of :func:`_experts_blocked` (each group padded to a multiple of it)."""
+
+
+def _experts_grouped(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, blocked: bool = False) -> jax.Array:
     """SwiGLU of each row of ``xs [M, d]`` by its group's expert (rows sorted by group; rows past
-    ``sum(group_sizes)`` come out zero): ``[M, d]``."""
+    ``sum(group_sizes)`` come out zero): ``[M, d]``. ``blocked``: :func:`_experts_blocked` in place
+    of ``jax.lax.ragged_dot`` (XLA:CPU lowers ``ragged_dot`` as a dense matmul of every row against
+    every group's weight, ``E``-fold the work)."""
+    if blocked:
+        return _experts_blocked(xs, group_sizes, wg, wu, wd)
     g = jax.lax.ragged_dot(xs, wg, group_sizes)
     u = jax.lax.ragged_dot(xs, wu, group_sizes)
     return jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs.dtype), wd, group_sizes)
 
 
-def _dropless_local(x, flat, k, wg, wu, wd):
+def _block_layout(group_sizes: jax.Array, m: int, block: int) -> tuple[jax.Array, jax.Array, int]:
+    """Each group padded to whole blocks of ``block`` rows: ``(dest [m], block_group [nb], nb)``,
+    row ``i``'s place in the padded ``[nb·block]`` layout (``nb·block``, out of range, for the
+    rows past ``sum(group_sizes)``) and each block's group. ``nb = ceil(m / block) + E`` bounds
+    the blocks for any sizes summing to at most ``m``."""
+    e = group_sizes.shape[0]
+    nb = -(-m // block) + e
+    padded = (group_sizes + block - 1) // block * block
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.searchsorted(ends, jnp.arange(m), side="right")          # E for the rows past the last group
+    g = jnp.minimum(group, e - 1)
+    dest = jnp.where(group < e, (jnp.cumsum(padded) - padded)[g] + jnp.arange(m) - (ends - group_sizes)[g], nb * block)
+    block_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded) // block, jnp.arange(nb), side="right"), e - 1)
+    return dest, block_group, nb
+
+
+def _experts_blocked(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, block: int = BLOCK_ROWS) -> jax.Array:
+    """:func:`_experts_grouped` as batched matmuls over blocks of rows (MegaBlocks' block-sparse
+    form, Gale et al., 2023): each group's rows padded to whole blocks of ``block``, each block
+    multiplied by its group's weights (gathered per block). ``(M + E·block)`` rows of work against
+    ``ragged_dot``'s ``E·M`` on XLA:CPU. ``[M, d]``, rows past ``sum(group_sizes)`` zero."""
+    m, d = xs.shape
+    dest, bg, nb = _block_layout(group_sizes, m, block)
+    buf = jnp.zeros((nb * block, d), xs.dtype).at[dest].set(xs, mode="drop").reshape(nb, block, d)
+    g = jnp.einsum("nbd,ndf->nbf", buf, wg[bg])
+    u = jnp.einsum("nbd,ndf->nbf", buf, wu[bg])
+    out = jnp.einsum("nbf,nfd->nbd", (jax.nn.silu(g) * u).astype(xs.dtype), wd[bg]).reshape(nb * block, -1)
+    return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
+
+
+def blocked_on(mesh) -> bool:
+    """Whether the dropless grouped matmuls run blocked (:func:`_experts_blocked`): on CPU devices,
+    from ``mesh``'s platform (:func:`jaxcolossal.parallel.mesh.platform`); without a mesh, from the
+    enclosing ``shard_map``'s abstract mesh, else the devices this process runs on."""
+    if mesh is None:
+        abstract = jax.sharding.get_abstract_mesh()
+        mesh = abstract if getattr(abstract, "abstract_device", None) is not None else jax.local_devices()
+    return platform(mesh) == "cpu"
+
+
+def _dropless_local(x, flat, k, wg, wu, wd, blocked: bool = False):
     """Every slot through its expert on this device (``ep = 1``): ``[T·k, d]`` in slot order."""
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.sum(jax.nn.one_hot(flat, wg.shape[0], dtype=jnp.int32), axis=0)
-    out = _experts_grouped(x[order // k], sizes, wg, wu, wd)
+    out = _experts_grouped(x[order // k], sizes, wg, wu, wd, blocked)
     return jnp.zeros_like(out).at[order].set(out)
 
 
-def _dropless_exchange(x, flat, k, wg, wu, wd, ep: int):
+def _dropless_exchange(x, flat, k, wg, wu, wd, ep: int, blocked: bool = False):
     """:func:`_dropless_local` with the experts split over ``ep``: pack each destination's slots,
     ``all_to_all``, grouped matmuls on the local experts, ``all_to_all`` back. ``[T·k, d]``."""
     n_local = wg.shape[0]
@@ -66,7 +115,7 @@ def _dropless_exchange(x, flat, k, wg, wu, wd, ep: int):
     recv_e = jax.lax.all_to_all(send_e, EP_AXIS, 0, 0).reshape(-1)   # n_local marks an empty place
     order_r = jnp.argsort(recv_e, stable=True)
     sizes = jnp.sum(jax.nn.one_hot(recv_e, n_local, dtype=jnp.int32), axis=0)
-    done = _experts_grouped(recv[order_r], sizes, wg, wu, wd)
+    done = _experts_grouped(recv[order_r], sizes, wg, wu, wd, blocked)
     back = jnp.zeros_like(done).at[order_r].set(done).reshape(ep, m, -1)
     ret = jax.lax.all_to_all(back, EP_AXIS, 0, 0)         # [ep (the device that ran it), m, d]
     out = ret[dest, pos]
@@ -96,7 +145,7 @@ def _capacity(x, flat, k, wg, wu, wd, ep: int, capacity_factor: float, num_exper
     return out, jnp.sum(~keep).astype(jnp.float32)
 
 
-def _local(x, top_i, top_w, wg, wu, wd, *, num_experts, capacity_factor, ep, tp):
+def _local(x, top_i, top_w, wg, wu, wd, *, num_experts, capacity_factor, ep, tp, blocked=False):
     """One device's part: ``(y [T, d], dropped slots [1])`` for its tokens ``x [T, d]``."""
     t, k = top_i.shape
     flat = top_i.reshape(-1)
@@ -104,9 +153,9 @@ def _local(x, top_i, top_w, wg, wu, wd, *, num_experts, capacity_factor, ep, tp)
     if capacity_factor > 0:
         out, dropped = _capacity(x, flat, k, wg, wu, wd, ep, capacity_factor, num_experts)
     elif ep > 1:
-        out = _dropless_exchange(x, flat, k, wg, wu, wd, ep)
+        out = _dropless_exchange(x, flat, k, wg, wu, wd, ep, blocked)
     else:
-        out = _dropless_local(x, flat, k, wg, wu, wd)
+        out = _dropless_local(x, flat, k, wg, wu, wd, blocked)
     y = jnp.einsum("tkd,tk->td", out.reshape(t, k, -1).astype(jnp.float32), top_w.astype(jnp.float32))
     if tp > 1:  # each tp rank ran its slice of every expert's intermediate dimension
         y = jax.lax.psum(y, TP_AXIS)
@@ -134,12 +183,12 @@ def routed_experts(x: jax.Array, top_i: jax.Array, top_w: jax.Array, wg: jax.Arr
     if mesh is None:  # one device, or this device's part inside a manual shard_map
         ep = manual_ep or 1
         y, dropped = _local(x, top_i, top_w, wg, wu, wd, num_experts=wg.shape[0] * ep,
-                            capacity_factor=capacity_factor, ep=ep, tp=1)
+                            capacity_factor=capacity_factor, ep=ep, tp=1, blocked=blocked_on(None))
         return y, dropped[0]
     num_experts = wg.shape[0]
     shape = dict(mesh.shape)
     fn = partial(_local, num_experts=num_experts, capacity_factor=capacity_factor, ep=shape.get(EP_AXIS, 1),
-                 tp=shape.get(TP_AXIS, 1))
+                 tp=shape.get(TP_AXIS, 1), blocked=blocked_on(mesh))
     rows = P(DATA_AXES, None)
     expert_in, expert_out = P(EP_AXIS, None, TP_AXIS), P(EP_AXIS, TP_AXIS, None)
     y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(rows, rows, rows, expert_in, expert_in, expert_out),
