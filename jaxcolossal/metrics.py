@@ -12,7 +12,13 @@ Two labelled FLOP conventions are reported side by side:
   checkpointing (hardware FLOPs).
 
 TFLOPS per device = FLOPs per step / step seconds / 1e12 / number of devices. MFU = model TFLOPS
-per device / the device's dense bf16 peak (A100 312, H100 and H200 989 TFLOP/s).
+per device / the device's dense bf16 peak (A100 312, H100 and H200 989, B200 2250 TFLOP/s), reported
+on GPUs only (:func:`mfu_peak`). The log prints FLOP rates to three significant digits
+(:func:`flops_text`).
+
+:class:`MetricsWriter` is the run's one metrics sink: ``metrics.jsonl``, and the scalar sinks the
+config switches on (TensorBoard, Weights & Biases), which get the same names and values at the same
+steps.
 """
 
 from __future__ import annotations
@@ -20,19 +26,23 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.config import ModelConfig
+from jaxcolossal.config import Config, ConfigError, ModelConfig
+from jaxcolossal.errors import DependencyError
 from jaxcolossal.models import get_family
 from jaxcolossal.models.layers.lora import adapter_shapes_and_axes
+from jaxcolossal.parallel.mesh import platform
 from jaxcolossal.parallel.sharding import shard_bytes
 
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
-"""Dense bf16 peak FLOP/s by device family (NVIDIA datasheets)."""
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}
+"""Dense bf16 peak FLOP/s by device family (NVIDIA datasheets; the planner's
+:data:`jaxcolossal.plan.devices.DEVICES` has the same figures)."""
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -42,6 +52,41 @@ def peak_flops(device_kind: str) -> float | None:
         if name in kind:
             return value
     return None
+
+
+def mfu_peak(devices: Mesh | Sequence[jax.Device]) -> float | None:
+    """The peak FLOP/s per device (dense bf16) that MFU is reported against on ``devices`` (a mesh, or
+    a sequence of devices): their kind's :data:`PEAK_BF16_FLOPS` when they are GPUs (by the devices'
+    own platform, :func:`jaxcolossal.parallel.mesh.platform`, never ``jax.default_backend()``); None
+    (no MFU) on a CPU, a TPU, or a GPU whose peak is not in the table."""
+    if platform(devices) != "gpu":
+        return None
+    first = devices.devices.flat[0] if isinstance(devices, Mesh) else next(iter(devices))
+    return peak_flops(first.device_kind)
+
+
+FLOPS_UNITS = (("TFLOPS", 1.0), ("GFLOPS", 1e-3), ("MFLOPS", 1e-6))
+"""The units a FLOP rate is printed in, largest first, with their size in TFLOP/s."""
+
+
+def flops_rate(tflops: float) -> tuple[str, str]:
+    """``(number, unit)`` for a rate in TFLOP/s, to three significant digits in the largest unit where
+    it is >= 1: ``41.2`` -> ``("41.2", "TFLOPS")``, ``0.512`` -> ``("512", "GFLOPS")``, ``0.00123``
+    -> ``("1.23", "GFLOPS")``; below 1 MFLOP/s in MFLOPS (``"0.0123"``). 0, NaN and inf as Python
+    spells them, in TFLOPS (``"0"``, ``"nan"``)."""
+    if tflops == 0 or not math.isfinite(tflops):
+        return f"{tflops:g}", "TFLOPS"
+    for unit, size in FLOPS_UNITS:
+        value = tflops / size
+        if abs(value) >= 1:
+            break
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))  # three significant digits
+    return f"{value:.{decimals}f}", unit
+
+
+def flops_text(tflops: float) -> str:
+    """A rate in TFLOP/s as the log prints it: ``"41.2 TFLOPS"``, ``"512 GFLOPS"`` (:func:`flops_rate`)."""
+    return " ".join(flops_rate(tflops))
 
 
 INPUT_EMBEDDINGS = ("embed_tokens", "wte", "wpe")
@@ -104,15 +149,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> 
 
 
 def throughput(cfg: ModelConfig, *, batch_size: int, seq_len: int, step_seconds: float, num_devices: int,
-               device_kind: str, recompute: bool = False) -> dict[str, float | None]:
+               peak: float | None, recompute: bool = False) -> dict[str, float | None]:
     """Per-step throughput figures.
 
     Args:
         batch_size: global sequences per step; seq_len: tokens per sequence.
         step_seconds: wall time of one optimizer step (s).
+        peak: the devices' peak FLOP/s for the MFU (:func:`mfu_peak`); None: no MFU.
 
-    Returns ``tokens_per_s``, ``samples_per_s``, ``tflops_6n`` and ``tflops_colossal`` (per device),
-    and ``mfu`` (fraction, None when the device's peak is unknown).
+    Returns ``tokens_per_s``, ``samples_per_s``, ``tflops_6n`` and ``tflops_colossal`` (TFLOP/s per
+    device), and ``mfu`` (fraction, None without ``peak``).
     """
     tokens = batch_size * seq_len
     fpt = flops_per_token(cfg, seq_len, recompute)
@@ -120,7 +166,6 @@ def throughput(cfg: ModelConfig, *, batch_size: int, seq_len: int, step_seconds:
     def per_dev(f):  # TFLOP/s per device of f FLOPs per token
         return f * tokens / step_seconds / num_devices / 1e12
 
-    peak = peak_flops(device_kind)
     t6 = per_dev(fpt["6N+attn"])
     return {
         "tokens_per_s": tokens / step_seconds,
@@ -184,31 +229,133 @@ def json_line(record: Mapping[str, Any]) -> str:
     return json.dumps(out, allow_nan=False)
 
 
-class MetricsWriter:
-    """The run's metric sinks: ``<run_dir>/metrics.jsonl`` (one strict-JSON object per record,
-    :func:`json_line`) and, with ``tensorboard=True``, TensorBoard event files in
-    ``<run_dir>/tensorboard/<run_id>`` (tensorboardX's ``SummaryWriter``; TensorBoard shows each
-    run id as a run of its own; ``<run_dir>/tensorboard`` when ``run_id`` is empty).
+def scalars(rec: Mapping[str, Any]) -> dict[str, float]:
+    """The scalars of one record, by the name TensorBoard and W&B show: every int or float field but
+    ``step`` (not a bool, a list or a string), ``val_loss`` as ``eval/val_loss``, the others as
+    ``train/<name>``."""
+    return {("eval/val_loss" if k == "val_loss" else f"train/{k}"): float(v) for k, v in rec.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    Every numeric field of a record with a ``step`` becomes a scalar at that step: ``val_loss`` as
-    ``eval/val_loss``, the others as ``train/<name>`` (``loss``, ``grad_norm``, ``lr``,
-    ``tokens_per_s``, ``tflops_6n``, ``mfu``, ``peak_memory_bytes``, ``loss_scale``, ...). Only
-    process 0 writes (the caller passes ``enabled=False`` elsewhere).
+
+class ScalarSink(Protocol):
+    """Where :class:`MetricsWriter` sends each record's :func:`scalars`."""
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """Record ``values`` (name -> value) at training step ``step``."""
+
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close; ``exit_code`` != 0: the run failed."""
+
+
+class TensorBoardSink:
+    """TensorBoard event files in ``log_dir`` (tensorboardX's ``SummaryWriter``).
 
     Raises:
-        ImportError: ``tensorboard=True`` without the ``tensorboardX`` package.
+        DependencyError: no ``tensorboardX`` package.
     """
 
-    def __init__(self, run_dir: str, tensorboard: bool = False, enabled: bool = True, run_id: str = ""):
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if enabled else None
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from tensorboardX import SummaryWriter  # heavy (protobuf): TensorBoard runs only
-            except ImportError as e:
-                raise ImportError("logging.tensorboard=true needs the tensorboardX package: "
+    def __init__(self, log_dir: str):
+        try:
+            from tensorboardX import SummaryWriter  # heavy (protobuf): TensorBoard runs only
+        except ImportError as e:
+            raise DependencyError("logging.tensorboard=true needs the tensorboardX package: "
                                   "pip install tensorboardX") from e
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard", run_id))
+        self.writer = SummaryWriter(log_dir)
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self, exit_code: int = 0) -> None:
+        self.writer.close()
+
+
+def import_wandb() -> Any:
+    """The ``wandb`` module (imported here, for ``logging.wandb`` runs only).
+
+    Raises:
+        DependencyError: it is not installed (or does not import): one line naming ``pip install wandb``.
+    """
+    try:
+        import wandb  # heavy (0.6 s, a service process): logging.wandb runs only
+    except ImportError as e:
+        raise DependencyError(f"logging.wandb=true needs the wandb package: pip install wandb ({e})") from None
+    return wandb
+
+
+class WandbSink:
+    """A Weights & Biases run (:func:`wandb.init`) in ``<run_dir>/wandb``, with id ``run_id``; each
+    record's scalars are logged at its step (``wandb.log(values, step=step)``).
+
+    Args:
+        project: ``""``: ``$WANDB_PROJECT``, else ``jaxcolossal``.
+        name: the display name; ``""``: ``run_id``.
+        mode: ``auto`` (W&B's own: ``$WANDB_MODE``, else online), ``online``, ``offline``, ``disabled``.
+        config: the run's config, as W&B shows it.
+
+    Raises:
+        DependencyError: no ``wandb`` package.
+        ConfigError: W&B could not start the run (not logged in, no network in online mode): one
+            line with W&B's reason and what to set.
+    """
+
+    def __init__(self, run_dir: str, run_id: str, project: str = "", name: str = "", mode: str = "auto",
+                 config: Mapping[str, Any] | None = None):
+        wandb = import_wandb()
+        try:
+            self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "jaxcolossal",
+                                  name=name or run_id, id=run_id, dir=run_dir,
+                                  mode=None if mode == "auto" else mode, config=dict(config or {}))
+        except wandb.errors.Error as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"logging.wandb=true: W&B could not start the run ({reason}); log in with wandb login "
+                              "(or set WANDB_API_KEY), or set logging.wandb_mode=offline and upload the run later "
+                              "with wandb sync") from None
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self.run.log(dict(values), step=step)
+
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+class MetricsWriter:
+    """The run's metric sinks: ``<run_dir>/metrics.jsonl`` (one strict-JSON object per record,
+    :func:`json_line`) and the scalar sinks (:class:`ScalarSink`): with ``tensorboard=True``,
+    TensorBoard event files in ``<run_dir>/tensorboard/<run_id>`` (TensorBoard shows each run id as a
+    run of its own; ``<run_dir>/tensorboard`` when ``run_id`` is empty), and any in ``sinks``
+    (:meth:`for_run` adds W&B's).
+
+    Every numeric field of a record with a ``step`` becomes a scalar at that step in each sink, under
+    the same name (:func:`scalars`): ``val_loss`` as ``eval/val_loss``, the others as
+    ``train/<name>`` (``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``tflops_6n``, ``mfu``,
+    ``peak_memory_bytes``, ``loss_scale``, ...). Only process 0 writes (the caller passes
+    ``enabled=False`` elsewhere; no sink is opened then).
+
+    Raises:
+        DependencyError: ``tensorboard=True`` without the ``tensorboardX`` package.
+    """
+
+    def __init__(self, run_dir: str, tensorboard: bool = False, enabled: bool = True, run_id: str = "",
+                 sinks: Sequence[ScalarSink] = ()):
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if enabled else None
+        self.sinks: list[ScalarSink] = list(sinks) if enabled else []
+        if enabled and tensorboard:
+            self.sinks.insert(0, TensorBoardSink(os.path.join(run_dir, "tensorboard", run_id)))
+
+    @classmethod
+    def for_run(cls, cfg: Config, run_id: str, enabled: bool) -> "MetricsWriter":
+        """The sinks ``cfg.logging`` switches on, for the run ``run_id`` (``enabled``: process 0).
+
+        Raises:
+            DependencyError: a sink's package is missing (tensorboardX, wandb).
+            ConfigError: W&B could not start the run (:class:`WandbSink`).
+        """
+        lg = cfg.logging
+        sinks = [WandbSink(lg.run_dir, run_id, lg.wandb_project, lg.wandb_run_name, lg.wandb_mode,
+                           cfg.to_dict())] if enabled and lg.wandb else []
+        return cls(lg.run_dir, lg.tensorboard, enabled=enabled, run_id=run_id, sinks=sinks)
 
     def write(self, rec: Mapping[str, Any]) -> None:
         """Append one record (a flat dict, usually with ``step``) to every sink; one without ``step``
@@ -216,17 +363,16 @@ class MetricsWriter:
         if self.jsonl:
             self.jsonl.write(json_line(rec) + "\n")
             self.jsonl.flush()
-        if self.tb is not None and "step" in rec:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar("eval/val_loss" if k == "val_loss" else f"train/{k}", float(v), int(rec["step"]))
-            self.tb.flush()
+        if self.sinks and "step" in rec:
+            values = scalars(rec)
+            for sink in self.sinks:
+                sink.log(int(rec["step"]), values)
 
-    def close(self) -> None:
-        """Flush and close the sinks (idempotent)."""
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close the sinks (idempotent); ``exit_code`` != 0 marks a failed run (W&B)."""
         if self.jsonl:
             self.jsonl.close()
             self.jsonl = None
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close(exit_code)

@@ -224,7 +224,7 @@ def run(cfg, warmup: int, steps: int, seed: int = 0, log=print) -> dict:
     kind = dev.device_kind
     recompute = m.remat != "none"
     tp = mx.throughput(m, batch_size=t.batch_size, seq_len=t.seq_len, step_seconds=step_s, num_devices=n,
-                       device_kind=kind, recompute=recompute)
+                       peak=mx.mfu_peak(jax.devices()), recompute=recompute)
     mem, mem_label = peak_memory(compiled)
     nparams = mx.param_count(m)["total"]
     simulated = dev.platform == "cpu" and n > 1

@@ -49,9 +49,11 @@ from jaxcolossal.config.schema import (
                                         OffloadConfig,
                                         ParallelConfig,
                                         PrecisionConfig,
+                                        StepRange,
                                         TrainingConfig,
                                         gib,
                                         parse_bytes,
+                                        parse_step_range,
 )
 from jaxcolossal.errors import ConfigError
 
@@ -60,7 +62,7 @@ __all__ = [
     "attention_kernel", "config_help", "config_reference_markdown", "double_buffers_loops", "field_docs",
     "Config", "ConfigError", "DataConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OffloadConfig", "ParallelConfig",
     "PrecisionConfig", "Range", "TrainingConfig", "all_keys", "check_ranges", "config_from_dict", "expand_path",
-    "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "pipeline_microbatches", "precision_label",
+    "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "parse_step_range", "StepRange", "pipeline_microbatches", "precision_label",
     "prefetches_weights",
     "reduces_layerwise", "validate", "weight_gather_dtype",
 ]

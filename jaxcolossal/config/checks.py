@@ -16,6 +16,7 @@ from jaxcolossal.config.schema import (
     ModelConfig,
     ParallelConfig,
     parse_bytes,
+    parse_step_range,
     yaml_list,
 )
 from jaxcolossal.errors import ConfigError
@@ -129,6 +130,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_model(cfg)
     _check_data(cfg)
     _check_features(cfg)
+    _check_logging(cfg)
     _check_lora(cfg)
     _check_moe(cfg)
     _check_offload(cfg)
@@ -277,6 +279,15 @@ def _check_lora(cfg: Config) -> None:
                           "model.remat=full) and its low-precision weight gathers (parallel.communication_dtype) carry "
                           "no dropout keys yet: set parallel.overlap=false and parallel.communication_dtype=fp32, another "
                           "model.remat, or model.lora.dropout=0")
+
+
+def _check_logging(cfg: Config) -> None:
+    """``logging.profile_steps``: a range that ends by ``training.max_steps``."""
+    steps = parse_step_range(cfg.logging.profile_steps, "logging.profile_steps")
+    if steps is not None and steps[1] > cfg.training.max_steps:
+        raise ConfigError(f"logging.profile_steps={cfg.logging.profile_steps}: the run ends at training.max_steps="
+                          f"{cfg.training.max_steps}, before step {steps[1]}; trace steps within it, e.g. "
+                          f"logging.profile_steps={min(3, cfg.training.max_steps)}-{min(5, cfg.training.max_steps)}")
 
 
 def _check_features(cfg: Config) -> None:

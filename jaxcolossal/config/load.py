@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxcolossal.config.checks import validate
-from jaxcolossal.config.schema import Bytes, Config, parse_bytes, yaml_list
+from jaxcolossal.config.schema import Bytes, Config, StepRange, parse_bytes, parse_step_range, yaml_list
 from jaxcolossal.errors import ConfigError, ConfigFileNotFoundError
 
 PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir", "checkpoint.dir",
@@ -53,6 +53,9 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     if annotation is Bytes:
         parse_bytes(value, path)
         return "" if value is None else str(value)
+    if annotation is StepRange:  # kept as "A-B", "A" or "" (none)
+        steps = parse_step_range(value, path)
+        return "" if steps is None else str(steps[0]) if steps[0] == steps[1] else f"{steps[0]}-{steps[1]}"
     if annotation is str:
         if value is None:
             return ""
@@ -88,6 +91,9 @@ ALIASES = {
     "cpu_offload": "offload.offload_optim_frac", "offload_optimizer": "offload.offload_optim_frac",
     "memory_limit": "offload.device_memory_limit", "nvme_offload_dir": "offload.nvme_path",
     "text_field": "data.text_key", "dataset_text_field": "data.text_key", "tensorboard_dir": "logging.tensorboard",
+    "use_wandb": "logging.wandb", "enable_wandb": "logging.wandb", "project": "logging.wandb_project",
+    "profiler_steps": "logging.profile_steps", "enable_profiling": "logging.profile_steps",
+    "profile": "logging.profile_steps",
 }
 """Names used by Colossal-AI, DeepSpeed or MaxText for our keys, for the "did you mean" hint."""
 

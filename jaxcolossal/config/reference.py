@@ -19,7 +19,7 @@ from typing import Literal
 
 from jaxcolossal.config import schema
 from jaxcolossal.config.load import all_keys
-from jaxcolossal.config.schema import Bytes, Config, yaml_list
+from jaxcolossal.config.schema import Bytes, Config, StepRange, yaml_list
 
 _ROLE = re.compile(r":(?:func|mod|class|meth|data|attr):`~?([^`]+)`")
 _LITERAL = re.compile(r"``(.+?)``")
@@ -125,12 +125,15 @@ def first_sentence(doc: str) -> str:
 
 def type_name(hint) -> str:
     """A key's type as a user writes the value: ``int``, ``float``, ``bool``, ``str``, ``bytes``
-    (a :class:`~jaxcolossal.config.schema.Bytes` count), or the allowed values of a ``Literal`` as
+    (a :class:`~jaxcolossal.config.schema.Bytes` count), ``steps`` (a
+    :class:`~jaxcolossal.config.schema.StepRange`), or the allowed values of a ``Literal`` as
     Markdown code spans (```llama`, `gpt2```)."""
     if typing.get_origin(hint) is Literal:
         return ", ".join(f"`{yaml_list([v])[1:-1]}`" for v in typing.get_args(hint))
     if hint is Bytes:
         return "bytes"
+    if hint is StepRange:
+        return "steps"
     return getattr(hint, "__name__", str(hint))
 
 

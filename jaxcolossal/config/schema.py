@@ -663,27 +663,88 @@ class CheckpointConfig:
     deletes them first; without it such a run is refused before anything compiles."""
 
 
+class StepRange(str):
+    """A range of training steps in the config: ``"3-5"`` (steps 3, 4 and 5), ``"4"`` or ``4`` (step
+    4 alone), a YAML list of consecutive steps (``[3, 4, 5]``); ``""`` means "none".
+    :func:`parse_step_range` reads it."""
+
+
+def parse_step_range(value: Any, key: str = "value") -> tuple[int, int] | None:
+    """``"3-5"`` -> (3, 5), ``4``/``"4"`` -> (4, 4), ``[3, 4, 5]`` -> (3, 5); ``""``/``None`` -> None.
+    Steps count from 1, as the log numbers them (step N is the N-th optimizer step).
+
+    Raises:
+        ConfigError: not one step >= 1 or one range ``A-B`` with 1 <= A <= B (a list: not consecutive).
+    """
+    if value is None or value == "":
+        return None
+    example = f"e.g. {key}=3-5 (steps 3 to 5) or {key}=4"
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+                and list(value) == list(range(value[0], value[0] + len(value))):
+            first, last = value[0], value[-1]
+        else:
+            raise ConfigError(f"{key}={value!r}: a list must hold consecutive steps (one trace covers one range); "
+                              f"{example}")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        first = last = value
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(value))
+        if not m:
+            raise ConfigError(f"{key}={value!r}: expected a step or a range of steps, {example}")
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+    if first < 1 or last < first:
+        raise ConfigError(f"{key}={value!r}: steps count from 1 and a range A-B needs A <= B; {example}")
+    return first, last
+
+
 @dataclass
 class LoggingConfig:
-    """Where the run's metrics and log go, and how often (process 0 writes them)."""
+    """Where the run's metrics, log and profiles go, and how often (process 0 writes them)."""
 
     run_dir: str = "runs/default"
     """The run's output folder. It gets ``metrics.jsonl`` (one strict-JSON object per logged step and
     per evaluation; runs that share the folder append to it, each after a ``run_start`` record with
     its run id), ``train.log`` (each run after a line naming its id) and, with ``tensorboard``,
-    ``tensorboard/<run id>/``. ``~`` and ``$VAR`` are expanded."""
+    ``tensorboard/<run id>/``; with ``wandb``, ``wandb/``; with ``profile_steps``, ``profile/<run id>/``.
+    ``~`` and ``$VAR`` are expanded."""
     log_every: int = 10
-    """The steps between logged metrics (``metrics.jsonl``, the log, TensorBoard), >= 1; the last
+    """The steps between logged metrics (``metrics.jsonl``, the log, TensorBoard, W&B), >= 1; the last
     step is always logged."""
     progress_bar: bool = True
-    """Show a progress bar (tqdm) with the loss, tokens/s and TFLOPS when stderr is a terminal. When it
-    is not (a file, a pipe: SLURM, nohup, ``> log``) or with ``false``, the log gets one plain line per
-    ``log_every`` steps instead (step, loss, lr, grad norm, tokens/s, TFLOPS, MFU); ``train.log`` gets
-    those lines in every case."""
+    """Show a progress bar (tqdm) with the loss, tokens/s, the model FLOP/s per device (three
+    significant digits, in GFLOPS below 1 TFLOPS) and, on GPUs whose peak is known, the MFU, when
+    stderr is a terminal. When it is not (a file, a pipe: SLURM, nohup, ``> log``) or with ``false``,
+    the log gets one plain line per ``log_every`` steps instead (step, loss, lr, grad norm, tokens/s,
+    FLOP/s, MFU); ``train.log`` gets those lines in every case."""
     tensorboard: bool = False
     """``true``: also write every logged scalar as TensorBoard events to ``<run_dir>/tensorboard/<run id>``,
     one TensorBoard run per run (:class:`jaxcolossal.metrics.MetricsWriter`; needs the ``tensorboardX``
     package)."""
+    wandb: bool = False
+    """``true``: also log every logged scalar to Weights & Biases, with the same names and steps as
+    TensorBoard (``train/loss``, ``eval/val_loss``, ...) and the run's config, from process 0 only.
+    Needs the ``wandb`` package (``pip install wandb``; a run without it is refused before it
+    compiles). W&B keeps its files in ``<run_dir>/wandb/``; the W&B run id is the run's id."""
+    wandb_project: str = ""
+    """The W&B project; ``""`` (the default): ``$WANDB_PROJECT`` when set, else ``jaxcolossal``. The
+    entity (user or team) is W&B's default, or ``$WANDB_ENTITY``."""
+    wandb_run_name: str = ""
+    """The W&B run's display name; ``""`` (the default): the run id (``metrics.jsonl``'s ``run``, the
+    TensorBoard folder's name)."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """``auto`` (the default): W&B's own choice, ``$WANDB_MODE`` or ``wandb offline``'s setting, else
+    ``online``, as a script calling ``wandb.init()`` gets. ``online``: streamed to the W&B server
+    (needs ``wandb login`` or ``$WANDB_API_KEY``; a run that cannot log in is refused before it
+    compiles). ``offline``: written to ``<run_dir>/wandb/offline-run-*`` only, for machines with no
+    network; upload later with ``wandb sync <that folder>``. ``disabled``: nothing is logged."""
+    profile_steps: StepRange = ""
+    """A ``jax.profiler`` trace of these training steps: ``"3-5"`` (steps 3 to 5), ``4``, or ``""``
+    (the default: none). Written by process 0 to ``<run_dir>/profile/<run id>/plugins/profile/<session>/``
+    (``*.xplane.pb`` for TensorBoard's profile plugin and xprof, ``*.trace.json.gz`` for Perfetto); the
+    device work of the steps before is waited for first, and the last step's before the trace stops.
+    The range must end by ``training.max_steps``; a resumed run traces the part it runs. The traced
+    steps run slower, and their throughput in the log with them."""
 
 
 class Bytes(str):

@@ -9,11 +9,13 @@ sample). What happens on a signal, a NaN or a hung peer is decided in
 It prints, in order: the mesh, the learning rate and its schedule, seq_len and the global batch
 in tokens (with a warning when ``model.init_from`` runs at the pre-training learning rate), a table of every parameter's shape, dtype and sharding, the
 per-device bytes of params / gradients / optimizer state (against the ZeRO formulas), the
-validation loss at start, a progress bar with loss, tokens/s and TFLOPS (on a terminal; elsewhere one
-plain line per ``logging.log_every`` steps, :func:`step_line`, which ``train.log`` always gets), the
-validation loss at the end and a short generated sample. Metrics go to ``<run_dir>/metrics.jsonl`` (one strict
-JSON object a line), written by process 0 only; each run starts with a ``run_start`` record
-(:func:`run_start_record`) and a line in ``train.log`` naming the same run id.
+validation loss at start, a progress bar with loss, tokens/s, FLOP/s and (on GPUs) MFU (on a terminal;
+elsewhere one plain line per ``logging.log_every`` steps, :func:`step_line`, which ``train.log`` always
+gets), the validation loss at the end and a short generated sample. Metrics go to
+``<run_dir>/metrics.jsonl`` (one strict JSON object a line) and the sinks ``logging`` switches on
+(TensorBoard, W&B: :class:`jaxcolossal.metrics.MetricsWriter`), written by process 0 only; each run
+starts with a ``run_start`` record (:func:`run_start_record`) and a line in ``train.log`` naming the
+same run id. ``logging.profile_steps`` traces chosen steps (:mod:`jaxcolossal.train.profile`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from jaxcolossal.runtime.launch import collective_timeout
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals, explain_oom
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
+from jaxcolossal.train.profile import StepProfiler, save_memory_profile
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
 from jaxcolossal.train.step import gathers_lowp, make_eval_step, make_train_step, prefetches_weights
 
@@ -194,8 +197,12 @@ def preflight(cfg: Config, eval_only: bool = False) -> None:
             ``model.vocab_size`` below the tokenizer's ids; ``training.resume=true`` with a
             ``checkpoint.dir`` that holds no step; a fresh run into a ``checkpoint.dir`` that
             holds steps, without ``checkpoint.overwrite``.
+        DependencyError: ``logging.wandb=true`` without the ``wandb`` package (every process
+            refuses, not only process 0, which logs).
     """
     m, t, c = cfg.model, cfg.training, cfg.checkpoint
+    if cfg.logging.wandb:
+        mx.import_wandb()
     if c.dir:
         check_output_dir("checkpoint.dir", c.dir)
     if jax.process_index() == 0:  # the only process that writes the run folder (_start)
@@ -259,6 +266,7 @@ class Run:
     nvme: NvmeTier | None = None
     sample_prompt: str = TEXT_SAMPLE_PROMPT
     run_id: str = ""
+    profiler: StepProfiler | None = None
 
     def full(self, state: Any) -> Any:
         """``state`` whole: with the NVMe tier, its leaves read back from their files (for a save)."""
@@ -270,7 +278,8 @@ class Run:
         return jax.process_index() == 0
 
     def write(self, rec: dict) -> None:
-        """Append one record to ``metrics.jsonl`` and, with ``logging.tensorboard``, TensorBoard (process 0)."""
+        """Append one record to ``metrics.jsonl`` and the sinks ``logging`` switches on (TensorBoard,
+        W&B; process 0)."""
         self.metrics.write(rec)
 
 
@@ -479,11 +488,10 @@ def _initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
     return state
 
 
-def _start(cfg: Config) -> Run:
-    log = get_dist_logger()
-    run_dir, t = cfg.logging.run_dir, cfg.training
-    is_main, run_id = jax.process_index() == 0, new_run_id()
-    mesh, plan = _mesh_and_plan(cfg, run_id)
+def _start_notes(cfg: Config, plan: TrainPlan) -> None:
+    """The start-up lines after the run's first: the optimization line and the warnings about the
+    settings (fine-tuning at the pre-training rate, compression, Adam's freeze), the placement."""
+    log, t = get_dist_logger(), cfg.training
     log.info(optimization_line(cfg), ranks=[0])
     if warning := fine_tuning_warning(cfg):
         log.warning(warning, ranks=[0])
@@ -493,25 +501,20 @@ def _start(cfg: Config) -> Run:
     _warn_about_freeze(cfg)
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
-    loader, evals, sample_prompt = _data(cfg, mesh)
 
-    tx = build_optimizer(t, plan)
-    state = _initial_state(cfg, plan, tx)
-    tier = nvme_tier(plan, tx)
-    if is_main:
-        print(param_table(plan))
-        print(memory_report(plan, state, tier)[0])
-    ckpt = _open_checkpoints(cfg)
-    fresh, state = state, _restore(cfg, ckpt, state)
-    resumed_from = None if state is fresh else int(state.step)
-    if tier is not None:  # the offloaded optimizer state goes to its files; tokens take its places
-        state = tier.spill(state)
-        log.info(f"NVMe tier: {len(tier.slots)} optimizer-state leaves, {tier.bytes_per_device() / 2**20:.3f} MiB "
-                 f"per device, in {tier.path}", ranks=[0])
 
-    step_fn = make_train_step(plan, tx, lr_schedule(t))
+def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoader) -> tuple[Any, float, int]:
+    """Compile the train step for ``state`` and the loader's batch. Returns ``(compiled, seconds,
+    peak)``: ``peak`` is the per-device bytes the step needs by XLA's memory analysis (arguments +
+    outputs + temporaries - donated aliases), for backends without runtime memory statistics (the CPU).
+
+    Raises:
+        XlaRuntimeError: the compiler's, after an out-of-memory one is explained (:func:`explain_oom`).
+    """
+    log = get_dist_logger()
+    step_fn = make_train_step(plan, tx, lr_schedule(cfg.training))
     # parallel.overlap / bucket_size_mb: XLA's GPU flags, for a mesh of GPUs (none on other platforms)
-    options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(mesh),
+    options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(plan.mesh),
                                          double_buffers_loops(cfg))
     if options:
         log.info("XLA GPU options (parallel.overlap / bucket_size_mb): "
@@ -525,17 +528,44 @@ def _start(cfg: Config) -> Run:
         raise
     compile_s = time.time() - t0
     mem = compiled.memory_analysis()
-    # per-device bytes the step needs (arguments + outputs + temporaries - donated aliases), for
-    # backends without runtime memory statistics (the CPU)
     peak = sum(getattr(mem, f, 0) or 0 for f in ("argument_size_in_bytes", "output_size_in_bytes",
                                                  "temp_size_in_bytes")) - (getattr(mem, "alias_size_in_bytes", 0) or 0)
     log.info(f"train step compiled in {compile_s:.1f}s; per-device temporary memory "
              f"{(getattr(mem, 'temp_size_in_bytes', 0) or 0) / 2**20:.1f} MiB", ranks=[0])
-    metrics = mx.MetricsWriter(run_dir, cfg.logging.tensorboard, enabled=is_main, run_id=run_id)
+    return compiled, compile_s, peak
+
+
+def _start(cfg: Config) -> Run:
+    log = get_dist_logger()
+    is_main, run_id = jax.process_index() == 0, new_run_id()
+    mesh, plan = _mesh_and_plan(cfg, run_id)
+    _start_notes(cfg, plan)
+    loader, evals, sample_prompt = _data(cfg, mesh)
+
+    tx = build_optimizer(cfg.training, plan)
+    state = _initial_state(cfg, plan, tx)
+    tier = nvme_tier(plan, tx)
+    if is_main:
+        print(param_table(plan))
+        print(memory_report(plan, state, tier)[0])
+    ckpt = _open_checkpoints(cfg)
+    fresh, state = state, _restore(cfg, ckpt, state)
+    resumed_from = None if state is fresh else int(state.step)
+    if tier is not None:  # the offloaded optimizer state goes to its files; tokens take its places
+        state = tier.spill(state)
+        log.info(f"NVMe tier: {len(tier.slots)} optimizer-state leaves, {tier.bytes_per_device() / 2**20:.3f} MiB "
+                 f"per device, in {tier.path}", ranks=[0])
+    # the metric sinks before compiling: a W&B run that cannot start is refused without the compile's wait
+    metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=is_main)
+    try:
+        compiled, compile_s, peak = _compile(cfg, plan, tx, state, loader)
+    except BaseException:
+        metrics.close(exit_code=1)
+        raise
     metrics.write(run_start_record(cfg, run_id, resumed_from))
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
                eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
-               sample_prompt=sample_prompt, run_id=run_id)
+               sample_prompt=sample_prompt, run_id=run_id, profiler=StepProfiler.for_run(cfg, run_id, is_main))
 
 
 # ----------------------------------------------------------------------------- evaluate, save
@@ -589,29 +619,42 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
     m = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 6) for x in np.asarray(v)] for k, v in m.items()}
     step_s = clock.lap(done)
     perf = mx.throughput(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len, step_seconds=step_s,
-                         num_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
+                         num_devices=jax.device_count(), peak=mx.mfu_peak(run.plan.mesh),
                          recompute=cfg.model.remat != "none")
     peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
     run.write({"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak or run.compiled_peak,
                "peak_memory_source": "runtime" if peak else "compiled estimate"})
     moe = {} if "expert_load" not in m else {  # a mixture of experts: its busiest expert's share, the dropped slots
         "top_expert": f"{max(m['expert_load']):.0%}", "dropped": f"{m['moe_dropped_share']:.1%}"}
-    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{perf['tokens_per_s']:.0f}", tflops=f"{perf['tflops_6n']:.3f}", **moe)
+    bar.set_postfix(**bar_fields(m, perf), **moe)
     # the bar on a terminal, this line in train.log; elsewhere (a file, a pipe) the line is the log's only record
     get_dist_logger().info(step_line(done, t.max_steps, m, perf, moe), ranks=[0], file_only=not bar.disable)
     return perf
 
 
+def bar_fields(m: dict, perf: dict) -> dict[str, str]:
+    """The progress bar's fields of a logged step: ``loss`` (nats/token), ``tok_s``, the model FLOP/s
+    per device (6N + attention) to three significant digits under its unit's name (``tflops=41.2``,
+    ``gflops=512``: :func:`jaxcolossal.metrics.flops_rate`) and, when ``perf["mfu"]`` is set (GPUs of
+    a known peak: :func:`jaxcolossal.metrics.mfu_peak`), ``mfu=41.2%``."""
+    value, unit = mx.flops_rate(perf["tflops_6n"])
+    out = {"loss": f"{m['loss']:.3f}", "tok_s": f"{perf['tokens_per_s']:.0f}", unit.lower(): value}
+    if perf.get("mfu") is not None:
+        out["mfu"] = f"{perf['mfu']:.1%}"
+    return out
+
+
 def step_line(step: int, max_steps: int, m: dict, perf: dict, extra: dict | None = None) -> str:
     """One plain log line for a logged step, with what the progress bar shows: the loss (nats/token),
-    the learning rate, the gradient norm, tokens/s and TFLOPS per device (6N + attention), the MFU
-    when the device's peak is known, and ``extra`` (``name value`` pairs)."""
+    the learning rate, the gradient norm, tokens/s and the model FLOP/s per device (6N + attention,
+    three significant digits: ``41.2 TFLOPS``, ``512 GFLOPS``), the MFU when ``perf["mfu"]`` is set
+    (GPUs of a known peak), and ``extra`` (``name value`` pairs)."""
     parts = [f"step {step}/{max_steps}", f"loss {m['loss']:.4f}"]
     if "lr" in m:
         parts.append(f"lr {m['lr']:.3e}")
     if "grad_norm" in m:
         parts.append(f"grad_norm {m['grad_norm']:.4f}")
-    parts += [f"{perf['tokens_per_s']:,.0f} tok/s", f"{perf['tflops_6n']:.3f} TFLOPS"]
+    parts += [f"{perf['tokens_per_s']:,.0f} tok/s", mx.flops_text(perf["tflops_6n"])]
     if perf.get("mfu") is not None:
         parts.append(f"MFU {perf['mfu']:.1%}")
     parts += [f"{k} {v}" for k, v in (extra or {}).items()]
@@ -623,18 +666,24 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
 
     Each step's non-finite flag is read one step late (:meth:`NonFiniteGuard.watch`), so the host
     never waits for the device in between, and at once before a log line, an evaluation, a save or
-    a stop (:meth:`NonFiniteGuard.flush`).
+    a stop (:meth:`NonFiniteGuard.flush`). The steps of ``logging.profile_steps`` run inside the
+    profiler's trace (:class:`StepProfiler`); a step out of device memory writes the device memory
+    profile (:func:`save_memory_profile`) after the planner's explanation.
     """
     cfg, t, c = run.cfg, run.cfg.training, run.cfg.checkpoint
     guard = NonFiniteGuard(t.nonfinite_policy, cfg.precision)
     state, start = run.state, int(run.state.step)
-    clock, perf = _StepClock(start), {}
+    clock, perf, done = _StepClock(start), {}, start
+    profiler = run.profiler or StepProfiler(None, "")
     bar = tqdm(range(start, t.max_steps), initial=start, total=t.max_steps, dynamic_ncols=True, desc="train",
                disable=not (run.is_main and cfg.logging.progress_bar and sys.stderr.isatty()))
     try:
         for step in bar:
-            state, m = run.compiled(state, run.loader.batch(step))
             done = step + 1
+            with profiler.step(done, state) as traced:
+                state, m = run.compiled(state, run.loader.batch(step))
+                traced.append((state, m))
+            clock.paused_s += profiler.take_overhead_s()  # starting and writing a trace is not step time
             watchdog.kick(f"step {done}")
             guard.watch(done, m)
             evaluate = bool(t.eval_every) and done % t.eval_every == 0 and done != t.max_steps
@@ -657,7 +706,8 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
         guard.flush()
     except Exception as e:
         if not isinstance(e, NonFiniteError):
-            explain_oom(e, run.plan, run.compiled)  # out of memory in a step: why, and what would fit
+            if explain_oom(e, run.plan, run.compiled):  # out of memory in a step: why, what would fit, what held it
+                save_memory_profile(cfg.logging.run_dir, run.run_id, done)
             raise
         if e.step % cfg.logging.log_every and e.step != t.max_steps:  # not logged yet: its values matter
             run.write({"step": e.step, **{k: float(v) for k, v in e.metrics.items() if np.ndim(v) == 0}})
@@ -665,6 +715,7 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
         _save_last_finite(run, state)
         raise
     finally:
+        profiler.close()
         bar.close()
     return state, perf
 
@@ -752,10 +803,12 @@ def train(cfg: Config) -> dict:
 
 def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     run = _start(cfg)
+    out = None
     try:
-        return _run(run, watchdog, stop)
-    finally:
-        run.metrics.close()
+        out = _run(run, watchdog, stop)
+        return out
+    finally:  # W&B marks a run that raised as failed, one stopped by a signal with its exit code
+        run.metrics.close(exit_code=1 if out is None else out["exit_code"])
 
 
 def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
@@ -840,15 +893,16 @@ def evaluate_only(cfg: Config) -> dict:
             finally:
                 ckpt.close()
             source = f"checkpoint step {int(state.step)} in {ckpt.directory}"
-        metrics = mx.MetricsWriter(cfg.logging.run_dir, cfg.logging.tensorboard, enabled=jax.process_index() == 0,
-                                   run_id=run_id)
+        metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=jax.process_index() == 0)
         run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=None, evals=evals, compiled=None,
                   eval_step=make_eval_step(plan), compile_s=0.0, compiled_peak=0, metrics=metrics)
+        ok = False
         try:
             step, val = int(state.step), _evaluate(run, state)
             run.write({"step": step, "val_loss": val, "eval_only": True})
+            ok = True
         finally:
-            metrics.close()
+            metrics.close(exit_code=0 if ok else 1)
     ppl = math.exp(val) if val < 700 else math.inf  # exp overflows a float past ~709
     if run.is_main:
         print(f"validation loss {val:.4f} nats/token, perplexity {ppl:.2f} at step {step} ({source})")

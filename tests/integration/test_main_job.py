@@ -148,7 +148,7 @@ def _run_on_a_terminal(args) -> tuple[int, str]:
 
 def _step_lines(text):
     """The steps of the plain step lines (``[rank 0] step 5/20, loss ...``) in ``text``."""
-    pattern = r"\[rank 0\] step (\d+)/\d+, loss \d+\.\d+, lr \S+, grad_norm \S+, [\d,]+ tok/s, \S+ TFLOPS"
+    pattern = r"\[rank 0\] step (\d+)/\d+, loss \d+\.\d+, lr \S+, grad_norm \S+, [\d,]+ tok/s, \S+ [TGM]FLOPS"
     return [int(s) for s in re.findall(pattern, text)]
 
 
