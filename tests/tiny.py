@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxcolossal.config import Config, config_from_dict, load_config
+from jaxcolossal.models.hf_io import init_params_from
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.nvme import nvme_tier
@@ -38,11 +39,12 @@ def random_batches(cfg: Config, steps: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def setup(cfg: Config, devices=None):
-    """(plan, tx, state, jitted step) for ``cfg`` on ``devices`` (default: all)."""
+    """(plan, tx, state, jitted step) for ``cfg`` on ``devices`` (default: all); the params are
+    ``model.init_from``'s Hugging Face weights when it is set, else drawn from key 0."""
     mesh = make_mesh(cfg.parallel, devices)
     plan = make_plan(cfg, mesh)
     tx = build_optimizer(cfg.training, plan)
-    state = init_state(plan, tx, key=jax.random.key(0))
+    state = init_state(plan, tx, key=jax.random.key(0), params=init_params_from(cfg.model, plan.mesh_shape["tp"]))
     tier = nvme_tier(plan, tx)
     if tier is not None:  # offload.nvme_path: the NVMe leaves go to their files, tokens take their places
         state = tier.spill(state)

@@ -203,7 +203,8 @@ def _check_data(cfg: Config) -> None:
                           "the saved folder) to read")
 
 
-MOE_KEYS = ("num_shared_experts", "first_k_dense", "moe_intermediate_size", "capacity_factor", "router_scoring")
+MOE_KEYS = ("num_shared_experts", "first_k_dense", "moe_intermediate_size", "capacity_factor", "router_scoring",
+            "router_aux_loss_form")
 
 
 def _check_moe(cfg: Config) -> None:

@@ -207,7 +207,13 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     """The weight of the load-balancing loss in the training loss, >= 0. The loss is Switch/GShard's ``E
     · Σ_e f_e · P_e``, with ``f_e`` the expert's slots per token and ``P_e`` its mean routing
-    probability, averaged over the MoE layers."""
+    probability, over the MoE layers as ``router_aux_loss_form`` says."""
+    router_aux_loss_form: Literal["pooled", "per_layer"] = "pooled"
+    """How the load-balancing loss combines the MoE layers. ``pooled`` (the default; Hugging Face's
+    ``load_balancing_loss_func`` for Mixtral and Qwen3-MoE): ``f_e`` and ``P_e`` are means over all
+    the tokens of all the MoE layers, then one ``E · Σ_e f_e · P_e``. ``per_layer`` (jaxcolossal
+    before issue 45): the loss of each layer, averaged over the layers. They are equal with one MoE
+    layer; with more they differ (one product of means against a mean of products)."""
     router_z_loss_coef: float = 0.0
     """The weight of the router z-loss in the training loss, >= 0; 0 (the default): none. The loss is
     ST-MoE's mean squared log-sum-exp of the router logits, averaged over the MoE layers."""

@@ -22,7 +22,10 @@ One ``jax.shard_map`` that is *manual* over ``pp`` and the data axes ``dp``/``fs
 embedding and cross-entropy), while the pipeline and data parallelism are explicit:
 
 * a ``lax.scan`` over the schedule's ticks; ``lax.ppermute`` over ``pp`` moves activations
-  ``[mb, t, d]`` forward (ring ``s -> s+1``) and cotangents back (ring ``s -> s-1``);
+  ``[mb, t, d]`` forward (ring ``s -> s+1``) and cotangents back (ring ``s -> s-1``). What moves is
+  whatever the family's ``pipeline_stages`` passes between stages: with a mixture of experts' pooled
+  load-balancing loss, a pytree of the activations and the layers' router sums, whose cotangent
+  carries that loss's gradient back;
 * the embedding runs in the first virtual stage, final norm + LM head + loss in the last
   (``lax.cond`` on the static per-tick table; idle slots are skipped the same way). With tied
   embeddings both uses accumulate into the same gradient;
@@ -151,8 +154,9 @@ def _vary(x: jax.Array, axes: tuple) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _after(a: jax.Array, *deps: jax.Array) -> jax.Array:
-    """``a``, exactly, but computed only once every array in ``deps`` exists.
+def _after(a: Any, *deps: Any) -> Any:
+    """``a``, exactly, but computed only once every array in ``deps`` exists (pytrees: the
+    dependency goes into ``a``'s first leaf, from every leaf of ``deps``).
 
     It orders the collectives of a tick: forward slot, backward slot, the forward send, the
     backward send, each one reading a buffer written after the previous one. XLA's CPU runtime
@@ -168,11 +172,18 @@ def _after(a: jax.Array, *deps: jax.Array) -> jax.Array:
     flows through one element, never through a sum, so it cannot overflow).
     """
     z = jnp.zeros((), jnp.float32)
-    for d in deps:
+    for d in jax.tree.leaves(deps):
         d0 = d[(0,) * d.ndim].astype(jnp.float32)  # an element, not a ravel (which gathers a sharded d whole)
         z = z + jnp.where(jnp.isfinite(d0), d0, 0.0) * 0.0
-    idx = (0,) * a.ndim
-    return a.at[idx].add(z.astype(a.dtype))
+    leaves, tree = jax.tree.flatten(a)
+    first = leaves[0]
+    leaves[0] = first.at[(0,) * first.ndim].add(z.astype(first.dtype))
+    return jax.tree.unflatten(tree, leaves)
+
+
+def _pick(cond: jax.Array, a: Any, b: Any) -> Any:
+    """``where(cond, a, b)`` leaf by leaf (the activations may be a pytree: ``pipeline_stages``)."""
+    return jax.tree.map(lambda u, v: jnp.where(cond, u, v), a, b)
 
 
 def _to_chunks(a: jax.Array, p: int, v: int) -> jax.Array:
@@ -305,7 +316,9 @@ class _Ticks:
         embed, layer_for, head = plan.family.pipeline_stages(plan.cfg.model, shard, shard.is_sharded("vocab"),
                                                              positions)
         remat = plan.cfg.model.remat
-        self.embed, self.head_loss = embed, head
+        # the stage's activations, as varying as the received ones (a MoE's pooled-loss stream is a pytree
+        # beside them, created at zero inside the embedding: pipeline_stages)
+        self.embed, self.head_loss = (lambda o, tok: jax.tree.map(lay.vary, embed(o, tok))), head
         self.chunk = lambda lp, x: scan_layers(layer_for(x), x, lp, remat)
         self.chunk_at = lambda stage, c, x: scan_chunk(layer_for(x), x, stage, c, remat)
         self.layers = jax.tree.map(lambda a, s: lay.vary(lay.gather(a, s)[0]), layers, lay.lay_param_specs)
@@ -317,7 +330,8 @@ class _Ticks:
         self.xs, self.ys = xs.reshape(self.m, b // self.m, t), ys.reshape(self.m, b // self.m, t)
         self.stage = jax.lax.axis_index(PP_AXIS)
         self.f_rows = jax.lax.dynamic_index_in_dim(jnp.asarray(sched.fwd), self.stage, 1, keepdims=False)  # [T, 6]
-        self.act = lay.vary(jnp.zeros((b // self.m, t, plan.cfg.model.hidden_size), plan.compute_dtype))
+        shapes = jax.eval_shape(self.embed, self.whole({}, self.others)[1], self.xs[0])  # [mb, t, d], or (that, stream)
+        self.act = jax.tree.map(lambda s: lay.vary(jnp.zeros(s.shape, s.dtype)), shapes)
 
     def _sharder(self, xs) -> tuple[Sharder, jax.Array | None]:
         """The activation sharder inside the ``shard_map`` (the manual axes map to nothing) and the
@@ -351,12 +365,12 @@ class _Ticks:
         x = jax.lax.cond(valid & (row[FIRST] == 1), lambda: self.embed(others, self.xs[row[MB]]), lambda: recv)
         if not self.lockstep and self.v > 1:  # circular GPipe: a per-tick slice of the chunk's weights would be
             # a residual of every tick (see the module doc); slice each layer's inside its body
-            return x, jnp.where(valid, self.chunk_at(layers, row[CHUNK], x), x)
+            return x, _pick(valid, self.chunk_at(layers, row[CHUNK], x), x)
         lp = jax.tree.map(lambda a: _dyn(a, row[CHUNK], self.v), layers)
         if self.lay.seq_ring or not self.lockstep:  # seq_ring: every device runs the ring's ppermutes at every
             # tick; GPipe: a cond's residuals are not loop-invariant, so autodiff of the tick scan would
             # save the stage's weights once per tick (see the module doc)
-            return x, jnp.where(valid, self.chunk(lp, x), x)
+            return x, _pick(valid, self.chunk(lp, x), x)
         return x, jax.lax.cond(valid, lambda: self.chunk(lp, x), lambda: x)
 
     def gpipe_grads(self):
@@ -399,7 +413,7 @@ class _Ticks:
             l, head_vjp = jax.vjp(lambda o, h: self.head_loss({**self.frozen_others, **o}, h, self.ys[br[MB]]),
                                   self.others, yb)
             g_head, dy = head_vjp(self.lay.vary(self.coef))
-            return dy.astype(yb.dtype), add_f32(g_oth, g_head), loss + l
+            return jax.tree.map(lambda d, y: d.astype(y.dtype), dy, yb), add_f32(g_oth, g_head), loss + l
 
         dy, g_oth, loss = jax.lax.cond(br[LAST] == 1, with_head, lambda g_oth, loss: (recv_b, g_oth, loss), g_oth, loss)
         g_lp, dx = chunk_vjp(dy)
@@ -416,13 +430,13 @@ class _Ticks:
         recv_f, recv_b, stash, g_lay, g_oth, loss = carry
         fr, br = rows
         x, y = self.forward_slot(fr, recv_f, self.layers, self.others)  # stash the forward's input
-        stash = jax.lax.dynamic_update_index_in_dim(stash, x, fr[SLOT], 0)
-        xb = _after(jax.lax.dynamic_index_in_dim(stash, br[SLOT], 0, keepdims=False), y)  # after the forward
+        stash = jax.tree.map(lambda st, a: jax.lax.dynamic_update_index_in_dim(st, a, fr[SLOT], 0), stash, x)
+        xb = _after(jax.tree.map(lambda st: jax.lax.dynamic_index_in_dim(st, br[SLOT], 0, keepdims=False), stash),
+                    y)  # after the forward
         if self.lay.seq_ring:  # computed in idle slots too, and dropped: a ring's ppermute under a
             # stage-dependent cond would be matched with the other stage's pp send
             out = self.backward_slot(br, xb, recv_b, g_lay, g_oth, loss)
-            dx, g_lay, g_oth, loss = jax.tree.map(lambda a, b: jnp.where(br[VALID] == 1, a, b), out,
-                                                  (recv_b, g_lay, g_oth, loss))
+            dx, g_lay, g_oth, loss = _pick(br[VALID] == 1, out, (recv_b, g_lay, g_oth, loss))
         else:
             dx, g_lay, g_oth, loss = jax.lax.cond(br[VALID] == 1, self.backward_slot,
                                                   lambda br, xb, recv_b, *acc: (recv_b, *acc),
@@ -440,7 +454,8 @@ class _Ticks:
         def f32z(a):
             return self.lay.vary(jnp.zeros(a.shape, jnp.float32))
 
-        init = (self.act, self.act, self.lay.vary(jnp.zeros((sched.num_slots,) + self.act.shape, self.act.dtype)),
+        stash = jax.tree.map(lambda a: self.lay.vary(jnp.zeros((sched.num_slots,) + a.shape, a.dtype)), self.act)
+        init = (self.act, self.act, stash,
                 jax.tree.map(f32z, self.layers), jax.tree.map(f32z, self.others), self.zero_loss())
         (_, _, _, g_layers, g_others, loss), _ = jax.lax.scan(self.lockstep_tick, init, (self.f_rows, b_rows))
         return loss, g_layers, g_others

@@ -434,13 +434,14 @@ class _TrainStep:
 
 
 def moe_metrics(stats: dict, cfg) -> Metrics:
-    """A mixture of experts' step metrics from the summed router statistics: ``moe_aux_loss`` and
-    ``moe_z_loss`` (means over the MoE layers and the microbatches), ``moe_dropped_share`` (of the
-    routed (token, expert) slots) and ``expert_load`` (fp32 ``[E]``: each expert's share of the
-    slots, over all MoE layers). ``{}`` for a dense model."""
+    """A mixture of experts' step metrics from the router statistics summed over the microbatches
+    (:func:`jaxcolossal.models.layers.moe.finish`'s): ``moe_aux_loss`` (in
+    ``model.router_aux_loss_form``) and ``moe_z_loss``, means over the microbatches,
+    ``moe_dropped_share`` (of the routed (token, expert) slots) and ``expert_load`` (fp32 ``[E]``:
+    each expert's share of the slots, over all MoE layers). ``{}`` for a dense model."""
     if not stats:
         return {}
-    per = cfg.model.moe_layers * cfg.training.gradient_accumulation_steps
+    per = cfg.training.gradient_accumulation_steps
     load = stats["expert_load"]
     return {"moe_aux_loss": stats["moe_aux_loss"] / per, "moe_z_loss": stats["moe_z_loss"] / per,
             "moe_dropped_share": stats["moe_dropped"] / jnp.maximum(stats["moe_slots"], 1.0),

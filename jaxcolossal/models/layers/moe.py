@@ -13,6 +13,9 @@ shared experts ``f_s = num_shared_experts · f_e``)::
 
 The router runs on the whole batch (fp32 logits), so the load-balancing and z losses and the load
 statistics are those of the global batch; the experts run in :func:`jaxcolossal.parallel.expert.routed_experts`.
+The load-balancing loss combines the MoE layers as ``model.router_aux_loss_form`` says: ``pooled``
+(Hugging Face's: one loss over the statistics summed over the layers, :func:`pooled_aux_loss`) or
+``per_layer`` (the mean of the layers' losses); :func:`finish` makes it from the layers' sums.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import jax.numpy as jnp
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.parallel.expert import routed_experts
 
-STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_slots", "expert_load")
+STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_slots", "expert_load", "router_prob")
 """What each MoE layer adds to the loss's statistics: the two losses (summed over layers), the
-dropped and routed (token, expert) slots, and each expert's slots ``[E]``."""
+dropped and routed (token, expert) slots, each expert's slots ``[E]`` and its routing probability
+summed over the tokens ``[E]`` (the pooled loss's two sums). :func:`finish` turns the summed losses
+into the microbatch's."""
 
 
 def layer_shapes_and_axes(cfg: ModelConfig) -> dict:
@@ -54,10 +59,12 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple 
             statistics are summed over them, so that they are the whole microbatch's.
 
     Returns:
-        ``(top_i int32 [T, k], top_w fp32 [T, k], stats)``; ``stats``: ``moe_aux_loss`` (Switch's
-        load-balancing loss as Hugging Face computes it: ``E · Σ_e f_e · P_e`` with ``f_e`` the
-        expert's slots per token and ``P_e`` its mean routing probability), ``moe_z_loss`` (ST-MoE:
-        mean of ``logsumexp(logits)²``), ``expert_load`` (fp32 ``[E]`` slots per expert).
+        ``(top_i int32 [T, k], top_w fp32 [T, k], stats)``; ``stats``: ``moe_aux_loss`` (this layer's
+        Switch load-balancing loss in Hugging Face's terms: ``E · Σ_e f_e · P_e`` with ``f_e`` the
+        expert's top-k slots per token and ``P_e`` its mean routing probability), ``moe_z_loss``
+        (ST-MoE: mean of ``logsumexp(logits)²``), ``expert_load`` (fp32 ``[E]`` slots per expert, summed
+        over the data shards) and ``router_prob`` (fp32 ``[E]``: the routing probabilities summed over
+        the tokens of ``x``, not over the data shards, so that in a pipeline its gradient stays local).
     """
     logits = jnp.einsum("td,de->te", x, w_router, preferred_element_type=jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
@@ -70,10 +77,11 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple 
 
     load = total(jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32), axis=(0, 1)))
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    prob = jnp.sum(probs, axis=0)
     tokens = total(jnp.asarray(x.shape[0], jnp.float32))
-    aux = cfg.num_experts * jnp.sum(load / tokens * total(jnp.sum(probs, axis=0)) / tokens)
+    aux = cfg.num_experts * jnp.sum(load / tokens * total(prob) / tokens)
     z = total(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
-    return top_i, top_w, {"moe_aux_loss": aux, "moe_z_loss": z, "expert_load": load}
+    return top_i, top_w, {"moe_aux_loss": aux, "moe_z_loss": z, "expert_load": load, "router_prob": prob}
 
 
 @jax.custom_vjp
@@ -103,14 +111,17 @@ def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None, manual: tuple |
     pipeline's ``shard_map``, ``(ep, data axes, weight)``
     (:attr:`jaxcolossal.parallel.sharding.Sharder.manual_experts`): the tokens go over the manual ``ep``
     axis directly and the router losses' gradient joins with ``weight``
-    (:func:`with_loss_gradient`)."""
+    (:func:`with_loss_gradient`; the pooled load-balancing loss joins through the pipeline's stream
+    instead, :func:`pooled_loss_gradient`)."""
     b, t, d = h.shape
     x = h.reshape(b * t, d)
     top_i, top_w, stats = route(x, lp["router"], cfg, manual[1] if manual else ())
     y, dropped = routed_experts(x, top_i, top_w, lp["moe_w_gate"], lp["moe_w_up"], lp["moe_w_down"],
                                 cfg.capacity_factor, mesh, manual_ep=manual[0] if manual else None)
-    if manual:  # the router losses, per layer as loss_terms weighs them, for this shard's tokens
-        losses = cfg.router_aux_loss_coef * stats["moe_aux_loss"] + cfg.router_z_loss_coef * stats["moe_z_loss"]
+    if manual:  # the per-layer router losses, 1/L each as finish averages them, for this shard's tokens
+        losses = cfg.router_z_loss_coef * stats["moe_z_loss"]
+        if cfg.router_aux_loss_form == "per_layer":
+            losses = cfg.router_aux_loss_coef * stats["moe_aux_loss"] + losses
         y = with_loss_gradient(y, losses, manual[2] / max(cfg.moe_layers, 1))
     if "shared_w_gate" in lp:
         g = jnp.einsum("td,df->tf", x, lp["shared_w_gate"])
@@ -122,15 +133,71 @@ def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None, manual: tuple |
 
 def zero_stats(cfg: ModelConfig) -> dict:
     """:data:`STATS` at zero (the layer scan's carry starts from it)."""
-    z = jnp.zeros((), jnp.float32)
-    return {"moe_aux_loss": z, "moe_z_loss": z, "moe_dropped": z, "moe_slots": z,
-            "expert_load": jnp.zeros((cfg.num_experts,), jnp.float32)}
+    z, e = jnp.zeros((), jnp.float32), jnp.zeros((cfg.num_experts,), jnp.float32)
+    return {"moe_aux_loss": z, "moe_z_loss": z, "moe_dropped": z, "moe_slots": z, "expert_load": e, "router_prob": e}
 
 
-def loss_terms(stats: dict, cfg: ModelConfig, tokens: int) -> jax.Array:
-    """What the MoE layers add to a summed loss over ``tokens`` tokens: ``tokens ×`` (the
-    coefficients × the losses averaged over the MoE layers), so that after the step's division by
-    the token count the loss carries ``router_aux_loss_coef · aux + router_z_loss_coef · z``."""
-    per_layer = 1.0 / max(cfg.moe_layers, 1)
-    return tokens * per_layer * (cfg.router_aux_loss_coef * stats["moe_aux_loss"]
-                                 + cfg.router_z_loss_coef * stats["moe_z_loss"])
+def pooled_aux_loss(load: jax.Array, prob: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The load-balancing loss of all the MoE layers at once, as transformers'
+    ``load_balancing_loss_func`` (``models/mixtral/modeling_mixtral.py``; Qwen3-MoE's is the same
+    function) computes it with ``attention_mask=None``: ``E · Σ_e F_e · P_e``, ``F_e = load_e / R``
+    (the expert's top-k slots per row, HF's ``tokens_per_expert``), ``P_e = prob_e / R`` (its mean
+    routing probability, softmax over all ``E`` experts, ``router_prob_per_expert``), ``R`` the
+    rows: tokens × MoE layers, ``Σ_e load_e / k``. ``load`` carries no gradient (HF's ``histc``).
+
+    Args:
+        load: fp32 ``[E]``, the experts' top-k slots summed over the tokens and the MoE layers.
+        prob: fp32 ``[E]``, their routing probabilities summed likewise (in a pipeline: over this
+            data shard's tokens only, the rest coming from the other shards' terms).
+
+    Returns:
+        fp32 scalar; 0 for no tokens.
+    """
+    rows = jnp.sum(load) / cfg.num_experts_per_tok
+    return cfg.num_experts * jnp.sum(jax.lax.stop_gradient(load) * prob) / jnp.maximum(rows, 1.0) ** 2
+
+
+def finish(stats: dict, cfg: ModelConfig) -> dict:
+    """The microbatch's statistics from the MoE layers' sums (:data:`STATS`, summed over the layer
+    scan): ``moe_aux_loss`` becomes the load-balancing loss in ``model.router_aux_loss_form``
+    (``pooled``: :func:`pooled_aux_loss` of the summed ``expert_load`` and ``router_prob``;
+    ``per_layer``: the mean of the layers' losses), ``moe_z_loss`` the mean of the layers' (the
+    same in both forms: every layer sees the same tokens); the rest stay sums. fp32 scalars."""
+    layers = max(cfg.moe_layers, 1)
+    if cfg.router_aux_loss_form == "pooled":
+        aux = pooled_aux_loss(stats["expert_load"], stats["router_prob"], cfg)
+    else:
+        aux = stats["moe_aux_loss"] / layers
+    return {**stats, "moe_aux_loss": aux, "moe_z_loss": stats["moe_z_loss"] / layers}
+
+
+def loss_terms(stats: dict, cfg: ModelConfig, tokens: jax.Array | int) -> jax.Array:
+    """What the MoE layers add to a summed loss over ``tokens`` tokens (:func:`finish`'s ``stats``):
+    ``tokens ×`` (the coefficients × the router losses), so that after the step's division by the
+    token count the loss carries ``router_aux_loss_coef · aux + router_z_loss_coef · z``."""
+    return tokens * (cfg.router_aux_loss_coef * stats["moe_aux_loss"] + cfg.router_z_loss_coef * stats["moe_z_loss"])
+
+
+def pipeline_stream(cfg: ModelConfig) -> dict:
+    """What a pipeline passes on beside the activations for the pooled loss: fp32 ``[E]``
+    ``expert_load`` and ``router_prob`` at zero, summed over the layers as the microbatch goes
+    through the stages (:func:`add_to_stream`)."""
+    e = jnp.zeros((cfg.num_experts,), jnp.float32)
+    return {"expert_load": e, "router_prob": e}
+
+
+def add_to_stream(stream: dict, stats: dict) -> dict:
+    """``stream`` (:func:`pipeline_stream`) plus one layer's ``expert_load`` and ``router_prob``."""
+    return {k: stream[k] + stats[k] for k in stream}
+
+
+def pooled_loss_gradient(stream: dict, cfg: ModelConfig) -> jax.Array:
+    """In a pipeline's last stage: a term for one data shard's summed loss that is 0 in value and
+    whose gradient, summed over the data shards, is that of ``tokens × router_aux_loss_coef ×``
+    :func:`pooled_aux_loss` of the microbatch (``tokens``: the microbatch's, all shards'). It is
+    linear in ``router_prob`` (this shard's) given the global ``expert_load``, so the shards' terms
+    add up to the whole microbatch's. fp32 scalar. (The loss metric stays the cross-entropy, as for
+    the per-layer losses, whose gradient joins through :func:`with_loss_gradient`.)"""
+    tokens = jnp.sum(stream["expert_load"]) / (cfg.num_experts_per_tok * max(cfg.moe_layers, 1))
+    g = tokens * cfg.router_aux_loss_coef * pooled_aux_loss(stream["expert_load"], stream["router_prob"], cfg)
+    return g - jax.lax.stop_gradient(g)

@@ -66,6 +66,7 @@ def config_from_hf(hf: dict, kind: str, base: dict) -> dict:
     if hf.get("router_jitter_noise"):
         raise ConfigError(f"Hugging Face {kind} config: router_jitter_noise={hf['router_jitter_noise']} is not supported")
     out = {**base, "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+           "router_aux_loss_form": "pooled",  # transformers' load_balancing_loss_func, whatever the default
            "num_experts_per_tok": int(hf["num_experts_per_tok"])}
     if kind == "mixtral":
         return {**out, "num_experts": int(hf["num_local_experts"]), "norm_topk_prob": True}

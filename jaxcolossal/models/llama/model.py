@@ -217,8 +217,9 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
 def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
                      vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
                      positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple:
-    """:func:`hidden_states` and the MoE layers' statistics summed over the layers
-    (:data:`jaxcolossal.models.layers.moe.STATS`; ``{}`` for a dense model)."""
+    """:func:`hidden_states` and the MoE layers' statistics (:data:`jaxcolossal.models.layers.moe.STATS`
+    summed over the layers, the router losses the microbatch's: :func:`jaxcolossal.models.layers.moe.finish`;
+    ``{}`` for a dense model)."""
     layers = params["layers"]
     if dropout_key is not None and cfg.lora.dropout > 0:
         layers = {**layers, DROPOUT_KEY: jax.random.split(dropout_key, cfg.num_layers)}
@@ -238,6 +239,7 @@ def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: S
             return moe_decoder_layer(c, lp, cfg, cos, sin, shard, segment_ids, positions)
 
         x, stats = scan_layers(routed, (x, moe.zero_stats(cfg)), layers, cfg.remat, shard)
+        stats = moe.finish(stats, cfg)
     else:
         x = scan_layers(dense, x, layers, cfg.remat, shard)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), stats
@@ -291,21 +293,36 @@ def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConf
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
                     positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`):
-    ``embed(others, tokens [mb, t]) -> x [mb, t, d]``; ``layer_for(x) -> layer(h, layer_params)``
-    (one decoder layer, RoPE tables for ``x``'s length); ``head(others, x, targets) -> summed
-    fp32 loss`` (final norm, LM head, cross-entropy). ``others``: the non-layer params.
-    ``positions``: int32 ``[mb, t]`` when not ``arange(t)`` (ring attention's zig-zag block)."""
+    ``embed(others, tokens [mb, t]) -> x``; ``layer_for(x) -> layer(x, layer_params)`` (one decoder
+    layer, RoPE tables for ``x``'s length); ``head(others, x, targets) -> summed fp32 loss`` (final
+    norm, LM head, cross-entropy). ``x``, what passes between the stages: the activations ``[mb, t,
+    d]``, or for a mixture of experts with the pooled load-balancing loss (``model.router_aux_loss_form``)
+    ``(activations, stream)`` with the layers' router sums (:func:`jaxcolossal.models.layers.moe.pipeline_stream`),
+    whose loss the head adds in gradient only (:func:`jaxcolossal.models.layers.moe.pooled_loss_gradient`).
+    ``others``: the non-layer params. ``positions``: int32 ``[mb, t]`` when not ``arange(t)`` (ring
+    attention's zig-zag block)."""
+    pooled = cfg.moe and cfg.router_aux_loss_form == "pooled"
 
     def embed(o, tokens):
-        return shard(embed_lookup(o["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
-                     ("batch", "seq", "embed"))
+        x = shard(embed_lookup(o["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
+                  ("batch", "seq", "embed"))
+        return (x, moe.pipeline_stream(cfg)) if pooled else x
+
+    def moe_layer(cos, sin):  # the per-layer router losses join through their gradient (moe.with_loss_gradient)
+        def layer(c, p):
+            h, stats = moe_decoder_layer((c[0] if pooled else c, moe.zero_stats(cfg)), p, cfg, cos, sin, shard,
+                                         positions=positions)
+            return (h, moe.add_to_stream(c[1], stats)) if pooled else h
+        return layer
 
     def layer_for(x):
-        cos, sin = rope_tables(x.shape[1], cfg.head_dim, cfg.rope_theta, positions)
-        if cfg.moe:  # the router's losses join through their gradient (moe.with_loss_gradient)
-            return lambda h, p: moe_decoder_layer((h, moe.zero_stats(cfg)), p, cfg, cos, sin, shard, positions=positions)[0]
+        cos, sin = rope_tables((x[0] if pooled else x).shape[1], cfg.head_dim, cfg.rope_theta, positions)
+        if cfg.moe:
+            return moe_layer(cos, sin)
         return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, positions=positions)
 
     def head(o, x, y):
-        return head_loss(o, rms_norm(x, o["final_norm"], cfg.rms_norm_eps), y, cfg, shard)
+        h = x[0] if pooled else x
+        loss = head_loss(o, rms_norm(h, o["final_norm"], cfg.rms_norm_eps), y, cfg, shard)
+        return loss + moe.pooled_loss_gradient(x[1], cfg) if pooled else loss
     return embed, layer_for, head
