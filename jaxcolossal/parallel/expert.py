@@ -34,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.parallel.mesh import DATA_AXES, EP_AXIS, TP_AXIS, platform
 
-
 BLOCK_ROWS = 64
 """The rows of one block of :func:`_experts_blocked` (each group padded to a multiple of it)."""
 

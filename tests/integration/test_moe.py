@@ -21,6 +21,7 @@ from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict, load_
 from jaxcolossal.models import llama
 from jaxcolossal.models.hf_io import load_hf, read_safetensors, save_hf
 from jaxcolossal.models.layers import moe
+from jaxcolossal.parallel import expert
 from jaxcolossal.parallel.expert import routed_experts
 from jaxcolossal.plan.collectives import collective_bytes
 from jaxcolossal.plan.dry_run import dry_run
@@ -69,6 +70,27 @@ def _routing(seed=0, t=64, d=16, e=8, f=32, skew=False):
     top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits), 2)
     w = [0.2 * jax.random.normal(k, s) for k, s in zip(ks[2:], [(e, d, f), (e, d, f), (e, f, d)])]
     return x, top_i, top_w, w
+
+
+@pytest.mark.parametrize("sizes", [(300, 0, 500, 200), (0, 0, 0, 0), (1100, 0, 0, 0), (1, 63, 64, 65)],
+                         ids=["mixed", "empty", "one_group", "block_edges"])
+def test_blocked_grouped_matmul_equals_ragged_dot(sizes):
+    """CPU's dropless form (MegaBlocks' blocks, :func:`expert._experts_blocked`) against
+    ``ragged_dot``'s: the output and the gradients of x and the three weights, fp32, rows past the
+    groups zero."""
+    ks = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(ks[0], (1100, 16))
+    w = [0.3 * jax.random.normal(k, s) for k, s in zip(ks[1:], [(4, 16, 24), (4, 16, 24), (4, 24, 16)])]
+    sizes = jnp.asarray(sizes, jnp.int32)
+
+    def loss(blocked):
+        return lambda x, w: jnp.sum(expert._experts_grouped(x, sizes, *w, blocked=blocked) ** 2)
+    np.testing.assert_allclose(expert._experts_blocked(x, sizes, *w), expert._experts_grouped(x, sizes, *w),
+                               rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(expert._experts_blocked(x, sizes, *w))[int(sizes.sum()):])
+    for a, b in zip(jax.tree.leaves(jax.grad(loss(True), argnums=(0, 1))(x, w)),
+                    jax.tree.leaves(jax.grad(loss(False), argnums=(0, 1))(x, w))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_dropless_equals_a_capacity_that_drops_nothing():
