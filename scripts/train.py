@@ -25,12 +25,16 @@ Exit status (one line on stderr for each error a user can cause, jaxcolossal.err
 --dry-run: it does not fit; 2 a config error (before anything compiles; also a resume with
 nothing left to train, --eval-only with nothing to evaluate, a checkpoint of another model size,
 optimizer or precision, a missing optional package); 3 a data, tokenizer or checkpoint error, or
-training stopped on NaN/inf; 143 / 130 after SIGTERM / Ctrl-C, with the current step saved.
+training stopped on NaN/inf; 143 / 130 after SIGTERM / Ctrl-C, with the current step saved (during
+start-up, before the first step: stopped at the next phase, nothing saved); 130 at once after a
+second Ctrl-C, or a Ctrl-C while it exits.
 """
 
 import argparse
+import atexit
 import json
 import os
+import signal
 import sys
 
 import jaxcolossal as jc
@@ -38,6 +42,7 @@ from jaxcolossal.aot import fleet, report, target
 from jaxcolossal.config import ConfigError, config_help, load_config
 from jaxcolossal.errors import exit_status
 from jaxcolossal.plan import plan_dry_run
+from jaxcolossal.train.guard import exit_at_once
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "llama_tiny.yaml")
 
@@ -131,19 +136,34 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _ctrl_c_while_exiting() -> None:
+    """After the run: a Ctrl-C while the process exits ends it at once with 130 and one line
+    (:func:`exit_at_once`) while Python code still runs (threads being joined); from the ``atexit``
+    handlers on (this one, registered last, runs first) it is ignored, where it would otherwise raise
+    inside jax's clean-up (a traceback) or kill the interpreter half-way through destroying XLA's
+    client (status -2)."""
+    signal.signal(signal.SIGINT, lambda *_: exit_at_once("aborted (Ctrl-C while exiting)"))
+    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv=None) -> int:
+    """Run the command line; returns its exit status (the module's docstring). A ``KeyboardInterrupt``
+    (a second Ctrl-C, or one before the run's handlers are installed) ends the process at once with
+    130 (:func:`exit_at_once`: no interpreter teardown, which would wait for the XLA compile it
+    abandoned and then crash); so does a Ctrl-C after the run (:func:`_ctrl_c_while_exiting`)."""
     args = _parser().parse_intermixed_args(argv)  # overrides may come before and after the flags
     try:
-        return run(args)
-    except KeyboardInterrupt:  # a second Ctrl-C
-        print("aborted (second Ctrl-C): nothing saved since the last checkpoint", file=sys.stderr)
-        return 130
+        status = run(args)
+    except KeyboardInterrupt as e:
+        exit_at_once(f"aborted ({str(e) or 'Ctrl-C'}): nothing saved since the last checkpoint")
     except Exception as e:  # a user's error: one line and its exit code (jaxcolossal.errors); a bug raises
         status = exit_status(e)
         if status is None:
             raise
         print(status[0], file=sys.stderr)
         return status[1]
+    _ctrl_c_while_exiting()
+    return status
 
 
 if __name__ == "__main__":

@@ -660,7 +660,8 @@ class CheckpointConfig:
     """Also save every this many steps, >= 0; 0: no periodic saves. Whatever its value, with ``dir`` set
     the loop saves at each evaluation (every ``training.eval_every`` steps, a candidate for the best
     checkpoint) and at the end (after the final evaluation); a run stopped by SIGTERM or Ctrl-C saves
-    its current step, one stopped on a non-finite loss its last finite step."""
+    its current step (during start-up, before the first step: nothing), one stopped on a non-finite
+    loss its last finite step."""
     max_to_keep: int = 3
     """The most recent saved steps kept, >= 1; the step with the lowest finite validation loss is kept
     besides."""

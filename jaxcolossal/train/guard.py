@@ -2,7 +2,10 @@
 
 * :class:`StopSignals` — SIGTERM (a scheduler's preemption notice) and SIGINT (Ctrl-C) set a
   flag; the loop saves a checkpoint at the end of the current step and exits 143 / 130
-  (``128 + signal``). A second Ctrl-C aborts at once (``KeyboardInterrupt``).
+  (``128 + signal``). During start-up (before the first step) the run stops at the next phase
+  boundary instead (:meth:`StopSignals.check` raises :class:`StoppedBeforeTraining`): no step, no
+  save. A second Ctrl-C aborts at once (``KeyboardInterrupt``); a command line then ends with
+  :func:`exit_at_once`, never through the interpreter's teardown.
 * :class:`NonFiniteGuard` — every precision: a step whose loss or gradients hold NaN/inf is
   never applied (the train step keeps the old state, see ``jaxcolossal.train.step``); the guard
   then stops the run with :class:`NonFiniteError` (``training.nonfinite_policy=stop``) or lets
@@ -19,12 +22,14 @@
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 
@@ -39,19 +44,38 @@ EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}
 """Exit status after a signal-triggered save, ``128 + signal number``, as schedulers expect."""
 
 
+class StoppedBeforeTraining(Exception):
+    """A SIGTERM or SIGINT arrived during start-up; raised at the next phase boundary
+    (:meth:`StopSignals.check`), before any step ran or anything was saved. ``signal_name`` is
+    ``"SIGTERM"``/``"SIGINT"``, ``after`` the phase just finished (``"compiling the train step"``)
+    and ``exit_code`` 143 / 130; the message is the one line the run ends with."""
+
+    def __init__(self, signal_name: str, after: str):
+        super().__init__(f"{signal_name} received: stopped before training started (after {after}); no step ran "
+                         "and nothing was saved")
+        self.signal_name, self.after = signal_name, after
+        self.exit_code = EXIT_CODES[signal_name]
+
+
 class StopSignals:
-    """Turn SIGTERM and SIGINT into a request to save and stop (a context manager).
+    """Turn SIGTERM and SIGINT into a request to stop (a context manager).
 
     ``received`` is ``None`` until a signal arrives, then its name (``"SIGTERM"``/``"SIGINT"``);
-    ``bool(stop)`` is True once one has. A second SIGINT restores Python's default handler and
-    raises ``KeyboardInterrupt`` at once. Handlers can only be installed from the main thread;
-    elsewhere this is a flag that never sets.
+    ``bool(stop)`` is True once one has. A signal before :meth:`start_training` means "stop at the
+    next start-up phase, saving nothing" (the loop calls :meth:`check` at each boundary); one after
+    it, "save the current step and stop". A second SIGINT restores Python's default handler
+    and raises ``KeyboardInterrupt("second Ctrl-C")`` at once, wherever the main thread is (also
+    out of a wait for an XLA compile, which then keeps running in the background: see
+    :func:`exit_at_once`). Handlers can only be installed from the main thread; elsewhere this is a
+    flag that never sets.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.received: str | None = None
+        self.training = False
+        self._in_start_up = False  # whether the first signal came before start_training
         self._old: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -68,11 +92,33 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.received == "SIGINT" and name == "SIGINT":
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt("second Ctrl-C: aborting without saving")
-        self.received = self.received or name
+            raise KeyboardInterrupt("second Ctrl-C")
+        if self.received is None:
+            self.received, self._in_start_up = name, not self.training
         if name == "SIGINT":
-            sys.stderr.write("\nCtrl-C: finishing this step, saving a checkpoint and stopping "
-                             "(press Ctrl-C again to abort at once)\n")
+            sys.stderr.write("\nCtrl-C: " + ("stopping before training starts, at the end of this start-up phase; "
+                                             "nothing will be saved" if self._in_start_up
+                                             else "finishing this step, saving a checkpoint and stopping")
+                             + " (press Ctrl-C again to abort at once)\n")
+
+    def check(self, after: str) -> None:
+        """A start-up phase boundary; ``after`` names the phase just finished (in the message).
+
+        Raises:
+            StoppedBeforeTraining: a signal arrived before :meth:`start_training`.
+        """
+        if self.received is not None and self._in_start_up:
+            raise StoppedBeforeTraining(self.received, after)
+
+    def start_training(self, after: str) -> None:
+        """The last start-up boundary (``after``: the phase just finished), then the first step: a
+        signal from here on means "save the current step and stop".
+
+        Raises:
+            StoppedBeforeTraining: a signal arrived before this call.
+        """
+        self.training = True
+        self.check(after)
 
     @property
     def exit_code(self) -> int:
@@ -81,6 +127,29 @@ class StopSignals:
 
     def __bool__(self) -> bool:
         return self.received is not None
+
+
+def exit_at_once(message: str, status: int = 130) -> NoReturn:
+    """End the process now with ``status``: ``message`` on stderr, then stdout, stderr and every
+    logging handler (``train.log``) flushed, then ``os._exit``. Further Ctrl-Cs are ignored
+    meanwhile. Never returns, never raises.
+
+    For a command line after a Ctrl-C that aborts (:class:`StopSignals`' second): the interpreter's
+    own teardown would destroy XLA's client while a compile the ``KeyboardInterrupt`` abandoned
+    still runs on the client's thread pool. That teardown waits for the compile to end (minutes for a
+    large model) and then crashes with a segmentation fault (exit 139) when the finished compile
+    builds its executable against the half-destroyed client. ``os._exit`` skips the teardown: no
+    destructor runs, and no ``atexit`` handler (nothing is left to save). Not for library code: in a
+    notebook it would end the kernel.
+    """
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.stderr.write(message + "\n")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
 
 
 class NonFiniteError(StoppedError, FloatingPointError):

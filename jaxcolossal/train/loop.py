@@ -8,14 +8,16 @@ sample). What happens on a signal, a NaN or a hung peer is decided in
 
 It prints, in order: the mesh, the learning rate and its schedule, seq_len and the global batch
 in tokens (with a warning when ``model.init_from`` runs at the pre-training learning rate), a table of every parameter's shape, dtype and sharding, the
-per-device bytes of params / gradients / optimizer state (against the ZeRO formulas), the
-validation loss at start, a progress bar with loss, tokens/s, FLOP/s and (on GPUs) MFU (on a terminal;
-elsewhere one plain line per ``logging.log_every`` steps, :func:`step_line`, which ``train.log`` always
-gets), the validation loss at the end and a short generated sample. Metrics go to
-``<run_dir>/metrics.jsonl`` (one strict JSON object a line) and the sinks ``logging`` switches on
-(TensorBoard, W&B: :class:`jaxcolossal.metrics.MetricsWriter`), written by process 0 only; each run
-starts with a ``run_start`` record (:func:`run_start_record`) and a line in ``train.log`` naming the
-same run id. ``logging.profile_steps`` traces chosen steps (:mod:`jaxcolossal.train.profile`).
+per-device bytes of params / gradients / optimizer state (against the ZeRO formulas), a line as the
+train step starts compiling and one with its compile time, the validation loss at start, a progress
+bar with loss, tokens/s, FLOP/s and (on GPUs) MFU (on a terminal; elsewhere one plain line per
+``logging.log_every`` steps, :func:`step_line`, which ``train.log`` always gets), the validation loss
+at the end and a short generated sample. Metrics go to ``<run_dir>/metrics.jsonl`` (one strict JSON
+object a line) and the sinks ``logging`` switches on (TensorBoard, W&B:
+:class:`jaxcolossal.metrics.MetricsWriter`), written by process 0 only; each run starts with a
+``run_start`` record (:func:`run_start_record`) and a line in ``train.log`` naming the same run id.
+``logging.profile_steps`` traces chosen steps (:mod:`jaxcolossal.train.profile`). A signal during
+start-up stops it at the next phase boundary, before any step (:class:`StoppedBeforeTraining`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,14 @@ from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.runtime.launch import collective_timeout
-from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StepWatchdog, StopSignals, explain_oom
+from jaxcolossal.train.guard import (
+    NonFiniteError,
+    NonFiniteGuard,
+    StepWatchdog,
+    StoppedBeforeTraining,
+    StopSignals,
+    explain_oom,
+)
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.profile import StepProfiler, save_memory_profile
@@ -511,8 +520,8 @@ def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoad
     Raises:
         XlaRuntimeError: the compiler's, after an out-of-memory one is explained (:func:`explain_oom`).
     """
-    log = get_dist_logger()
-    step_fn = make_train_step(plan, tx, lr_schedule(cfg.training))
+    log, t = get_dist_logger(), cfg.training
+    step_fn = make_train_step(plan, tx, lr_schedule(t))
     # parallel.overlap / bucket_size_mb: XLA's GPU flags, for a mesh of GPUs (none on other platforms)
     options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(plan.mesh),
                                          double_buffers_loops(cfg))
@@ -520,6 +529,7 @@ def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoad
         log.info("XLA GPU options (parallel.overlap / bucket_size_mb): "
                  + " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()),
                  ranks=[0])
+    log.info("compiling the train step", ranks=[0])
     t0 = time.time()
     try:
         compiled = step_fn.lower(state, loader.batch(int(state.step))).compile(compiler_options=options)
@@ -535,37 +545,62 @@ def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoad
     return compiled, compile_s, peak
 
 
-def _start(cfg: Config) -> Run:
-    log = get_dist_logger()
+def _start(cfg: Config, stop: StopSignals) -> Run:
+    """Everything before the first step: the mesh and plan, the data, the model's state, the
+    checkpoint folder (restored from with ``training.resume``), the metric sinks and the compiled
+    train step.
+
+    Raises:
+        StoppedBeforeTraining: a signal arrived; raised at the next phase boundary
+            (:meth:`StopSignals.check`), with the checkpoint folder and the sinks closed.
+    """
     is_main, run_id = jax.process_index() == 0, new_run_id()
     mesh, plan = _mesh_and_plan(cfg, run_id)
     _start_notes(cfg, plan)
+    stop.check("making the mesh and the plan")
     loader, evals, sample_prompt = _data(cfg, mesh)
-
+    stop.check("loading the data")
     tx = build_optimizer(cfg.training, plan)
     state = _initial_state(cfg, plan, tx)
     tier = nvme_tier(plan, tx)
+    stop.check("initialising the model")
     if is_main:
         print(param_table(plan))
         print(memory_report(plan, state, tier)[0])
-    ckpt = _open_checkpoints(cfg)
-    fresh, state = state, _restore(cfg, ckpt, state)
-    resumed_from = None if state is fresh else int(state.step)
-    if tier is not None:  # the offloaded optimizer state goes to its files; tokens take its places
-        state = tier.spill(state)
-        log.info(f"NVMe tier: {len(tier.slots)} optimizer-state leaves, {tier.bytes_per_device() / 2**20:.3f} MiB "
-                 f"per device, in {tier.path}", ranks=[0])
-    # the metric sinks before compiling: a W&B run that cannot start is refused without the compile's wait
-    metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=is_main)
+    ckpt, metrics = _open_checkpoints(cfg), None
     try:
+        state, resumed_from = _restored(cfg, ckpt, state, tier, stop)
+        # the metric sinks before compiling: a W&B run that cannot start is refused without the compile's wait
+        metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=is_main)
         compiled, compile_s, peak = _compile(cfg, plan, tx, state, loader)
-    except BaseException:
-        metrics.close(exit_code=1)
+        stop.check("compiling the train step")
+    except BaseException as e:
+        if metrics is not None:
+            metrics.close(exit_code=getattr(e, "exit_code", 1))
+        if isinstance(e, StoppedBeforeTraining) and ckpt is not None:
+            ckpt.close()
         raise
     metrics.write(run_start_record(cfg, run_id, resumed_from))
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
                eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
                sample_prompt=sample_prompt, run_id=run_id, profiler=StepProfiler.for_run(cfg, run_id, is_main))
+
+
+def _restored(cfg: Config, ckpt: Any, state: Any, tier: NvmeTier | None, stop: StopSignals) -> tuple[Any, int | None]:
+    """``(state, resumed_from)``: ``state`` restored from the checkpoint folder with ``training.resume``
+    (``resumed_from`` its step, else ``None``), its NVMe-bound leaves spilled to their files.
+
+    Raises:
+        StoppedBeforeTraining: a signal arrived while the folder was opened or restored from.
+    """
+    fresh, state = state, _restore(cfg, ckpt, state)
+    resumed_from = None if state is fresh else int(state.step)
+    stop.check("opening the checkpoint folder" if resumed_from is None else f"restoring step {resumed_from}")
+    if tier is not None:  # the offloaded optimizer state goes to its files; tokens take its places
+        state = tier.spill(state)
+        get_dist_logger().info(f"NVMe tier: {len(tier.slots)} optimizer-state leaves, "
+                               f"{tier.bytes_per_device() / 2**20:.3f} MiB per device, in {tier.path}", ranks=[0])
+    return state, resumed_from
 
 
 # ----------------------------------------------------------------------------- evaluate, save
@@ -782,8 +817,12 @@ def train(cfg: Config) -> dict:
     With ``checkpoint.dir`` set it saves every ``checkpoint.save_every`` steps, at each
     evaluation (a candidate for the best checkpoint) and at the end. On SIGTERM or Ctrl-C it
     saves the current step and returns early with ``stopped_by`` set (``"SIGTERM"``/``"SIGINT"``)
-    and ``exit_code`` 143/130. In a multi-process job a watchdog aborts a process that makes no
-    progress for ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` seconds (exit 124). See
+    and ``exit_code`` 143/130. Before the first step (during start-up) a signal stops it at the next
+    phase boundary instead (after the mesh and plan, the data, the model's init, the checkpoint
+    folder, the compile or the evaluation at the start), without a step or a save; the summary then
+    says so in ``stopped_before_training`` (the phase just finished) and holds no state. A second
+    Ctrl-C raises ``KeyboardInterrupt`` at once. In a multi-process job a watchdog aborts a process
+    that makes no progress for ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` seconds (exit 124). See
     :mod:`jaxcolossal.train.guard`.
 
     Raises:
@@ -791,22 +830,32 @@ def train(cfg: Config) -> dict:
         NonFiniteError: a NaN/inf step under ``training.nonfinite_policy`` (after saving the last
             finite state).
         CheckpointError: a save that could not be written, or a checkpoint that does not fit.
+        KeyboardInterrupt: a second Ctrl-C.
     """
-    preflight(cfg)
-    watchdog = StepWatchdog(collective_timeout() if jax.process_count() > 1 else None)
-    try:
-        with StopSignals() as stop, _quiet_console():
+    with StopSignals() as stop, _quiet_console():
+        preflight(cfg)
+        watchdog = StepWatchdog(collective_timeout() if jax.process_count() > 1 else None)
+        try:
             return _train(cfg, watchdog, stop)
-    finally:
-        watchdog.stop()
+        except StoppedBeforeTraining as e:
+            get_dist_logger().warning(str(e), ranks=[0])
+            return {"val_loss_start": None, "val_loss_end": None, "perf": {}, "compile_s": None, "sample": "",
+                    "state": None, "plan": None, "stopped_by": e.signal_name, "exit_code": e.exit_code,
+                    "stopped_before_training": e.after}
+        finally:
+            watchdog.stop()
 
 
 def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
-    run = _start(cfg)
+    run = _start(cfg, stop)
     out = None
     try:
         out = _run(run, watchdog, stop)
         return out
+    except StoppedBeforeTraining:
+        if run.ckpt is not None:
+            run.ckpt.close()
+        raise
     finally:  # W&B marks a run that raised as failed, one stopped by a signal with its exit code
         run.metrics.close(exit_code=1 if out is None else out["exit_code"])
 
@@ -817,6 +866,7 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     val_start = _evaluate(run, run.state)
     log.info(f"validation loss at step {int(run.state.step)}: {val_start:.4f} nats/token", ranks=[0])
     run.write({"step": int(run.state.step), "val_loss": val_start})
+    stop.start_training(after=f"the evaluation at step {int(run.state.step)}")
     state, perf = _steps(run, watchdog, stop)
     out = {"val_loss_start": val_start, "val_loss_end": None, "perf": perf, "compile_s": run.compile_s,
            "sample": "", "state": state, "plan": run.plan, "stopped_by": stop.received,

@@ -17,7 +17,7 @@ from tiny import random_batches, setup, tiny_config
 from jaxcolossal.config import PrecisionConfig, TrainingConfig
 from jaxcolossal.generate import printable
 from jaxcolossal.metrics import json_line
-from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StopSignals
+from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StoppedBeforeTraining, StopSignals
 from jaxcolossal.train.loop import _quiet_console, _StepClock
 from jaxcolossal.train.optimizer import lr_schedule
 
@@ -60,6 +60,28 @@ def test_second_ctrl_c_aborts_at_once():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_during_start_up_stops_at_the_next_boundary_one_after_it_does_not():
+    """Issue 45 item 5: before start_training a signal raises at the next check, naming the phase
+    just finished; after it, the flag is the step loop's (save and stop)."""
+    with StopSignals() as stop:
+        stop.check("loading the data")  # no signal: nothing happens
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        with pytest.raises(StoppedBeforeTraining, match=r"^SIGTERM received: stopped before training started "
+                                                        r"\(after compiling the train step\); no step ran and "
+                                                        r"nothing was saved$") as e:
+            stop.check("compiling the train step")
+        assert e.value.exit_code == 143 and e.value.after == "compiling the train step"
+        with pytest.raises(StoppedBeforeTraining):  # the last boundary too
+            stop.start_training(after="the evaluation at step 0")
+    with StopSignals() as stop:
+        stop.start_training(after="the evaluation at step 0")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        stop.check("anything")  # a signal during training is the step loop's: save and stop
+        assert stop and stop.exit_code == 143
 
 
 def test_sigterm_sets_the_flag_and_handlers_are_restored():
