@@ -332,6 +332,9 @@ def test_dry_run_counts_mixtral_8x7b_as_published():
     text = dry_run(load_config(os.path.join(ROOT, "configs/mixtral_8x7b.yaml")))
     assert "parameters 46,702,792,704 (46.70 B); 12,879,925,248 (12.88 B) active per token" in text
     assert "experts    8 of width 14336, top-2, in 32 layers (dropless); ep 8: 1 per device and layer" in text
+    # ZeRO-1 with ep 8 = the data group: the dense part's optimizer state split 8 ways (Colossal-AI's MoE plugin)
+    assert "zero_stage 1 (the dense part's state over the data group fsdp × ep = 8, the experts' over fsdp 1)" in text
+    assert "optimizer 65.24 GiB" in text  # 80.94 GiB with the dense part's state held whole
 
 
 # ----------------------------------------------------------------------------- the load-balancing loss
