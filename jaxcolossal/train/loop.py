@@ -490,11 +490,22 @@ def _initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
                        params=init_params_from(cfg.model, plan.mesh_shape["tp"]),
                        adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None)
     if cfg.model.init_from:
-        log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from}", ranks=[0])
+        log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from} ({init_from_inherits(cfg)})",
+                 ranks=[0])
     if lora.enabled:
         log.info(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_list)}: the base weights are "
                  "frozen" + (f"; adapters from {lora.init_from}" if lora.init_from else ""), ranks=[0])
     return state
+
+
+def init_from_inherits(cfg: Config) -> str:
+    """What a run with ``model.init_from`` takes from the Hugging Face folder and what starts fresh,
+    for its start-up line."""
+    fresh = "the optimizer state, the schedule and the step start fresh"
+    lora = cfg.model.lora
+    if lora.enabled and not lora.init_from:
+        fresh = "the LoRA adapters, " + fresh
+    return f"its {cfg.model.num_layers} layers' weights, embeddings and head; {fresh}"
 
 
 def _start_notes(cfg: Config, plan: TrainPlan) -> None:

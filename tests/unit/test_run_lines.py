@@ -3,7 +3,7 @@ global batch in tokens are stated, and a fine-tuning run (``model.init_from``) l
 schema's pre-training learning rate gets one warning naming the rates and the key to set."""
 
 from jaxcolossal.config import config_from_dict
-from jaxcolossal.train.loop import fine_tuning_warning, optimization_line
+from jaxcolossal.train.loop import fine_tuning_warning, init_from_inherits, optimization_line
 
 
 def _cfg(model=None, **training):
@@ -34,3 +34,10 @@ def test_no_warning_without_init_from_or_with_a_learning_rate_set():
     assert fine_tuning_warning(_cfg()) is None  # pre-training at its own default
     assert fine_tuning_warning(_cfg({"init_from": "HF_DIR"}, learning_rate=2e-5)) is None
     assert fine_tuning_warning(_cfg({"init_from": "HF_DIR", "lora": {"rank": 8}}, learning_rate=1e-4)) is None
+
+
+def test_init_from_says_what_is_inherited_and_what_starts_fresh():
+    full = init_from_inherits(_cfg({"init_from": "HF_DIR", "num_layers": 2}))
+    assert full == "its 2 layers' weights, embeddings and head; the optimizer state, the schedule and the step start fresh"
+    lora = init_from_inherits(_cfg({"init_from": "HF_DIR", "num_layers": 2, "lora": {"rank": 8}}))
+    assert lora.endswith("the LoRA adapters, the optimizer state, the schedule and the step start fresh")
