@@ -45,6 +45,13 @@ class Family:
     * ``params_from_hf(get, has, cfg) -> (params, used keys)``; ``params_to_hf(params, cfg) -> dict``.
     * ``embedding``: the name of the vocabulary-padded input embedding (``embed_tokens``, ``wte``).
     * ``init_from_keys``: the model keys, beyond the shared sizes, that ``model.init_from`` checks.
+
+    KV-cached decoding (:mod:`jaxcolossal.generate`), ``None`` for a family without it (GPT-2 today):
+
+    * ``init_cache(cfg, batch, length, dtype) -> cache`` (a tree of ``[L, b, S, ...]`` arrays);
+      ``cache_axes(cfg) -> `` the same tree of logical-axis tuples.
+    * ``forward_cached(params, tokens [b, t], cache, index, positions [b, t], kv_valid [b, S], cfg,
+      shard, last_only) -> (fp32 logits [b, t, v_padded], cache)``.
     """
 
     name: str
@@ -66,11 +73,17 @@ class Family:
     params_to_hf: Callable
     embedding: str
     init_from_keys: tuple
+    init_cache: Callable | None = None
+    cache_axes: Callable | None = None
+    forward_cached: Callable | None = None
 
 
 MODEL_FUNCTIONS = ("padded_vocab_size", "param_shapes_and_axes", "init_params", "hidden_states", "head_weight",
                    "forward", "head_loss", "loss_sum", "loss_and_stats", "pipeline_stages")
 """The :class:`Family` fields that a family's ``model`` module defines under the same names."""
+
+DECODE_FUNCTIONS = ("init_cache", "cache_axes", "forward_cached")
+"""The optional :class:`Family` fields of KV-cached decoding, from the family's ``model`` module when it has them."""
 
 HF_FUNCTIONS = ("config_from_hf", "config_to_hf", "params_from_hf", "params_to_hf")
 """The :class:`Family` fields that a family's ``hf`` module defines under the same names."""
@@ -90,7 +103,8 @@ def family_from(name: str, model: ModuleType, hf: ModuleType, module: type, embe
         raise TypeError(f"model family {name!r} lacks {', '.join(missing)} (jaxcolossal.models.family.Family)")
     return Family(name=name, module=module, **{f: getattr(model, f) for f in MODEL_FUNCTIONS},
                   hf_architectures=hf.ARCHITECTURES, **{f: getattr(hf, f) for f in HF_FUNCTIONS},
-                  embedding=embedding, init_from_keys=hf.INIT_FROM_KEYS)
+                  embedding=embedding, init_from_keys=hf.INIT_FROM_KEYS,
+                  **{f: getattr(model, f, None) for f in DECODE_FUNCTIONS})
 
 
 def param_axes(model: nnx.Module) -> dict:

@@ -75,3 +75,34 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, d)
 
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of new queries over a KV cache (the decode path of every family).
+
+    Args:
+        q: ``[b, t, h, q]``, the ``t`` new tokens' queries (already rotated).
+        k_cache, v_cache: ``[b, S, k, q]``, every slot of the cache, the new tokens' keys and values
+            already written (``h % k == 0``).
+        mask: bool ``[b, t, S]``: which slots each query may attend to (causal in slot order and not
+            a pad slot: :func:`cache_mask`). A query with no slot at all (a pad query) gets a uniform
+            average, never NaN.
+
+    Returns ``[b, t, h, q]`` in ``v_cache``'s dtype; scores and softmax in fp32, as :func:`local_attention`.
+    """
+    b, t, h, d = q.shape
+    kv = k_cache.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)
+    return out.reshape(b, t, h, d)
+
+
+def cache_mask(index: jax.Array, t: int, kv_valid: jax.Array) -> jax.Array:
+    """bool ``[b, t, S]``: the query in slot ``index + i`` may attend to slot ``j`` when ``j <= index +
+    i`` and ``kv_valid [b, S]`` (bool: the slot holds a real token, not padding) says so."""
+    slots = jnp.arange(kv_valid.shape[1])
+    causal = slots[None, :] <= (index + jnp.arange(t))[:, None]  # [t, S]
+    return causal[None] & kv_valid[:, None, :]

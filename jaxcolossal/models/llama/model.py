@@ -42,13 +42,13 @@ from flax import nnx
 
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models.layers import moe, vocab
-from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
 from jaxcolossal.models.layers.norm import rms_norm
 from jaxcolossal.models.layers.rope import apply_rope, rope_tables
 from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, init_vocab_padded, no_shard, padded_vocab_size
-from jaxcolossal.parallel.layer_scan import scan_layers, tag
+from jaxcolossal.parallel.layer_scan import fetch_layer, scan_layers, tag
 
 
 def _layer_table(cfg: ModelConfig, L: int, experts: bool) -> dict:
@@ -145,12 +145,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
 # ----------------------------------------------------------------------------- the computation
 
 
-def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
-                    segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
-    """The attention half of a pre-norm LLaMA block with its residual: x ``[b, t, d]`` -> ``[b, t, d]``."""
+def project_qkv(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard) -> tuple:
+    """The first phase of the attention half: norm, the q/k/v projections (with LoRA), Qwen3's
+    q/k norm and RoPE. x ``[b, t, d]`` -> q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` (compute dtype)."""
     overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
     column = partial(column_parallel, shard, overlap)
-    row = partial(row_parallel, shard, overlap)
     # + the LoRA adapters where model.lora puts them (with its dropout when the step passes a key)
     lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -162,10 +161,25 @@ def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: S
     v = tag(shard(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
     if "q_norm" in lp:  # Qwen3's per-head RMSNorm, before RoPE
         q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), ("batch", "seq", "heads", "head_dim"))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output(x: jax.Array, a: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard) -> jax.Array:
+    """The last phase of the attention half: the output projection of the attended values ``a [b,
+    t, h, q]`` (with LoRA) added to the residual ``x [b, t, d]`` -> ``[b, t, d]``."""
+    row = partial(row_parallel, shard, tp_overlaps(shard, x.shape[1]))
+    lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
+    a = shard(a, ("batch", "seq", "heads", "head_dim"))
     o = lora(EQUATIONS["wo"], a, row("bthq,hqd->btd", a, lp["wo"], "h"), name="wo")
     return shard(x + tag(o, "out_proj"), ("batch", "seq", "embed"))
+
+
+def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
+                    segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """The attention half of a pre-norm LLaMA block with its residual: x ``[b, t, d]`` -> ``[b, t, d]``."""
+    q, k, v = project_qkv(x, lp, cfg, cos, sin, shard)
+    a = attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions)
+    return attention_output(x, a, lp, cfg, shard)
 
 
 def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
@@ -180,15 +194,12 @@ def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard:
     return shard(x + y, ("batch", "seq", "embed")), jax.tree.map(jnp.add, acc, stats)
 
 
-def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
-                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
-    """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
-    positions, for sequence-parallel attention's mask)."""
+def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard) -> jax.Array:
+    """The dense SwiGLU half of a pre-norm LLaMA block with its residual: x ``[b, t, d]`` -> ``[b, t, d]``."""
     overlap = tp_overlaps(shard, x.shape[1])
     column = partial(column_parallel, shard, overlap)
     row = partial(row_parallel, shard, overlap)
     lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
-    x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     g, u = column(h, [("btd,df->btf", lp["w_gate"], "f"), ("btd,df->btf", lp["w_up"], "f")])
     g, u = lora(EQUATIONS["w_gate"], h, g, name="w_gate"), lora(EQUATIONS["w_up"], h, u, name="w_up")
@@ -197,6 +208,14 @@ def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
     act = jax.nn.silu(g) * u
     y = tag(lora(EQUATIONS["w_down"], act, row("btf,fd->btd", act, lp["w_down"], "f"), name="w_down"), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
+
+
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
+                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """One pre-norm LLaMA block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
+    positions, for sequence-parallel attention's mask)."""
+    x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
+    return mlp_block(x, lp, cfg, shard)
 
 
 def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
@@ -265,6 +284,91 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
 
 
 head_loss, _ = vocab.lm_loss(hidden_states, head_weight)
+
+
+# ----------------------------------------------------------------------------- the KV-cached decode path
+
+CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
+"""Logical axes of one cache array ``[L, b, S, k, q]``: kv heads over ``tp``, the batch over the data
+axes (the rules table), the slots unsplit."""
+
+
+def _stacks(cfg: ModelConfig) -> dict:
+    """``{stack name: number of layers}``: ``layers`` and, for DeepSeek's first dense layers, ``dense_layers``."""
+    out = {"layers": cfg.moe_layers or cfg.num_layers} if cfg.moe else {"layers": cfg.num_layers}
+    if cfg.moe and cfg.first_k_dense:
+        out["dense_layers"] = cfg.first_k_dense
+    return out
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
+    """An empty KV cache: ``{stack: {"k", "v"}}``, each ``[L, batch, length, k, q]`` zeros of ``dtype``
+    (the compute dtype), one per stack of layers (:func:`cache_axes` gives their logical axes)."""
+    return {name: {kv: jnp.zeros((n, batch, length, cfg.num_key_value_heads, cfg.head_dim), dtype) for kv in "kv"}
+            for name, n in _stacks(cfg).items()}
+
+
+def cache_axes(cfg: ModelConfig) -> dict:
+    """The logical axes of :func:`init_cache`'s tree (:data:`CACHE_AXES` for every leaf)."""
+    return {name: {kv: CACHE_AXES for kv in "kv"} for name in _stacks(cfg)}
+
+
+def _cached_stack(x: jax.Array, layers: dict, cache: dict, cfg: ModelConfig, cos, sin, shard: Sharder,
+                  index: jax.Array, mask: jax.Array, experts: bool) -> tuple[jax.Array, dict]:
+    """One stack of layers over ``x [b, t, d]`` as a ``lax.scan`` over (layer params, layer cache):
+    each layer writes its new keys/values at slot ``index`` and attends over the whole cache under
+    ``mask [b, t, S]``. Returns ``(x, the stack's updated cache)``."""
+    cache_spec = CACHE_AXES[1:]
+
+    def body(h, xs):
+        lp, kc, vc = xs
+        q, k, v = project_qkv(h, lp, cfg, cos, sin, shard)
+        kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), cache_spec)
+        vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), cache_spec)
+        h = attention_output(h, cached_attention(q, kc, vc, mask).astype(h.dtype), lp, cfg, shard)
+        if experts:
+            mesh = getattr(shard, "mesh", None)
+            y, _ = moe.moe_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, mesh)
+            h = shard(h + y, ("batch", "seq", "embed"))
+        else:
+            h = mlp_block(h, lp, cfg, shard)
+        return h, (kc, vc)
+
+    x, (ks, vs) = jax.lax.scan(body, x, (fetch_layer(layers), cache["k"], cache["v"]))
+    return x, {"k": ks, "v": vs}
+
+
+def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Array, positions: jax.Array,
+                   kv_valid: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
+                   last_only: bool = False) -> tuple[jax.Array, dict]:
+    """The forward of ``t`` new tokens against a KV cache: a prefill (``t`` = the prompt) or one decode
+    step (``t = 1``), as Hugging Face's ``LlamaForCausalLM`` with ``past_key_values`` computes it.
+
+    Args:
+        tokens: int ``[b, t]``, written to the cache slots ``index .. index + t - 1`` (every row the same
+            slots; rows of different lengths are left-padded, their pads marked invalid in ``kv_valid``).
+        cache: :func:`init_cache`'s tree, ``[L, b, S, k, q]`` leaves (sharded as :func:`cache_axes`).
+        index: int32 scalar, the first slot written.
+        positions: int ``[b, t]``, the tokens' RoPE positions (per row: a left-padded row starts at 0
+            at its first real token).
+        kv_valid: bool ``[b, S]``: the slots that hold real tokens once these are written.
+        last_only: the logits of the last position only (``t`` becomes 1 in the result).
+
+    Returns:
+        ``(logits, cache)``: fp32 logits ``[b, t, v_padded]`` (padded columns -1e30), and the cache with
+        this call's keys and values written. Dropless routing for a mixture of experts is exact; with a
+        ``capacity_factor`` the pads of a prefill take capacity like real tokens.
+    """
+    x = shard(embed_lookup(params["embed_tokens"], tokens, shard, False, cfg.embedding_impl), ("batch", "seq", "embed"))
+    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
+    mask = cache_mask(index, tokens.shape[1], kv_valid)
+    out = {}
+    if "dense_layers" in params:
+        x, out["dense_layers"] = _cached_stack(x, params["dense_layers"], cache["dense_layers"], cfg, cos, sin,
+                                               shard, index, mask, False)
+    x, out["layers"] = _cached_stack(x, params["layers"], cache["layers"], cfg, cos, sin, shard, index, mask, cfg.moe)
+    h = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], cfg.rms_norm_eps)
+    return logits_from_hidden(params, h, cfg, shard), out
 
 
 def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,

@@ -1,6 +1,6 @@
-"""Text sampling from a trained causal LM (no KV cache: a fixed window, recomputed per token).
-
-Good enough to show what a small model learned; not a serving path.
+"""The first sampler: no KV cache, a fixed window recomputed per token, one prompt at a time, one
+dispatch per token. Kept as the baseline of scripts/bench_generate.py; :mod:`jaxcolossal.generate.sampler`
+replaces it everywhere else.
 """
 
 from __future__ import annotations
@@ -40,9 +40,3 @@ def sample_tokens(logits_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
         out.append(tok)
         ctx = (ctx + [tok])[-window:]
     return np.asarray(out, np.int32)
-
-
-def printable(text: str) -> str:
-    """``text`` safe for a terminal: control characters other than newline and tab (the raw
-    bytes a barely trained byte-level model emits) are shown as ``\\xNN`` escapes."""
-    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)
