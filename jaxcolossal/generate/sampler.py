@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.generate.sampling import Sampling, next_token
-from jaxcolossal.parallel.sharding import RULES, Sharder, logical_to_spec
+from jaxcolossal.models import param_layout
+from jaxcolossal.parallel.sharding import RULES, Sharder, logical_to_spec, state_specs
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -141,6 +142,17 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     params_in = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs, is_leaf=lambda x: isinstance(x, P))
     return jax.jit(run, in_shardings=(params_in, batch, batch, NamedSharding(mesh, P())),
                    out_shardings=(batch, NamedSharding(mesh, logical_to_spec(("batch",), rules))))
+
+
+def training_param_specs(cfg, mesh: Mesh, zero_stage: int, rules=RULES) -> Any:
+    """The ``PartitionSpec`` tree of the compute params as training lays them out on ``mesh`` (tp, and
+    with ZeRO-3 the ``fsdp`` shards: :func:`jaxcolossal.parallel.sharding.state_specs`).
+
+    Raises:
+        ConfigError: a dimension that its mesh axes do not divide."""
+    shape = {k: int(v) for k, v in mesh.shape.items()}
+    _, shapes, axes = param_layout(cfg, shape["tp"])
+    return state_specs(axes, shapes, zero_stage, shape, rules).params
 
 
 def _lengths(out: jax.Array, eos_id: int | None, steps: jax.Array) -> jax.Array:

@@ -10,9 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcolossal.config import ModelConfig
-from jaxcolossal.generate import Sampling, generate, left_align, make_generator, next_token, pad_prompts
+from jaxcolossal.config import ModelConfig, ParallelConfig
+from jaxcolossal.generate import (
+    Sampling,
+    generate,
+    left_align,
+    make_generator,
+    next_token,
+    pad_prompts,
+    training_param_specs,
+)
 from jaxcolossal.models import get_family
+from jaxcolossal.parallel.mesh import make_mesh
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                    vocab_size=100)
@@ -107,3 +116,20 @@ def test_left_align_and_refusals():
         make_generator(fam, TINY, 0)
     with pytest.raises(ValueError, match="no KV-cached decode path"):
         make_generator(get_family(dataclasses.replace(TINY, type="gpt2")), TINY, 4)
+
+
+def test_the_same_greedy_tokens_on_one_device_and_on_tp2_fsdp4():
+    """The params as training lays them out under ZeRO-3 with tp 2 × fsdp 4 (8 simulated devices), the
+    cache constrained to the rules table (kv heads over tp, batch over the data axes)."""
+    fam = get_family(TINY)
+    params = jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a, fam.init_params(TINY, jax.random.key(0), tp=2))
+    prompts = PROMPTS + [[11, 12, 13]]  # the batch divides over the 4 data shards
+    one = generate(fam, TINY, params, prompts, 8)
+    mesh = make_mesh(ParallelConfig(tensor_parallel_size=2, zero_stage=3), jax.devices()[:8])
+    assert dict(mesh.shape)["fsdp"] == 4 and dict(mesh.shape)["tp"] == 2
+    specs = training_param_specs(TINY, mesh, zero_stage=3)
+    assert specs["layers"]["wk"] != jax.sharding.PartitionSpec()  # really sharded
+    placed = jax.device_put(params, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+                                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    many = generate(fam, TINY, placed, prompts, 8, mesh=mesh, param_specs=specs)
+    assert many.rows() == one.rows()
