@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.generate.sampling import Sampling, next_token
 from jaxcolossal.models import param_layout
+from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.sharding import RULES, Sharder, logical_to_spec, state_specs
 
 
@@ -105,13 +106,14 @@ def _choose(logits, key, sampling: Sampling, done, eos_id, pad_id) -> tuple[jax.
 
 def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
                    eos_id: int | None = None, pad_id: int = 0, mesh: Mesh | None = None,
-                   param_specs: Any = None, dtype=jnp.float32, rules=RULES) -> Callable:
+                   param_specs: Any = None, dtype=None, rules=RULES) -> Callable:
     """A jitted ``(params, tokens [b, P], mask [b, P], key) -> (out int32 [b, max_new_tokens], lengths
     int32 [b])`` for left-padded prompts (:func:`pad_prompts`): the prefill, then the decode loop.
 
     On a ``mesh`` the params come in with ``param_specs`` (the training layout: tp, ZeRO-3's fsdp; a
     tree of ``PartitionSpec``), the prompts and outputs with the batch over the data axes, and the
-    cache is constrained to :data:`CACHE_AXES`'s rules (kv heads over tp, batch over the data axes).
+    cache is constrained to the family's ``cache_axes`` by the rules (kv heads over tp, batch over the
+    data axes). The cache is in ``dtype`` (``None``: the embedding's dtype, the compute dtype).
 
     Raises:
         ValueError: a family without a decode path, ``max_new_tokens < 1``, or bad ``sampling``.
@@ -124,9 +126,10 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     shard = Sharder(mesh, rules)
 
     def run(params, tokens, mask, key):
+        params = fetch_layer(params)  # offloaded (host-memory) params into device memory
         width = tokens.shape[1]
-        logits, cache, kv_valid, pos = _prefill(family, cfg, params, tokens, mask, width + max_new_tokens, dtype,
-                                                shard)
+        logits, cache, kv_valid, pos = _prefill(family, cfg, params, tokens, mask, width + max_new_tokens,
+                                                dtype or params[family.embedding].dtype, shard)
         key, sub = jax.random.split(key)
         done0 = jnp.zeros(tokens.shape[:1], bool)
         tok, done = _choose(logits[:, : cfg.vocab_size], sub, sampling, done0, eos_id, pad_id)
@@ -166,7 +169,7 @@ def _lengths(out: jax.Array, eos_id: int | None, steps: jax.Array) -> jax.Array:
 
 def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: Sampling = Sampling(greedy=True), eos_id: int | None = None, pad_id: int = 0,
-             seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=jnp.float32) -> Generated:
+             seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=None) -> Generated:
     """Generate up to ``max_new_tokens`` tokens after each of ``prompts`` (token lists of any lengths)
     with :func:`make_generator` (compiled on every call: reuse :func:`make_generator` to sample
     repeatedly). ``params``: the family's params (fp32 or the compute ``dtype``; on a ``mesh``, laid

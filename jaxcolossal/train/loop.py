@@ -23,6 +23,7 @@ start-up stops it at the next phase boundary, before any step (:class:`StoppedBe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -45,7 +46,7 @@ from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, confi
 from jaxcolossal.config import Config, ConfigError, TrainingConfig, double_buffers_loops, precision_label
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.data.chat import generation_prompt, load_chat
-from jaxcolossal.generate import printable, sample_tokens
+from jaxcolossal.generate import Sampling, generate, printable, sample_tokens
 from jaxcolossal.memory.budget import formula_bytes
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
 from jaxcolossal.models.hf_io import check_init_from, init_params_from
@@ -784,20 +785,30 @@ def _save_last_finite(run: Run, state: Any) -> None:
 
 
 def _sample(run: Run, state: Any) -> str:
-    """A short generated text from the run's sample prompt (:func:`_data`), the tokenizer's ids only;
-    after chat fine-tuning it ends at the first end-of-text token (the end of the response)."""
+    """A short generated text from the run's sample prompt (:func:`_data`), the tokenizer's ids only
+    (temperature 0.8, the prompt cut to its last ``seq_len`` tokens); after chat fine-tuning it ends
+    at the first end-of-text token (the end of the response). The KV-cached sampler
+    (:func:`jaxcolossal.generate.generate`) on the params as training lays them out; a family without
+    a decode path (GPT-2) uses the windowed one."""
     cfg, t = run.cfg.model, run.cfg.training
     if t.sample_tokens <= 0:
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
-    shard = Sharder(None).with_fp8(run.cfg.precision.fp8)
-    fn = jax.jit(lambda p, x: run.plan.family.forward(fetch_layer(p), x, cfg, shard)[..., : tok.vocab_size])
-    out = sample_tokens(fn, state.model_params, tok.encode(run.sample_prompt), t.sample_tokens,
-                        min(t.seq_len, SAMPLE_WINDOW), jax.random.key(t.seed + 1))
     eos = getattr(tok, "eos_id", None) if run.cfg.data.format == "chat" else None
-    if eos is not None and eos in out.tolist():
-        out = out[: out.tolist().index(eos)]
-    return run.sample_prompt + tok.decode(out)
+    prompt = tok.encode(run.sample_prompt)[-min(t.seq_len, SAMPLE_WINDOW):]
+    family = run.plan.family
+    if family.forward_cached is None:
+        shard = Sharder(None).with_fp8(run.cfg.precision.fp8)
+        fn = jax.jit(lambda p, x: family.forward(fetch_layer(p), x, cfg, shard)[..., : tok.vocab_size])
+        out = sample_tokens(fn, state.model_params, prompt, t.sample_tokens, min(t.seq_len, SAMPLE_WINDOW),
+                            jax.random.key(t.seed + 1)).tolist()
+    else:  # the tokenizer's ids only: the logits past its vocabulary are masked like the padded ones
+        small = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, tok.vocab_size))
+        out = generate(family, small, state.model_params, [list(prompt)], t.sample_tokens, Sampling(temperature=0.8),
+                       eos_id=eos, seed=t.seed + 1).rows()[0]
+    if eos is not None and eos in out:
+        out = out[: out.index(eos)]
+    return run.sample_prompt + tok.decode(np.asarray(out, np.int32))
 
 
 ORBAX_NOISE = ("did not provide metrics", "Metadata file does not exist")
