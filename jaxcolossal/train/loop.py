@@ -922,14 +922,47 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
 # ----------------------------------------------------------------------------- evaluate only
 
 
-def _nothing_to_evaluate(cfg: Config) -> None:
-    """Raises ConfigError (one line) when ``checkpoint.dir`` holds no step and ``model.init_from`` is empty."""
+def _nothing_to_evaluate(cfg: Config, what: str = "--eval-only: nothing to evaluate") -> None:
+    """Raises ConfigError (one line, starting with ``what``) when ``checkpoint.dir`` holds no step and
+    ``model.init_from`` is empty."""
     c = cfg.checkpoint
     if (c.dir and step_dirs(c.dir)) or cfg.model.init_from:
         return
     where = f"checkpoint.dir={c.dir!r} holds no checkpoint" if c.dir else "checkpoint.dir is not set"
-    raise ConfigError(f"--eval-only: nothing to evaluate: {where} and model.init_from is empty; set checkpoint.dir "
+    raise ConfigError(f"{what}: {where} and model.init_from is empty; set checkpoint.dir "
                       "to a run's checkpoints or model.init_from=HF_DIR (a Hugging Face folder)")
+
+
+def _restored_state(cfg: Config, plan: TrainPlan) -> tuple[Any, str]:
+    """``(state, source)``: the newest step in ``checkpoint.dir`` that restores, else ``model.init_from``'s
+    Hugging Face weights, and a phrase naming which. Raises as :func:`evaluate_only`."""
+    state = _initial_state(cfg, plan, build_optimizer(cfg.training, plan))
+    source = f"the Hugging Face weights in {cfg.model.init_from}"
+    if cfg.checkpoint.dir and step_dirs(cfg.checkpoint.dir):
+        ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.max_to_keep, config=cfg.to_dict())
+        try:
+            state = ckpt.restore(state)
+        finally:
+            ckpt.close()
+        source = f"checkpoint step {int(state.step)} in {ckpt.directory}"
+    return state, source
+
+
+def state_for_sampling(cfg: Config) -> tuple[TrainPlan, Any, str]:
+    """``scripts/generate.py``: ``(plan, state, source)``, the state that :func:`evaluate_only` would
+    evaluate (the newest checkpoint in ``checkpoint.dir``, else ``model.init_from``), on the run's
+    mesh and in its layout (``state.model_params``, sharded as ``plan.specs.params``). Never trains.
+
+    Raises:
+        ConfigError: nothing to sample from, or a :func:`preflight` refusal.
+        CheckpointMismatchError, CheckpointNotFoundError: as :func:`evaluate_only`.
+    """
+    preflight(cfg, eval_only=True)
+    _nothing_to_evaluate(cfg, "nothing to sample from")
+    with _quiet_console():
+        _, plan = _mesh_and_plan(cfg, new_run_id())
+        state, source = _restored_state(cfg, plan)
+    return plan, state, source
 
 
 def evaluate_only(cfg: Config) -> dict:
@@ -956,15 +989,7 @@ def evaluate_only(cfg: Config) -> dict:
     with _quiet_console():
         mesh, plan = _mesh_and_plan(cfg, run_id)
         _, evals, _ = _data(cfg, mesh)
-        state = _initial_state(cfg, plan, build_optimizer(cfg.training, plan))
-        source = f"the Hugging Face weights in {cfg.model.init_from}"
-        if cfg.checkpoint.dir and step_dirs(cfg.checkpoint.dir):
-            ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.max_to_keep, config=cfg.to_dict())
-            try:
-                state = ckpt.restore(state)
-            finally:
-                ckpt.close()
-            source = f"checkpoint step {int(state.step)} in {ckpt.directory}"
+        state, source = _restored_state(cfg, plan)
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=jax.process_index() == 0)
         run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=None, evals=evals, compiled=None,
                   eval_step=make_eval_step(plan), compile_s=0.0, compiled_peak=0, metrics=metrics)

@@ -1,0 +1,79 @@
+"""``scripts/generate.py``: greedy tokens from a Hugging Face folder equal transformers' ``generate``;
+a finished run's checkpoint samples from a jsonl prompts file on the run's mesh; bad input is one line
+on stderr and exit status 2."""
+
+import importlib.util
+import json
+import os
+import pathlib
+
+import pytest
+
+from jaxcolossal.config import load_config
+from jaxcolossal.train.loop import train
+
+ROOT = pathlib.Path(__file__).parents[2]
+spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "training.seq_len=32",
+         "training.batch_size=16", "training.eval_batches=1", "training.sample_tokens=0", "training.eval_every=0",
+         "data.max_corpus_bytes=200000", "logging.progress_bar=false", "logging.log_every=1"]
+
+
+def _jsonl(out):
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_hf_folder_greedy_equals_transformers(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+                                   bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.eval().save_pretrained(str(tmp_path / "hf"))
+    prompts = ["def f", "hi"]
+    assert script.main(["--hf", str(tmp_path / "hf"), "--prompt", prompts[0], "--prompt", prompts[1], "--greedy",
+                        "--max-new-tokens", "6", "--ignore-eos", "--jsonl", "--devices", "8"]) == 0
+    got = [r["tokens"] for r in _jsonl(capsys.readouterr().out)]
+    for prompt, row in zip(prompts, got):  # one prompt at a time on the HF side: no padding involved
+        ids = torch.tensor([list(prompt.encode())])
+        with torch.no_grad():
+            want = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+        assert row == want[0, ids.shape[1]:].tolist()
+
+
+def test_checkpoint_samples_from_a_prompts_file(tmp_path, capsys):
+    keys = SMALL + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.run_dir={tmp_path / 'run'}"]
+    train(load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"), keys + ["training.max_steps=2"]))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def "}\n\n{"prompt": "import o"}\n')
+    args = ["--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "5", "--temperature", "0.7",
+            "--top-k", "20", "--top-p", "0.9", "--seed", "3", "--jsonl", "--devices", "8", *keys]
+    assert script.main(args) == 0
+    captured = capsys.readouterr()
+    rows = _jsonl(captured.out)
+    assert [r["prompt"] for r in rows] == ["def ", "import o"]
+    assert all(1 <= len(r["tokens"]) <= 5 for r in rows)
+    assert "sampling from checkpoint step 2" in captured.err
+    assert script.main(args) == 0 and _jsonl(capsys.readouterr().out) == rows  # the seed decides the draw
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "no prompt"),
+    (["--prompt", "a", "--top-p", "1.5"], "--top-p"),
+    (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--prompts-file", "/nonexistent.jsonl"], "does not exist"),
+    (["--prompts-file", "BAD"], "BAD:2: needs a string field"),
+    (["--hf", "/nonexistent", "--prompt", "a"], "no config.json"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "BAD").write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    assert script.main([*args, "--devices", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
