@@ -1,6 +1,7 @@
 """The model-family interface: every registered family fills every field of
 :class:`jaxcolossal.models.family.Family`, and a family folder that lacks a function of the
-interface is refused by name when its record is built."""
+interface is refused by name when its record is built. The KV-cached decode path is optional
+(:data:`~jaxcolossal.models.family.DECODE_FUNCTIONS`): LLaMA has it, GPT-2 not yet."""
 
 import dataclasses
 import types
@@ -9,7 +10,7 @@ import pytest
 
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import FAMILIES, get_family
-from jaxcolossal.models.family import HF_FUNCTIONS, MODEL_FUNCTIONS, Family, family_from
+from jaxcolossal.models.family import DECODE_FUNCTIONS, HF_FUNCTIONS, MODEL_FUNCTIONS, Family, family_from
 from jaxcolossal.models.llama import hf, model
 
 
@@ -21,7 +22,10 @@ def test_every_registered_family_fills_the_interface():
             assert callable(getattr(fam, f)), (name, f)
         assert fam.hf_architectures and all(isinstance(a, str) for a in fam.hf_architectures.values())
     assert {f.name for f in dataclasses.fields(Family)} == {
-        "name", "module", "hf_architectures", "embedding", "init_from_keys", *MODEL_FUNCTIONS, *HF_FUNCTIONS}
+        "name", "module", "hf_architectures", "embedding", "init_from_keys", *MODEL_FUNCTIONS, *HF_FUNCTIONS,
+        *DECODE_FUNCTIONS}
+    assert all(callable(getattr(FAMILIES["llama"], f)) for f in DECODE_FUNCTIONS)
+    assert all(getattr(FAMILIES["gpt2"], f) is None for f in DECODE_FUNCTIONS)
 
 
 def test_a_family_lacking_a_function_is_refused_by_name():
