@@ -169,12 +169,13 @@ def _lengths(out: jax.Array, eos_id: int | None, steps: jax.Array) -> jax.Array:
 
 def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: Sampling = Sampling(greedy=True), eos_id: int | None = None, pad_id: int = 0,
-             seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=None) -> Generated:
+             seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=None,
+             rules=RULES) -> Generated:
     """Generate up to ``max_new_tokens`` tokens after each of ``prompts`` (token lists of any lengths)
     with :func:`make_generator` (compiled on every call: reuse :func:`make_generator` to sample
     repeatedly). ``params``: the family's params (fp32 or the compute ``dtype``; on a ``mesh``, laid
     out as ``param_specs``). Raises ValueError as :func:`pad_prompts` and :func:`make_generator`."""
     tokens, mask = pad_prompts(prompts, pad_id)
-    fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype)
+    fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype, rules)
     out, lengths = fn(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(seed))
     return Generated(np.asarray(out), np.asarray(lengths))

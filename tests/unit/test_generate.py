@@ -22,6 +22,7 @@ from jaxcolossal.generate import (
 )
 from jaxcolossal.models import get_family
 from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.parallel.sharding import rules_for
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                    vocab_size=100)
@@ -140,18 +141,24 @@ def test_left_align_and_refusals():
         make_generator(get_family(dataclasses.replace(TINY, type="gpt2")), TINY, 4)
 
 
-def test_the_same_greedy_tokens_on_one_device_and_on_tp2_fsdp4():
-    """The params as training lays them out under ZeRO-3 with tp 2 × fsdp 4 (8 simulated devices), the
-    cache constrained to the rules table (kv heads over tp, batch over the data axes)."""
-    fam = get_family(TINY)
-    params = jax.tree.map(lambda a: a * 4 if a.ndim >= 2 else a, fam.init_params(TINY, jax.random.key(0), tp=2))
+@pytest.mark.parametrize("cfg, parallel", [
+    (TINY, ParallelConfig(tensor_parallel_size=2, zero_stage=3)),
+    (MOE, ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, zero_stage=1)),
+], ids=["llama-tp2-fsdp4-zero3", "moe-tp2-ep2-fsdp2-zero1"])
+def test_the_same_greedy_tokens_on_one_device_and_on_the_training_mesh(cfg, parallel):
+    """The params as training lays them out (tp 2 × fsdp 4 under ZeRO-3; a mixture of experts with ep
+    2 too) on 8 simulated devices, the cache constrained to the rules table (kv heads over tp, batch
+    over the data axes): the same greedy tokens as on one device."""
+    fam = get_family(cfg)
+    params = jax.tree.map(lambda a: a * 4 if a.ndim >= 2 else a, fam.init_params(cfg, jax.random.key(0), tp=2))
     prompts = PROMPTS + [[11, 12, 13]]  # the batch divides over the 4 data shards
-    one = generate(fam, TINY, params, prompts, 8)
-    mesh = make_mesh(ParallelConfig(tensor_parallel_size=2, zero_stage=3), jax.devices()[:8])
-    assert dict(mesh.shape)["fsdp"] == 4 and dict(mesh.shape)["tp"] == 2
-    specs = training_param_specs(TINY, mesh, zero_stage=3)
+    one = generate(fam, cfg, params, prompts, 8)
+    mesh = make_mesh(parallel, jax.devices()[:8])
+    assert dict(mesh.shape)["tp"] == 2 and mesh.size == 8
+    rules = rules_for(parallel)
+    specs = training_param_specs(cfg, mesh, zero_stage=parallel.zero_stage, rules=rules)
     assert specs["layers"]["wk"] != jax.sharding.PartitionSpec()  # really sharded
     placed = jax.device_put(params, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
                                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
-    many = generate(fam, TINY, placed, prompts, 8, mesh=mesh, param_specs=specs)
+    many = generate(fam, cfg, placed, prompts, 8, mesh=mesh, param_specs=specs, rules=rules)
     assert many.rows() == one.rows()
