@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcolossal.config import ModelConfig, ParallelConfig
+from jaxcolossal.config import LoraConfig, ModelConfig, ParallelConfig
 from jaxcolossal.generate import (
     Sampling,
     generate,
@@ -21,6 +21,7 @@ from jaxcolossal.generate import (
     training_param_specs,
 )
 from jaxcolossal.models import get_family
+from jaxcolossal.models.layers import lora
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.parallel.sharding import rules_for
 
@@ -55,7 +56,7 @@ _FORWARDS = {}
 
 
 def _full_forward(fam, cfg):
-    key = (fam.name, cfg.moe)
+    key = (fam.name, cfg.moe, cfg.lora.rank)
     if key not in _FORWARDS:
         _FORWARDS[key] = jax.jit(lambda p, x: fam.forward(p, x, cfg))
     return _FORWARDS[key]
@@ -101,6 +102,26 @@ def test_greedy_generate_matches_the_step_by_step_recompute_and_stops_at_eos():
         n = row.index(eos) + 1 if eos in row else 6
         assert out.rows()[r] == row[:n] and out.lengths[r] == n
         assert (out.tokens[r, n:] == 99).all()
+
+
+def test_lora_adapters_applied_or_merged_give_the_recomputed_greedy_tokens():
+    """LoRA on q, v, down (nonzero ``B``): the cached path applies the adapters as the training forward
+    does; merged into the weights (PEFT's ``merge_and_unload``) the tokens are the same."""
+    cfg = dataclasses.replace(TINY, lora=LoraConfig(rank=4, alpha=8.0, targets="q,v,down"))
+    fam, base = _params(cfg)
+    shapes = jax.tree.map(lambda x: x[0], lora.adapter_shapes_and_axes(cfg.lora, fam.param_shapes_and_axes(
+        cfg, 100)["layers"]), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+    adapters = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(1), a.shape),
+                            lora.init_adapters(cfg.lora, shapes, jax.random.key(2)))
+    params = lora.merge(base, adapters)
+    seqs = [list(p) for p in PROMPTS]
+    for _ in range(5):
+        for seq, tok in zip(seqs, np.argmax(_recompute_last(fam, cfg, params, seqs), -1)):
+            seq.append(int(tok))
+    ref = [seq[len(p):] for seq, p in zip(seqs, PROMPTS)]
+    assert generate(fam, cfg, params, PROMPTS, 5).rows() == ref
+    assert generate(fam, cfg, lora.merged_weights(params, cfg.lora), PROMPTS, 5).rows() == ref
+    assert generate(fam, cfg, base, PROMPTS, 5).rows() != ref  # the adapters matter
 
 
 def test_the_decode_steps_run_in_one_while_loop():
