@@ -789,7 +789,7 @@ def _sample(run: Run, state: Any) -> str:
     (temperature 0.8, the prompt cut to its last ``seq_len`` tokens); after chat fine-tuning it ends
     at the first end-of-text token (the end of the response). The KV-cached sampler
     (:func:`jaxcolossal.generate.generate`) on the params as training lays them out; a family without
-    a decode path (GPT-2) uses the windowed one."""
+    a decode path (``Family.forward_cached`` None) uses the windowed one."""
     cfg, t = run.cfg.model, run.cfg.training
     if t.sample_tokens <= 0:
         return ""

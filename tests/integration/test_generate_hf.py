@@ -1,4 +1,4 @@
-"""Greedy parity with Hugging Face transformers: a tiny random LLaMA and a tiny Mixtral saved by
+"""Greedy parity with Hugging Face transformers: a tiny random LLaMA, a tiny Mixtral and a GPT-2 saved by
 transformers, loaded with ``load_hf``; our KV-cached sampler's greedy tokens equal
 ``generate(do_sample=False)``'s token for token (fp32, eager attention), for a batch of prompts of
 different lengths, left-padded on the HF side with an ``attention_mask`` and a ``pad_token_id``,
@@ -67,3 +67,9 @@ def test_mixtral_greedy_equals_transformers_generate(tmp_path):
         num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
         attn_implementation="eager", bos_token_id=2, eos_token_id=1, pad_token_id=PAD)
     _check(tmp_path, _randomize(transformers.MixtralForCausalLM(cfg)))
+
+
+def test_gpt2_greedy_equals_transformers_generate(tmp_path):
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  attn_implementation="eager", bos_token_id=2, eos_token_id=1, pad_token_id=PAD)
+    _check(tmp_path, _randomize(transformers.GPT2LMHeadModel(cfg)))

@@ -27,6 +27,7 @@ from jaxcolossal.parallel.sharding import rules_for
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                    vocab_size=100)
+GPT2 = dataclasses.replace(TINY, type="gpt2", num_key_value_heads=4, tie_word_embeddings=True)
 MOE = dataclasses.replace(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_layers=3, first_k_dense=1)
 PROMPTS = [[5, 9, 13, 2, 7, 30, 41], [3, 8], [60, 61, 62, 63]]
 
@@ -56,13 +57,13 @@ _FORWARDS = {}
 
 
 def _full_forward(fam, cfg):
-    key = (fam.name, cfg.moe, cfg.lora.rank)
+    key = (cfg.type, cfg.moe, cfg.lora.rank)
     if key not in _FORWARDS:
         _FORWARDS[key] = jax.jit(lambda p, x: fam.forward(p, x, cfg))
     return _FORWARDS[key]
 
 
-@pytest.mark.parametrize("cfg", [TINY, MOE], ids=["llama", "moe"])
+@pytest.mark.parametrize("cfg", [TINY, MOE, GPT2], ids=["llama", "moe", "gpt2"])
 def test_cached_logits_equal_a_full_recompute_at_every_step(cfg):
     fam, params = _params(cfg)
     tokens, mask = pad_prompts(PROMPTS)
@@ -159,7 +160,7 @@ def test_left_align_and_refusals():
     with pytest.raises(ValueError, match="max_new_tokens"):
         make_generator(fam, TINY, 0)
     with pytest.raises(ValueError, match="no KV-cached decode path"):
-        make_generator(get_family(dataclasses.replace(TINY, type="gpt2")), TINY, 4)
+        make_generator(dataclasses.replace(fam, forward_cached=None), TINY, 4)
 
 
 @pytest.mark.parametrize("cfg, parallel", [

@@ -42,11 +42,11 @@ from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models.layers import vocab
-from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.norm import layer_norm
 from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, init_vocab_padded, no_shard, padded_vocab_size
-from jaxcolossal.parallel.layer_scan import scan_layers, tag
+from jaxcolossal.parallel.layer_scan import fetch_layer, scan_layers, tag
 
 __all__ = ["param_shapes_and_axes", "init_params", "forward", "loss_sum", "loss_and_stats", "hidden_states",
            "GPT2LMHeadModel"]
@@ -160,28 +160,40 @@ def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
 # ----------------------------------------------------------------------------- the computation
 
 
-def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard,
-                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
-    """One pre-LN GPT-2 block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
-    positions, for sequence-parallel attention's mask)."""
-    eps = cfg.layer_norm_eps
-    h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], eps)
+QKV_AXES = ("batch", "seq", "heads", "head_dim")
+
+
+def _project_qkv(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder) -> tuple:
+    """ln_1 and the q/k/v projections with their biases: x ``[b, t, d]`` -> q, k, v ``[b, t, h, q]``."""
+    h = layer_norm(x, lp["attn_norm"], lp["attn_norm_bias"], cfg.layer_norm_eps)
     overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
-    qkv_axes = ("batch", "seq", "heads", "head_dim")
     q, k, v = column_parallel(shard, overlap, h, [("btd,dhq->bthq", lp[w], "h") for w in ("wq", "wk", "wv")],
                               [lp["bq"], lp["bk"], lp["bv"]])
-    q = tag(shard(q, qkv_axes), "query_proj")
-    k = tag(shard(k, qkv_axes), "key_proj")
-    v = tag(shard(v, qkv_axes), "value_proj")
-    a = shard(attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions), qkv_axes)
-    out = row_parallel(shard, overlap, "bthq,hqd->btd", a, lp["wo"], "h", lp["bo"])
+    return (tag(shard(q, QKV_AXES), "query_proj"), tag(shard(k, QKV_AXES), "key_proj"),
+            tag(shard(v, QKV_AXES), "value_proj"))
+
+
+def _attention_output_and_mlp(x: jax.Array, a: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder) -> jax.Array:
+    """The rest of the block after attention: the output projection of ``a [b, t, h, q]`` into the
+    residual ``x [b, t, d]``, then ln_2 and the GELU MLP with its residual -> ``[b, t, d]``."""
+    overlap = tp_overlaps(shard, x.shape[1])
+    out = row_parallel(shard, overlap, "bthq,hqd->btd", shard(a, QKV_AXES), lp["wo"], "h", lp["bo"])
     x = shard(x + tag(out, "out_proj"), ("batch", "seq", "embed"))
-    h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], eps)
+    h = layer_norm(x, lp["mlp_norm"], lp["mlp_norm_bias"], cfg.layer_norm_eps)
     (u,) = column_parallel(shard, overlap, h, [("btd,df->btf", lp["w_fc"], "f")], [lp["b_fc"]])
     u = tag(shard(u, ("batch", "seq", "mlp")), "mlp_up")
     y = tag(row_parallel(shard, overlap, "btf,fd->btd", jax.nn.gelu(u, approximate=True), lp["w_proj"], "f",
                          lp["b_proj"]), "mlp_down")
     return shard(x + y, ("batch", "seq", "embed"))
+
+
+def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard,
+                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """One pre-LN GPT-2 block. x ``[b, t, d]`` in the compute dtype (``positions``: the tokens'
+    positions, for sequence-parallel attention's mask)."""
+    q, k, v = _project_qkv(x, lp, cfg, shard)
+    a = attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions)
+    return _attention_output_and_mlp(x, a, lp, cfg, shard)
 
 
 def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
@@ -222,6 +234,49 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
 
 
 head_loss, loss_sum = vocab.lm_loss(hidden_states, head_weight)
+
+
+# ----------------------------------------------------------------------------- the KV-cached decode path
+
+CACHE_AXES = ("layers", "batch", None, "heads", "head_dim")
+"""Logical axes of one cache array ``[L, b, S, h, q]`` (GPT-2's k/v have all the heads)."""
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
+    """An empty KV cache ``{"layers": {"k", "v"}}``, each ``[L, batch, length, h, q]`` zeros of ``dtype``."""
+    shape = (cfg.num_layers, batch, length, cfg.num_attention_heads, cfg.head_dim)
+    return {"layers": {kv: jnp.zeros(shape, dtype) for kv in "kv"}}
+
+
+def cache_axes(cfg: ModelConfig) -> dict:
+    """The logical axes of :func:`init_cache`'s tree."""
+    return {"layers": {kv: CACHE_AXES for kv in "kv"}}
+
+
+def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Array, positions: jax.Array,
+                   kv_valid: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
+                   last_only: bool = False) -> tuple[jax.Array, dict]:
+    """The forward of ``t`` new tokens against a KV cache, as Hugging Face's ``GPT2LMHeadModel`` with
+    ``past_key_values``; arguments, results and padding as
+    :func:`jaxcolossal.models.llama.model.forward_cached` (``positions [b, t]`` index ``wpe``, so they
+    must stay below ``max_position_embeddings``; beyond it ``jnp.take`` clamps)."""
+    x = embed_lookup(params["wte"], tokens, shard, False, cfg.embedding_impl)
+    wpe = jnp.take(params["wpe"], positions, axis=0)
+    x = shard((x.astype(jnp.float32) + wpe.astype(jnp.float32)).astype(x.dtype), ("batch", "seq", "embed"))
+    mask = cache_mask(index, tokens.shape[1], kv_valid)
+
+    def body(h, xs):
+        lp, kc, vc = xs
+        q, k, v = _project_qkv(h, lp, cfg, shard)
+        kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), CACHE_AXES[1:])
+        vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), CACHE_AXES[1:])
+        a = cached_attention(q, kc, vc, mask).astype(h.dtype)
+        return _attention_output_and_mlp(h, a, lp, cfg, shard), (kc, vc)
+
+    c = cache["layers"]
+    x, (ks, vs) = jax.lax.scan(body, x, (fetch_layer(params["layers"]), c["k"], c["v"]))
+    h = layer_norm(x[:, -1:] if last_only else x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
+    return vocab.logits(h, head_weight(params, cfg), cfg.vocab_size, shard), {"layers": {"k": ks, "v": vs}}
 
 
 def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
