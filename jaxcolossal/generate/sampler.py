@@ -101,7 +101,9 @@ def _decode_loop(family, cfg, params, state: dict, width: int, max_new: int, sam
 def _choose(logits, key, sampling: Sampling, done, eos_id, pad_id) -> tuple[jax.Array, jax.Array]:
     """The next tokens ``[b]`` (``pad_id`` for a row already done) and the rows done after them."""
     tok = jnp.where(done, pad_id, next_token(logits, key, sampling))
-    return tok, done | (tok == eos_id) if eos_id is not None else done
+    if eos_id is not None:
+        done = done | (tok == eos_id)
+    return tok, done
 
 
 def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
