@@ -108,7 +108,7 @@ def _choose(logits, key, sampling: Sampling, done, eos_id, pad_id) -> tuple[jax.
 
 def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
                    eos_id: int | None = None, pad_id: int = 0, mesh: Mesh | None = None,
-                   param_specs: Any = None, dtype=None, rules=RULES) -> Callable:
+                   param_specs: Any = None, dtype=None, rules=RULES, fp8: bool = False) -> Callable:
     """A jitted ``(params, tokens [b, P], mask [b, P], key) -> (out int32 [b, max_new_tokens], lengths
     int32 [b])`` for left-padded prompts (:func:`pad_prompts`): the prefill, then the decode loop.
 
@@ -116,6 +116,7 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     tree of ``PartitionSpec``), the prompts and outputs with the batch over the data axes, and the
     cache is constrained to the family's ``cache_axes`` by the rules (kv heads over tp, batch over the
     data axes). The cache is in ``dtype`` (``None``: the embedding's dtype, the compute dtype).
+    ``fp8``: the projections multiply in FP8, as a ``precision.fp8`` run trains.
 
     Raises:
         ValueError: a family without a decode path, ``max_new_tokens < 1``, or bad ``sampling``.
@@ -125,7 +126,7 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling.check()
-    shard = Sharder(mesh, rules)
+    shard = Sharder(mesh, rules).with_fp8(fp8)
 
     def run(params, tokens, mask, key):
         params = fetch_layer(params)  # offloaded (host-memory) params into device memory
@@ -172,12 +173,12 @@ def _lengths(out: jax.Array, eos_id: int | None, steps: jax.Array) -> jax.Array:
 def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: Sampling = Sampling(greedy=True), eos_id: int | None = None, pad_id: int = 0,
              seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=None,
-             rules=RULES) -> Generated:
+             rules=RULES, fp8: bool = False) -> Generated:
     """Generate up to ``max_new_tokens`` tokens after each of ``prompts`` (token lists of any lengths)
     with :func:`make_generator` (compiled on every call: reuse :func:`make_generator` to sample
     repeatedly). ``params``: the family's params (fp32 or the compute ``dtype``; on a ``mesh``, laid
     out as ``param_specs``). Raises ValueError as :func:`pad_prompts` and :func:`make_generator`."""
     tokens, mask = pad_prompts(prompts, pad_id)
-    fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype, rules)
+    fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype, rules, fp8)
     out, lengths = fn(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(seed))
     return Generated(np.asarray(out), np.asarray(lengths))

@@ -805,7 +805,7 @@ def _sample(run: Run, state: Any) -> str:
     else:  # the tokenizer's ids only: the logits past its vocabulary are masked like the padded ones
         small = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, tok.vocab_size))
         out = generate(family, small, state.model_params, [list(prompt)], t.sample_tokens, Sampling(temperature=0.8),
-                       eos_id=eos, seed=t.seed + 1).rows()[0]
+                       eos_id=eos, seed=t.seed + 1, fp8=run.cfg.precision.fp8).rows()[0]
     if eos is not None and eos in out:
         out = out[: out.index(eos)]
     return run.sample_prompt + tok.decode(np.asarray(out, np.int32))
