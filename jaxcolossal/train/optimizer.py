@@ -105,6 +105,27 @@ def momentum_step_of(plan: Any) -> int | None:
     return p.compression_warmup_steps if p is not None and p.momentum_correction else None
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` (same state, ``optax.EmptyState``; the same result where the
+    norm is under ``max_norm``), with the clipped update formed as ``g · (max_norm / norm)``, one
+    scalar factor, instead of optax's ``(g / norm) · max_norm`` (within an ulp of it).
+
+    Why: XLA treats a floating-point divide as expensive and will not duplicate it into its two
+    consumers (Adam's two moments), so optax's form materialises a clipped copy of every gradient,
+    and for the embedding and LM head at a large vocabulary those copies are the step's peak
+    (0.25× the fp32 logits in the 1-layer LLaMA of ``tests/integration/test_logprobs.py``). A
+    multiply by a scalar is fused into each consumer instead.
+    """
+
+    def update_fn(updates, state, params=None):
+        del params
+        g_norm = optax.tree.norm(updates)
+        factor = jnp.where(g_norm < max_norm, 1.0, max_norm / g_norm)
+        return jax.tree.map(lambda g: g * factor.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = False,
                     param_specs: Any = None) -> list[optax.GradientTransformation]:
     """The transformations :func:`build_optimizer` chains: ``[clip_by_global_norm, adamw]``
@@ -134,7 +155,7 @@ def optimizer_parts(t: TrainingConfig, plan: Any = None, *, on_host: bool = Fals
     else:
         adam = optax.adamw(sched, b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_eps,
                            weight_decay=t.weight_decay, mask=mask)
-    parts = [optax.clip_by_global_norm(t.max_grad_norm)] if t.max_grad_norm > 0 else []
+    parts = [clip_by_global_norm(t.max_grad_norm)] if t.max_grad_norm > 0 else []
     return parts + [adam]
 
 
