@@ -68,6 +68,7 @@ RANGES: dict[str, Range] = {
     "model.rms_norm_eps": _GT0, "model.layer_norm_eps": _GT0, "model.rope_theta": _GT0,
     "model.initializer_range": _GT0,
     "model.loss_chunk_tokens": Range(0, note="0: materialize the logits of all tokens"),
+    "model.loss_chunk_vocab": Range(0, note="0: the whole vocabulary shard in one chunk"),
     "model.lora.rank": Range(0, note="0: LoRA off"), "model.lora.alpha": _GT0,
     "model.lora.dropout": Range(0, 1, hi_open=True),
     "model.attention_head_dim": Range(0, note="0: hidden_size / num_attention_heads"),

@@ -165,6 +165,13 @@ class ModelConfig:
     """The tokens per device in one chunk of the fused LM head + cross-entropy, >= 0; 0 materializes the
     logits of all tokens. A chunk's fp32 logits take ``loss_chunk_tokens × vocab/tp × 4`` bytes
     (:func:`jaxcolossal.models.layers.vocab.lm_head_loss`)."""
+    loss_chunk_vocab: int = 8192
+    """The vocabulary columns per device in one chunk of the LM head + cross-entropy (and of the
+    per-token log-probs), >= 0; 0: a device's whole vocabulary shard in one chunk. Each token chunk
+    folds its vocab chunks into an online log-sum-exp, so one chunk's fp32 logits take
+    ``loss_chunk_tokens × loss_chunk_vocab × 4`` bytes, forward and backward; a divisor of
+    ``vocab/tp`` near this size is taken when there is one (128256: 16 chunks of 8016)
+    (:func:`jaxcolossal.models.layers.logprobs.token_logprobs`)."""
     init_from: str = ""
     """A local Hugging Face model folder (``config.json`` + safetensors) whose weights initialise the
     run (fine-tuning); ``""`` (the default): a fresh initialisation from ``training.seed``. The model
