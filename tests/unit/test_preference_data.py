@@ -1,0 +1,73 @@
+"""Preference data (jaxcolossal.data.preference): rows, response-only masks, pair interleaving and
+one-line errors naming the file and line."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jaxcolossal.data import ByteTokenizer
+from jaxcolossal.data.preference import load_preferences, pair_rows
+from jaxcolossal.errors import DataError
+
+
+def _write(tmp_path, lines, name="pairs.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return SimpleNamespace(corpus=str(path), skip_long_examples=False), str(path)
+
+
+def test_text_pairs_mask_only_the_response(tmp_path):
+    cfg, _ = _write(tmp_path, [{"prompt": "Q: 2+2?", "chosen": " 4", "rejected": " five"}])
+    d = load_preferences(cfg, ByteTokenizer(), seq_len=16)
+    assert d.chosen.shape == (1, 17) and d.chosen_masks.shape == (1, 16)
+    row, m = d.chosen[0], d.chosen_masks[0]
+    assert bytes(row[:9].astype(np.uint8)) == b"Q: 2+2? 4"
+    # targets are row[1:]: target j is token j + 1; the response " 4" is tokens 7, 8
+    assert np.flatnonzero(m).tolist() == [6, 7]
+    assert np.flatnonzero(d.rejected_masks[0]).tolist() == [6, 7, 8, 9, 10]
+
+
+def test_chat_pairs_mask_only_the_final_assistant_turn(tmp_path):
+    prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+              {"role": "user", "content": "name?"}]
+    cfg, _ = _write(tmp_path, [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "Ann"}],
+                                "rejected": [{"role": "assistant", "content": "no"}]}])
+    d = load_preferences(cfg, ByteTokenizer(), seq_len=80)
+    text = bytes(d.chosen[0].astype(np.uint8)).rstrip(b"\0").decode()
+    assert text == "user: hi\nassistant: hello\nuser: name?\nassistant: Ann\n"
+    trained = bytes(d.chosen[0][1:][d.chosen_masks[0] > 0].astype(np.uint8)).decode()
+    assert trained == "Ann\n"  # the prompt's own assistant turn is not trained on
+
+
+def test_pair_rows_interleave():
+    c, r = np.arange(6).reshape(3, 2), -np.arange(6).reshape(3, 2)
+    out = pair_rows(c, r)
+    assert out[0::2].tolist() == c.tolist() and out[1::2].tolist() == r.tolist()
+
+
+@pytest.mark.parametrize("line, words", [
+    ({"prompt": "a", "chosen": "b"}, "no 'rejected'"),
+    ({"prompt": "a", "rejected": "b"}, "no 'chosen'"),
+    ({"prompt": "a", "chosen": 3, "rejected": "b"}, "all strings or all message lists"),
+    ({"prompt": "a", "chosen": [{"role": "x", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]},
+     "chosen[0]"),
+    ([1, 2], "expected an object"),
+    ("{not json", "invalid JSON"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, line, words):
+    cfg, path = _write(tmp_path, [{"prompt": "p", "chosen": "c", "rejected": "r"}, "", line])
+    with pytest.raises(DataError) as e:
+        load_preferences(cfg, ByteTokenizer(), seq_len=16)
+    msg = str(e.value)
+    assert f"{path}:3:" in msg and words in msg and "\n" not in msg
+
+
+def test_response_cut_off_is_refused_or_skipped(tmp_path):
+    cfg, path = _write(tmp_path, [{"prompt": "x" * 40, "chosen": "c", "rejected": "r"},
+                                  {"prompt": "p", "chosen": "c", "rejected": "r"}])
+    with pytest.raises(DataError, match=f"{path}:1: no chosen or rejected response token"):
+        load_preferences(cfg, ByteTokenizer(), seq_len=16)
+    cfg.skip_long_examples = True
+    d = load_preferences(cfg, ByteTokenizer(), seq_len=16)
+    assert len(d) == 1 and d.skipped == [f"{path}:1"]
