@@ -101,6 +101,7 @@ RANGES: dict[str, Range] = {
     "logging.log_every": _POS,
     "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
     "offload.devices_per_host": _POS,
+    "posttrain.beta": _GT0, "posttrain.label_smoothing": Range(0, 0.5, hi_open=True),
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
@@ -133,6 +134,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_features(cfg)
     _check_logging(cfg)
     _check_lora(cfg)
+    _check_posttrain(cfg)
     _check_moe(cfg)
     _check_offload(cfg)
     _check_compression(p)
@@ -193,10 +195,10 @@ def _check_data(cfg: Config) -> None:
     if d.format == "chat" and d.corpus == "stdlib":
         raise ConfigError("data.format=chat needs data.corpus: JSON-lines files of conversations "
                           "({'messages': [...]} or {'prompt', 'response'} per line)")
-    if d.packing_mask and d.format == "chat":
+    if d.packing_mask and d.format in ("chat", "preference"):
         raise ConfigError("data.packing_mask=true applies to the pre-training formats, not data.format=chat "
                           "(a chat row holds one conversation)")
-    if d.skip_long_examples and d.format != "chat":
+    if d.skip_long_examples and d.format not in ("chat", "preference"):
         raise ConfigError(f"data.skip_long_examples=true applies to data.format=chat, not {d.format} "
                           "(pre-training windows are cut from one stream, never too long)")
     if d.format in ("parquet", "datasets", "jsonl") and d.corpus == "stdlib":
@@ -281,6 +283,41 @@ def _check_lora(cfg: Config) -> None:
                           "model.remat=full) and its low-precision weight gathers (parallel.communication_dtype) carry "
                           "no dropout keys yet: set parallel.overlap=false and parallel.communication_dtype=fp32, another "
                           "model.remat, or model.lora.dropout=0")
+
+
+def _check_posttrain(cfg: Config) -> None:
+    """``training.objective=dpo`` against the data, the reference model and the features it does not
+    run with (:mod:`jaxcolossal.train.objective`)."""
+    t, d, po, p, m = cfg.training, cfg.data, cfg.posttrain, cfg.parallel, cfg.model
+    if (t.objective == "dpo") != (d.format == "preference"):
+        raise ConfigError(f"training.objective={t.objective} with data.format={d.format}: DPO reads preference pairs "
+                          "and only DPO does; set both training.objective=dpo and data.format=preference, or neither")
+    if t.objective != "dpo":
+        return
+    if d.corpus == "stdlib":
+        raise ConfigError("data.format=preference needs data.corpus: JSON-lines files of "
+                          "{'prompt', 'chosen', 'rejected'} pairs")
+    if po.loss_type == "ipo" and po.label_smoothing > 0:
+        raise ConfigError(f"posttrain.label_smoothing={po.label_smoothing:g} is conservative DPO's, for "
+                          "posttrain.loss_type=sigmoid; IPO has no label smoothing (set it to 0)")
+    if po.reference == "lora_base" and not m.lora.enabled:
+        raise ConfigError("posttrain.reference=lora_base needs LoRA (model.lora.rank > 0): without adapters there "
+                          "is no base to tell apart from the policy; use posttrain.reference=frozen")
+    if po.reference == "frozen" and m.lora.enabled:
+        raise ConfigError("posttrain.reference=frozen with LoRA would hold a second copy of the base weights; use "
+                          "posttrain.reference=lora_base (the base without the adapters is the reference)")
+    why = {"parallel.pipeline_parallel_size > 1": (p.pipeline_parallel_size not in (1,),
+                                                   "the pipeline's last stage computes the LM loss only"),
+           "a mixture of experts": (m.moe, "the step's statistics carry the router's or DPO's, not both yet"),
+           "parallel.sequence_parallel_size > 1": (p.sequence_parallel_size not in (1,),
+                                                   "ring attention reorders the tokens the log-probs are summed over"),
+           "data.packing_mask": (d.packing_mask, "a preference row holds one response"),
+           "parallel.gradient_compression": (p.gradient_compression != "none", "not tested with DPO yet"),
+           "offload (offload_param_frac, nvme_path)": (cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
+                                                       "the reference copy is not offloaded yet")}
+    for what, (on, reason) in why.items():
+        if on:
+            raise ConfigError(f"training.objective=dpo does not run with {what}: {reason}")
 
 
 def _check_logging(cfg: Config) -> None:

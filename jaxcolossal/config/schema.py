@@ -263,6 +263,13 @@ class TrainingConfig:
     pipeline parallelism by ``data_parallel_size × parallel.num_microbatches``. Replaced by
     ``micro_batch_size × gradient_accumulation_steps × data_parallel_size`` when
     ``micro_batch_size`` > 0."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """What the train step minimises (:mod:`jaxcolossal.train.objective`): ``sft`` (the default), the
+    next-token cross-entropy over the (masked-in) tokens, pre-training and supervised fine-tuning;
+    ``dpo``, Direct Preference Optimization on preference pairs (``data.format=preference``; the
+    ``posttrain`` section; docs/posttraining.md). Post-training is an objective on the same state,
+    sharding, step and loop, not a second trainer. With ``dpo``, ``batch_size`` counts sequences (two
+    per pair) and each data shard's microbatch must hold whole pairs (an even number of rows)."""
     micro_batch_size: int = 0
     """Colossal-AI's per-rank micro batch, in sequences, >= 0; 0 (the default): use ``batch_size``. When
     > 0 it defines the global batch instead: ``batch_size = micro_batch_size ×
@@ -612,13 +619,15 @@ class DataConfig:
     globs (``**`` matches nested folders). For ``format=datasets`` a folder written by ``datasets``'
     ``save_to_disk``. Every ``format`` but ``text`` needs files, not ``stdlib``. ``~`` and ``$VAR`` are
     expanded."""
-    format: Literal["text", "jsonl", "parquet", "datasets", "chat"] = "text"
+    format: Literal["text", "jsonl", "parquet", "datasets", "chat", "preference"] = "text"
     """How the files are read: ``text``, ``jsonl``, ``parquet``, ``datasets`` or ``chat``. ``text``:
     pre-training, documents joined into one stream and cut into random windows (``.jsonl`` files read as
     JSON lines by their suffix). ``jsonl``: every file is JSON lines. ``parquet``: column ``text_key``,
     with ``pyarrow``. ``datasets``: ``corpus`` is a ``datasets`` ``save_to_disk`` folder. ``chat``:
     instruction fine-tuning, JSON lines of ``messages`` or ``prompt``/``response``, one conversation per
-    row, loss on the responses only (:mod:`jaxcolossal.data.chat`); not with pipeline parallelism."""
+    row, loss on the responses only (:mod:`jaxcolossal.data.chat`); not with pipeline parallelism.
+    ``preference``: DPO's pairs (``training.objective=dpo``), JSON lines of ``prompt``/``chosen``/``rejected``
+    as plain text or chat messages, loss on the responses only (:mod:`jaxcolossal.data.preference`)."""
     text_key: str = "text"
     """The JSON field (``.jsonl`` lines) or the column (``parquet``, ``datasets``) that holds each
     document's text."""
@@ -647,11 +656,31 @@ class DataConfig:
     Pre-training formats only; needs ``model.attention_impl`` ``xla`` or ``flash``, and no pipeline
     parallelism."""
     skip_long_examples: bool = False
-    """``format=chat`` only. ``false`` (the default): a conversation with no response token left within
+    """``format=chat`` and ``preference`` only. ``false`` (the default): a conversation with no response token left within
     ``training.seq_len`` tokens (its prompt alone fills the window) stops the run, naming its file and
     line. ``true``: such conversations are dropped, and the log says how many and where (the first few
     ``file:line``); the others are kept as they are, in the same order. A conversation whose response is
     only partly cut is kept either way (counted as cut)."""
+
+
+@dataclass
+class PosttrainConfig:
+    """Preference optimisation (``training.objective=dpo``, :mod:`jaxcolossal.train.objective`), as TRL's
+    ``DPOTrainer`` defines it (trl 1.16)."""
+
+    beta: float = 0.1
+    """DPO's β (IPO's τ), > 0: how far the policy may move from the reference; the rewards are
+    ``β·(log π - log π_ref)`` of each response."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """``sigmoid``: DPO's ``-log σ(β·Δ)`` of the log-ratio margin ``Δ``; ``ipo``: IPO's
+    ``(Δ/len - 1/(2β))²`` with each response's log-ratio averaged over its tokens (TRL 1.16)."""
+    label_smoothing: float = 0.0
+    """Conservative DPO's ε in ``[0, 0.5)`` (``sigmoid`` only): the share of pairs assumed mislabelled,
+    ``-(1-ε)·log σ(βΔ) - ε·log σ(-βΔ)``; 0 (the default) is plain DPO."""
+    reference: Literal["frozen", "lora_base"] = "frozen"
+    """The reference policy: ``frozen``, a copy of the initial params in the compute dtype, sharded like
+    the policy and saved with the checkpoints; ``lora_base`` (needs ``model.lora``), the base model
+    without the adapters, so no second copy of the weights is held."""
 
 
 @dataclass
@@ -851,6 +880,8 @@ class Config:
     """Mixed precision (bf16, fp16 with loss scaling, FP8) and the non-finite step limit."""
     data: DataConfig = field(default_factory=DataConfig)
     """The training text: files, format, tokenizer, held-out split and cache."""
+    posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)
+    """Preference optimisation (``training.objective=dpo``): β, the loss variant and the reference model."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Orbax checkpoints: where, how often, how many."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
