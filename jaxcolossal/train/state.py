@@ -64,6 +64,9 @@ class TrainState:
         frozen: with LoRA (``model.lora.rank > 0``), the base model's weights in the compute dtype,
             sharded by ``plan.frozen_specs`` and never updated; ``params``, ``master`` and
             ``opt_state`` then hold only the adapters (:mod:`jaxcolossal.models.layers.lora`). Else ``None``.
+        reference: with ``training.objective=dpo`` and ``posttrain.reference=frozen``, DPO's reference
+            policy: a copy of the initial params in the compute dtype, sharded like ``params``
+            (``specs.params``), never updated, saved and restored with the rest. Else ``None``.
     """
 
     step: jax.Array
@@ -73,6 +76,7 @@ class TrainState:
     scaler: Any
     residual: Any = None
     frozen: Any = None
+    reference: Any = None
 
     @property
     def model_params(self) -> Any:
@@ -245,6 +249,12 @@ def init_residual(plan: TrainPlan, params: Any) -> Any:
     return {"error": zeros(), "velocity": zeros()} if p.momentum_correction else zeros()
 
 
+def holds_reference(cfg) -> bool:
+    """Whether the train state holds DPO's frozen reference copy (``training.objective=dpo`` with
+    ``posttrain.reference=frozen``)."""
+    return cfg.training.objective == "dpo" and cfg.posttrain.reference == "frozen"
+
+
 def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:
     """A :class:`TrainState` whose leaves are the target ``NamedSharding`` of each array, in the
     memory kind (device or pinned host) that ``plan.placement`` gives each leaf."""
@@ -258,6 +268,7 @@ def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainS
         scaler=LossScaleState(P(), P(), P(), P()) if plan.precision == "fp16" else None,
         residual=residual_specs(plan),
         frozen=plan.frozen_specs,
+        reference=plan.specs.params if holds_reference(plan.cfg) else None,
     )
     shardings = named(plan.mesh, specs)
     if plan.placement is not None and plan.placement.active:
@@ -307,6 +318,9 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
             scaler=scaler_init(pc.initial_scale) if plan.precision == "fp16" else None,
             residual=init_residual(plan, params),
             frozen=frozen,
+            # DPO's frozen reference: the initial policy in the compute dtype (a copy, not an alias)
+            reference=jax.tree.map(lambda x: x.astype(plan.compute_dtype) + 0, params)
+            if holds_reference(plan.cfg) else None,
         )
 
     if key is None and (params is None or (plan.lora and adapters is None)):

@@ -51,7 +51,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import prefetches_weights, reduces_layerwise, weight_gather_dtype
-from jaxcolossal.models.layers import moe
 from jaxcolossal.models.layers.lora import merge
 from jaxcolossal.optim.loss_scale import scaler_update
 from jaxcolossal.parallel.compression import lowp_reduce, powersgd_reduce, topk_reduce
@@ -61,6 +60,7 @@ from jaxcolossal.parallel.pipeline_executor import make_pipeline_grad_fn
 from jaxcolossal.parallel.sequence import zigzag_batch
 from jaxcolossal.parallel.sharding import constrain
 from jaxcolossal.train.nvme import nvme_tier
+from jaxcolossal.train.objective import make_objective, token_count
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
 
@@ -69,14 +69,6 @@ Metrics = dict
 
 def _with_leading(spec: P, lead) -> P:
     return P(lead, *spec)
-
-
-def token_count(inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """The tokens a step's mean loss divides by (fp32 scalar): ``B·t``, or with a loss mask the
-    masked-in tokens of the whole global batch (at least 1, so an all-masked step is a zero update)."""
-    if mask is None:
-        return jnp.asarray(inputs.shape[0] * inputs.shape[1], jnp.float32)
-    return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
 
 def adam_first_moment(opt_state: Any) -> Any:
@@ -130,6 +122,7 @@ class _GradFn:
     def __init__(self, plan: TrainPlan):
         cfg = plan.cfg
         self.plan, self.cfg, self.mesh, self.family = plan, cfg, plan.mesh, plan.family
+        self.objective = make_objective(plan.family, cfg)  # sft: the LM loss; dpo: preference pairs
         self.k, self.n, self.zero = cfg.training.gradient_accumulation_steps, plan.data_size, cfg.parallel.zero_stage
         inner = plan.sharder.inner()
         self.ring = inner.ring  # ring attention: the batch goes in zig-zag order (jaxcolossal.parallel.sequence)
@@ -151,15 +144,19 @@ class _GradFn:
         # ZeRO-2/3 with fp32 communication: the gradient of the whole microbatch, so that XLA reduces
         # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
         self.layerwise = reduces_layerwise(cfg)
-        self.per_shard = jax.vmap(jax.value_and_grad(self._loss(inner), has_aux=True), in_axes=(None, 0, 0, 0, None, None),
-                                  spmd_axis_name=DATA_AXES)
+        self.per_shard = jax.vmap(jax.value_and_grad(self._loss(inner), has_aux=True),
+                                  in_axes=(None, 0, 0, 0, None, None, None), spmd_axis_name=DATA_AXES)
         self.global_grad = jax.value_and_grad(self._loss(outer), has_aux=True)
 
     def _loss(self, sharder):
-        def loss(params, x, y, aux, coef, frozen):  # LoRA: the gradient of the adapters only
+        lora_base = self.cfg.posttrain.reference == "lora_base"
+
+        def loss(params, x, y, aux, coef, frozen, reference):  # LoRA: the gradient of the adapters only
             args = (merge(frozen, params), x, y, self.cfg.model, sharder, self.vocab_parallel)
-            s, stats = self.family.loss_and_stats(*args, **aux)
-            return s * coef, (s, stats)  # stats: a mixture of experts' router statistics
+            # DPO's reference: the frozen copy, or under LoRA the base without the adapters
+            ref = frozen if (lora_base and frozen is not None) else reference
+            s, stats = self.objective(*args, reference=ref, **aux)
+            return s * coef, (s, stats)  # stats: a mixture of experts' router statistics, or DPO's sums
         return loss
 
     def dropout_keys(self, step, j):
@@ -170,7 +167,7 @@ class _GradFn:
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.training.seed), step), j)
         return key if self.layerwise else jax.random.split(key, self.n)
 
-    def micro(self, params, xs, ys, aux, coef, j, frozen=None, step=None):
+    def micro(self, params, xs, ys, aux, coef, j, frozen=None, step=None, reference=None):
         """Microbatch ``j``'s summed loss and fp32 gradient: of the whole microbatch (layer-wise
         reduction), or per data shard (``[N, ...]``, unreduced). ``frozen``: LoRA's base weights;
         ``step``: the optimizer step (LoRA's dropout keys)."""
@@ -182,11 +179,11 @@ class _GradFn:
                 return a[:, j].reshape(-1, t)
 
             aux_j = {k: rows(a) for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
-            (_, (loss, stats)), g = self.global_grad(params, rows(xs), rows(ys), aux_j, coef, frozen)
+            (_, (loss, stats)), g = self.global_grad(params, rows(xs), rows(ys), aux_j, coef, frozen, reference)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
             return loss, constrain(g, self.mesh, self.grad_specs), stats
         aux_j = {k: a[:, j] for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
-        (_, (loss, stats)), g = self.per_shard(params, xs[:, j], ys[:, j], aux_j, coef, frozen)
+        (_, (loss, stats)), g = self.per_shard(params, xs[:, j], ys[:, j], aux_j, coef, frozen, reference)
         stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
         # offloaded layers' gradients come back from host memory; fp32 before any reduction
         g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
@@ -201,14 +198,14 @@ class _GradFn:
             return lowp_reduce(g, self.per_shard_specs, specs, lowp, self.mesh)
         return constrain(jax.tree.map(lambda a: jnp.sum(a, axis=0), g), self.mesh, specs)
 
-    def accumulate(self, params, xs, ys, aux, coef, frozen=None, step=None):
+    def accumulate(self, params, xs, ys, aux, coef, frozen=None, step=None, reference=None):
         """The loss and the gradients summed over the ``k`` microbatches: ZeRO 2/3 into a sharded
         persistent buffer (each microbatch reduced into it), ZeRO 0/1 into the unreduced per-shard one."""
         sharded = self.zero >= 2 or self.layerwise  # (a mixture of experts reduces layer-wise at any stage)
 
         def body(carry, j):
             loss_acc, acc, stats_acc = carry
-            loss, g, stats = self.micro(params, xs, ys, aux, coef, j, frozen, step)
+            loss, g, stats = self.micro(params, xs, ys, aux, coef, j, frozen, step, reference)
             if sharded and not self.layerwise:
                 g = self.reduce(g)
             return (loss_acc + loss, jax.tree.map(jnp.add, acc, g), jax.tree.map(jnp.add, stats_acc, stats)), None
@@ -219,8 +216,7 @@ class _GradFn:
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros((self.n,) + p.shape, jnp.float32), params)
             zeros = constrain(zeros, self.mesh, self.per_shard_specs)
-        stats0 = moe.zero_stats(self.cfg.model) if self.cfg.model.moe else {}
-        init = (jnp.zeros((), jnp.float32), zeros, stats0)
+        init = (jnp.zeros((), jnp.float32), zeros, self.objective.zero_stats())
         if self.k == 1:
             return body(init, 0)[0]
         return jax.lax.scan(body, init, jnp.arange(self.k))[0]
@@ -256,10 +252,11 @@ class _GradFn:
         return constrain(summed, mesh, plan.specs.opt if self.zero == 1 else self.grad_specs), residual
 
     def __call__(self, params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
-                 step=None, first_moment=None, frozen=None, with_stats=False):
+                 step=None, first_moment=None, frozen=None, with_stats=False, reference=None):
         B, t = inputs.shape
         n, k = self.n, self.k
-        coef = scale / token_count(inputs, mask)  # gradient of the mean over the whole step, × loss scale
+        # the gradient of the mean over the whole step (tokens; DPO: pairs), × the loss scale
+        coef = scale / self.objective.count(inputs, mask)
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
                                                                      self.ring)
 
@@ -270,7 +267,8 @@ class _GradFn:
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None}
-        loss_sum, acc, stats = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step)
+        loss_sum, acc, stats = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step,
+                                               reference)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
         # slice for the update, so the step moves Ψ (reduce-scatter) + Ψ (param all-gather) = 2Ψ.
         if self.compressing:
@@ -349,6 +347,8 @@ class _TrainStep:
         self.offload_update = make_offload_update(plan, self.shardings, tier) if split_update else None
         self.runtime = tier.shardings if tier is not None else self.shardings  # NVMe leaves: tokens in the state
         self.streamed = streamed_in_scan(plan)
+        self.objective = make_objective(plan.family, plan.cfg)
+        self.dpo = self.objective.name == "dpo"
 
     def gradients(self, state: TrainState, batch: dict, scale):
         """``(loss_sum, fp32 grads, residual, router statistics)`` of the step (:func:`make_grad_fn`)."""
@@ -359,8 +359,10 @@ class _TrainStep:
             extra["first_moment"] = adam_first_moment(state.opt_state)
         if self.plan.lora:  # the adapters are differentiated; the frozen base comes along (and the step: dropout)
             extra.update(frozen=state.frozen, step=state.step)
-        if self.plan.cfg.model.moe and self.plan.mesh_shape["pp"] == 1:  # the router's statistics come back too
-            extra["with_stats"] = True
+        if (self.plan.cfg.model.moe or self.dpo) and self.plan.mesh_shape["pp"] == 1:  # the router's or DPO's
+            extra["with_stats"] = True  # statistics come back too
+        if state.reference is not None:  # DPO's frozen reference copy
+            extra["reference"] = to_device(state.reference, self.shardings.reference)
         out = self.grad_fn(params, batch["inputs"], batch["targets"], scale, batch.get("loss_mask"),
                            batch.get("segment_ids"), batch.get("positions"), **extra)
         return out[0], out[1], (out[2] if self.compress else None), (out[3] if len(out) > 3 else {})
@@ -421,10 +423,11 @@ class _TrainStep:
         if residual is not None:  # error feedback: a skipped (non-finite) step keeps the old residual
             residual = jax.tree.map(lambda x, y: jnp.where(finite, x, y), residual, state.residual)
         new = TrainState(step=state.step + 1, params=new_params, master=new_master if self.plan.mixed else None,
-                         opt_state=opt_state, scaler=scaler, residual=residual, frozen=state.frozen)
-        n_tok = token_count(batch["inputs"], batch.get("loss_mask"))
-        metrics = {"loss": loss_sum / n_tok, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
-        metrics.update(moe_metrics(stats, self.plan.cfg))
+                         opt_state=opt_state, scaler=scaler, residual=residual, frozen=state.frozen,
+                         reference=state.reference)
+        n = self.objective.count(batch["inputs"], batch.get("loss_mask"))  # tokens; DPO: pairs
+        metrics = {"loss": loss_sum / n, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+        metrics.update(self.objective.metrics(stats, n) if self.dpo else moe_metrics(stats, self.plan.cfg))
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state.step)
         if self.fp16:

@@ -1,0 +1,63 @@
+"""DPO through the one train step (training.objective=dpo): ZeRO-2 over dp 4 × tp 2 equals one device, and
+LoRA's DPO uses the base without adapters as its reference (no second copy in the state)."""
+import jax
+import numpy as np
+from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, setup
+
+from jaxcolossal.config import config_from_dict
+from jaxcolossal.train.objective import DPO_METRICS
+
+
+def dpo_config(parallel=None, model=None, posttrain=None):
+    return config_from_dict({"model": {**TINY_MODEL, **(model or {})},
+                             "training": {**TINY_TRAINING, "objective": "dpo", "learning_rate": 1e-3},
+                             "data": {"format": "preference", "corpus": "unused.jsonl"},
+                             "posttrain": {"beta": 0.5, **(posttrain or {})},
+                             "parallel": parallel or {"data_parallel_size": 1}})
+
+
+def pair_batches(cfg, steps, seed=0):
+    """Interleaved pair rows (2i chosen, 2i+1 rejected) sharing a prompt, with response-only masks."""
+    rng = np.random.default_rng(seed)
+    t, v = cfg.training, cfg.model.vocab_size
+    out = []
+    for _ in range(steps):
+        rows = rng.integers(1, v, (t.batch_size, t.seq_len + 1)).astype(np.int32)
+        mask = np.zeros((t.batch_size, t.seq_len), np.float32)
+        for i in range(0, t.batch_size, 2):
+            p = rng.integers(4, 10)
+            rows[i + 1, :p] = rows[i, :p]
+            for r in (i, i + 1):
+                mask[r, p - 1: p - 1 + rng.integers(5, t.seq_len - p)] = 1
+        out.append((rows, mask))
+    return out
+
+
+def run_dpo(cfg, devices=None, steps=3):
+    plan, tx, state, step = setup(cfg, devices)
+    metrics = []
+    for rows, mask in pair_batches(cfg, steps):
+        batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "loss_mask": mask}
+        state, m = step(state, {k: jax.device_put(a, plan.batch_sharding) for k, a in batch.items()})
+        metrics.append({k: float(v) for k, v in m.items()})
+    return state, metrics, plan
+
+
+def test_dpo_zero2_dp4_tp2_equals_one_device():
+    one, m1, _ = run_dpo(dpo_config(), jax.devices()[:1])
+    par, m8, _ = run_dpo(dpo_config({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}))
+    for a, b in zip(m8, m1):
+        for k in ("loss",) + DPO_METRICS:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    assert m1[0]["rewards/accuracies"] == 0.0 and abs(m1[0]["loss"] - np.log(2)) < 1e-6  # policy == reference at step 0
+    assert m1[-1]["rewards/margins"] != 0.0
+    assert_params_match(jax.device_get(par.params), jax.device_get(one.params))
+    assert_params_match(jax.device_get(par.reference), jax.device_get(one.reference))
+
+
+def test_lora_dpo_reference_is_the_base():
+    state, m, plan = run_dpo(dpo_config(model={"lora": {"rank": 4}}, posttrain={"reference": "lora_base"}),
+                             jax.devices()[:1], steps=2)
+    assert state.reference is None and state.frozen is not None  # no second copy of the weights
+    assert abs(m[0]["loss"] - np.log(2)) < 1e-6  # adapters start at B = 0: the policy is the base
+    assert m[1]["rewards/margins"] != 0.0
