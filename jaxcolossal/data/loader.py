@@ -421,3 +421,36 @@ class ExampleLoader(DataLoader):
         ex, m = np.asarray(examples, np.int32)[idx], np.asarray(masks, np.float32)[idx]
         return [tuple(self.to_global(a[b * batch_size:(b + 1) * batch_size])
                       for a in (ex[:, :-1], ex[:, 1:], m)) for b in range(num_batches)]
+
+
+class PairLoader(ExampleLoader):
+    """Batches of preference pairs (DPO, :mod:`.preference`): ``batch(step)`` is ``{"inputs",
+    "targets", "loss_mask"}`` of ``batch_size`` rows, ``batch_size / 2`` pairs drawn by
+    ``np.random.default_rng([seed, step]).integers(0, N)``, interleaved (row ``2i`` chosen, ``2i + 1``
+    rejected: :func:`.preference.pair_rows`), so a pure function of ``(pairs, seed, step)`` as
+    :class:`ExampleLoader` is (resume needs only the step).
+
+    ``pairs``: a :class:`jaxcolossal.data.preference.PreferenceData`.
+
+    Raises:
+        ValueError: an odd ``batch_size``, and what :class:`ExampleLoader` raises.
+    """
+
+    def __init__(self, pairs, batch_size: int, seed: int, mesh=None, batch_spec=None, process_index=None,
+                 process_count=None, start_step: int = 0):
+        if batch_size % 2:
+            raise ValueError(f"a batch of preference pairs needs an even number of rows, got {batch_size}")
+        n = len(pairs.chosen)
+        rows, masks = pairs.rows(np.arange(n))
+        super().__init__(rows, masks, batch_size, seed, mesh=mesh, batch_spec=batch_spec, process_index=process_index,
+                         process_count=process_count, start_step=start_step)
+        self.num_pairs = n
+
+    def local_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of step ``step``: ``inputs``/``targets`` int32 and ``loss_mask`` float32."""
+        step = _as_int("step", step, 0)
+        pairs = np.random.default_rng([self.seed, step]).integers(0, self.num_pairs, self.batch_size // 2)
+        idx = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)[self.rows]
+        rows = self.examples[idx]
+        return {"inputs": np.ascontiguousarray(rows[:, :-1]), "targets": np.ascontiguousarray(rows[:, 1:]),
+                "loss_mask": np.ascontiguousarray(self.masks[idx])}

@@ -46,6 +46,8 @@ from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, confi
 from jaxcolossal.config import Config, ConfigError, TrainingConfig, double_buffers_loops, precision_label
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.data.chat import generation_prompt, load_chat
+from jaxcolossal.data.loader import PairLoader
+from jaxcolossal.data.preference import load_preferences
 from jaxcolossal.generate import Sampling, generate, printable, sample_tokens
 from jaxcolossal.memory.budget import formula_bytes
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
@@ -70,7 +72,7 @@ from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.profile import StepProfiler, save_memory_profile
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
-from jaxcolossal.train.step import gathers_lowp, make_eval_step, make_train_step, prefetches_weights
+from jaxcolossal.train.step import gathers_lowp, make_dpo_eval_step, make_eval_step, make_train_step, prefetches_weights
 
 
 def param_table(plan: TrainPlan) -> str:
@@ -343,6 +345,8 @@ def _data(cfg: Config, mesh) -> tuple[DataLoader, list, str]:
     eval_bs = t.batch_size // t.gradient_accumulation_steps
     if cfg.data.format == "chat":
         return _chat_data(cfg, mesh, spec, eval_bs)
+    if cfg.data.format == "preference":
+        return _preference_data(cfg, mesh, spec, eval_bs)
     if cfg.data.packing_mask:  # documents' starts too: segment ids, positions, cross-document targets masked
         (train_tokens, train_docs), (val_tokens, val_docs) = load_splits(cfg.data, with_docs=True)
     else:
@@ -380,6 +384,24 @@ def _chat_data(cfg: Config, mesh, spec, eval_bs: int) -> tuple[ExampleLoader, li
     prompt = generation_prompt([{"role": "user", "content": t.sample_prompt}], tok) if t.sample_prompt \
         else held.prompts[0]
     return loader, loader.eval_batches(held.examples, held.masks, eval_bs, t.eval_batches), prompt
+
+
+def _preference_data(cfg: Config, mesh, spec, eval_bs: int) -> tuple[PairLoader, list, str]:
+    """:func:`_data` for ``data.format=preference`` (DPO): pairs drawn per step, the held-out pairs as the
+    fixed evaluation batches; says how many pairs were loaded, cut and held out."""
+    t = cfg.training
+    data = load_preferences(cfg.data, get_tokenizer(cfg.data.tokenizer), t.seq_len)
+    train_part, val_part = data.split(cfg.data.val_fraction)
+    log = get_dist_logger()
+    log.info(f"data.format=preference: {len(data)} pairs from {data.files} file(s): {len(train_part)} to train, "
+             f"{len(val_part)} held out (data.val_fraction={cfg.data.val_fraction:g}); {data.truncated} responses "
+             f"cut to training.seq_len={t.seq_len} tokens" + (f"; {len(data.skipped)} pairs dropped by "
+                                                                 "data.skip_long_examples" if data.skipped else ""),
+             ranks=[0])
+    loader = PairLoader(train_part, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
+    held = val_part if len(val_part) else train_part
+    rows, masks = held.rows(np.arange(len(held)))
+    return loader, loader.eval_batches(rows, masks, eval_bs, t.eval_batches), t.sample_prompt or TEXT_SAMPLE_PROMPT
 
 
 def _warn_about_freeze(cfg: Config) -> None:
@@ -594,7 +616,8 @@ def _start(cfg: Config, stop: StopSignals) -> Run:
         raise
     metrics.write(run_start_record(cfg, run_id, resumed_from))
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
-               eval_step=make_eval_step(plan), compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
+               eval_step=make_dpo_eval_step(plan) if cfg.training.objective == "dpo" else make_eval_step(plan),
+               compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
                sample_prompt=sample_prompt, run_id=run_id, profiler=StepProfiler.for_run(cfg, run_id, is_main))
 
 
@@ -619,8 +642,18 @@ def _restored(cfg: Config, ckpt: Any, state: Any, tier: NvmeTier | None, stop: S
 
 
 def _evaluate(run: Run, state: Any) -> float:
-    """Mean validation loss (nats/token) over the fixed evaluation batches."""
-    return float(np.mean([float(run.eval_step(state.model_params, *batch)) for batch in run.evals]))
+    """Mean validation loss (nats/token) over the fixed evaluation batches; with DPO the mean DPO loss
+    over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc."""
+    if run.cfg.training.objective != "dpo":
+        return float(np.mean([float(run.eval_step(state.model_params, *batch)) for batch in run.evals]))
+    reference = state.frozen if run.cfg.posttrain.reference == "lora_base" else state.reference
+    outs = [run.eval_step(state.model_params, reference, *batch) for batch in run.evals]
+    metrics = {f"val_{k}": float(np.mean([float(m[k]) for _, m in outs])) for k in outs[0][1]}
+    run.write({"step": int(state.step), **metrics})
+    get_dist_logger().info(f"step {int(state.step)}: held-out rewards/accuracies "
+                           f"{metrics['val_rewards/accuracies']:.3f}, rewards/margins "
+                           f"{metrics['val_rewards/margins']:.4f}", ranks=[0])
+    return float(np.mean([float(v) for v, _ in outs]))
 
 
 def _save(run: Run, state: Any, val_loss: float | None = None, final: bool = False) -> None:

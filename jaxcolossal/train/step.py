@@ -473,6 +473,24 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
     return jax.jit(ev)
 
 
+def make_dpo_eval_step(plan: TrainPlan) -> Callable:
+    """Jitted ``eval(params, reference, inputs, targets, mask) -> (mean DPO loss, {TRL metric: mean})``
+    over a batch of interleaved preference rows (``[2P, t]`` int32, ``mask`` float32, sharded over
+    the data group): the held-out rewards (:class:`jaxcolossal.train.objective.Dpo`). ``params``: the
+    model's whole params dict; ``reference``: the frozen copy, or under LoRA the base."""
+    cfg, sharder = plan.cfg, plan.sharder
+    objective = make_objective(plan.family, cfg)
+    vp = sharder.is_sharded("vocab")
+
+    def ev(params, reference, x, y, mask):
+        x = sharder(x, ("batch", "seq"))
+        s, stats = objective(params, x, y, cfg.model, sharder, vp, mask.astype(jnp.float32), reference=reference)
+        n = objective.count(x)
+        return s / n, objective.metrics(stats, n)
+
+    return jax.jit(ev)
+
+
 def make_logits_fn(plan: TrainPlan) -> Callable[[Any, jax.Array], jax.Array]:
     """Jitted ``logits(params, tokens [b, t]) -> fp32 [b, t, vocab_size]`` (padding removed)."""
     cfg, family = plan.cfg.model, plan.family

@@ -1,11 +1,15 @@
 """DPO through the one train step (training.objective=dpo): ZeRO-2 over dp 4 × tp 2 equals one device, and
 LoRA's DPO uses the base without adapters as its reference (no second copy in the state)."""
+import os
+
 import jax
 import numpy as np
-from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, setup
+from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, resumed_and_uninterrupted, setup
 
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.train.objective import DPO_METRICS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def dpo_config(parallel=None, model=None, posttrain=None):
@@ -61,3 +65,17 @@ def test_lora_dpo_reference_is_the_base():
     assert state.reference is None and state.frozen is not None  # no second copy of the weights
     assert abs(m[0]["loss"] - np.log(2)) < 1e-6  # adapters start at B = 0: the policy is the base
     assert m[1]["rewards/margins"] != 0.0
+
+
+DPO_JOB = ["training.objective=dpo", "data.format=preference", f"data.corpus={ROOT}/configs/data/dpo_tiny.jsonl",
+           "data.tokenizer=byte", "training.seq_len=64", "posttrain.beta=0.1"]
+"""The small main job turned into DPO on the example's pairs (configs/dpo_tiny.yaml's data)."""
+
+
+def test_dpo_resume_is_bit_exact(tmp_path):
+    full, resumed, losses = resumed_and_uninterrupted(tmp_path, DPO_JOB + ["checkpoint.save_every=3"])
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    for a, b in ((full["state"].master, resumed["state"].master), (full["state"].reference, resumed["state"].reference),
+                 (full["state"].opt_state, resumed["state"].opt_state)):
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+    assert full["state"].reference is not None

@@ -71,3 +71,18 @@ def test_response_cut_off_is_refused_or_skipped(tmp_path):
     cfg.skip_long_examples = True
     d = load_preferences(cfg, ByteTokenizer(), seq_len=16)
     assert len(d) == 1 and d.skipped == [f"{path}:1"]
+
+
+def test_pair_loader_keeps_pairs_together_and_is_a_function_of_the_step(tmp_path):
+    from jaxcolossal.data.loader import PairLoader
+    cfg, _ = _write(tmp_path, [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(7)])
+    d = load_preferences(cfg, ByteTokenizer(), seq_len=8)
+    loader = PairLoader(d, batch_size=6, seed=3)
+    b = loader.local_batch(5)
+    assert b["inputs"].shape == (6, 8) and b["loss_mask"].shape == (6, 8)
+    for i in range(0, 6, 2):
+        c, r = bytes(b["inputs"][i].astype(np.uint8)), bytes(b["inputs"][i + 1].astype(np.uint8))
+        assert c[:2] == r[:2] and c[2:3] == b"c" and r[2:3] == b"r"  # one pair: same prompt, chosen then rejected
+    assert all((b[k] == loader.local_batch(5)[k]).all() for k in b)
+    with pytest.raises(ValueError, match="even number of rows"):
+        PairLoader(d, batch_size=5, seed=3)
