@@ -100,6 +100,12 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
            else "in the pipeline's microbatches (below)"),
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
+    if t.objective == "dpo":  # DPO's reference policy: a second copy of the weights, or none under LoRA
+        lines.append("DPO        reference " + (
+            "= the frozen base without the adapters: no second copy of the weights (0 B)"
+            if cfg.posttrain.reference == "lora_base" else
+            f"= a frozen copy of the initial params in {cfg.precision.mode}, sharded like them: "
+            f"{gib(per_device(specs.params, b['p']))} per device more") + f"; {t.batch_size // 2} pairs per step")
     offload, refusal = _offload_lines(cfg, shapes, specs, shape)
     lines += offload
     lines.append(_communication_line(cfg, rp))

@@ -79,3 +79,12 @@ def test_dpo_resume_is_bit_exact(tmp_path):
                  (full["state"].opt_state, resumed["state"].opt_state)):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
     assert full["state"].reference is not None
+
+
+def test_the_dry_run_shows_the_reference_copy_or_none_under_lora():
+    from jaxcolossal.plan import plan_dry_run
+    full = plan_dry_run(dpo_config({"data_parallel_size": 1}), 1).text
+    assert "DPO        reference = a frozen copy of the initial params in fp32" in full
+    lora = plan_dry_run(dpo_config({"data_parallel_size": 1}, model={"lora": {"rank": 4}},
+                                   posttrain={"reference": "lora_base"}), 1).text
+    assert "no second copy of the weights (0 B)" in lora
