@@ -68,7 +68,7 @@ def test_the_overrides_of_train_commands_load(cmd, tmp_path):
     words = shlex.split(rc.as_run(cmd, str(tmp_path / "cmd"), _dummy(tmp_path)))
     words = words[words.index("scripts/train.py") + 1:]
     config = words[words.index("--config") + 1] if "--config" in words else "configs/llama_tiny.yaml"
-    overrides = [w for w in words if re.match(r"[a-z_]+\.[a-z_]+=", w)]
+    overrides = [w for w in words if re.match(r"[a-z_]+(\.[a-z_]+)+=", w)]
     if not os.path.isfile(os.path.join(ROOT, config)):
         config = "configs/llama_tiny.yaml"
     cfg = load_config(os.path.join(ROOT, config), overrides)
