@@ -1016,10 +1016,15 @@ def evaluate_only(cfg: Config) -> dict:
 
     Raises:
         ConfigError: before anything compiles: nothing to evaluate (no checkpoint in
-            ``checkpoint.dir`` and no ``model.init_from``), or any :func:`preflight` refusal.
+            ``checkpoint.dir`` and no ``model.init_from``), ``training.objective=dpo``, or any
+            :func:`preflight` refusal.
         CheckpointMismatchError: the checkpoint is of another model size, optimizer or precision.
         CheckpointNotFoundError: ``checkpoint.dir`` holds steps, none of which restores.
     """
+    if cfg.training.objective == "dpo":
+        raise ConfigError("--eval-only with training.objective=dpo is not supported yet: it restores the params "
+                          "without DPO's reference; the training run's evaluations report the held-out pairs' "
+                          "val_rewards/accuracies")
     preflight(cfg, eval_only=True)
     _nothing_to_evaluate(cfg)
     run_id = new_run_id()  # its own train.log separator and TensorBoard folder, as a training run's

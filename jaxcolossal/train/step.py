@@ -308,7 +308,10 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     tokens in place of the NVMe-resident leaves).
     ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
     ``lr``; int32 ``nonfinite`` (1: the step was not applied); in fp16 also ``loss_scale``,
-    ``skipped`` and ``consecutive_skips``.
+    ``skipped`` and ``consecutive_skips``. With ``training.objective=dpo`` (:mod:`jaxcolossal.train.objective`)
+    the rows are interleaved preference pairs with a ``loss_mask`` on the responses, ``loss`` is the mean
+    DPO loss per pair, and TRL's ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
+    ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` (means over the step's pairs) are added.
     """
     step = _TrainStep(plan, tx, schedule, tx_from_config)
     # one sharding for every leaf of the batch dict (inputs, targets and the optional loss_mask)

@@ -53,3 +53,9 @@ def test_refusals(over, words):
 def test_valid_dpo_config():
     cfg = _cfg(posttrain__beta=0.5, posttrain__loss_type="ipo")
     assert cfg.training.objective == "dpo" and cfg.posttrain.beta == 0.5
+
+
+def test_eval_only_is_refused_with_dpo():
+    from jaxcolossal.train.loop import evaluate_only
+    with pytest.raises(ConfigError, match="--eval-only with training.objective=dpo is not supported yet"):
+        evaluate_only(_cfg())
