@@ -8,6 +8,7 @@ import pytest
 from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, resumed_and_uninterrupted, setup
 
 from jaxcolossal.config import config_from_dict
+from jaxcolossal.plan import plan_dry_run
 from jaxcolossal.train.objective import DPO_METRICS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,7 +88,6 @@ def test_dpo_resume_is_bit_exact(tmp_path):
 
 
 def test_the_dry_run_shows_the_reference_copy_or_none_under_lora():
-    from jaxcolossal.plan import plan_dry_run
     full = plan_dry_run(dpo_config({"data_parallel_size": 1}), 1).text
     assert "DPO        reference = a frozen copy of the initial params in fp32" in full
     lora = plan_dry_run(dpo_config({"data_parallel_size": 1}, model={"lora": {"rank": 4}},

@@ -84,6 +84,7 @@ def _ours(pol_dir, ref_dir, ids, comp, loss_type):
     cfg_m, params = load_hf(pol_dir)
     _, ref = load_hf(ref_dir)
     cfg = config_from_dict({"model": {}, "training": {"objective": "dpo", "seq_len": T - 1},
+                            "data": {"format": "preference", "corpus": "pairs.jsonl"},  # a name: nothing is read
                             "posttrain": {"beta": BETA, "loss_type": loss_type}})
     obj = Dpo(get_family(cfg_m), cfg)
     order = np.stack([np.arange(PAIRS), np.arange(PAIRS) + PAIRS], 1).reshape(-1)  # interleave the pairs

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxcolossal.config import ConfigError, config_from_dict
+from jaxcolossal.train.loop import evaluate_only
 from jaxcolossal.train.objective import dpo_loss
 
 
@@ -56,6 +57,5 @@ def test_valid_dpo_config():
 
 
 def test_eval_only_is_refused_with_dpo():
-    from jaxcolossal.train.loop import evaluate_only
     with pytest.raises(ConfigError, match="--eval-only with training.objective=dpo is not supported yet"):
         evaluate_only(_cfg())

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxcolossal.data import ByteTokenizer
+from jaxcolossal.data.loader import PairLoader
 from jaxcolossal.data.preference import load_preferences, pair_rows
 from jaxcolossal.errors import DataError
 
@@ -74,7 +75,6 @@ def test_response_cut_off_is_refused_or_skipped(tmp_path):
 
 
 def test_pair_loader_keeps_pairs_together_and_is_a_function_of_the_step(tmp_path):
-    from jaxcolossal.data.loader import PairLoader
     cfg, _ = _write(tmp_path, [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(7)])
     d = load_preferences(cfg, ByteTokenizer(), seq_len=8)
     loader = PairLoader(d, batch_size=6, seed=3)
