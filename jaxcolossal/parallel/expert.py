@@ -82,11 +82,13 @@ def _experts_blocked(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, block: i
 
 def blocked_on(mesh) -> bool:
     """Whether the dropless grouped matmuls run blocked (:func:`_experts_blocked`): on CPU devices,
-    from ``mesh``'s platform (:func:`jaxcolossal.parallel.mesh.platform`); without a mesh, from the
-    enclosing ``shard_map``'s abstract mesh, else the devices this process runs on."""
+    from ``mesh``'s platform (:func:`jaxcolossal.parallel.mesh.platform`); without a mesh, on the
+    devices this process runs on. Never inside an enclosing manual ``shard_map`` (a pipeline's, whose
+    varying-axis types the blocked form's index arrays do not carry): ``ragged_dot`` there."""
     if mesh is None:
-        abstract = jax.sharding.get_abstract_mesh()
-        mesh = abstract if getattr(abstract, "abstract_device", None) is not None else jax.local_devices()
+        if not getattr(jax.sharding.get_abstract_mesh(), "empty", True):
+            return False
+        mesh = jax.local_devices()
     return platform(mesh) == "cpu"
 
 
