@@ -11,7 +11,7 @@ family's language-model loss.
   ``DPOTrainer._compute_loss``). The batch holds preference pairs as interleaved rows (row ``2i``
   chosen, ``2i + 1`` rejected: :func:`jaxcolossal.data.preference.pair_rows`), whose loss masks cover
   the response tokens only; the policy's and the reference's sequence log-probs are the masked sums
-  of per-token log-probs (:func:`jaxcolossal.models.layers.vocab.token_logps`), and the loss is the
+  of per-token log-probs (:func:`jaxcolossal.models.layers.logprobs.token_logprobs`, chunked over tokens and vocabulary), and the loss is the
   mean over the step's pairs.
 
 An objective is called as ``objective(params, tokens, targets, cfg, shard, vocab_parallel, mask,
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.models.layers import moe
-from jaxcolossal.models.layers.vocab import token_logps
+from jaxcolossal.models.layers.logprobs import token_logprobs
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
@@ -74,8 +74,9 @@ def sequence_logps(family, params, tokens, targets, mask, mcfg, shard, vocab_par
     ``mask`` ``[b, t]`` (1 = a response token), sharded ``("batch", "seq")``."""
     extra = {} if dropout_key is None else {"dropout_key": dropout_key}
     h = family.hidden_states(params, tokens, mcfg, shard, vocab_parallel, None, None, **extra)
-    lp = token_logps(h, family.head_weight(params, mcfg), targets, mcfg.vocab_size, shard)
-    return jnp.sum(lp * mask, axis=-1)
+    lp = token_logprobs(h, family.head_weight(params, mcfg), targets, mask, mcfg.vocab_size, shard,
+                        mcfg.loss_chunk_tokens, mcfg.loss_chunk_vocab)  # chunked: never the whole fp32 logits
+    return jnp.sum(lp, axis=-1)
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_len, rejected_len,

@@ -99,23 +99,6 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array | N
     return jnp.sum(per_token)
 
 
-def token_logps(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int,
-                shard: Sharder = no_shard) -> jax.Array:
-    """Per-token log-probabilities ``log softmax(h w)[target]`` (fp32 ``[b, t]``) of the given
-    ``targets`` (int32 ``[b, t]``) under the head ``w [d, v]`` (sharded on ``vocab``) on hidden
-    states ``h [b, t, d]`` (compute dtype, sharded ``("batch", "seq", "embed")``).
-
-    What DPO's sequence log-probs (:mod:`jaxcolossal.train.objective`) and TRL's
-    ``selective_log_softmax`` compute. Under tp the log-sum-exp and the picked logit are
-    vocab-parallel, as in :func:`cross_entropy_sum` (never gathering the vocabulary). This form
-    materializes the ``[b, t, v]`` fp32 logits; issue 42 §3's chunked, online log-sum-exp path takes
-    its place with the same signature."""
-    lg = logits(h, w, vocab_size, shard)
-    col = jax.lax.broadcasted_iota(jnp.int32, lg.shape, 2)
-    picked = jnp.sum(jnp.where(col == targets[..., None], lg, 0.0), axis=-1)
-    return picked - jax.nn.logsumexp(lg, axis=-1)
-
-
 def fused_pays(tokens: int, hidden: int, chunk_tokens: int) -> bool:
     """Whether the fused, chunked head needs less memory than the full logits, for ``tokens``
     tokens per device.
