@@ -81,15 +81,12 @@ def _experts_blocked(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, block: i
 
 
 def blocked_on(mesh) -> bool:
-    """Whether the dropless grouped matmuls run blocked (:func:`_experts_blocked`): on CPU devices,
-    from ``mesh``'s platform (:func:`jaxcolossal.parallel.mesh.platform`); without a mesh, on the
-    devices this process runs on. Never inside an enclosing manual ``shard_map`` (a pipeline's, whose
-    varying-axis types the blocked form's index arrays do not carry): ``ragged_dot`` there."""
-    if mesh is None:
-        if not getattr(jax.sharding.get_abstract_mesh(), "empty", True):
-            return False
-        mesh = jax.local_devices()
-    return platform(mesh) == "cpu"
+    """Whether the dropless grouped matmuls run blocked (:func:`_experts_blocked`): on a mesh of CPU
+    devices (:func:`jaxcolossal.parallel.mesh.platform`). Without a mesh (one device outside the
+    train step, the planner's traces for GPUs, a pipeline's manual ``shard_map``): ``ragged_dot``.
+    The blocked form gathers one expert's weights per block (``nb × d × f``), affordable at the
+    sizes a CPU trains."""
+    return mesh is not None and platform(mesh) == "cpu"
 
 
 def _dropless_local(x, flat, k, wg, wu, wd, blocked: bool = False):

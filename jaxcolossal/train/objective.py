@@ -55,8 +55,8 @@ class Sft:
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
                  positions=None, dropout_key=None, reference=None):
         extra = {} if dropout_key is None else {"dropout_key": dropout_key}
-        return self.family.loss_and_stats(params, tokens, targets, mcfg, shard, vocab_parallel, mask, segment_ids,
-                                          positions, **extra)
+        return self.family.loss_and_stats(params, tokens, targets, mcfg, shard, vocab_parallel, mask,
+                                          segment_ids=segment_ids, positions=positions, **extra)
 
     def count(self, inputs, mask=None):
         return token_count(inputs, mask)
