@@ -48,6 +48,18 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 
+SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests listed in ``tests/slow_tests.txt`` ``slow`` (README's command runs ``-m "not slow"``)."""
+    with open(SLOW_LIST) as f:
+        slow = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker("slow")
+
+
 def pytest_terminal_summary(terminalreporter):
     """One line that shows the ``gpu_compile`` tests ran (CI's log runs with ``-q``, which names no test)."""
     counts = {}
