@@ -783,7 +783,7 @@ class LoggingConfig:
     network; upload later with ``wandb sync <that folder>``. ``disabled``: nothing is logged."""
     profile_steps: StepRange = ""
     """A ``jax.profiler`` trace of these training steps: ``"3-5"`` (steps 3 to 5), ``4``, or ``""``
-    (the default: none). Written by process 0 to ``<run_dir>/profile/<run id>/plugins/profile/<session>/``
+    (the default: none). Written by process 0 to ``<run_dir>/profile/<run id>/plugins/profile/<timestamp>/``
     (``*.xplane.pb`` for TensorBoard's profile plugin and xprof, ``*.trace.json.gz`` for Perfetto); the
     device work of the steps before is waited for first, and the last step's before the trace stops.
     The range must end by ``training.max_steps``; a resumed run traces the part it runs. The traced

@@ -6,7 +6,7 @@ step runs out of memory.
   one's work is done, so it holds those steps and nothing else of the loop. Each traced step is a
   ``StepTraceAnnotation`` (``train``, its step number), which the profile tools use as the step
   boundary. The trace is written to ``<run_dir>/profile/<run id>/`` in the layout TensorBoard's
-  profile plugin and xprof read (``plugins/profile/<session>/<host>.xplane.pb``, and
+  profile plugin and xprof read (``plugins/profile/<timestamp>/<host>.xplane.pb``, and
   ``<host>.trace.json.gz`` for Perfetto): ``tensorboard --logdir <run_dir>/profile`` shows it as
   the run ``<run id>``.
 * :func:`save_memory_profile` — ``jax.profiler.save_device_memory_profile``: the live device
