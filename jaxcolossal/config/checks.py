@@ -6,9 +6,19 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from dataclasses import dataclass
 
-from jaxcolossal.config.derived import pipeline_microbatches, prefetches_weights, weight_gather_dtype
+from jaxcolossal.config.derived import (
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    grpo_prompt_length,
+    pipeline_microbatches,
+    posttrain_loss_type,
+    prefetches_weights,
+    reward_specs,
+    weight_gather_dtype,
+)
 from jaxcolossal.config.schema import (
     LORA_TARGETS,
     Config,
@@ -101,7 +111,11 @@ RANGES: dict[str, Range] = {
     "logging.log_every": _POS,
     "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
     "offload.devices_per_host": _POS,
-    "posttrain.beta": _GT0, "posttrain.label_smoothing": Range(0, 0.5, hi_open=True),
+    "posttrain.beta": Range(0), "posttrain.label_smoothing": Range(0, 0.5, hi_open=True),
+    "posttrain.num_generations": Range(2), "posttrain.max_completion_length": _POS,
+    "posttrain.temperature": _GT0, "posttrain.top_k": Range(0, note="0: all tokens"),
+    "posttrain.top_p": Range(0, 1, lo_open=True), "posttrain.epsilon": Range(0, 1, lo_open=True, hi_open=True),
+    "posttrain.epsilon_high": Range(0, note="0: epsilon"), "posttrain.num_iterations": _POS,
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
@@ -286,38 +300,86 @@ def _check_lora(cfg: Config) -> None:
 
 
 def _check_posttrain(cfg: Config) -> None:
-    """``training.objective=dpo`` against the data, the reference model and the features it does not
-    run with (:mod:`jaxcolossal.train.objective`)."""
-    t, d, po, p, m = cfg.training, cfg.data, cfg.posttrain, cfg.parallel, cfg.model
-    if (t.objective == "dpo") != (d.format == "preference"):
-        raise ConfigError(f"training.objective={t.objective} with data.format={d.format}: DPO reads preference pairs "
-                          "and only DPO does; set both training.objective=dpo and data.format=preference, or neither")
-    if t.objective != "dpo":
+    """``training.objective`` dpo/grpo against the data, the reference model and the features they do
+    not run with (:mod:`jaxcolossal.train.objective`)."""
+    t, d = cfg.training, cfg.data
+    for objective, fmt, what in (("dpo", "preference", "DPO reads preference pairs"),
+                                 ("grpo", "prompts", "GRPO samples completions of prompts")):
+        if (t.objective == objective) != (d.format == fmt):
+            raise ConfigError(f"training.objective={t.objective} with data.format={d.format}: {what} and only "
+                              f"{objective.upper()} does; set both training.objective={objective} and "
+                              f"data.format={fmt}, or neither")
+    if t.objective == "sft":
         return
     if d.corpus == "stdlib":
-        raise ConfigError("data.format=preference needs data.corpus: JSON-lines files of "
-                          "{'prompt', 'chosen', 'rejected'} pairs")
-    if po.loss_type == "ipo" and po.label_smoothing > 0:
+        raise ConfigError(f"data.format={d.format} needs data.corpus: JSON-lines files of " + (
+            "{'prompt', 'chosen', 'rejected'} pairs" if t.objective == "dpo" else "{'prompt', 'answer'} rows"))
+    _check_loss_type(cfg)
+    _check_reference(cfg)
+    if t.objective == "grpo":
+        _check_grpo(cfg)
+    _check_posttrain_features(cfg)
+
+
+def _check_loss_type(cfg: Config) -> None:
+    po, objective = cfg.posttrain, cfg.training.objective
+    lt = posttrain_loss_type(cfg)
+    allowed = DPO_LOSS_TYPES if objective == "dpo" else GRPO_LOSS_TYPES
+    if lt not in allowed:
+        raise ConfigError(f"posttrain.loss_type={lt} is not a {objective.upper()} loss; allowed values are auto, "
+                          + ", ".join(allowed))
+    if objective == "dpo" and po.beta <= 0:
+        raise ConfigError(f"posttrain.beta={po.beta:g}: DPO's beta must be > 0")
+    if lt == "ipo" and po.label_smoothing > 0:
         raise ConfigError(f"posttrain.label_smoothing={po.label_smoothing:g} is conservative DPO's, for "
                           "posttrain.loss_type=sigmoid; IPO has no label smoothing (set it to 0)")
+
+
+def _check_reference(cfg: Config) -> None:
+    po, m = cfg.posttrain, cfg.model
+    if cfg.training.objective == "grpo" and po.beta == 0:
+        return  # no reference at all
     if po.reference == "lora_base" and not m.lora.enabled:
         raise ConfigError("posttrain.reference=lora_base needs LoRA (model.lora.rank > 0): without adapters there "
                           "is no base to tell apart from the policy; use posttrain.reference=frozen")
     if po.reference == "frozen" and m.lora.enabled:
         raise ConfigError("posttrain.reference=frozen with LoRA would hold a second copy of the base weights; use "
                           "posttrain.reference=lora_base (the base without the adapters is the reference)")
+
+
+def _check_grpo(cfg: Config) -> None:
+    """GRPO's batch against its groups, the row against the completion, and the reward functions
+    (imported now, so a missing one is refused before anything compiles)."""
+    t, po = cfg.training, cfg.posttrain
+    if t.batch_size % po.num_generations:
+        raise ConfigError(f"training.batch_size={t.batch_size} completions per step is not a multiple of "
+                          f"posttrain.num_generations={po.num_generations} (the completions of one prompt); e.g. "
+                          f"training.batch_size={max(1, t.batch_size // po.num_generations) * po.num_generations}")
+    if grpo_prompt_length(cfg) < 1:
+        raise ConfigError(f"posttrain.max_completion_length={po.max_completion_length} leaves no room for a prompt "
+                          f"in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and completion)")
+    reward_specs(po.reward_funcs, po.reward_weights)  # user functions imported now: raises ConfigError
+    try:
+        re.compile(po.format_pattern)
+    except re.error as e:
+        raise ConfigError(f"posttrain.format_pattern={po.format_pattern!r}: not a regular expression ({e})") from None
+
+
+def _check_posttrain_features(cfg: Config) -> None:
+    t, d, p, m = cfg.training, cfg.data, cfg.parallel, cfg.model
+    name = t.objective.upper()
     why = {"parallel.pipeline_parallel_size > 1": (p.pipeline_parallel_size not in (1,),
                                                    "the pipeline's last stage computes the LM loss only"),
-           "a mixture of experts": (m.moe, "the step's statistics carry the router's or DPO's, not both yet"),
+           "a mixture of experts": (m.moe, f"the step's statistics carry the router's or {name}'s, not both yet"),
            "parallel.sequence_parallel_size > 1": (p.sequence_parallel_size not in (1,),
                                                    "ring attention reorders the tokens the log-probs are summed over"),
-           "data.packing_mask": (d.packing_mask, "a preference row holds one response"),
-           "parallel.gradient_compression": (p.gradient_compression != "none", "not tested with DPO yet"),
+           "data.packing_mask": (d.packing_mask, "a row holds one response"),
+           "parallel.gradient_compression": (p.gradient_compression != "none", f"not tested with {name} yet"),
            "offload (offload_param_frac, nvme_path)": (cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
                                                        "the reference copy is not offloaded yet")}
     for what, (on, reason) in why.items():
         if on:
-            raise ConfigError(f"training.objective=dpo does not run with {what}: {reason}")
+            raise ConfigError(f"training.objective={t.objective} does not run with {what}: {reason}")
 
 
 def _check_logging(cfg: Config) -> None:

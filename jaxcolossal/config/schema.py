@@ -263,13 +263,16 @@ class TrainingConfig:
     pipeline parallelism by ``data_parallel_size × parallel.num_microbatches``. Replaced by
     ``micro_batch_size × gradient_accumulation_steps × data_parallel_size`` when
     ``micro_batch_size`` > 0."""
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "grpo"] = "sft"
     """What the train step minimises (:mod:`jaxcolossal.train.objective`): ``sft`` (the default), the
     next-token cross-entropy over the (masked-in) tokens, pre-training and supervised fine-tuning;
     ``dpo``, Direct Preference Optimization on preference pairs (``data.format=preference``; the
-    ``posttrain`` section; docs/posttraining.md). Post-training is an objective on the same state,
-    sharding, step and loop, not a second trainer. With ``dpo``, ``batch_size`` counts sequences (two
-    per pair) and each data shard's microbatch must hold whole pairs (an even number of rows)."""
+    ``posttrain`` section; docs/posttraining.md); ``grpo``, Group Relative Policy Optimization with
+    rewards on completions sampled from the policy itself (``data.format=prompts``; the ``posttrain``
+    section). Post-training is an objective on the same state, sharding, step and loop, not a second
+    trainer. With ``dpo``, ``batch_size`` counts sequences (two per pair) and each data shard's
+    microbatch must hold whole pairs (an even number of rows); with ``grpo`` it counts completions,
+    ``posttrain.num_generations`` per prompt (it must divide ``batch_size``)."""
     micro_batch_size: int = 0
     """Colossal-AI's per-rank micro batch, in sequences, >= 0; 0 (the default): use ``batch_size``. When
     > 0 it defines the global batch instead: ``batch_size = micro_batch_size ×
@@ -619,7 +622,7 @@ class DataConfig:
     globs (``**`` matches nested folders). For ``format=datasets`` a folder written by ``datasets``'
     ``save_to_disk``. Every ``format`` but ``text`` needs files, not ``stdlib``. ``~`` and ``$VAR`` are
     expanded."""
-    format: Literal["text", "jsonl", "parquet", "datasets", "chat", "preference"] = "text"
+    format: Literal["text", "jsonl", "parquet", "datasets", "chat", "preference", "prompts"] = "text"
     """How the files are read: ``text``, ``jsonl``, ``parquet``, ``datasets`` or ``chat``. ``text``:
     pre-training, documents joined into one stream and cut into random windows (``.jsonl`` files read as
     JSON lines by their suffix). ``jsonl``: every file is JSON lines. ``parquet``: column ``text_key``,
@@ -627,7 +630,9 @@ class DataConfig:
     instruction fine-tuning, JSON lines of ``messages`` or ``prompt``/``response``, one conversation per
     row, loss on the responses only (:mod:`jaxcolossal.data.chat`); not with pipeline parallelism.
     ``preference``: DPO's pairs (``training.objective=dpo``), JSON lines of ``prompt``/``chosen``/``rejected``
-    as plain text or chat messages, loss on the responses only (:mod:`jaxcolossal.data.preference`)."""
+    as plain text or chat messages, loss on the responses only (:mod:`jaxcolossal.data.preference`).
+    ``prompts``: GRPO's prompts (``training.objective=grpo``), JSON lines of ``prompt`` (plain text) with
+    an optional ``answer`` that the reward functions receive (:mod:`jaxcolossal.data.prompts`)."""
     text_key: str = "text"
     """The JSON field (``.jsonl`` lines) or the column (``parquet``, ``datasets``) that holds each
     document's text."""
@@ -665,22 +670,68 @@ class DataConfig:
 
 @dataclass
 class PosttrainConfig:
-    """Preference optimisation (``training.objective=dpo``, :mod:`jaxcolossal.train.objective`), as TRL's
-    ``DPOTrainer`` defines it (trl 1.16)."""
+    """Post-training objectives (:mod:`jaxcolossal.train.objective`): preference optimisation
+    (``training.objective=dpo``) as TRL's ``DPOTrainer`` defines it, and GRPO
+    (``training.objective=grpo``) as TRL's ``GRPOTrainer`` does (trl 1.16); the key names are TRL's."""
 
     beta: float = 0.1
     """DPO's β (IPO's τ), > 0: how far the policy may move from the reference; the rewards are
-    ``β·(log π - log π_ref)`` of each response."""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """``sigmoid``: DPO's ``-log σ(β·Δ)`` of the log-ratio margin ``Δ``; ``ipo``: IPO's
-    ``(Δ/len - 1/(2β))²`` with each response's log-ratio averaged over its tokens (TRL 1.16)."""
+    ``β·(log π - log π_ref)`` of each response. GRPO: the KL penalty's weight, >= 0 (TRL's default
+    there is 0.0: set it); 0 keeps no reference model at all."""
+    loss_type: Literal["auto", "sigmoid", "ipo", "grpo", "bnpo", "dr_grpo", "dapo"] = "auto"
+    """``auto`` (the default): ``sigmoid`` for DPO, ``dapo`` for GRPO (TRL's defaults). DPO:
+    ``sigmoid``, DPO's ``-log σ(β·Δ)`` of the log-ratio margin ``Δ``; ``ipo``, IPO's
+    ``(Δ/len - 1/(2β))²`` with each response's log-ratio averaged over its tokens (TRL 1.16). GRPO, how
+    the per-token losses are averaged: ``grpo``, each completion's mean, then the mean over
+    completions; ``bnpo`` and ``dapo``, the mean over all the step's completion tokens; ``dr_grpo``,
+    the sum over the step divided by ``completions × max_completion_length`` (a constant)."""
     label_smoothing: float = 0.0
     """Conservative DPO's ε in ``[0, 0.5)`` (``sigmoid`` only): the share of pairs assumed mislabelled,
     ``-(1-ε)·log σ(βΔ) - ε·log σ(-βΔ)``; 0 (the default) is plain DPO."""
     reference: Literal["frozen", "lora_base"] = "frozen"
     """The reference policy: ``frozen``, a copy of the initial params in the compute dtype, sharded like
     the policy and saved with the checkpoints; ``lora_base`` (needs ``model.lora``), the base model
-    without the adapters, so no second copy of the weights is held."""
+    without the adapters, so no second copy of the weights is held. GRPO holds one only when
+    ``beta > 0``."""
+    num_generations: int = 8
+    """GRPO: completions sampled per prompt (the group), >= 2; it must divide ``training.batch_size``
+    (completions per step), so each step draws ``batch_size / num_generations`` prompts."""
+    max_completion_length: int = 64
+    """GRPO: tokens sampled per completion at most, >= 1. A row holds a prompt of up to
+    ``training.seq_len + 1 - max_completion_length`` tokens (left-padded) and its completion."""
+    temperature: float = 1.0
+    """GRPO: the sampling temperature of the rollouts, > 0 (TRL's default 1.0)."""
+    top_k: int = 0
+    """GRPO: sample among the ``top_k`` most likely tokens, >= 0; 0: all."""
+    top_p: float = 1.0
+    """GRPO: nucleus sampling's probability mass, in (0, 1]; 1: all."""
+    epsilon: float = 0.2
+    """GRPO: the policy ratio's lower clip, ``1 - epsilon`` (TRL's ``epsilon``), in (0, 1)."""
+    epsilon_high: float = 0.0
+    """GRPO: the ratio's upper clip, ``1 + epsilon_high`` (DAPO's clip-higher, e.g. 0.28), >= 0; 0 (the
+    default): ``epsilon``."""
+    num_iterations: int = 1
+    """GRPO's μ, >= 1: optimizer steps on each batch of rollouts. With μ > 1 the log-probs of the
+    policy that sampled them are computed once and kept (``old_per_token_logps``); the rollouts are
+    drawn again every μ steps."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO: the advantage ``r - mean(group)`` is divided by the group's standard deviation
+    (``group``, the default), the whole batch's (``batch``), or not at all (``none``, Dr. GRPO); plus
+    1e-4, as TRL does."""
+    reward_funcs: str = "exact_match"
+    """GRPO: comma-separated reward functions, summed with ``reward_weights``. Built in:
+    ``exact_match`` (1 when the completion's final answer, the text after the last ``####`` or in the
+    last ``\\boxed{}``, else its last number, equals the row's ``answer``), ``format`` (1 when the
+    completion matches ``format_pattern``). A user's own: ``module:function``, called as TRL calls
+    one, ``fn(prompts=[str], completions=[str], completion_ids=[[int]], answer=[...]) -> [float]``."""
+    reward_weights: str = ""
+    """GRPO: comma-separated weights of ``reward_funcs``, one each; ``""`` (the default): 1 each."""
+    format_pattern: str = r"^.*####\s*\S+"
+    """GRPO: the regular expression the ``format`` reward matches the completion against
+    (``re.search`` with ``re.DOTALL``)."""
+    mask_truncated_completions: bool = False
+    """GRPO: completions that hit ``max_completion_length`` without an end-of-text token are left out
+    of the loss (TRL's ``mask_truncated_completions``, DAPO's overlong filtering)."""
 
 
 @dataclass

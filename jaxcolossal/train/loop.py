@@ -44,10 +44,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
 from jaxcolossal.config import Config, ConfigError, TrainingConfig, double_buffers_loops, precision_label
+from jaxcolossal.config.derived import grpo_prompt_length
 from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
 from jaxcolossal.data.chat import generation_prompt, load_chat
 from jaxcolossal.data.loader import PairLoader
 from jaxcolossal.data.preference import load_preferences
+from jaxcolossal.data.prompts import load_prompts
 from jaxcolossal.generate import Sampling, generate, printable, sample_tokens
 from jaxcolossal.memory.budget import formula_bytes
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
@@ -57,6 +59,7 @@ from jaxcolossal.parallel.compression import state_bytes as compression_bytes
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape, shard_bytes
+from jaxcolossal.posttrain.rollout import Rollouts
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.runtime.launch import collective_timeout
@@ -341,12 +344,15 @@ def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
     return state
 
 
-def _data(cfg: Config, mesh) -> tuple[DataLoader, list, str]:
+def _data(cfg: Config, mesh, plan: TrainPlan | None = None) -> tuple[DataLoader, list, str]:
     """The training loader, the fixed evaluation batches and the end-of-run sample's prompt for
     ``data.format``: ``text`` windows of one token stream (with ``data.packing_mask`` also segment
-    ids and positions), or ``chat`` conversations with a loss mask on the responses."""
+    ids and positions), ``chat`` conversations with a loss mask on the responses, ``preference``
+    pairs, or ``prompts`` (GRPO: the loader is the rollout phase on ``plan``; no fixed batches)."""
     t, spec = cfg.training, jax.sharding.PartitionSpec(DATA_AXES)
     eval_bs = t.batch_size // t.gradient_accumulation_steps
+    if cfg.data.format == "prompts":
+        return _prompt_data(cfg, plan), [], t.sample_prompt or TEXT_SAMPLE_PROMPT
     if cfg.data.format == "chat":
         return _chat_data(cfg, mesh, spec, eval_bs)
     if cfg.data.format == "preference":
@@ -406,6 +412,26 @@ def _preference_data(cfg: Config, mesh, spec, eval_bs: int) -> tuple[PairLoader,
     held = val_part if len(val_part) else train_part
     rows, masks = held.rows(np.arange(len(held)))
     return loader, loader.eval_batches(rows, masks, eval_bs, t.eval_batches), t.sample_prompt or TEXT_SAMPLE_PROMPT
+
+
+def _prompt_data(cfg: Config, plan: TrainPlan) -> Rollouts:
+    """:func:`_data` for ``data.format=prompts`` (GRPO): the prompts, and the rollout phase that samples,
+    scores and lays out each step's batch (:class:`jaxcolossal.posttrain.rollout.Rollouts`)."""
+    t = cfg.training
+    tok = get_tokenizer(cfg.data.tokenizer)
+    width = grpo_prompt_length(cfg)
+    data = load_prompts(cfg.data, tok, width)
+    train_part, val_part = data.split(cfg.data.val_fraction)
+    get_dist_logger().info(
+        f"data.format=prompts: {len(data)} prompts from {data.files} file(s): {len(train_part)} to train, "
+        f"{len(val_part)} held out (data.val_fraction={cfg.data.val_fraction:g}); {data.truncated} cut to "
+        f"{width} tokens (training.seq_len + 1 - posttrain.max_completion_length)"
+        + (f"; {len(data.skipped)} dropped by data.skip_long_examples" if data.skipped else ""), ranks=[0])
+    po = cfg.posttrain
+    get_dist_logger().info(f"GRPO: {t.batch_size // po.num_generations} prompts x {po.num_generations} completions "
+                           f"of up to {po.max_completion_length} tokens per rollout, {po.num_iterations} step(s) "
+                           f"per rollout; rewards {po.reward_funcs}", ranks=[0])
+    return Rollouts(cfg, plan, train_part, tok, plan.batch_sharding, held=val_part)
 
 
 def _warn_about_freeze(cfg: Config) -> None:
@@ -596,7 +622,7 @@ def _start(cfg: Config, stop: StopSignals) -> Run:
     mesh, plan = _mesh_and_plan(cfg, run_id)
     _start_notes(cfg, plan)
     stop.check("making the mesh and the plan")
-    loader, evals, sample_prompt = _data(cfg, mesh)
+    loader, evals, sample_prompt = _data(cfg, mesh, plan)
     stop.check("loading the data")
     tx = build_optimizer(cfg.training, plan)
     state = _initial_state(cfg, plan, tx)
@@ -647,7 +673,14 @@ def _restored(cfg: Config, ckpt: Any, state: Any, tier: NvmeTier | None, stop: S
 
 def _evaluate(run: Run, state: Any) -> float:
     """Mean validation loss (nats/token) over the fixed evaluation batches; with DPO the mean DPO loss
-    over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc."""
+    over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc.; with
+    GRPO minus the mean reward of greedy completions of the held-out prompts (``val_reward``)."""
+    if run.cfg.training.objective == "grpo":
+        metrics = run.loader.evaluate(state)
+        run.write({"step": int(state.step), **metrics})
+        get_dist_logger().info(f"step {int(state.step)}: held-out reward (greedy) {metrics['val_reward']:.4f}",
+                               ranks=[0])
+        return -metrics["val_reward"]
     if run.cfg.training.objective != "dpo":
         return float(np.mean([float(run.eval_step(state.model_params, *batch)) for batch in run.evals]))
     reference = state.frozen if run.cfg.posttrain.reference == "lora_base" else state.reference
@@ -765,7 +798,11 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
         for step in bar:
             done = step + 1
             with profiler.step(done, state) as traced:
-                state, m = run.compiled(state, run.loader.batch(step))
+                if getattr(run.loader, "on_policy", False):  # GRPO: the rollout phase on this state
+                    state, m = run.compiled(state, run.loader.batch(step, state))
+                    m = {**m, **run.loader.metrics}
+                else:
+                    state, m = run.compiled(state, run.loader.batch(step))
                 traced.append((state, m))
             clock.paused_s += profiler.take_overhead_s()  # starting and writing a trace is not step time
             watchdog.kick(f"step {done}")

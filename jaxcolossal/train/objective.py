@@ -13,11 +13,17 @@ family's language-model loss.
   the response tokens only; the policy's and the reference's sequence log-probs are the masked sums
   of per-token log-probs (:func:`jaxcolossal.models.layers.logprobs.token_logprobs`, chunked over tokens and vocabulary), and the loss is the
   mean over the step's pairs.
+* ``grpo`` — Group Relative Policy Optimization (Shao et al., 2024) and its variants (DAPO, Dr. GRPO),
+  as TRL's ``GRPOTrainer._compute_loss`` computes them (trl 1.16): rows are prompts with completions
+  sampled from the policy (:mod:`jaxcolossal.posttrain.rollout`), whose loss masks cover the
+  completion tokens; the batch also carries each row's group-normalised advantage and the per-token
+  log-probs of the policy that sampled it (``num_iterations > 1``) and of the reference (``beta > 0``).
 
 An objective is called as ``objective(params, tokens, targets, cfg, shard, vocab_parallel, mask,
-segment_ids, positions, dropout_key=None, reference=None) -> (summed loss, stats)``; the step divides
-the summed loss by :meth:`count` over the whole step, sums ``stats`` over data shards and microbatches,
-and reports :meth:`metrics` of them.
+segment_ids, positions, dropout_key=None, reference=None, **fields) -> (summed loss, stats)``, where
+``fields`` are the batch's arrays that the objective names in ``batch_fields`` (each ``[B, t]``, split
+into microbatches like the tokens); the step divides the summed loss by :meth:`count` over the whole
+step, sums ``stats`` over data shards and microbatches, and reports :meth:`metrics` of them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcolossal.config.derived import grpo_epsilon_high, posttrain_loss_type
 from jaxcolossal.models.layers import moe
 from jaxcolossal.models.layers.logprobs import token_logprobs
 
@@ -48,6 +55,7 @@ class Sft:
     mixture of experts' router statistics), the mean over the step's masked-in tokens."""
 
     name = "sft"
+    batch_fields: tuple = ()
 
     def __init__(self, family, cfg):
         self.family, self.cfg = family, cfg
@@ -130,6 +138,7 @@ class Dpo:
     """
 
     name = "dpo"
+    batch_fields: tuple = ()
 
     def __init__(self, family, cfg):
         self.family, self.cfg, self.post = family, cfg, cfg.posttrain
@@ -145,7 +154,7 @@ class Dpo:
         lens = jnp.sum(mask, axis=-1)
         p = self.post
         loss, metrics = dpo_loss(pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2], p.beta,
-                                 p.loss_type, p.label_smoothing)
+                                 posttrain_loss_type(self.cfg), p.label_smoothing)
         return jnp.sum(loss), {k: jnp.sum(v) for k, v in metrics.items()}
 
     def count(self, inputs, mask=None):
@@ -160,6 +169,117 @@ class Dpo:
         return {k: stats[k] / count for k in DPO_METRICS}
 
 
+GRPO_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+"""TRL's ``GRPOTrainer`` loss metrics, each a mean over the step's completion tokens (trl 1.16)."""
+
+
+def grpo_token_loss(logps, old_logps, ref_logps, advantages, mask, epsilon: float, epsilon_high: float,
+                    beta: float) -> tuple[jax.Array, dict]:
+    """GRPO's per-token loss (TRL 1.16 ``GRPOTrainer._compute_loss``, token-level importance sampling),
+    fp32 ``[b, t]``, and the token sums of :data:`GRPO_METRICS` (plus ``tokens``).
+
+    ``ratio = exp(logps - old_logps)``; ``loss = -min(ratio·A, clip(ratio, 1-ε, 1+ε_high)·A)``, plus
+    with ``beta > 0`` ``β·(exp(ref - logps) - (ref - logps) - 1)`` (the k3 KL estimator).
+
+    Args:
+        logps: the policy's per-token log-probs of the completion tokens, fp32 ``[b, t]``.
+        old_logps: the sampling policy's (no gradient), ``[b, t]``.
+        ref_logps: the reference's (no gradient), ``[b, t]``; ignored when ``beta == 0``.
+        advantages: fp32 ``[b]`` or ``[b, t]`` (constant along a row).
+        mask: ``[b, t]``, 1 on the completion tokens trained on.
+    """
+    adv = advantages if advantages.ndim == 2 else advantages[:, None]
+    coef1 = jnp.exp(logps - old_logps)
+    coef2 = jnp.clip(coef1, 1 - epsilon, 1 + epsilon_high)
+    loss = -jnp.minimum(coef1 * adv, coef2 * adv)
+    kl = jnp.zeros_like(logps)
+    if beta:
+        d = ref_logps - logps
+        kl = jnp.exp(d) - d - 1
+        loss = loss + beta * kl
+    low = ((coef1 < 1 - epsilon) & (adv < 0)).astype(jnp.float32)
+    high = ((coef1 > 1 + epsilon_high) & (adv > 0)).astype(jnp.float32)
+    sums = {"kl": kl, "clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+            "clip_ratio/region_mean": jnp.maximum(low, high)}
+    stats = {k: jnp.sum(jax.lax.stop_gradient(v) * mask) for k, v in sums.items()}
+    stats["tokens"] = jnp.sum(mask)
+    return loss, stats
+
+
+def grpo_loss_sum(token_loss, mask, loss_type: str) -> jax.Array:
+    """The step's numerator of GRPO's loss (the step divides by :meth:`Grpo.count`): ``grpo``, the sum
+    over rows of each row's masked mean; ``bnpo``/``dapo``/``dr_grpo``, the masked sum over tokens.
+
+    Raises:
+        ValueError: an unknown ``loss_type``.
+    """
+    if loss_type == "grpo":
+        return jnp.sum(jnp.sum(token_loss * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0))
+    if loss_type in ("bnpo", "dapo", "dr_grpo"):
+        return jnp.sum(token_loss * mask)
+    raise ValueError(f"posttrain.loss_type={loss_type!r}: expected grpo, bnpo, dr_grpo or dapo")
+
+
+def policy_token_logps(family, params, tokens, targets, mask, mcfg, shard, vocab_parallel, segment_ids=None,
+                       positions=None, dropout_key=None) -> jax.Array:
+    """Per-token log-probs of ``targets`` under ``params``, fp32 ``[b, t]``, 0 where ``mask`` is 0,
+    through the chunked path (:func:`jaxcolossal.models.layers.logprobs.token_logprobs`).
+    ``segment_ids``/``positions`` (int ``[b, t]``) keep a left-padded prompt's pads out of attention
+    and count positions from its first real token, as the sampler does."""
+    extra = {} if dropout_key is None else {"dropout_key": dropout_key}
+    h = family.hidden_states(params, tokens, mcfg, shard, vocab_parallel, segment_ids, positions, **extra)
+    return token_logprobs(h, family.head_weight(params, mcfg), targets, mask, mcfg.vocab_size, shard,
+                          mcfg.loss_chunk_tokens, mcfg.loss_chunk_vocab)
+
+
+class Grpo:
+    """The GRPO objective (module docstring) over rows of a left-padded prompt and its completion.
+
+    ``__call__(params, tokens, targets, ..., mask, segment_ids, positions, advantages, old_logps,
+    ref_logps)``: ``tokens``/``targets`` int32 ``[b, t]``, ``mask [b, t]`` on the completion tokens,
+    ``advantages [b, t]`` (each row's, repeated), ``old_logps``/``ref_logps`` fp32 ``[b, t]``. Returns
+    ``(summed loss, token sums of the metrics)``. With ``num_iterations == 1`` the old log-probs are
+    the policy's own under ``stop_gradient`` (TRL's shortcut: the ratio is 1, its gradient is not).
+    """
+
+    name = "grpo"
+    batch_fields: tuple = ("advantages", "old_logps", "ref_logps")
+
+    def __init__(self, family, cfg):
+        self.family, self.cfg, self.post = family, cfg, cfg.posttrain
+        self.loss_type = posttrain_loss_type(cfg)
+        self.epsilon_high = grpo_epsilon_high(cfg)
+
+    def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
+                 positions=None, dropout_key=None, reference=None, advantages=None, old_logps=None, ref_logps=None):
+        mask = mask.astype(jnp.float32)
+        logps = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
+                                   segment_ids, positions, dropout_key)
+        old = jax.lax.stop_gradient(logps if self.post.num_iterations == 1 else old_logps)
+        p = self.post
+        loss, stats = grpo_token_loss(logps, old, jax.lax.stop_gradient(ref_logps), advantages[:, 0], mask,
+                                      p.epsilon, self.epsilon_high, p.beta)
+        return grpo_loss_sum(loss, mask, self.loss_type), stats
+
+    def count(self, inputs, mask=None):
+        """What the summed loss divides by (fp32 scalar): the step's rows (``grpo``), its completion
+        tokens (``bnpo``, ``dapo``) or rows × ``max_completion_length`` (``dr_grpo``)."""
+        rows = jnp.asarray(inputs.shape[0], jnp.float32)
+        if self.loss_type == "grpo":
+            return rows
+        if self.loss_type == "dr_grpo":
+            return rows * self.post.max_completion_length
+        return token_count(inputs, mask)
+
+    def zero_stats(self) -> dict:
+        return {k: jnp.zeros((), jnp.float32) for k in GRPO_METRICS + ("tokens",)}
+
+    def metrics(self, stats: dict, count) -> dict:
+        """TRL's ``kl`` (with ``beta > 0``) and ``clip_ratio/*``: token sums over the step's completion tokens."""
+        n = jnp.maximum(stats["tokens"], 1.0)
+        return {k: stats[k] / n for k in GRPO_METRICS if k != "kl" or self.post.beta}
+
+
 def make_objective(family, cfg) -> Any:
-    """The objective ``cfg.training.objective`` names: :class:`Sft` or :class:`Dpo`."""
-    return Dpo(family, cfg) if cfg.training.objective == "dpo" else Sft(family, cfg)
+    """The objective ``cfg.training.objective`` names: :class:`Sft`, :class:`Dpo` or :class:`Grpo`."""
+    return {"dpo": Dpo, "grpo": Grpo}.get(cfg.training.objective, Sft)(family, cfg)

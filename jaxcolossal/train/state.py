@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config, ConfigError, validate  # noqa: F401  (BYTES_PER_PARAM: re-exported)
+from jaxcolossal.config.derived import holds_reference
 from jaxcolossal.memory.budget import resolve
 from jaxcolossal.memory.placement import Placement, place_state
 from jaxcolossal.models import adapter_layout, get_family, param_layout
@@ -247,12 +248,6 @@ def init_residual(plan: TrainPlan, params: Any) -> Any:
         return jax.tree.map(lambda x: jnp.zeros((plan.data_size,) + x.shape, jnp.float32), params)
 
     return {"error": zeros(), "velocity": zeros()} if p.momentum_correction else zeros()
-
-
-def holds_reference(cfg) -> bool:
-    """Whether the train state holds DPO's frozen reference copy (``training.objective=dpo`` with
-    ``posttrain.reference=frozen``)."""
-    return cfg.training.objective == "dpo" and cfg.posttrain.reference == "frozen"
 
 
 def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:

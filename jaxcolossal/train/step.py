@@ -252,7 +252,7 @@ class _GradFn:
         return constrain(summed, mesh, plan.specs.opt if self.zero == 1 else self.grad_specs), residual
 
     def __call__(self, params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
-                 step=None, first_moment=None, frozen=None, with_stats=False, reference=None):
+                 step=None, first_moment=None, frozen=None, with_stats=False, reference=None, fields=None):
         B, t = inputs.shape
         n, k = self.n, self.k
         # the gradient of the mean over the whole step (tokens; DPO: pairs), × the loss scale
@@ -266,7 +266,7 @@ class _GradFn:
 
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
-               if a is not None}
+               if a is not None} | {name: split(a) for name, a in (fields or {}).items()}
         loss_sum, acc, stats = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step,
                                                reference)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
@@ -351,7 +351,7 @@ class _TrainStep:
         self.runtime = tier.shardings if tier is not None else self.shardings  # NVMe leaves: tokens in the state
         self.streamed = streamed_in_scan(plan)
         self.objective = make_objective(plan.family, plan.cfg)
-        self.dpo = self.objective.name == "dpo"
+        self.posttrain = self.objective.name != "sft"  # DPO, GRPO: the objective's own statistics
 
     def gradients(self, state: TrainState, batch: dict, scale):
         """``(loss_sum, fp32 grads, residual, router statistics)`` of the step (:func:`make_grad_fn`)."""
@@ -362,10 +362,12 @@ class _TrainStep:
             extra["first_moment"] = adam_first_moment(state.opt_state)
         if self.plan.lora:  # the adapters are differentiated; the frozen base comes along (and the step: dropout)
             extra.update(frozen=state.frozen, step=state.step)
-        if (self.plan.cfg.model.moe or self.dpo) and self.plan.mesh_shape["pp"] == 1:  # the router's or DPO's
-            extra["with_stats"] = True  # statistics come back too
+        if (self.plan.cfg.model.moe or self.posttrain) and self.plan.mesh_shape["pp"] == 1:  # the router's or
+            extra["with_stats"] = True  # the objective's statistics come back too
         if state.reference is not None:  # DPO's frozen reference copy
             extra["reference"] = to_device(state.reference, self.shardings.reference)
+        if self.objective.batch_fields:  # GRPO: advantages, the old and the reference log-probs
+            extra["fields"] = {k: batch[k] for k in self.objective.batch_fields}
         out = self.grad_fn(params, batch["inputs"], batch["targets"], scale, batch.get("loss_mask"),
                            batch.get("segment_ids"), batch.get("positions"), **extra)
         return out[0], out[1], (out[2] if self.compress else None), (out[3] if len(out) > 3 else {})
@@ -430,7 +432,7 @@ class _TrainStep:
                          reference=state.reference)
         n = self.objective.count(batch["inputs"], batch.get("loss_mask"))  # tokens; DPO: pairs
         metrics = {"loss": loss_sum / n, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
-        metrics.update(self.objective.metrics(stats, n) if self.dpo else moe_metrics(stats, self.plan.cfg))
+        metrics.update(self.objective.metrics(stats, n) if self.posttrain else moe_metrics(stats, self.plan.cfg))
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state.step)
         if self.fp16:

@@ -1,0 +1,292 @@
+"""GRPO's rollout phase: completions sampled from the policy on the training mesh, scored, and laid
+out as the train step's batch (Shao et al., 2024; TRL 1.16 ``GRPOTrainer._generate_and_score_completions``).
+
+Every ``posttrain.num_iterations`` (μ) steps, :meth:`Rollouts.batch` draws ``batch_size / G`` prompts
+(a pure function of the seed and the step), samples ``G = num_generations`` completions of each with
+the KV-cached sampler (:func:`jaxcolossal.generate.make_generator`) on the *current* params as training
+lays them out (no copy of the weights), scores them with the reward functions
+(:mod:`jaxcolossal.posttrain.rewards`), normalises the rewards within each group into advantages,
+and, when the loss needs them, computes the per-token log-probs of the sampling policy (μ > 1) and
+of the reference (``beta > 0``) through the chunked log-prob path. The μ steps of one rollout reuse
+its batch; with ``checkpoint.dir`` it is also written to ``<checkpoint.dir>/rollouts/<step>.npz`` so
+that a run resumed between them continues bit for bit.
+
+A row is ``[left-padded prompt (P tokens) | completion (C tokens)]``, ``P = seq_len + 1 - C``; the
+batch is ``inputs``/``targets`` (the row less its last/first token, int32 ``[B, seq_len]``),
+``loss_mask`` (1 on the completion tokens up to and including the end-of-text one), ``segment_ids``
+(0 on the pads, 1 elsewhere) and ``positions`` (counted from the prompt's first real token, as the
+sampler counts them), and fp32 ``advantages``, ``old_logps``, ``ref_logps``, all ``[B, seq_len]``,
+sharded like every training batch (the batch over the data axes).
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+from jaxcolossal.config.derived import grpo_prompt_length
+from jaxcolossal.data.prompts import PromptData, prompt_batch
+from jaxcolossal.generate import Sampling, make_generator, pad_prompts
+from jaxcolossal.models.layers.logprobs import token_logprobs
+from jaxcolossal.parallel.layer_scan import fetch_layer
+from jaxcolossal.parallel.sharding import RULES, logical_to_spec
+from jaxcolossal.posttrain.rewards import RewardSet, make_rewards
+
+__all__ = ["Rollouts", "group_advantages", "row_layout"]
+
+ROLLOUTS_KEPT = 2
+"""Rollout batches kept in ``<checkpoint.dir>/rollouts`` (the newest ones)."""
+
+
+def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """TRL's ``sum_then_normalize`` advantages: ``(r - mean(group)) / (std + 1e-4)`` with the group's
+    std (``group``), the batch's (``batch``) or none (``none``); Bessel-corrected, NaN-skipping
+    (unscorable rows are NaN and get advantage 0). Returns fp32 ``(advantages [n], std_is_zero [n])``."""
+    grouped = rewards.reshape(-1, group)
+    with warnings.catch_warnings():  # an all-NaN group (nothing scored) is NaN, then advantage 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.repeat(np.nanmean(grouped, axis=1), group)
+        if scale == "batch":
+            std = np.full_like(rewards, np.nanstd(rewards, ddof=1))
+        else:
+            std = np.repeat(np.nanstd(grouped, axis=1, ddof=1), group)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0)
+
+
+def row_layout(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions: np.ndarray, lengths: np.ndarray,
+               truncated_out: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The train step's rows (module docstring) from left-padded prompts ``[B, P]`` (``prompt_mask``
+    bool), completions int ``[B, C]`` and their ``lengths [B]`` (eos included); ``truncated_out``
+    (bool ``[B]``): rows left out of the loss (``mask_truncated_completions``)."""
+    B, P = prompt_tokens.shape
+    C = completions.shape[1]
+    tokens = np.concatenate([prompt_tokens, completions], axis=1).astype(np.int32)
+    comp_mask = (np.arange(C)[None, :] < lengths[:, None]).astype(np.float32)
+    if truncated_out is not None:
+        comp_mask = comp_mask * (~truncated_out)[:, None]
+    real = np.concatenate([prompt_mask, np.ones((B, C), bool)], axis=1)
+    loss_mask = np.zeros((B, P + C - 1), np.float32)
+    loss_mask[:, P - 1:] = comp_mask  # target j + P - 1 is completion token j
+    positions = np.maximum(np.cumsum(real, axis=1) - 1, 0).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": loss_mask,
+            "segment_ids": real[:, :-1].astype(np.int32), "positions": positions[:, :-1]}
+
+
+@dataclass
+class _Rollout:
+    """One rollout: its step, the host batch (global numpy arrays) and its metrics."""
+
+    step: int
+    host: dict
+    metrics: dict
+
+
+class Rollouts:
+    """GRPO's batches (module docstring): ``batch(step, state)`` the train step's batch of ``step``
+    from the policy in ``state``; ``batch(step)`` without a state a batch of zeros of the same
+    shapes (to compile the step). ``metrics``: the last rollout's, merged into the step's log.
+
+    Raises (``batch``):
+        FileNotFoundError: a resume between the μ steps of a rollout whose batch was not saved
+            (``<checkpoint.dir>/rollouts``).
+    """
+
+    on_policy = True
+
+    def __init__(self, cfg, plan, prompts: PromptData, tokenizer, batch_sharding: NamedSharding,
+                 held: PromptData | None = None):
+        t, po = cfg.training, cfg.posttrain
+        self.cfg, self.plan, self.data, self.tok, self.sharding = cfg, plan, prompts, tokenizer, batch_sharding
+        self.held = held if held is not None and len(held) else prompts
+        self.G, self.B, self.mu = po.num_generations, t.batch_size, po.num_iterations
+        self.P, self.C = grpo_prompt_length(cfg), po.max_completion_length
+        self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern)
+        self.eos = getattr(tokenizer, "eos_id", None)
+        self.sampling = Sampling(temperature=po.temperature, top_k=po.top_k, top_p=po.top_p)
+        self.dir = os.path.join(cfg.checkpoint.dir, "rollouts") if cfg.checkpoint.dir else ""
+        self.current: _Rollout | None = None
+        self.metrics: dict = {}
+        self._generators: dict = {}
+        self._logps = jax.jit(self._token_logps)
+
+    # ------------------------------------------------------------------ the batch
+    def batch(self, step: int, state: Any = None) -> dict:
+        """The train step's batch of optimizer step ``step`` (module docstring)."""
+        if state is None:
+            return self._place(self._zeros())
+        first = step - step % self.mu
+        if self.current is None or self.current.step != first:
+            self.current = self._load(first) if step != first else self._roll(first, state)
+            self.metrics = self.current.metrics
+        return self._place(self.current.host)
+
+    def _zeros(self) -> dict:
+        t = self.P + self.C - 1
+        ints = {k: np.zeros((self.B, t), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+        return ints | {k: np.zeros((self.B, t), np.float32) for k in ("loss_mask", "advantages", "old_logps",
+                                                                           "ref_logps")}
+
+    def _place(self, host: dict) -> dict:
+        return {k: jax.make_array_from_callback(v.shape, self.sharding, lambda idx, v=v: v[idx])
+                for k, v in host.items()}
+
+    # ------------------------------------------------------------------ one rollout, in phases
+    def _roll(self, step: int, state: Any) -> _Rollout:
+        t0 = time.perf_counter()
+        jax.block_until_ready(state.params)  # the previous update's time is not the rollout's
+        t1 = time.perf_counter()
+        idx = np.repeat(prompt_batch(self.data, step // self.mu, self.B // self.G, self.cfg.training.seed), self.G)
+        prompt_tokens, prompt_mask = self._prompts(self.data, idx)
+        key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
+        completions, lengths = self._generate(state.model_params, prompt_tokens, prompt_mask, key, self.sampling)
+        t2 = time.perf_counter()
+        texts = [self.data.texts[i] for i in idx]
+        per_func, comp_texts = self._score(texts, completions, lengths, [self.data.answers[i] for i in idx])
+        total = self.rewards.total(per_func)
+        adv, std_zero = group_advantages(total, self.G, self.cfg.posttrain.scale_rewards)
+        t3 = time.perf_counter()
+        truncated = self._truncated(completions, lengths)
+        host = row_layout(prompt_tokens, prompt_mask, completions, lengths,
+                          truncated if self.cfg.posttrain.mask_truncated_completions else None)
+        host["advantages"] = np.repeat(adv[:, None], host["inputs"].shape[1], axis=1)
+        host.update(self._policy_logps(state, host))
+        t4 = time.perf_counter()
+        metrics = self._metrics(per_func, total, std_zero, lengths, truncated)
+        metrics.update({"time/wait_update_s": t1 - t0, "time/rollout_s": t2 - t1, "time/reward_s": t3 - t2,
+                        "time/logps_s": t4 - t3, "rollout_tokens_per_s": float(lengths.sum()) / max(t2 - t1, 1e-9)})
+        self._save(step, host)
+        return _Rollout(step, host, metrics)
+
+    def _prompts(self, data: PromptData, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt tokens and mask ``[B, P]``, every row ``P`` wide."""
+        toks, mask = pad_prompts([data.tokens[i] for i in idx], pad_id=self._pad)
+        width = toks.shape[1]
+        if width < self.P:
+            toks = np.pad(toks, ((0, 0), (self.P - width, 0)), constant_values=self._pad)
+            mask = np.pad(mask, ((0, 0), (self.P - width, 0)))
+        return toks, mask
+
+    @property
+    def _pad(self) -> int:
+        return 0 if self.eos is None else int(self.eos)
+
+    def _generate(self, params, tokens, mask, key, sampling: Sampling) -> tuple[np.ndarray, np.ndarray]:
+        """Completions int32 ``[B, C]`` and lengths ``[B]``, gathered to every process."""
+        fn = self._generator(params, sampling)
+        batch_sharding = NamedSharding(self.plan.mesh, logical_to_spec(("batch", None), RULES))
+        put = {k: jax.make_array_from_callback(v.shape, batch_sharding, lambda i, v=v: v[i])
+               for k, v in (("tokens", tokens), ("mask", mask))}
+        out, lengths = fn(params, put["tokens"], put["mask"], key)
+        if jax.process_count() > 1:
+            out, lengths = multihost_utils.process_allgather((out, lengths), tiled=True)
+        return np.asarray(out), np.asarray(lengths)
+
+    def _generator(self, params, sampling: Sampling):
+        """The jitted sampler for the params' layout (built once per sampling mode)."""
+        name = "greedy" if sampling.is_greedy else "sampled"
+        if name not in self._generators:
+            specs = jax.tree.map(lambda x: x.sharding.spec, params)
+            self._generators[name] = make_generator(
+                self.plan.family, self.cfg.model, self.C, sampling, eos_id=self.eos, pad_id=self._pad,
+                mesh=self.plan.mesh, param_specs=specs, fp8=self.cfg.precision.fp8)
+        return self._generators[name]
+
+    def _score(self, prompts: list[str], completions: np.ndarray, lengths: np.ndarray,
+               answers: list) -> tuple[np.ndarray, list[str]]:
+        """Each reward function's values ``[B, F]`` and the completions' texts (eos dropped, ids past
+        the tokenizer's vocabulary skipped)."""
+        ids = [[int(i) for i in row[:n] if i != self.eos and i < self.tok.vocab_size]
+               for row, n in zip(completions, lengths)]
+        texts = [self.tok.decode(np.asarray(r, np.int32)) for r in ids]
+        return self.rewards.score(prompts, texts, ids, answers), texts
+
+    def _truncated(self, completions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Rows that ended at ``max_completion_length`` without the end-of-text token."""
+        if self.eos is None:
+            return np.ones(len(lengths), bool)
+        ended = completions[np.arange(len(lengths)), np.maximum(lengths - 1, 0)] == self.eos
+        return ~ended
+
+    def _token_logps(self, params, inputs, targets, mask, segment_ids, positions):
+        cfg, family, shard = self.cfg.model, self.plan.family, self.plan.sharder
+        params = fetch_layer(params)
+        h = family.hidden_states(params, inputs, cfg, shard, shard.is_sharded("vocab"), segment_ids, positions)
+        return token_logprobs(h, family.head_weight(params, cfg), targets, mask, cfg.vocab_size, shard,
+                              cfg.loss_chunk_tokens, cfg.loss_chunk_vocab)
+
+    def _policy_logps(self, state: Any, host: dict) -> dict:
+        """``old_logps`` (μ > 1: the sampling policy's) and ``ref_logps`` (``beta > 0``), fp32
+        ``[B, t]`` host arrays; zeros where the loss does not read them."""
+        zeros = np.zeros(host["inputs"].shape, np.float32)
+        out = {"old_logps": zeros, "ref_logps": zeros}
+        placed = self._place({k: host[k] for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")})
+        args = (placed["inputs"], placed["targets"], placed["loss_mask"], placed["segment_ids"], placed["positions"])
+        if self.mu > 1:
+            out["old_logps"] = self._host(self._logps(state.model_params, *args))
+        if self.cfg.posttrain.beta > 0:
+            ref = state.frozen if self.cfg.posttrain.reference == "lora_base" else state.reference
+            out["ref_logps"] = self._host(self._logps(ref, *args))
+        return out
+
+    @staticmethod
+    def _host(x: jax.Array) -> np.ndarray:
+        if jax.process_count() > 1:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(x, np.float32)
+
+    def _metrics(self, per_func, total, std_zero, lengths, truncated) -> dict:
+        """TRL's rollout metrics: ``reward``, ``reward_std``, ``rewards/<name>/mean`` and ``/std``,
+        ``frac_reward_zero_std``, ``completions/mean_length``, ``completions/clipped_ratio``."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out = {"reward": float(np.nanmean(total)), "reward_std": float(np.nanstd(total, ddof=1))}
+            for j, name in enumerate(self.rewards.names):
+                out[f"rewards/{name}/mean"] = float(np.nanmean(per_func[:, j]))
+                out[f"rewards/{name}/std"] = float(np.nanstd(per_func[:, j], ddof=1))
+        out.update({"frac_reward_zero_std": float(np.mean(std_zero)), "completions/mean_length": float(lengths.mean()),
+                    "completions/clipped_ratio": float(np.mean(truncated))})
+        return out
+
+    # ------------------------------------------------------------------ resume between the μ steps
+    def _save(self, step: int, host: dict) -> None:
+        if not self.dir or self.mu == 1 or jax.process_index() != 0:
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        np.savez(os.path.join(self.dir, f"{step}.npz"), **host)
+        kept = sorted(int(f[:-4]) for f in os.listdir(self.dir) if f.endswith(".npz"))
+        for old in kept[:-ROLLOUTS_KEPT]:
+            os.remove(os.path.join(self.dir, f"{old}.npz"))
+
+    def _load(self, step: int) -> _Rollout:
+        path = os.path.join(self.dir, f"{step}.npz") if self.dir else ""
+        if not path or not os.path.exists(path):
+            raise FileNotFoundError(f"resuming GRPO between the {self.mu} steps of the rollout of step {step} needs "
+                                    f"its batch, {path or '<checkpoint.dir>/rollouts/' + str(step) + '.npz'}, "
+                                    "which is missing")
+        with np.load(path) as f:
+            return _Rollout(step, {k: f[k] for k in f.files}, {})
+
+    # ------------------------------------------------------------------ held-out reward
+    def evaluate(self, state: Any) -> dict:
+        """Greedy completions of the held-out prompts (the first ``batch_size``, cycled): the mean
+        weighted reward and each function's mean, ``{"val_reward": ..., "val_rewards/<name>": ...}``."""
+        idx = np.arange(self.B) % len(self.held)
+        tokens, mask = self._prompts(self.held, idx)
+        completions, lengths = self._generate(state.model_params, tokens, mask, jax.random.key(0),
+                                              Sampling(greedy=True))
+        per_func, _ = self._score([self.held.texts[i] for i in idx], completions, lengths,
+                                  [self.held.answers[i] for i in idx])
+        out = {"val_reward": float(np.nanmean(self.rewards.total(per_func)))}
+        out.update({f"val_rewards/{n}": float(np.nanmean(per_func[:, j])) for j, n in enumerate(self.rewards.names)})
+        return out
+
