@@ -27,6 +27,10 @@ PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir
 """Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
 
 
+NUMBER_LIST_KEYS = ("posttrain.reward_weights",)
+"""String keys that hold comma-separated numbers: a YAML number or list is taken as that string."""
+
+
 def _coerce(path: str, value: Any, annotation: Any) -> Any:
     """Check ``value`` against a dataclass field annotation; ints are accepted for floats, and so
     are strings that spell a number (PyYAML reads ``1e-4``, without a dot, as a string)."""
@@ -59,6 +63,8 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     if annotation is str:
         if value is None:
             return ""
+        if path in NUMBER_LIST_KEYS and isinstance(value, (int, float, list)) and not isinstance(value, bool):
+            return ",".join(str(v) for v in (value if isinstance(value, list) else [value]))
         if not isinstance(value, str):
             raise ConfigError(f"{path}={value!r}: expected a string")
         return value

@@ -20,6 +20,7 @@ sharded like every training batch (the batch over the data axes).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -164,7 +165,7 @@ class Rollouts:
         metrics = self._metrics(per_func, total, std_zero, lengths, truncated)
         metrics.update({"time/wait_update_s": t1 - t0, "time/rollout_s": t2 - t1, "time/reward_s": t3 - t2,
                         "time/logps_s": t4 - t3, "rollout_tokens_per_s": float(lengths.sum()) / max(t2 - t1, 1e-9)})
-        self._save(step, host)
+        self._save(step, host, metrics)
         return _Rollout(step, host, metrics)
 
     def _prompts(self, data: PromptData, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -258,11 +259,12 @@ class Rollouts:
         return out
 
     # ------------------------------------------------------------------ resume between the μ steps
-    def _save(self, step: int, host: dict) -> None:
+    def _save(self, step: int, host: dict, metrics: dict) -> None:
+        """Rollout ``step``'s batch and metrics (process 0; only with μ > 1 and ``checkpoint.dir``)."""
         if not self.dir or self.mu == 1 or jax.process_index() != 0:
             return
         os.makedirs(self.dir, exist_ok=True)
-        np.savez(os.path.join(self.dir, f"{step}.npz"), **host)
+        np.savez(os.path.join(self.dir, f"{step}.npz"), **host, metrics_json=np.asarray(json.dumps(metrics)))
         kept = sorted(int(f[:-4]) for f in os.listdir(self.dir) if f.endswith(".npz"))
         for old in kept[:-ROLLOUTS_KEPT]:
             os.remove(os.path.join(self.dir, f"{old}.npz"))
@@ -274,7 +276,7 @@ class Rollouts:
                                     f"its batch, {path or '<checkpoint.dir>/rollouts/' + str(step) + '.npz'}, "
                                     "which is missing")
         with np.load(path) as f:
-            return _Rollout(step, {k: f[k] for k in f.files}, {})
+            return _Rollout(step, {k: f[k] for k in f.files if k != "metrics_json"}, json.loads(str(f["metrics_json"])))
 
     # ------------------------------------------------------------------ held-out reward
     def evaluate(self, state: Any) -> dict:

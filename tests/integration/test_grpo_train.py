@@ -1,0 +1,108 @@
+"""GRPO through the one train step and loop (training.objective=grpo): ZeRO-2 over dp 4 × tp 2 gives the
+same rollouts and the same updates as one device; a run stopped between the two steps of a rollout
+(num_iterations 2) and resumed gives the same rewards and params bit for bit; the dry run counts the
+rollout; refusals come before anything compiles."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from tiny import TINY_MODEL, assert_params_match, setup
+
+from jaxcolossal.config import ConfigError, config_from_dict, load_config
+from jaxcolossal.data import get_tokenizer
+from jaxcolossal.data.prompts import load_prompts
+from jaxcolossal.posttrain.rollout import Rollouts
+from jaxcolossal.train.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = f"{ROOT}/configs/data/arith_prompts.jsonl"
+# a random policy rarely answers a sum; "has a digit" scores ~15% of its 4-byte completions, so most
+# groups of 4 carry a signal; exact_match rides along (0 almost everywhere) to weigh two functions
+REWARDS = {"reward_funcs": "format,exact_match", "reward_weights": "1.0,0.5", "format_pattern": r"\d"}
+
+
+def grpo_config(parallel=None, posttrain=None):
+    return config_from_dict({"model": {**TINY_MODEL, "vocab_size": 256},
+                             "training": {"batch_size": 16, "seq_len": 12, "learning_rate": 1e-3, "warmup_steps": 1,
+                                          "max_steps": 10, "objective": "grpo"},
+                             "data": {"format": "prompts", "corpus": PROMPTS, "tokenizer": "byte"},
+                             "posttrain": {"num_generations": 4, "max_completion_length": 4, "beta": 0.04,
+                                           "num_iterations": 2, "epsilon_high": 0.28, **REWARDS, **(posttrain or {})},
+                             "parallel": parallel or {"data_parallel_size": 1}})
+
+
+def run_grpo(cfg, devices=None, steps=4):
+    plan, tx, state, step_fn = setup(cfg, devices)
+    prompts = load_prompts(cfg.data, get_tokenizer("byte"), 9)
+    ro = Rollouts(cfg, plan, prompts, get_tokenizer("byte"), plan.batch_sharding)
+    out = []
+    for s in range(steps):
+        batch = ro.batch(s, state)
+        state, m = step_fn(state, batch)
+        out.append(({k: np.asarray(v) for k, v in ro.current.host.items()},
+                    {k: float(v) for k, v in m.items()} | {k: v for k, v in ro.metrics.items() if "time" not in k}))
+    return state, out
+
+
+def test_grpo_zero2_dp4_tp2_equals_one_device():
+    one, r1 = run_grpo(grpo_config(), jax.devices()[:1])
+    par, r8 = run_grpo(grpo_config({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}))
+    for (h1, m1), (h8, m8) in zip(r1, r8):
+        for k in ("inputs", "targets", "loss_mask", "advantages"):  # the same completions, rewards, advantages
+            np.testing.assert_array_equal(h8[k], h1[k], err_msg=k)
+        for k in ("old_logps", "ref_logps"):
+            np.testing.assert_allclose(h8[k], h1[k], rtol=1e-5, atol=1e-5, err_msg=k)
+        for k in ("loss", "grad_norm", "kl", "clip_ratio/region_mean", "reward", "frac_reward_zero_std"):
+            np.testing.assert_allclose(m8[k], m1[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    assert 0 < r1[0][1]["reward"] and r1[0][1]["frac_reward_zero_std"] < 1  # the groups carry a signal
+    assert r1[1][1]["kl"] > 0 and r1[0][1]["kl"] == 0  # the policy leaves the reference after one update
+    assert not np.array_equal(r1[0][0]["inputs"], r1[2][0]["inputs"])  # a new rollout every 2 steps
+    assert np.array_equal(r1[0][0]["inputs"], r1[1][0]["inputs"])
+    assert_params_match(jax.device_get(par.params), jax.device_get(one.params))
+
+
+GRPO_JOB = ["training.objective=grpo", "data.format=prompts", f"data.corpus={PROMPTS}", "data.tokenizer=byte",
+            "model.vocab_size=256", "training.seq_len=12", "training.batch_size=16", "training.eval_every=0",
+            "training.sample_tokens=0", "posttrain.num_generations=4", "posttrain.max_completion_length=4",
+            "posttrain.beta=0.04", "posttrain.num_iterations=2"] + [f"posttrain.{k}={v}" for k, v in REWARDS.items()]
+"""The main job's model and layout (8 devices, ZeRO-2 over dp 4 × tp 2) turned into GRPO on the arithmetic prompts."""
+
+
+def test_grpo_resume_between_the_steps_of_a_rollout_is_bit_exact(tmp_path):
+    """Stopped at step 3 of 6 with num_iterations 2: the resumed run reads step 2's rollout back."""
+    def cfg(where, *extra):
+        return load_config(f"{ROOT}/configs/llama_tiny.yaml", GRPO_JOB + [
+            f"logging.run_dir={where}/run", f"checkpoint.dir={where}/ckpt", "checkpoint.save_every=3",
+            "logging.log_every=1", *extra])
+    full = train(cfg(tmp_path / "a", "training.max_steps=6"))
+    train(cfg(tmp_path / "b", "training.max_steps=3"))
+    assert os.path.exists(tmp_path / "b" / "ckpt" / "rollouts" / "2.npz")
+    resumed = train(cfg(tmp_path / "b", "training.max_steps=6", "training.resume=true"))
+
+    def per_step(d):
+        recs = [json.loads(line) for line in open(tmp_path / d / "run" / "metrics.jsonl")]
+        return {r["step"]: (r["loss"], r["reward"], r["grad_norm"]) for r in recs if "reward" in r}
+    a, b = per_step("a"), per_step("b")
+    assert sorted(a) == list(range(1, 7)) and all(a[s] == b[s] for s in a)
+    for x, y in ((full["state"].master, resumed["state"].master), (full["state"].opt_state, resumed["state"].opt_state),
+                 (full["state"].reference, resumed["state"].reference)):
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(x), jax.device_get(y))
+
+
+@pytest.mark.parametrize("override, message", [
+    (["training.batch_size=18"], "training.batch_size=18 completions per step is not a multiple of "
+                                 "posttrain.num_generations=4"),
+    (["posttrain.reward_funcs=no_such_module:fn", "posttrain.reward_weights="], "posttrain.reward_funcs: cannot import 'no_such_module'"),
+    (["posttrain.reward_funcs=os.path:no_such_fn", "posttrain.reward_weights="], "module 'os.path' has no function 'no_such_fn'"),
+    (["posttrain.reward_funcs=exact_match,format", "posttrain.reward_weights=1"], "has 1 weights for 2 reward_funcs"),
+    (["parallel.pipeline_parallel_size=2"], "training.objective=grpo does not run with parallel.pipeline_parallel_size"),
+    (["posttrain.loss_type=sigmoid"], "posttrain.loss_type=sigmoid is not a GRPO loss"),
+    (["posttrain.max_completion_length=13"], "leaves no room for a prompt in training.seq_len=12"),
+    (["data.format=text"], "training.objective=grpo with data.format=text"),
+])
+def test_grpo_refusals_before_compiling(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(f"{ROOT}/configs/llama_tiny.yaml", GRPO_JOB + override)
+    assert message in str(e.value) and "\n" not in str(e.value)
