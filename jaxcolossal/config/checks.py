@@ -329,7 +329,7 @@ def _check_loss_type(cfg: Config) -> None:
         raise ConfigError(f"posttrain.loss_type={lt} is not a {objective.upper()} loss; allowed values are auto, "
                           + ", ".join(allowed))
     if objective == "dpo" and po.beta <= 0:
-        raise ConfigError(f"posttrain.beta={po.beta:g}: DPO's beta must be > 0")
+        raise ConfigError(f"posttrain.beta={po.beta!r}: must be > 0 for DPO (0 is GRPO's no-reference setting)")
     if lt == "ipo" and po.label_smoothing > 0:
         raise ConfigError(f"posttrain.label_smoothing={po.label_smoothing:g} is conservative DPO's, for "
                           "posttrain.loss_type=sigmoid; IPO has no label smoothing (set it to 0)")
