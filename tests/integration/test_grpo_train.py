@@ -106,3 +106,21 @@ def test_grpo_refusals_before_compiling(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(f"{ROOT}/configs/llama_tiny.yaml", GRPO_JOB + override)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_grpo_composes_with_lora_bf16_and_zero3():
+    """LoRA with the base as GRPO's reference (no copy), bf16, ZeRO-3 over dp 2 × tp 2: the rollouts
+    sample from the merged policy, the reference log-probs come from the base, and the steps are finite."""
+    cfg = config_from_dict({"model": {**TINY_MODEL, "vocab_size": 256, "lora": {"rank": 4}},
+                            "training": {"batch_size": 16, "seq_len": 12, "learning_rate": 1e-2, "warmup_steps": 1,
+                                         "max_steps": 10, "objective": "grpo"},
+                            "data": {"format": "prompts", "corpus": PROMPTS, "tokenizer": "byte"},
+                            "posttrain": {"num_generations": 4, "max_completion_length": 4, "beta": 0.04,
+                                          "reference": "lora_base", **REWARDS},
+                            "precision": {"bf16": True},
+                            "parallel": {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}})
+    state, out = run_grpo(cfg, jax.devices()[:4], steps=3)
+    assert state.reference is None and state.frozen is not None
+    assert all(m["nonfinite"] == 0 for _, m in out)
+    assert out[0][1]["kl"] == 0 and out[2][1]["kl"] > 0  # adapters start at B = 0: the policy is the base
+    assert jax.tree.leaves(state.frozen)[0].dtype == np.dtype("bfloat16")
