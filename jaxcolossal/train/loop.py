@@ -1053,7 +1053,7 @@ def evaluate_only(cfg: Config) -> dict:
 
     Raises:
         ConfigError: before anything compiles: nothing to evaluate (no checkpoint in
-            ``checkpoint.dir`` and no ``model.init_from``), ``training.objective=dpo``, or any
+            ``checkpoint.dir`` and no ``model.init_from``), ``training.objective`` dpo or grpo, or any
             :func:`preflight` refusal.
         CheckpointMismatchError: the checkpoint is of another model size, optimizer or precision.
         CheckpointNotFoundError: ``checkpoint.dir`` holds steps, none of which restores.
@@ -1062,6 +1062,9 @@ def evaluate_only(cfg: Config) -> dict:
         raise ConfigError("--eval-only with training.objective=dpo is not supported yet: it restores the params "
                           "without DPO's reference; the training run's evaluations report the held-out pairs' "
                           "val_rewards/accuracies")
+    if cfg.training.objective == "grpo":
+        raise ConfigError("--eval-only with training.objective=grpo is not supported yet; the training run's "
+                          "evaluations report the held-out prompts' val_reward (greedy completions)")
     preflight(cfg, eval_only=True)
     _nothing_to_evaluate(cfg)
     run_id = new_run_id()  # its own train.log separator and TensorBoard folder, as a training run's
