@@ -73,8 +73,14 @@ from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
 from jaxcolossal.runtime.faults import (
-    CONFIG_ERROR_EXIT_CODE, PLANNED_DEVICES_ENV, RESTART_COUNT_ENV, SLOT_ENV, describe_exit, parse_nproc,
-    shrink_size)
+    CONFIG_ERROR_EXIT_CODE,
+    PLANNED_DEVICES_ENV,
+    RESTART_COUNT_ENV,
+    SLOT_ENV,
+    describe_exit,
+    parse_nproc,
+    shrink_size,
+)
 
 __all__ = ["main", "build_env", "free_port", "run_processes", "run_with_restarts", "DEFAULT_TOTAL_DEVICES",
            "DROP_AFTER"]
