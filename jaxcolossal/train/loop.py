@@ -71,6 +71,7 @@ from jaxcolossal.train.guard import (
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.profile import StepProfiler, save_memory_profile
+from jaxcolossal.train.restart import after_restart
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
 from jaxcolossal.train.step import gathers_lowp, make_dpo_eval_step, make_eval_step, make_train_step, prefetches_weights
 
@@ -892,6 +893,7 @@ def train(cfg: Config) -> dict:
         KeyboardInterrupt: a second Ctrl-C.
     """
     with StopSignals() as stop, _quiet_console():
+        cfg = after_restart(cfg, os.environ, jax.device_count())  # a restarted job resumes (issue 44)
         preflight(cfg)
         watchdog = StepWatchdog(collective_timeout() if jax.process_count() > 1 else None)
         try:
