@@ -38,7 +38,8 @@ non-zero status, a signal, or the hang watchdog's status 75), every process is s
 the whole group is started again, at most K times; each restart is printed with its cause, the rank
 and slot that failed, the attempt and rank 0's last logged step. Every process gets
 ``JAXCOLOSSAL_RESTART_COUNT`` (0 on the first start), ``JAXCOLOSSAL_SLOT`` (its slot, stable across
-restarts) and ``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX`` slots); the training loop
+restarts) and, from the first restart on, ``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX``
+slots: a shrunk run keeps its global batch, :func:`jaxcolossal.config.keep_global_batch`); the training loop
 then resumes from the newest checkpoint (``training.resume=false`` is taken as ``auto``). Status 2
 (a config error, the same at every start), a clean exit that the others do not follow and a signal
 to the launcher are never restarted. When the K restarts are used up, one line says why and the
@@ -657,7 +658,9 @@ def _env_factory(a: argparse.Namespace, timeout: int | None, port: int) -> Calla
             env = build_env(os.environ, rank=a.node_rank * n + i, local_rank=slot, world_size=a.nnodes * n,
                             local_world_size=n, node_rank=a.node_rank, master_addr=a.master_addr, master_port=p,
                             platform=a.platform, devices_per_proc=a.devices, timeout=timeout)
-            env.update({RESTART_COUNT_ENV: str(restart), SLOT_ENV: str(slot), PLANNED_DEVICES_ENV: str(planned)})
+            env.update({RESTART_COUNT_ENV: str(restart), SLOT_ENV: str(slot)})
+            if restart:  # a fresh run never changes its config (JAXCOLOSSAL_PLANNED_DEVICES: keep the global batch)
+                env[PLANNED_DEVICES_ENV] = str(planned)
             envs.append(env)
         return envs
     return make
