@@ -58,6 +58,8 @@ __all__ = [
     "collective_timeout",
     "COLLECTIVE_TIMEOUT_ENV",
     "WATCHDOG_EXIT_CODE",
+    "COORDINATOR_PORT_ENV",
+    "coordinator_port",
 ]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -515,7 +517,9 @@ def launch_from_env(
     """Launch from the torchrun-style environment; mirrors ``colossalai.launch_from_torch``.
 
     Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-    (set by ``torchrun`` or by hand) and calls :func:`launch`. If NONE of them is set
+    (set by ``torchrun`` or by hand) and calls :func:`launch`, with the coordinator on
+    :func:`coordinator_port` (``MASTER_PORT``, or ``MASTER_PORT + 1`` under torchrun's elastic agent,
+    whose own store holds ``MASTER_PORT``). If NONE of them is set
     it is a single-process run: nothing is initialised, the RNGs are just seeded. An
     empty value counts as unset.
 
@@ -538,8 +542,35 @@ def launch_from_env(
     v = _read_env(_TORCH_VARS, os.environ, strings=("MASTER_ADDR",), source="torchrun")
     return launch(
         rank=v["RANK"], world_size=v["WORLD_SIZE"], host=v["MASTER_ADDR"],
-        port=v["MASTER_PORT"], local_rank=v["LOCAL_RANK"], seed=seed, **kwargs,
+        port=coordinator_port(os.environ), local_rank=v["LOCAL_RANK"], seed=seed, **kwargs,
     )
+
+
+COORDINATOR_PORT_ENV = "JAXCOLOSSAL_COORDINATOR_PORT"
+"""The port of ``jax.distributed``'s coordinator when it must differ from ``MASTER_PORT`` (read by
+:func:`coordinator_port`)."""
+
+
+def coordinator_port(env: Mapping[str, str]) -> int:
+    """The port :func:`launch_from_env` gives ``jax.distributed``'s coordinator (on ``MASTER_ADDR``):
+    ``$JAXCOLOSSAL_COORDINATOR_PORT`` when set; else, under torchrun's elastic agent with its store shared
+    with the workers (``TORCHELASTIC_USE_AGENT_STORE=True``: the agent's own TCPStore already listens on
+    ``MASTER_PORT``), ``MASTER_PORT + 1``; else ``MASTER_PORT``. The same on every process, with no
+    exchange (docs/fault_tolerance.md).
+
+    Raises:
+        RuntimeError: ``MASTER_PORT`` is unset (and no coordinator port is given).
+        ValueError: a port that is not an integer, or ``MASTER_PORT + 1`` above 65535.
+    """
+    if env.get(COORDINATOR_PORT_ENV, "").strip():
+        return int(_read_env((COORDINATOR_PORT_ENV,), env, source="the user")[COORDINATOR_PORT_ENV])
+    port = int(_read_env(("MASTER_PORT",), env, source="torchrun")["MASTER_PORT"])
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() != "true":
+        return port
+    if port >= 65535:
+        raise ValueError(f"MASTER_PORT={port} is torchrun's agent store; the coordinator takes MASTER_PORT + 1, "
+                         f"which is not a port: set {COORDINATOR_PORT_ENV}")
+    return port + 1
 
 
 launch_from_torch = launch_from_env

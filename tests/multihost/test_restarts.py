@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mh import REPO, TINY, TRAIN, Result, clean_env, launcher, run
+from mh import REPO, TINY, TRAIN, Result, clean_env, free_port, launcher, run
 
 FAILING_SLOT = str(REPO / "tests" / "multihost" / "failing_slot.py")
 FAST_CPU = "--xla_backend_optimization_level=0"  # the suite's LLVM level (tests/conftest.py): the programs are tiny
@@ -215,3 +215,53 @@ def test_shrink_from_4_to_2_processes_keeps_the_global_batch(tmp_path):
     x, y = np.array([a[s] for s in range(1, 9)]), np.array([b[s] for s in range(1, 9)])
     print(f"shrunk against uninterrupted: max relative loss difference {np.max(np.abs(x - y) / x):.3g}")
     np.testing.assert_allclose(y, x, rtol=SHRINK_RTOL, atol=0)
+
+
+# ------------------------------------------------------------------ torchrun's elastic agent
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _rank_of(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return env.get(b"RANK", b"").decode() or None
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_elastic_agent_restarts_our_training_script(tmp_path):
+    # torchrun --max-restarts 1 runs scripts/train.py (no torch in it) over 2 CPU processes; rank 1 is
+    # killed with SIGKILL mid-run; the agent restarts both, launch_from_env puts jax's coordinator on
+    # MASTER_PORT + 1 (the agent's store holds MASTER_PORT) and the run resumes from its checkpoint
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed (pip install torch)")
+    cmd = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "--master-port",
+           str(free_port()), TRAIN, "--devices", "2", *_train_args(tmp_path, "tr", "training.max_steps=16",
+                                                                   "checkpoint.save_every=5", "parallel.zero_stage=2")]
+    env = clean_env(XLA_FLAGS=FAST_CPU, JAXCOLOSSAL_COLLECTIVE_TIMEOUT="20")
+    t0, out = time.monotonic(), tmp_path / "torchrun.out"
+    with open(out, "w") as fo:
+        p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fo, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            while _last_step(out) < 7:
+                assert p.poll() is None and time.monotonic() - t0 < 300, out.read_text()[-4000:]
+                time.sleep(0.02)
+            victim = next(c for c in _children(p.pid) if _rank_of(c) == "1")
+            os.kill(victim, signal.SIGKILL)
+            p.wait(timeout=400)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    text = out.read_text(errors="replace")
+    assert p.returncode == 0, text[-6000:]
+    assert "restart 1: training.resume=false taken as auto" in text, text[-6000:]
+    assert re.search(r"resumed from step (5|10) in ", text), text[-6000:]
+    assert 16 in last_losses(tmp_path / "tr" / "run")
+    print(f"torchrun: killed rank 1 at step >= 7, restarted and finished in {time.monotonic() - t0:.0f} s")

@@ -153,3 +153,19 @@ def test_keep_global_batch_refuses_a_layout_not_valid_on_fewer_devices():
     with pytest.raises(ConfigError, match=re.escape("the job was configured for 8 devices and runs on 2, and its "
                                                     "layout is not valid there: parallel.data_parallel_size=-1")):
         keep_global_batch(cfg, 2, 8)
+
+
+# ------------------------------------------------------------------ the coordinator's port under torchrun
+def test_coordinator_port_avoids_torchruns_agent_store():
+    from jaxcolossal.runtime.launch import coordinator_port
+
+    assert coordinator_port({"MASTER_PORT": "29500"}) == 29500
+    assert coordinator_port({"MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "False"}) == 29500
+    # the elastic agent's TCPStore listens on MASTER_PORT: jax's coordinator takes the next port
+    assert coordinator_port({"MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}) == 29501
+    assert coordinator_port({"MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                             "JAXCOLOSSAL_COORDINATOR_PORT": "40000"}) == 40000
+    with pytest.raises(ValueError, match="set JAXCOLOSSAL_COORDINATOR_PORT"):
+        coordinator_port({"MASTER_PORT": "65535", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    with pytest.raises(ValueError, match="JAXCOLOSSAL_COORDINATOR_PORT must be an integer"):
+        coordinator_port({"JAXCOLOSSAL_COORDINATOR_PORT": "x"})
