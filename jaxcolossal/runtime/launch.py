@@ -365,6 +365,7 @@ def launch(
     initialization_timeout: int = 300,
     cpu_collectives: str | None = "gloo",
     collective_timeout_s: int | None = None,
+    heartbeat_timeout_s: int | None = None,
 ) -> jax.Array:
     """Join the distributed JAX job and seed the RNGs; mirrors ``colossalai.launch``.
 
@@ -399,6 +400,9 @@ def launch(
         ``shutdown_timeout_seconds`` and, capped at 100, ``heartbeat_timeout_seconds`` of
         ``jax.distributed.initialize``; when the CPU may be used,
         ``--xla_cpu_collective_timeout_seconds`` is added to ``XLA_FLAGS`` unless already there.
+      heartbeat_timeout_s: ``heartbeat_timeout_seconds`` of ``jax.distributed.initialize`` (seconds
+        without a heartbeat before a process is declared dead), >= 1; None: ``collective_timeout_s``
+        capped at 100 (config key ``parallel.heartbeat_timeout_s``).
 
     Returns:
       ``jax.random.key(seed)``.
@@ -415,11 +419,13 @@ def launch(
     """
     world_size, rank, host, port, local_rank, initialization_timeout, collective_timeout_s = _check_launch_args(
         rank, world_size, host, port, local_rank, initialization_timeout, cpu_collectives, collective_timeout_s)
+    heartbeat = (min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT) if heartbeat_timeout_s is None
+                 else _check_int("heartbeat_timeout_s", heartbeat_timeout_s, 1))
     device_ids = _device_ids(local_device_ids, local_rank)
     coordinator = _format_address(host, port)
     if world_size > 1:
         _initialize(coordinator, world_size, rank, device_ids, initialization_timeout, cpu_collectives,
-                    collective_timeout_s)
+                    collective_timeout_s, heartbeat)
     key = set_seed(seed)
     if verbose:
         get_dist_logger().info(
@@ -470,7 +476,7 @@ def _device_ids(local_device_ids, local_rank: int | None) -> list[int] | None:
 
 
 def _initialize(coordinator: str, world_size: int, rank: int, device_ids, initialization_timeout: int,
-                cpu_collectives: str | None, collective_timeout_s: int) -> None:
+                cpu_collectives: str | None, collective_timeout_s: int, heartbeat_s: int) -> None:
     """``jax.distributed.initialize`` with CPU collectives and timeouts set, and the fail-fast hook."""
     if backend_started():
         raise RuntimeError(
@@ -491,18 +497,19 @@ def _initialize(coordinator: str, world_size: int, rank: int, device_ids, initia
         # local_device_ids=None ("all") with [SLURM_LOCALID] and hiding the other GPUs
         cluster_detection_method="deactivate",
         initialization_timeout=initialization_timeout,
-        heartbeat_timeout_seconds=min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT),
+        heartbeat_timeout_seconds=heartbeat_s,
         shutdown_timeout_seconds=collective_timeout_s,
     )
     _install_fail_fast_excepthook()
 
 
-def _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives):
+def _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives, heartbeat_timeout_s=None):
     return dict(
         verbose=verbose,
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
         cpu_collectives=cpu_collectives,
+        heartbeat_timeout_s=heartbeat_timeout_s,
     )
 
 
@@ -513,6 +520,7 @@ def launch_from_env(
     local_device_ids: int | Sequence[int] | str | None = None,
     initialization_timeout: int = 300,
     cpu_collectives: str | None = "gloo",
+    heartbeat_timeout_s: int | None = None,
 ) -> jax.Array:
     """Launch from the torchrun-style environment; mirrors ``colossalai.launch_from_torch``.
 
@@ -524,7 +532,7 @@ def launch_from_env(
     empty value counts as unset.
 
     Args:
-      seed, verbose, local_device_ids, initialization_timeout, cpu_collectives: as in
+      seed, verbose, local_device_ids, initialization_timeout, cpu_collectives, heartbeat_timeout_s: as in
         :func:`launch` (``LOCAL_RANK`` becomes ``local_rank``).
 
     Returns:
@@ -536,7 +544,7 @@ def launch_from_env(
       ValueError: a variable that must be an integer is not (the message names it), or
         any ValueError of :func:`launch` (e.g. bad port).
     """
-    kwargs = _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives)
+    kwargs = _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives, heartbeat_timeout_s)
     if all(os.environ.get(n, "").strip() == "" for n in _TORCH_VARS):
         return set_seed(seed)
     v = _read_env(_TORCH_VARS, os.environ, strings=("MASTER_ADDR",), source="torchrun")

@@ -563,9 +563,9 @@ def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoad
     step_fn = make_train_step(plan, tx, lr_schedule(t))
     # parallel.overlap / bucket_size_mb: XLA's GPU flags, for a mesh of GPUs (none on other platforms)
     options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(plan.mesh),
-                                         double_buffers_loops(cfg))
+                                         double_buffers_loops(cfg), cfg.parallel.nccl_abort_on_error)
     if options:
-        log.info("XLA GPU options (parallel.overlap / bucket_size_mb): "
+        log.info("XLA GPU options (parallel.overlap / bucket_size_mb / nccl_abort_on_error): "
                  + " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()),
                  ranks=[0])
     log.info("compiling the train step", ranks=[0])
