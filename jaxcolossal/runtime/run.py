@@ -37,7 +37,8 @@ Restarts (``--max-restarts K``, as torchrun's; docs/fault_tolerance.md): when a 
 non-zero status, a signal, or the hang watchdog's status 75), every process is stopped as above and
 the whole group is started again, at most K times; each restart is printed with its cause, the rank
 and slot that failed, the attempt and rank 0's last logged step. Every process gets
-``JAXCOLOSSAL_RESTART_COUNT`` (0 on the first start), ``JAXCOLOSSAL_SLOT`` (its slot, stable across
+``JAXCOLOSSAL_RESTART_COUNT`` (0 on the first start; added to the count of an engine that restarts the
+launcher itself, e.g. a JobSet or ``sbatch --requeue``), ``JAXCOLOSSAL_SLOT`` (its slot, stable across
 restarts) and, from the first restart on, ``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX``
 slots: a shrunk run keeps its global batch, :func:`jaxcolossal.config.keep_global_batch`); the training loop
 then resumes from the newest checkpoint (``training.resume=false`` is taken as ``auto``). Status 2
@@ -80,6 +81,7 @@ from jaxcolossal.runtime.faults import (
     SLOT_ENV,
     describe_exit,
     parse_nproc,
+    restart_count,
     shrink_size,
 )
 
@@ -646,9 +648,15 @@ def _devices_per_proc(a: argparse.Namespace) -> int | None:
 
 def _env_factory(a: argparse.Namespace, timeout: int | None, port: int) -> Callable[[Sequence[int], int], list]:
     """``(slots, restart count) -> environments`` of one start: :func:`build_env` for ranks 0..n-1 over the
-    slots kept (``LOCAL_RANK`` the slot), plus the restart count, the slot and the planned devices. A new
-    free coordinator port at each restart unless ``--master-port`` was given."""
+    slots kept (``LOCAL_RANK`` the slot), plus the restart count (the launcher's own restarts added to
+    the count of an engine that restarts the launcher itself, :func:`restart_count` of its environment),
+    the slot and the planned devices. A new free coordinator port at each restart unless
+    ``--master-port`` was given."""
     planned = a.nnodes * a.nproc * (a.devices if a.platform == "cpu" else 1)
+    try:  # under an engine that restarts this launcher (a JobSet, sbatch --requeue): its count comes first
+        outer = restart_count(os.environ)
+    except ValueError as e:
+        _refuse(str(e))
 
     def make(slots: Sequence[int], restart: int) -> list[dict[str, str]]:
         p = port if restart == 0 or a.master_port else free_port(a.master_addr)
@@ -658,7 +666,7 @@ def _env_factory(a: argparse.Namespace, timeout: int | None, port: int) -> Calla
             env = build_env(os.environ, rank=a.node_rank * n + i, local_rank=slot, world_size=a.nnodes * n,
                             local_world_size=n, node_rank=a.node_rank, master_addr=a.master_addr, master_port=p,
                             platform=a.platform, devices_per_proc=a.devices, timeout=timeout)
-            env.update({RESTART_COUNT_ENV: str(restart), SLOT_ENV: str(slot)})
+            env.update({RESTART_COUNT_ENV: str(outer + restart), SLOT_ENV: str(slot)})
             if restart:  # a fresh run never changes its config (JAXCOLOSSAL_PLANNED_DEVICES: keep the global batch)
                 env[PLANNED_DEVICES_ENV] = str(planned)
             envs.append(env)
