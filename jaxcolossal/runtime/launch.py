@@ -400,9 +400,8 @@ def launch(
         ``shutdown_timeout_seconds`` and, capped at 100, ``heartbeat_timeout_seconds`` of
         ``jax.distributed.initialize``; when the CPU may be used,
         ``--xla_cpu_collective_timeout_seconds`` is added to ``XLA_FLAGS`` unless already there.
-      heartbeat_timeout_s: ``heartbeat_timeout_seconds`` of ``jax.distributed.initialize`` (seconds
-        without a heartbeat before a process is declared dead), >= 1; None: ``collective_timeout_s``
-        capped at 100 (config key ``parallel.heartbeat_timeout_s``).
+      heartbeat_timeout_s: seconds without a heartbeat before a process is declared dead, >= 1
+        (``parallel.heartbeat_timeout_s``); None: ``collective_timeout_s`` capped at 100.
 
     Returns:
       ``jax.random.key(seed)``.
@@ -419,13 +418,11 @@ def launch(
     """
     world_size, rank, host, port, local_rank, initialization_timeout, collective_timeout_s = _check_launch_args(
         rank, world_size, host, port, local_rank, initialization_timeout, cpu_collectives, collective_timeout_s)
-    heartbeat = (min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT) if heartbeat_timeout_s is None
-                 else _check_int("heartbeat_timeout_s", heartbeat_timeout_s, 1))
     device_ids = _device_ids(local_device_ids, local_rank)
     coordinator = _format_address(host, port)
     if world_size > 1:
         _initialize(coordinator, world_size, rank, device_ids, initialization_timeout, cpu_collectives,
-                    collective_timeout_s, heartbeat)
+                    collective_timeout_s, heartbeat_timeout_s)
     key = set_seed(seed)
     if verbose:
         get_dist_logger().info(
@@ -476,8 +473,11 @@ def _device_ids(local_device_ids, local_rank: int | None) -> list[int] | None:
 
 
 def _initialize(coordinator: str, world_size: int, rank: int, device_ids, initialization_timeout: int,
-                cpu_collectives: str | None, collective_timeout_s: int, heartbeat_s: int) -> None:
-    """``jax.distributed.initialize`` with CPU collectives and timeouts set, and the fail-fast hook."""
+                cpu_collectives: str | None, collective_timeout_s: int, heartbeat_s: int | None) -> None:
+    """``jax.distributed.initialize`` with CPU collectives and timeouts set, and the fail-fast hook;
+    ``heartbeat_s`` None: the collective timeout capped at 100 s."""
+    heartbeat_s = (min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT) if heartbeat_s is None
+                   else _check_int("heartbeat_timeout_s", heartbeat_s, 1))
     if backend_started():
         raise RuntimeError(
             "launch() must run before any JAX computation: the backend has already "

@@ -7,6 +7,7 @@ import pytest
 from jaxcolossal.config import ConfigError, config_from_dict, keep_global_batch, resume_on_restart
 from jaxcolossal.runtime import faults as F
 from jaxcolossal.runtime import run as R
+from jaxcolossal.runtime.launch import coordinator_port
 
 
 @pytest.mark.parametrize("env, want", [
@@ -157,8 +158,6 @@ def test_keep_global_batch_refuses_a_layout_not_valid_on_fewer_devices():
 
 # ------------------------------------------------------------------ the coordinator's port under torchrun
 def test_coordinator_port_avoids_torchruns_agent_store():
-    from jaxcolossal.runtime.launch import coordinator_port
-
     assert coordinator_port({"MASTER_PORT": "29500"}) == 29500
     assert coordinator_port({"MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "False"}) == 29500
     # the elastic agent's TCPStore listens on MASTER_PORT: jax's coordinator takes the next port
