@@ -166,7 +166,18 @@ class _Proc:
     log_file: IO | None = None
     slot: int | None = None
     ended: float | None = None
-    """When the supervisor first saw it ended (``time.monotonic()``): which process failed first."""
+    """When it ended (``time.monotonic()``, set by its waiter thread right after ``waitpid``): which
+    process failed first, also when the others fail a few milliseconds later (a peer gone)."""
+
+
+def _watch(p: _Proc) -> None:
+    """Start ``p``'s waiter thread: it reaps the process as soon as it ends and records when."""
+    def wait() -> None:
+        p.popen.wait()
+        p.ended = time.monotonic()
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    p.threads.append(t)
 
 
 @dataclass
@@ -357,11 +368,14 @@ def _start(cmd: Sequence[str], env: Mapping[str, str], rank: int, path: str, str
         popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log_file, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
         _write_pid(path, popen.pid)
-        return _Proc(rank, popen, path, time.monotonic(), log_file=log_file, slot=slot)
+        p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file, slot=slot)
+        _watch(p)
+        return p
     popen = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, start_new_session=True)
     _write_pid(path, popen.pid)
     p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file, slot=slot)
+    _watch(p)
     out, err = getattr(sys.stdout, "buffer", None), getattr(sys.stderr, "buffer", None)
     for src, dst in ((popen.stdout, out), (popen.stderr, err)):
         t = threading.Thread(target=_pump, args=(src, [log_file], dst), daemon=True)
@@ -374,18 +388,14 @@ def _check(procs: list[_Proc], stop_signal: list[int], stream_rank: int | None, 
            kill_grace: float, first_clean_exit: list[float]) -> _Outcome | None:
     """One look at the processes: how the group ended once it is over (a signal, a failure, all
     done, or the rest not following a clean exit in time), else ``None``."""
-    now = time.monotonic()
-    for p in procs:
-        if p.ended is None and p.popen.poll() is not None:
-            p.ended = now
     running = [p for p in procs if p.ended is None]
-    failed = [p for p in procs if p.popen.returncode not in (None, 0)]
+    failed = [p for p in procs if p.ended is not None and p.popen.returncode != 0]
     if stop_signal:
         _say(f"received signal {stop_signal[0]}; stopping {len(running)} process(es)")
         _stop_all(procs, kill_grace)
         return _Outcome(128 + stop_signal[0])
     if failed:
-        first = min(failed, key=lambda p: (p.ended, p.rank))
+        first = min(failed, key=lambda p: (p.ended, p.rank))  # the others may only be reacting to it
         code = first.popen.returncode
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
         _say(f"rank {first.rank} {what} after {_uptime(first):.1f} s; "

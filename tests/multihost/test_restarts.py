@@ -87,6 +87,32 @@ def test_a_slot_failing_at_every_start_ends_the_job_after_k_restarts(tmp_path):
     assert (logs / "rank1.log").read_text().count("FAULT slot 1 fails at start") == 3
 
 
+@pytest.mark.timeout(60)
+def test_the_rank_that_died_first_is_blamed_not_the_peer_that_reacted(tmp_path):
+    # rank 1 kills itself; rank 0 (a lower rank) exits with 1 a few milliseconds later, as a survivor
+    # whose gloo peer vanished does: both end within one of the launcher's polls (0.1 s), and the
+    # cause must still be rank 1's SIGKILL (each process's end is timed by its own waiter thread)
+    prog = _script(tmp_path, "die_first.py", """
+        import os, signal, sys, time
+        marker = os.path.join(os.environ["OUT"], "dead" + os.environ["JAXCOLOSSAL_RESTART_COUNT"])
+        if os.environ["JAXCOLOSSAL_RESTART_COUNT"] != "0":
+            sys.exit(0)
+        if os.environ["RANK"] == "1":
+            time.sleep(0.5)
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        while not os.path.exists(marker):
+            time.sleep(0.001)
+        time.sleep(0.005)
+        sys.exit(1)
+    """)
+    res = run(launcher(2, prog, log_dir=tmp_path / "logs",
+                       extra=("--platform", "cpu", "--max-restarts", "1", "--kill-grace", "1")),
+              clean_env(OUT=str(tmp_path)), timeout=40)
+    assert res.returncode == 0, res.describe()
+    assert "restart 1/1: rank 1 (slot 1) killed by SIGKILL" in res.stderr, res.describe()
+
+
 # ------------------------------------------------------------------ real training runs
 def _train_args(tmp_path: Path, name: str, *extra: str) -> list[str]:
     return [*TINY, f"logging.run_dir={tmp_path / name / 'run'}", f"checkpoint.dir={tmp_path / name / 'ckpt'}",
