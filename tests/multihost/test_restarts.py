@@ -113,6 +113,37 @@ def test_the_rank_that_died_first_is_blamed_not_the_peer_that_reacted(tmp_path):
     assert "restart 1/1: rank 1 (slot 1) killed by SIGKILL" in res.stderr, res.describe()
 
 
+SLOT_FAILS = """
+    import os, sys
+    if os.environ["JAXCOLOSSAL_SLOT"] == os.environ["BAD_SLOT"]:
+        sys.exit(1)
+    sys.stdout.write("RUN rank " + os.environ["RANK"] + " of " + os.environ["WORLD_SIZE"] + " slot "
+                     + os.environ["JAXCOLOSSAL_SLOT"] + " planned " + os.environ.get("JAXCOLOSSAL_PLANNED_DEVICES", "-")
+                     + " " + os.environ["XLA_FLAGS"] + "\\n")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_shrink_drops_a_slot_failing_twice_and_restarts_on_a_divisor_of_max(tmp_path):
+    prog = _script(tmp_path, "slot_fails.py", SLOT_FAILS)
+    logs = tmp_path / "logs"
+    res = run(launcher("2:4", prog, log_dir=logs, extra=("--platform", "cpu", "--max-restarts", "2", "--kill-grace", "1")),
+              clean_env(BAD_SLOT="3"), timeout=40)
+    assert res.returncode == 0, res.describe()
+    assert "slot 3 failed first in 2 starts in a row: dropped; shrinking to 2 process(es) on slots [0, 1]" in res.stderr
+    # the third start: 2 processes, ranks renumbered over the slots kept, 2 devices each of the 8 planned
+    assert "RUN rank 0 of 2 slot 0 planned 8 --xla_force_host_platform_device_count=2" in res.stdout, res.describe()
+    assert "RUN rank 1 of 2 slot 1 planned 8" in (logs / "rank1.log").read_text()
+    # no count n with 3 <= n <= 3 divides 4: one line, status 1
+    res = run(launcher("3:4", prog, log_dir=tmp_path / "logs3",
+                       extra=("--platform", "cpu", "--max-restarts", "2", "--kill-grace", "1")),
+              clean_env(BAD_SLOT="0"), timeout=40)
+    assert res.returncode == 1, res.describe()
+    assert re.fullmatch(r"jaxcolossal\.run: slot 0 failed first in 2 starts in a row and was dropped; 3 slot\(s\) "
+                        r"remain, and no count n with 3 <= n <= 3 divides 4; giving up; logs in .*",
+                        res.stderr.strip().splitlines()[-1]), res.describe()
+
+
 # ------------------------------------------------------------------ real training runs
 def _train_args(tmp_path: Path, name: str, *extra: str) -> list[str]:
     return [*TINY, f"logging.run_dir={tmp_path / name / 'run'}", f"checkpoint.dir={tmp_path / name / 'ckpt'}",
