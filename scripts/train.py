@@ -102,7 +102,8 @@ def run(args) -> int:
         return dry_run(cfg, args)
     jc.gpu_memory_fraction()  # 0.9 of each GPU's memory, as the planner plans (jax's default: 0.75)
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
-    jc.launch_from_env(seed=cfg.training.seed, verbose=False)
+    jc.launch_from_env(seed=cfg.training.seed, verbose=False,
+                       heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s or None)
     from jaxcolossal.train.loop import evaluate_only, train  # heavy: orbax and tensorstore, for training runs only
     if args.eval_only:
         evaluate_only(cfg)

@@ -207,7 +207,7 @@ def compile_for(cfg: Config, target: Target, num_devices: int, devices_per_host:
     tx = build_optimizer(cfg.training, plan)
     step = make_train_step(plan, tx, lr_schedule(cfg.training))
     options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(mesh),
-                                         double_buffers_loops(cfg))
+                                         double_buffers_loops(cfg), cfg.parallel.nccl_abort_on_error)
     messages: list = []
     t0 = time.perf_counter()
     with _captured_stderr(messages):

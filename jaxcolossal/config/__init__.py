@@ -38,6 +38,7 @@ from jaxcolossal.config.load import (
                                         parse_overrides,
 )
 from jaxcolossal.config.reference import config_help, config_reference_markdown, field_docs
+from jaxcolossal.config.restart import keep_global_batch, resume_on_restart
 from jaxcolossal.config.schema import (
                                         Bytes,
                                         CheckpointConfig,
@@ -65,5 +66,5 @@ __all__ = [
     "PrecisionConfig", "Range", "TrainingConfig", "all_keys", "check_ranges", "config_from_dict", "expand_path",
     "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "parse_step_range", "StepRange", "pipeline_microbatches", "precision_label",
     "prefetches_weights",
-    "reduces_layerwise", "validate", "weight_gather_dtype",
+    "reduces_layerwise", "validate", "weight_gather_dtype", "keep_global_batch", "resume_on_restart",
 ]

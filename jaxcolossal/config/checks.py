@@ -102,6 +102,7 @@ RANGES: dict[str, Range] = {
     "parallel.collective_matmul_min_seq": Range(0, note="0: every sequence length"),
     "parallel.compression_warmup_steps": Range(0, note="0: compress from the first step"),
     "parallel.bucket_size_mb": Range(0, note="0: XLA's default thresholds"),
+    "parallel.heartbeat_timeout_s": Range(0, note="0: the collective timeout, at most 100"),
     "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
     "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,
     "precision.hysteresis": _POS, "precision.min_scale": _GT0, "precision.max_scale": _GT0,

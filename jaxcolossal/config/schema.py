@@ -489,6 +489,20 @@ class ParallelConfig:
     """XLA's combine threshold for collectives, in MiB, >= 0; 0: XLA's defaults. Like Colossal-AI's
     ``reduce_bucket_size_in_m``: small all-reduces, all-gathers and reduce-scatters are combined into
     one up to this size (GPU flags, :mod:`jaxcolossal.runtime.xla_flags`)."""
+    heartbeat_timeout_s: int = 0
+    """Seconds without a heartbeat after which ``jax.distributed``'s coordination service declares a
+    process dead and fails the others (``jax.distributed.initialize(heartbeat_timeout_seconds=...)``),
+    >= 0; 0 (the default): the collective timeout (``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, default 300)
+    capped at jax's own 100. Lower it so that a dead host ends the job sooner and a launcher
+    (``python -m jaxcolossal.run --max-restarts``, docs/fault_tolerance.md) restarts it; multi-process
+    runs only (read by scripts/train.py's ``launch_from_env``)."""
+    nccl_abort_on_error: bool = False
+    """Let a failed NCCL collective abort and return an error instead of hanging (default false): XLA's
+    ``--xla_gpu_nccl_terminate_on_error=false``, ``--xla_gpu_nccl_async_execution=true`` and
+    ``--xla_gpu_nccl_blocking_communicators=false`` as the train step's compile options, on a mesh of
+    GPUs only (none on other platforms; a flag you set in ``XLA_FLAGS`` wins;
+    :data:`jaxcolossal.runtime.xla_flags.NCCL_ABORT_OPTIONS`). The process then exits with the error,
+    and a launcher with restarts starts the group again (docs/fault_tolerance.md)."""
     sequence_parallel_size: int = 1
     """The mesh axis ``sp``, >= 1 or ``-1``: the sequence of every activation is split over it (context
     parallelism). Above 1 it needs ``sequence_parallelism_mode`` ``all_to_all`` or ``ring_attn``

@@ -58,6 +58,8 @@ __all__ = [
     "collective_timeout",
     "COLLECTIVE_TIMEOUT_ENV",
     "WATCHDOG_EXIT_CODE",
+    "COORDINATOR_PORT_ENV",
+    "coordinator_port",
 ]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -363,6 +365,7 @@ def launch(
     initialization_timeout: int = 300,
     cpu_collectives: str | None = "gloo",
     collective_timeout_s: int | None = None,
+    heartbeat_timeout_s: int | None = None,
 ) -> jax.Array:
     """Join the distributed JAX job and seed the RNGs; mirrors ``colossalai.launch``.
 
@@ -397,6 +400,8 @@ def launch(
         ``shutdown_timeout_seconds`` and, capped at 100, ``heartbeat_timeout_seconds`` of
         ``jax.distributed.initialize``; when the CPU may be used,
         ``--xla_cpu_collective_timeout_seconds`` is added to ``XLA_FLAGS`` unless already there.
+      heartbeat_timeout_s: seconds without a heartbeat before a process is declared dead, >= 1
+        (``parallel.heartbeat_timeout_s``); None: ``collective_timeout_s`` capped at 100.
 
     Returns:
       ``jax.random.key(seed)``.
@@ -417,7 +422,7 @@ def launch(
     coordinator = _format_address(host, port)
     if world_size > 1:
         _initialize(coordinator, world_size, rank, device_ids, initialization_timeout, cpu_collectives,
-                    collective_timeout_s)
+                    collective_timeout_s, heartbeat_timeout_s)
     key = set_seed(seed)
     if verbose:
         get_dist_logger().info(
@@ -468,8 +473,11 @@ def _device_ids(local_device_ids, local_rank: int | None) -> list[int] | None:
 
 
 def _initialize(coordinator: str, world_size: int, rank: int, device_ids, initialization_timeout: int,
-                cpu_collectives: str | None, collective_timeout_s: int) -> None:
-    """``jax.distributed.initialize`` with CPU collectives and timeouts set, and the fail-fast hook."""
+                cpu_collectives: str | None, collective_timeout_s: int, heartbeat_s: int | None) -> None:
+    """``jax.distributed.initialize`` with CPU collectives and timeouts set, and the fail-fast hook;
+    ``heartbeat_s`` None: the collective timeout capped at 100 s."""
+    heartbeat_s = (min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT) if heartbeat_s is None
+                   else _check_int("heartbeat_timeout_s", heartbeat_s, 1))
     if backend_started():
         raise RuntimeError(
             "launch() must run before any JAX computation: the backend has already "
@@ -489,18 +497,19 @@ def _initialize(coordinator: str, world_size: int, rank: int, device_ids, initia
         # local_device_ids=None ("all") with [SLURM_LOCALID] and hiding the other GPUs
         cluster_detection_method="deactivate",
         initialization_timeout=initialization_timeout,
-        heartbeat_timeout_seconds=min(collective_timeout_s, _MAX_HEARTBEAT_TIMEOUT),
+        heartbeat_timeout_seconds=heartbeat_s,
         shutdown_timeout_seconds=collective_timeout_s,
     )
     _install_fail_fast_excepthook()
 
 
-def _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives):
+def _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives, heartbeat_timeout_s=None):
     return dict(
         verbose=verbose,
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
         cpu_collectives=cpu_collectives,
+        heartbeat_timeout_s=heartbeat_timeout_s,
     )
 
 
@@ -511,16 +520,19 @@ def launch_from_env(
     local_device_ids: int | Sequence[int] | str | None = None,
     initialization_timeout: int = 300,
     cpu_collectives: str | None = "gloo",
+    heartbeat_timeout_s: int | None = None,
 ) -> jax.Array:
     """Launch from the torchrun-style environment; mirrors ``colossalai.launch_from_torch``.
 
     Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-    (set by ``torchrun`` or by hand) and calls :func:`launch`. If NONE of them is set
+    (set by ``torchrun`` or by hand) and calls :func:`launch`, with the coordinator on
+    :func:`coordinator_port` (``MASTER_PORT``, or ``MASTER_PORT + 1`` under torchrun's elastic agent,
+    whose own store holds ``MASTER_PORT``). If NONE of them is set
     it is a single-process run: nothing is initialised, the RNGs are just seeded. An
     empty value counts as unset.
 
     Args:
-      seed, verbose, local_device_ids, initialization_timeout, cpu_collectives: as in
+      seed, verbose, local_device_ids, initialization_timeout, cpu_collectives, heartbeat_timeout_s: as in
         :func:`launch` (``LOCAL_RANK`` becomes ``local_rank``).
 
     Returns:
@@ -532,14 +544,41 @@ def launch_from_env(
       ValueError: a variable that must be an integer is not (the message names it), or
         any ValueError of :func:`launch` (e.g. bad port).
     """
-    kwargs = _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives)
+    kwargs = _launch_kwargs(verbose, local_device_ids, initialization_timeout, cpu_collectives, heartbeat_timeout_s)
     if all(os.environ.get(n, "").strip() == "" for n in _TORCH_VARS):
         return set_seed(seed)
     v = _read_env(_TORCH_VARS, os.environ, strings=("MASTER_ADDR",), source="torchrun")
     return launch(
         rank=v["RANK"], world_size=v["WORLD_SIZE"], host=v["MASTER_ADDR"],
-        port=v["MASTER_PORT"], local_rank=v["LOCAL_RANK"], seed=seed, **kwargs,
+        port=coordinator_port(os.environ), local_rank=v["LOCAL_RANK"], seed=seed, **kwargs,
     )
+
+
+COORDINATOR_PORT_ENV = "JAXCOLOSSAL_COORDINATOR_PORT"
+"""The port of ``jax.distributed``'s coordinator when it must differ from ``MASTER_PORT`` (read by
+:func:`coordinator_port`)."""
+
+
+def coordinator_port(env: Mapping[str, str]) -> int:
+    """The port :func:`launch_from_env` gives ``jax.distributed``'s coordinator (on ``MASTER_ADDR``):
+    ``$JAXCOLOSSAL_COORDINATOR_PORT`` when set; else, under torchrun's elastic agent with its store shared
+    with the workers (``TORCHELASTIC_USE_AGENT_STORE=True``: the agent's own TCPStore already listens on
+    ``MASTER_PORT``), ``MASTER_PORT + 1``; else ``MASTER_PORT``. The same on every process, with no
+    exchange (docs/fault_tolerance.md).
+
+    Raises:
+        RuntimeError: ``MASTER_PORT`` is unset (and no coordinator port is given).
+        ValueError: a port that is not an integer, or ``MASTER_PORT + 1`` above 65535.
+    """
+    if env.get(COORDINATOR_PORT_ENV, "").strip():
+        return int(_read_env((COORDINATOR_PORT_ENV,), env, source="the user")[COORDINATOR_PORT_ENV])
+    port = int(_read_env(("MASTER_PORT",), env, source="torchrun")["MASTER_PORT"])
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() != "true":
+        return port
+    if port >= 65535:
+        raise ValueError(f"MASTER_PORT={port} is torchrun's agent store; the coordinator takes MASTER_PORT + 1, "
+                         f"which is not a port: set {COORDINATOR_PORT_ENV}")
+    return port + 1
 
 
 launch_from_torch = launch_from_env

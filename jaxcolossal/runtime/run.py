@@ -32,6 +32,30 @@ barrier waits for every process) or they are stopped the same way and the launch
 status 1. ``--timeout`` (default ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT`` or 300 s) is also passed to
 the processes as ``JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, the collective timeout of
 :mod:`jaxcolossal.runtime.launch`. SIGINT/SIGTERM to the launcher stop every process the same way.
+
+Restarts (``--max-restarts K``, as torchrun's; docs/fault_tolerance.md): when a process fails (a
+non-zero status, a signal, or the hang watchdog's status 75), every process is stopped as above and
+the whole group is started again, at most K times; each restart is printed with its cause, the rank
+and slot that failed, the attempt and rank 0's last logged step. Every process gets
+``JAXCOLOSSAL_RESTART_COUNT`` (0 on the first start; added to the count of an engine that restarts the
+launcher itself, e.g. a JobSet or ``sbatch --requeue``), ``JAXCOLOSSAL_SLOT`` (its slot, stable across
+restarts) and, from the first restart on, ``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX``
+slots: a shrunk run keeps its global batch, :func:`jaxcolossal.config.keep_global_batch`); the training loop
+then resumes from the newest checkpoint (``training.resume=false`` is taken as ``auto``). Status 2
+(a config error, the same at every start), a clean exit that the others do not follow and a signal
+to the launcher are never restarted. When the K restarts are used up, one line says why and the
+launcher exits with 1. ``<log-dir>/rank<r>.pid`` holds each process's pid (rewritten at every start);
+``<log-dir>/rank<r>.log`` is appended to at each restart, after a line
+``===== jaxcolossal.run attempt A (restart R): rank r of n, slot s =====``.
+
+Shrink (``--nproc MIN:MAX``, with ``--max-restarts``): MAX processes start. A slot whose process is the
+first to fail in :data:`DROP_AFTER` (2) attempts in a row is dropped, and the group restarts on
+the largest count n with MIN <= n <= the slots left that divides MAX
+(:func:`jaxcolossal.runtime.faults.shrink_size`: 4 -> 2, 8 -> 4), each process keeping its
+``--devices-per-proc``; ``RANK`` is renumbered 0..n-1 over the slots kept (``LOCAL_RANK`` is the
+slot, so that a process keeps its slot's GPU). When no such n remains, one line and exit 1. A
+shrink uses one of the K restarts. Restarts and shrink are for one machine (``--nnodes 1``); across
+machines use SLURM ``--requeue``, a Kubernetes JobSet or torchrun's elastic agent.
 """
 from __future__ import annotations
 
@@ -48,15 +72,30 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
-__all__ = ["main", "build_env", "free_port", "run_processes", "DEFAULT_TOTAL_DEVICES"]
+from jaxcolossal.runtime.faults import (
+    CONFIG_ERROR_EXIT_CODE,
+    PLANNED_DEVICES_ENV,
+    RESTART_COUNT_ENV,
+    SLOT_ENV,
+    describe_exit,
+    parse_nproc,
+    restart_count,
+    shrink_size,
+)
+
+__all__ = ["main", "build_env", "free_port", "run_processes", "run_with_restarts", "DEFAULT_TOTAL_DEVICES",
+           "DROP_AFTER"]
 
 DEFAULT_TOTAL_DEVICES = 8
 _TIMEOUT_ENV = "JAXCOLOSSAL_COLLECTIVE_TIMEOUT"  # = jaxcolossal.runtime.launch.COLLECTIVE_TIMEOUT_ENV
 _DEFAULT_TIMEOUT = 300
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _PREFIX = "jaxcolossal.run"
+DROP_AFTER = 2
+"""With ``--nproc MIN:MAX``: a slot whose process is the first to fail in this many attempts in a row
+is dropped and the group shrinks."""
 
 
 # ------------------------------------------------------------------------ environment
@@ -125,6 +164,29 @@ class _Proc:
     started: float
     threads: list = field(default_factory=list)
     log_file: IO | None = None
+    slot: int | None = None
+    ended: float | None = None
+    """When it ended (``time.monotonic()``, set by its waiter thread right after ``waitpid``): which
+    process failed first, also when the others fail a few milliseconds later (a peer gone)."""
+
+
+def _watch(p: _Proc) -> None:
+    """Start ``p``'s waiter thread: it reaps the process as soon as it ends and records when."""
+    def wait() -> None:
+        p.popen.wait()
+        p.ended = time.monotonic()
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    p.threads.append(t)
+
+
+@dataclass
+class _Outcome:
+    """How one start of the group ended: the launcher's status and, for a failed process, which."""
+
+    status: int
+    failed: _Proc | None = None
+    restartable: bool = False
 
 
 _QUIET = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks "
@@ -231,7 +293,8 @@ def run_processes(
     Args:
       cmd: the command (argv) every process runs.
       envs: one environment per process.
-      ranks: the global rank of each process (names the log files ``rank<r>.log``).
+      ranks: the global rank of each process (names the log files ``rank<r>.log`` and the pid files
+        ``rank<r>.pid``).
       log_dir: folder of the log files (created).
       stream_rank: the rank whose output is also streamed to this process's stdout/stderr.
       exit_timeout: after a process ends with 0, seconds the others have to end too.
@@ -241,17 +304,30 @@ def run_processes(
       0 when every process ended with 0; else the status of the first process that failed
       (128 + N for signal N), or 1 when the others did not follow a clean exit in time.
     """
+    return _attempt(cmd, envs, ranks, log_dir, stream_rank=stream_rank, exit_timeout=exit_timeout,
+                    kill_grace=kill_grace, poll=poll).status
+
+
+def _attempt(cmd: Sequence[str], envs: Sequence[Mapping[str, str]], ranks: Sequence[int], log_dir: str, *,
+             stream_rank: int | None, exit_timeout: float, kill_grace: float, poll: float = 0.1,
+             slots: Sequence[int] | None = None, header: str | None = None, append: bool = False) -> _Outcome:
+    """One start of the group (:func:`run_processes`), with, for restarts, each process's ``slot``, a
+    ``header`` line (``{rank}`` and ``{slot}`` filled in) at the top of its part of the log, and the
+    logs appended to instead of truncated."""
     os.makedirs(log_dir, exist_ok=True)
     procs: list[_Proc] = []
+    slots = list(slots) if slots is not None else [None] * len(ranks)
     with _caught_signals() as stop_signal:
         try:
-            for rank, env in zip(ranks, envs):
-                procs.append(_start(cmd, env, rank, os.path.join(log_dir, f"rank{rank}.log"), rank == stream_rank))
+            for rank, env, slot in zip(ranks, envs, slots):
+                head = header.format(rank=rank, slot=slot) if header else None
+                procs.append(_start(cmd, env, rank, os.path.join(log_dir, f"rank{rank}.log"), rank == stream_rank,
+                                    slot=slot, header=head, append=append))
             first_clean_exit: list[float] = []
             while True:
-                status = _check(procs, stop_signal, stream_rank, exit_timeout, kill_grace, first_clean_exit)
-                if status is not None:
-                    return status
+                outcome = _check(procs, stop_signal, stream_rank, exit_timeout, kill_grace, first_clean_exit)
+                if outcome is not None:
+                    return outcome
                 time.sleep(poll)
         finally:
             _clean_up(procs)
@@ -272,16 +348,34 @@ def _caught_signals():
             signal.signal(sig, handler)
 
 
-def _start(cmd: Sequence[str], env: Mapping[str, str], rank: int, path: str, stream: bool) -> _Proc:
-    """One process, its output to ``path`` (and, when ``stream``, to this process's stdout/stderr too)."""
-    log_file = open(path, "wb")
+def _write_pid(log_path: str, pid: int) -> None:
+    """``rank<r>.pid`` beside ``rank<r>.log``: the process's pid, written whole (renamed into place)."""
+    path = log_path[: -len(".log")] + ".pid"
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{pid}\n")
+    os.replace(path + ".tmp", path)
+
+
+def _start(cmd: Sequence[str], env: Mapping[str, str], rank: int, path: str, stream: bool, *,
+           slot: int | None = None, header: str | None = None, append: bool = False) -> _Proc:
+    """One process, its output to ``path`` (and, when ``stream``, to this process's stdout/stderr too),
+    its pid to ``rank<r>.pid``; ``header`` first in the log, which ``append`` keeps instead of truncating."""
+    log_file = open(path, "ab" if append else "wb")
+    if header:
+        log_file.write(header.encode() + b"\n")
+        log_file.flush()
     if not stream:
         popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log_file, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
-        return _Proc(rank, popen, path, time.monotonic(), log_file=log_file)
+        _write_pid(path, popen.pid)
+        p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file, slot=slot)
+        _watch(p)
+        return p
     popen = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, start_new_session=True)
-    p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file)
+    _write_pid(path, popen.pid)
+    p = _Proc(rank, popen, path, time.monotonic(), log_file=log_file, slot=slot)
+    _watch(p)
     out, err = getattr(sys.stdout, "buffer", None), getattr(sys.stderr, "buffer", None)
     for src, dst in ((popen.stdout, out), (popen.stderr, err)):
         t = threading.Thread(target=_pump, args=(src, [log_file], dst), daemon=True)
@@ -291,36 +385,41 @@ def _start(cmd: Sequence[str], env: Mapping[str, str], rank: int, path: str, str
 
 
 def _check(procs: list[_Proc], stop_signal: list[int], stream_rank: int | None, exit_timeout: float,
-           kill_grace: float, first_clean_exit: list[float]) -> int | None:
-    """One look at the processes: the job's exit status once it is over (a signal, a failure, all
+           kill_grace: float, first_clean_exit: list[float]) -> _Outcome | None:
+    """One look at the processes: how the group ended once it is over (a signal, a failure, all
     done, or the rest not following a clean exit in time), else ``None``."""
-    running = [p for p in procs if p.popen.poll() is None]
-    failed = [p for p in procs if p.popen.returncode not in (None, 0)]
+    running = [p for p in procs if p.ended is None]
+    failed = [p for p in procs if p.ended is not None and p.popen.returncode != 0]
     if stop_signal:
         _say(f"received signal {stop_signal[0]}; stopping {len(running)} process(es)")
         _stop_all(procs, kill_grace)
-        return 128 + stop_signal[0]
+        return _Outcome(128 + stop_signal[0])
     if failed:
-        first = min(failed, key=lambda p: p.rank)
+        first = min(failed, key=lambda p: (p.ended, p.rank))  # the others may only be reacting to it
         code = first.popen.returncode
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        _say(f"rank {first.rank} {what} after {time.monotonic() - first.started:.1f} s; "
+        _say(f"rank {first.rank} {what} after {_uptime(first):.1f} s; "
              f"stopping the other {len(running)} process(es)")
         _stop_all(procs, kill_grace)
         if first.rank != stream_rank:
             tail = _tail(first.log_path)
             _say(f"last lines of {first.log_path}:\n{tail}" if tail else f"log: {first.log_path}")
-        return _exit_status(code)
+        return _Outcome(_exit_status(code), first, restartable=code != CONFIG_ERROR_EXIT_CODE)
     if not running:
-        return 0
+        return _Outcome(0)
     if len(running) < len(procs):  # some ended with 0, the rest still runs
         first_clean_exit[:] = first_clean_exit or [time.monotonic()]
         if time.monotonic() - first_clean_exit[0] > exit_timeout + kill_grace:
             _say(f"rank(s) {', '.join(str(p.rank) for p in running)} still running {exit_timeout + kill_grace:.0f} s "
                  "after another rank finished; stopping them (a collective mismatch or a hang?)")
             _stop_all(procs, kill_grace)
-            return 1
+            return _Outcome(1)
     return None
+
+
+def _uptime(p: _Proc) -> float:
+    """Seconds ``p`` ran: until it was seen ended, else until now."""
+    return (p.ended if p.ended is not None else time.monotonic()) - p.started
 
 
 def _clean_up(procs: list[_Proc]) -> None:
@@ -331,6 +430,138 @@ def _clean_up(procs: list[_Proc]) -> None:
             t.join(timeout=5)
         if p.log_file:
             p.log_file.close()
+
+
+# ------------------------------------------------------------------------ restarts
+_STEP_LINE = re.compile(rb"\bstep (\d+)/\d+")
+_RESUMED_LINE = re.compile(rb"resumed from step (\d+)")
+_FRESH_LINE = re.compile(rb"no checkpoint in .*, starting fresh")
+
+
+def _log_progress(path: str, offset: int) -> tuple[int | None, int | None]:
+    """``(last step, resumed from)`` in rank 0's log from byte ``offset`` on (one start's part): the
+    training loop's last ``step N/M`` line and its ``resumed from step S`` (0 for a fresh start), each
+    ``None`` when absent."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return None, None
+    steps = _STEP_LINE.findall(data)
+    resumed = _RESUMED_LINE.search(data)
+    start = int(resumed.group(1)) if resumed else (0 if _FRESH_LINE.search(data) else None)
+    return (int(steps[-1]) if steps else None), start
+
+
+@dataclass
+class _Restarts:
+    """The restart loop's state: the slots still healthy, the failure streak and what each start lost."""
+
+    low: int
+    high: int
+    max_restarts: int
+    healthy: list[int]
+    active: list[int]
+    count: int = 0
+    streak: tuple[int | None, int] = (None, 0)
+    history: list[str] = field(default_factory=list)
+    """One line per restart: its cause and rank 0's last logged step (the steps lost added later)."""
+    failed_at: int | None = None
+    """Rank 0's last logged step in the start that failed last."""
+    reason: str = ""
+    """Why the job gave up (one line), when it did."""
+
+    def record_failure(self, slot: int) -> int:
+        """Count ``slot``'s failure; returns its failures in a row (as the first process to fail)."""
+        self.streak = (slot, self.streak[1] + 1 if self.streak[0] == slot else 1)
+        return self.streak[1]
+
+
+def run_with_restarts(
+    cmd: Sequence[str],
+    make_envs: Callable[[Sequence[int], int], list[dict[str, str]]],
+    log_dir: str,
+    *,
+    nproc: tuple[int, int],
+    max_restarts: int,
+    exit_timeout: float = _DEFAULT_TIMEOUT,
+    kill_grace: float = 5.0,
+) -> int:
+    """Supervise the group with up to ``max_restarts`` restarts (the module's doc: restarts, shrink).
+
+    Args:
+      cmd: the command every process runs.
+      make_envs: ``(slots, restart count) -> environments``, one per slot, in rank order.
+      log_dir: folder of ``rank<r>.log`` and ``rank<r>.pid``.
+      nproc: ``(MIN, MAX)``; ``MIN == MAX`` never shrinks.
+      max_restarts: restarts allowed (0: the first failure ends the job with its status).
+      exit_timeout, kill_grace: as in :func:`run_processes`.
+
+    Returns:
+      0 when a start ended with every process done; the failing process's status (as
+      :func:`run_processes`) when it is not restarted (``max_restarts`` 0, a config error); 1 when the
+      restarts are used up or no group of at least MIN processes remains (one line says why).
+    """
+    low, high = nproc
+    st = _Restarts(low, high, max_restarts, healthy=list(range(high)), active=list(range(high)))
+    rank0_log = os.path.join(log_dir, "rank0.log")
+    while True:
+        offset = os.path.getsize(rank0_log) if st.count and os.path.exists(rank0_log) else 0
+        header = (f"===== {_PREFIX} attempt {st.count + 1} (restart {st.count}): rank {{rank}} of {len(st.active)}, "
+                  f"slot {{slot}} =====") if max_restarts or low < high else None
+        outcome = _attempt(cmd, make_envs(st.active, st.count), list(range(len(st.active))), log_dir,
+                           stream_rank=0, exit_timeout=exit_timeout, kill_grace=kill_grace, slots=st.active,
+                           header=header, append=st.count > 0)
+        last_step, resumed = _log_progress(rank0_log, offset)
+        if st.history and resumed is not None:
+            lost = f" ({st.failed_at - resumed} step(s) lost)" if st.failed_at is not None else ""
+            st.history[-1] += f"; start {st.count + 1} resumed from step {resumed}{lost}"
+        st.failed_at = last_step
+        status = _next_start(st, outcome, last_step)
+        if status is not None:
+            for line in st.history:
+                _say(line)
+            if st.reason:  # the last line: why the job ended
+                sys.stderr.write(f"{_PREFIX}: {st.reason}; logs in {log_dir}\n")
+            elif status:
+                _say(f"failed with status {status}; per-rank logs in {log_dir}")
+            return status
+
+
+def _next_start(st: _Restarts, outcome: _Outcome, last_step: int | None) -> int | None:
+    """After a start ended: the job's status when it is over, else ``None`` with ``st`` set up for the
+    next start (the failing slot counted, dropped and the group shrunk when :data:`DROP_AFTER` is reached)."""
+    if outcome.status == 0 or outcome.failed is None:
+        return outcome.status
+    p = outcome.failed
+    cause = f"rank {p.rank} (slot {p.slot}) {describe_exit(p.popen.returncode)} after {_uptime(p):.1f} s"
+    if not outcome.restartable:
+        st.reason = f"{cause}: a config error is the same at every start; not restarting"
+        return outcome.status
+    times = st.record_failure(p.slot)
+    if st.count >= st.max_restarts:
+        st.reason = (f"rank {p.rank} (slot {p.slot}) failed first in {times} start(s) in a row (last: "
+                     f"{describe_exit(p.popen.returncode)} after {_uptime(p):.1f} s); giving up after "
+                     f"--max-restarts {st.max_restarts}")
+        return 1
+    if st.low < st.high and times >= DROP_AFTER:
+        st.healthy.remove(p.slot)
+        n = shrink_size(st.low, st.high, len(st.healthy))
+        if n is None:
+            st.reason = (f"slot {p.slot} failed first in {times} starts in a row and was dropped; "
+                         f"{len(st.healthy)} slot(s) remain, and no count n with {st.low} <= n <= "
+                         f"{len(st.healthy)} divides {st.high}; giving up")
+            return 1
+        _say(f"slot {p.slot} failed first in {times} starts in a row: dropped; shrinking to {n} process(es) "
+             f"on slots {st.healthy[:n]}")
+        st.active, st.streak = st.healthy[:n], (None, 0)
+    st.count += 1
+    at = f" at step {last_step} (rank 0's last logged step)" if last_step is not None else ""
+    st.history.append(f"restart {st.count}: {cause}{at}")
+    _say(f"restart {st.count}/{st.max_restarts}: {cause}{at}; starting {len(st.active)} process(es) again "
+         f"(attempt {st.count + 1})")
+    return None
 
 
 # ------------------------------------------------------------------------ CLI
@@ -348,8 +579,12 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m jaxcolossal.run", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, required=True,
-                    dest="nproc", help="processes to start on this machine")
+    ap.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", required=True, dest="nproc",
+                    help="processes to start on this machine: N, or MIN:MAX to start MAX and, with "
+                         "--max-restarts, shrink to no fewer than MIN when a slot keeps failing")
+    ap.add_argument("--max-restarts", "--max_restarts", type=int, default=0, dest="max_restarts",
+                    help="restart the whole group at most this many times when a process fails (default 0: "
+                         "the first failure ends the job); the processes resume from the newest checkpoint")
     ap.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
     ap.add_argument("--node-rank", "--node_rank", type=int, default=0, dest="node_rank",
                     help="index of this machine (default 0)")
@@ -376,31 +611,81 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = _parser()
-    a = ap.parse_args(argv)
-    if a.nproc < 1:
-        _refuse(f"--nproc must be >= 1, got {a.nproc}")
+def _checked_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, every value checked (one line and status 2 for a bad one, :func:`_refuse`);
+    adds ``low``/``high`` (``--nproc``), ``platform`` (resolved) and ``devices`` (per process)."""
+    a = _parser().parse_args(argv)
+    try:
+        a.low, a.high = parse_nproc(a.nproc)
+    except ValueError as e:
+        _refuse(str(e))
+    a.nproc = a.high
     if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
         _refuse(f"need --nnodes >= 1 and 0 <= --node-rank < --nnodes, got {a.nnodes} and {a.node_rank}")
     if a.nnodes > 1 and not a.master_port:
         _refuse("--master-port is required with --nnodes > 1 (every node must use the same one)")
     if a.timeout is not None and a.timeout < 1:
         _refuse(f"--timeout must be >= 1 second, got {a.timeout}")
-    platform = _detect_platform() if a.platform == "auto" else a.platform
-    devices = a.devices_per_proc
-    if platform == "cpu":
-        if devices is None:
-            if a.nproc > DEFAULT_TOTAL_DEVICES or DEFAULT_TOTAL_DEVICES % a.nproc:
-                _refuse(f"--nproc {a.nproc} does not divide {DEFAULT_TOTAL_DEVICES} devices; give --devices-per-proc "
-                        f"(e.g. --nproc {a.nproc} --devices-per-proc 2), or --nproc one of "
-                        f"{[n for n in range(1, DEFAULT_TOTAL_DEVICES + 1) if DEFAULT_TOTAL_DEVICES % n == 0]}")
-            devices = DEFAULT_TOTAL_DEVICES // a.nproc
-        elif devices < 1:
-            _refuse(f"--devices-per-proc must be >= 1, got {devices}")
-    elif devices is not None:
-        _refuse("--devices-per-proc applies to --platform cpu only")
+    if a.max_restarts < 0:
+        _refuse(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    if a.nnodes > 1 and (a.max_restarts or a.low < a.high):
+        _refuse("--max-restarts and --nproc MIN:MAX are for one machine (--nnodes 1); across machines restart "
+                "with SLURM --requeue, a Kubernetes JobSet or torchrun's elastic agent (docs/fault_tolerance.md)")
+    if a.low < a.high and not a.max_restarts:
+        _refuse(f"--nproc {a.low}:{a.high} shrinks the group at a restart: give --max-restarts >= {DROP_AFTER - 1}")
+    a.platform = _detect_platform() if a.platform == "auto" else a.platform
+    a.devices = _devices_per_proc(a)
+    return a
 
+
+def _devices_per_proc(a: argparse.Namespace) -> int | None:
+    """CPU devices per process: ``--devices-per-proc``, else 8 / MAX; ``None`` on GPUs."""
+    devices = a.devices_per_proc
+    if a.platform != "cpu":
+        if devices is not None:
+            _refuse("--devices-per-proc applies to --platform cpu only")
+        return None
+    if devices is None:
+        if a.nproc > DEFAULT_TOTAL_DEVICES or DEFAULT_TOTAL_DEVICES % a.nproc:
+            _refuse(f"--nproc {a.nproc} does not divide {DEFAULT_TOTAL_DEVICES} devices; give --devices-per-proc "
+                    f"(e.g. --nproc {a.nproc} --devices-per-proc 2), or --nproc one of "
+                    f"{[n for n in range(1, DEFAULT_TOTAL_DEVICES + 1) if DEFAULT_TOTAL_DEVICES % n == 0]}")
+        return DEFAULT_TOTAL_DEVICES // a.nproc
+    if devices < 1:
+        _refuse(f"--devices-per-proc must be >= 1, got {devices}")
+    return devices
+
+
+def _env_factory(a: argparse.Namespace, timeout: int | None, port: int) -> Callable[[Sequence[int], int], list]:
+    """``(slots, restart count) -> environments`` of one start: :func:`build_env` for ranks 0..n-1 over the
+    slots kept (``LOCAL_RANK`` the slot), plus the restart count (the launcher's own restarts added to
+    the count of an engine that restarts the launcher itself, :func:`restart_count` of its environment),
+    the slot and the planned devices. A new free coordinator port at each restart unless
+    ``--master-port`` was given."""
+    planned = a.nnodes * a.nproc * (a.devices if a.platform == "cpu" else 1)
+    try:  # under an engine that restarts this launcher (a JobSet, sbatch --requeue): its count comes first
+        outer = restart_count(os.environ)
+    except ValueError as e:
+        _refuse(str(e))
+
+    def make(slots: Sequence[int], restart: int) -> list[dict[str, str]]:
+        p = port if restart == 0 or a.master_port else free_port(a.master_addr)
+        n = len(slots)
+        envs = []
+        for i, slot in enumerate(slots):
+            env = build_env(os.environ, rank=a.node_rank * n + i, local_rank=slot, world_size=a.nnodes * n,
+                            local_world_size=n, node_rank=a.node_rank, master_addr=a.master_addr, master_port=p,
+                            platform=a.platform, devices_per_proc=a.devices, timeout=timeout)
+            env.update({RESTART_COUNT_ENV: str(outer + restart), SLOT_ENV: str(slot)})
+            if restart:  # a fresh run never changes its config (JAXCOLOSSAL_PLANNED_DEVICES: keep the global batch)
+                env[PLANNED_DEVICES_ENV] = str(planned)
+            envs.append(env)
+        return envs
+    return make
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _checked_args(argv)
     timeout = a.timeout
     if timeout is None:
         raw = os.environ.get(_TIMEOUT_ENV, "").strip()
@@ -412,17 +697,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     port = a.master_port or free_port(a.master_addr)
     world = a.nnodes * a.nproc
     ranks = [a.node_rank * a.nproc + i for i in range(a.nproc)]
-    envs = [build_env(os.environ, rank=r, local_rank=i, world_size=world, local_world_size=a.nproc,
-                      node_rank=a.node_rank, master_addr=a.master_addr, master_port=port,
-                      platform=platform, devices_per_proc=devices, timeout=pass_timeout)
-            for i, r in enumerate(ranks)]
+    make_envs = _env_factory(a, pass_timeout, port)
     cmd = [sys.executable, "-m", a.program, *a.args] if a.module else [sys.executable, a.program, *a.args]
     log_dir = a.log_dir or tempfile.mkdtemp(prefix="jaxcolossal-run-")
-    per = f"{devices} CPU device(s) each" if platform == "cpu" else "one GPU each"
+    per = f"{a.devices} CPU device(s) each" if a.platform == "cpu" else "one GPU each"
+    restarts = f"; up to {a.max_restarts} restart(s)" if a.max_restarts else ""
+    shrink = f", shrinking to no fewer than {a.low}" if a.low < a.high else ""
     _say(f"starting {a.nproc} process(es) (ranks {ranks[0]}..{ranks[-1]} of {world}; {per}); "
-         f"coordinator {a.master_addr}:{port}; timeout {timeout} s; logs in {log_dir}")
-    status = run_processes(cmd, envs, ranks, log_dir, stream_rank=0 if a.node_rank == 0 else ranks[0],
-                           exit_timeout=timeout, kill_grace=a.kill_grace)
+         f"coordinator {a.master_addr}:{port}; timeout {timeout} s{restarts}{shrink}; logs in {log_dir}")
+    if a.max_restarts:  # it says why it ended
+        return run_with_restarts(cmd, make_envs, log_dir, nproc=(a.low, a.high), max_restarts=a.max_restarts,
+                                 exit_timeout=timeout, kill_grace=a.kill_grace)
+    status = run_processes(cmd, make_envs(range(a.nproc), 0), ranks, log_dir,
+                           stream_rank=0 if a.node_rank == 0 else ranks[0], exit_timeout=timeout,
+                           kill_grace=a.kill_grace)
     if status:
         _say(f"failed with status {status}; per-rank logs in {log_dir}")
     return status

@@ -47,6 +47,18 @@ BUCKET_FLAGS = ("--xla_gpu_all_reduce_combine_threshold_bytes", "--xla_gpu_all_g
                 "--xla_gpu_reduce_scatter_combine_threshold_bytes")
 """``parallel.bucket_size_mb``: XLA's combine thresholds, in bytes."""
 
+NCCL_ABORT_OPTIONS: dict[str, bool] = {
+    "xla_gpu_nccl_terminate_on_error": False,
+    "xla_gpu_nccl_async_execution": True,
+    "xla_gpu_nccl_blocking_communicators": False,
+}
+"""``parallel.nccl_abort_on_error``: a failed NCCL collective returns an error to the program instead of
+killing the process from inside NCCL (``terminate_on_error=false``), and the communicators run
+asynchronously and non-blocking, so that a collective whose peer is gone can be aborted instead of
+waiting for ever. The names are those of jaxlib 0.10 (``strings`` on its ``_jax.so``, which also lists
+``xla_gpu_nccl_termination_timeout_seconds``); a deviceless compile for GPUs accepts them
+(tests/gpu_compile/test_fault_tolerance_options.py)."""
+
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxcolossal" / "xla_flags.json"
 
 
@@ -157,23 +169,25 @@ def apply(overlap: bool, bucket_size_mb: float, force: bool = False, double_buff
 
 
 def compiler_options(overlap: bool, bucket_size_mb: float, platform: str,
-                     double_buffer: bool = True) -> dict[str, bool | int | str]:
+                     double_buffer: bool = True, nccl_abort: bool = False) -> dict[str, bool | int | str]:
     """The same flags as ``compile(compiler_options=...)`` entries, for a mesh on ``platform``
     (``"gpu"``/``"cuda"``; ``{}`` for any other): how they reach a deviceless compile for a GPU
     fleet, where no GPU backend starts to read ``XLA_FLAGS``
     (``--compile-for``, :func:`jaxcolossal.aot.fleet.compile_for`), and how the training loop
-    passes them to its train step on GPUs. A flag the user already set in ``XLA_FLAGS`` is left
+    passes them to its train step on GPUs. ``nccl_abort`` adds :data:`NCCL_ABORT_OPTIONS`
+    (``parallel.nccl_abort_on_error``). A flag the user already set in ``XLA_FLAGS`` is left
     out (theirs wins). XLA rejects a name it does not know (``No such compile option``); the
     spellings are those :func:`resolve` found this jaxlib to accept."""
     if platform not in ("gpu", "cuda"):
         return {}
     groups = groups_for(overlap, bucket_size_mb, double_buffer)
-    if not groups:
-        return {}
-    kept, _ = resolve(groups)
+    kept = resolve(groups)[0] if groups else []
     users = {tok.split("=", 1)[0] for tok in os.environ.get("XLA_FLAGS", "").split()}  # the user's win
-    return {name: _option_value(value) for name, value in (f.lstrip("-").split("=", 1) for f in kept)
-            if f"--{name}" not in users}
+    out = {name: _option_value(value) for name, value in (f.lstrip("-").split("=", 1) for f in kept)
+           if f"--{name}" not in users}
+    if nccl_abort:
+        out.update({k: v for k, v in NCCL_ABORT_OPTIONS.items() if f"--{k}" not in users})
+    return out
 
 
 def _option_value(text: str) -> bool | int | str:

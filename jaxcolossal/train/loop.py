@@ -74,6 +74,7 @@ from jaxcolossal.train.guard import (
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.profile import StepProfiler, save_memory_profile
+from jaxcolossal.train.restart import after_restart
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
 from jaxcolossal.train.step import gathers_lowp, make_dpo_eval_step, make_eval_step, make_train_step, prefetches_weights
 
@@ -588,9 +589,9 @@ def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoad
     step_fn = make_train_step(plan, tx, lr_schedule(t))
     # parallel.overlap / bucket_size_mb: XLA's GPU flags, for a mesh of GPUs (none on other platforms)
     options = xla_flags.compiler_options(cfg.parallel.overlap, cfg.parallel.bucket_size_mb, platform(plan.mesh),
-                                         double_buffers_loops(cfg))
+                                         double_buffers_loops(cfg), cfg.parallel.nccl_abort_on_error)
     if options:
-        log.info("XLA GPU options (parallel.overlap / bucket_size_mb): "
+        log.info("XLA GPU options (parallel.overlap / bucket_size_mb / nccl_abort_on_error): "
                  + " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()),
                  ranks=[0])
     log.info("compiling the train step", ranks=[0])
@@ -929,6 +930,7 @@ def train(cfg: Config) -> dict:
         KeyboardInterrupt: a second Ctrl-C.
     """
     with StopSignals() as stop, _quiet_console():
+        cfg = after_restart(cfg, os.environ, jax.device_count())  # a restarted job resumes (issue 44)
         preflight(cfg)
         watchdog = StepWatchdog(collective_timeout() if jax.process_count() > 1 else None)
         try:
