@@ -138,18 +138,23 @@ def memory_kinds_supported(devices: list) -> bool:
 
 def abstract_batch(cfg: Config, plan) -> dict:
     """The train step's batch as ``ShapeDtypeStruct`` s with the batch sharding: ``inputs`` and
-    ``targets`` int32 ``[B, t]``; ``loss_mask`` (chat data, packing) and ``segment_ids`` /
-    ``positions`` (``data.packing_mask``) as the loaders give them."""
+    ``targets`` int32 ``[B, t]``; ``loss_mask`` (chat data, DPO's pairs, packing) and ``segment_ids`` /
+    ``positions`` (``data.packing_mask``) as the loaders give them; GRPO's rollout batch
+    (:mod:`jaxcolossal.posttrain.rollout`) adds the loss mask, segment ids and positions of its
+    left-padded rows and the fp32 ``advantages``, ``old_logps`` and ``ref_logps``."""
     shape, sh = (cfg.training.batch_size, cfg.training.seq_len), plan.batch_sharding
 
     def arr(dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
     batch = {"inputs": arr(np.int32), "targets": arr(np.int32)}
-    if cfg.data.format == "chat" or cfg.data.packing_mask:
+    grpo = cfg.training.objective == "grpo"
+    if cfg.data.format in ("chat", "preference") or cfg.data.packing_mask or grpo:
         batch["loss_mask"] = arr(np.float32)
-    if cfg.data.packing_mask:
+    if cfg.data.packing_mask or grpo:
         batch.update(segment_ids=arr(np.int32), positions=arr(np.int32))
+    if grpo:
+        batch.update({k: arr(np.float32) for k in ("advantages", "old_logps", "ref_logps")})
     return batch
 
 

@@ -377,7 +377,10 @@ def _check_posttrain_features(cfg: Config) -> None:
            "data.packing_mask": (d.packing_mask, "a row holds one response"),
            "parallel.gradient_compression": (p.gradient_compression != "none", f"not tested with {name} yet"),
            "offload (offload_param_frac, nvme_path)": (cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
-                                                       "the reference copy is not offloaded yet")}
+                                                       "the reference copy is not offloaded yet"),
+           "model.attention_impl=cudnn": (t.objective == "grpo" and m.attention_impl == "cudnn",
+                                          "the rollout rows' segment ids (left-padded prompts) need attention_impl "
+                                          "xla or flash")}
     for what, (on, reason) in why.items():
         if on:
             raise ConfigError(f"training.objective={t.objective} does not run with {what}: {reason}")

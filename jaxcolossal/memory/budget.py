@@ -26,6 +26,7 @@ import jax
 from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, parse_bytes
 from jaxcolossal.memory.activations import step_peak
 from jaxcolossal.memory.placement import Placement, local_elements, make_placement
+from jaxcolossal.memory.rollout import reference_bytes, rollout_need
 from jaxcolossal.models import adapter_layout, param_layout
 from jaxcolossal.parallel.compression import state_bytes as compression_bytes
 from jaxcolossal.parallel.mesh import mesh_shape as resolved_shape
@@ -96,7 +97,13 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
     LoRA (``model.lora.rank > 0``): ``shapes``/``specs`` are the base model's; the state is the frozen
     base in the compute dtype (sharded as ZeRO shards params) plus the adapters' params, gradients and
     optimizer state; the activations and temporaries are full training's (an over-estimate by the
-    base's weight-gradient buffers, which a LoRA step does not hold)."""
+    base's weight-gradient buffers, which a LoRA step does not hold).
+
+    Post-training (:mod:`jaxcolossal.memory.rollout`): the frozen reference copy (DPO, GRPO with
+    ``beta > 0``) is part of ``"state"`` and is also ``"reference"``; GRPO adds ``"rollout"`` (the
+    rollout phase: :func:`~jaxcolossal.memory.rollout.rollout_need`) and ``"step_total"`` (the train
+    step's need), and its ``"total"`` is the larger of the step's and the rollout's."""
+    base_shapes, reference = shapes, reference_bytes(cfg, shapes, specs, mesh_shape)
     frozen = 0
     if cfg.model.lora.enabled:  # the base frozen in the compute dtype; the trained state is the adapters'
         frozen = sum(jax.tree.leaves(local_elements(shapes, specs.params, mesh_shape))) * \
@@ -116,12 +123,16 @@ def device_need(placement: Placement, cfg: Config, shapes: Any, specs: Any, mesh
         BYTES_PER_PARAM[cfg.precision.mode]["p"]
     comp = compression_bytes(cfg.parallel, shapes, param_layout(cfg.model, mesh_shape["tp"])[2]) \
         if cfg.parallel.gradient_compression != "none" else 0
-    state = sb["device"] + params_in + comp
+    state = sb["device"] + params_in + comp + reference
     peak = step_peak(cfg, mesh_shape, state, sb["grads"], backend)
     acts = peak["activations"]
     parts = {"state": state, "grads": sb["grads"], "activations": acts, "stream": stream,
-             "host": sb["host"], "nvme": sb["nvme"], "compression": comp, "peak": peak}
+             "host": sb["host"], "nvme": sb["nvme"], "compression": comp, "peak": peak, "reference": reference}
     parts["total"] = parts["state"] + sb["grads"] + acts + stream
+    if cfg.training.objective == "grpo":  # the rollout phase holds the state, the KV cache and the batch
+        parts["step_total"] = parts["total"]
+        parts["rollout"] = rollout_need(cfg, base_shapes, mesh_shape, state)
+        parts["total"] = max(parts["total"], parts["rollout"]["total"])
     return parts
 
 

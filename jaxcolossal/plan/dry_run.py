@@ -11,11 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, precision_label, validate, weight_gather_dtype
+from jaxcolossal.config.derived import grpo_prompt_length
 from jaxcolossal.memory.activations import describe
-from jaxcolossal.memory.budget import device_need, layout, lora_layout, resolve
+from jaxcolossal.memory.budget import device_need, layout, lora_layout, need, resolve
+from jaxcolossal.memory.rollout import ROLLOUT_FIELDS
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
 from jaxcolossal.parallel.compression import check_powersgd
+from jaxcolossal.parallel.mesh import DATA_AXES
 from jaxcolossal.parallel.pipeline_schedule import pipeline_schedule_for
 from jaxcolossal.parallel.sharding import is_shape, shard_bytes
 from jaxcolossal.plan.collectives import dp_gradient_bytes
@@ -107,6 +110,8 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
             f"= a frozen copy of the initial params in {cfg.precision.mode}, sharded like them: "
             f"{gib(per_device(specs.params, b['p']))} per device more") + f"; {t.batch_size // 2} pairs per step")
     offload, refusal = _offload_lines(cfg, shapes, specs, shape)
+    if t.objective == "grpo":
+        lines.append(_grpo_line(cfg, num_devices, shape))
     lines += offload
     lines.append(_communication_line(cfg, rp))
     if p.zero_stage > 0 and rp.data_parallel_size == 1:
@@ -117,6 +122,30 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
         lines.append(f"pipeline   {s.p} stages × {s.v} chunk(s), schedule {s.kind}, {s.m} microbatches, "
                      f"{s.num_ticks} ticks, bubble {s.bubble_fraction:.1%} (docs/pipeline.md)")
     return DryRunPlan(tuple(lines), refusal)
+
+
+def _grpo_line(cfg: Config, num_devices: int, shape: dict) -> str:
+    """GRPO's line (:mod:`jaxcolossal.memory.rollout`): the reference copy (``beta > 0``), the rollout
+    (prompts × generations, the prompt and completion widths), the sampler's KV cache and the rollout
+    batch per device, and the rollout's peak against the step's (the plan's peak is the larger)."""
+    t, po, m = cfg.training, cfg.posttrain, cfg.model
+    b = BYTES_PER_PARAM[cfg.precision.mode]
+    n = need(cfg, num_devices, "gpu")  # the config's static offload fractions, as the step's line
+    r, ref = n["rollout"], n["reference"]
+    data, tp = math.prod(shape[a] for a in DATA_AXES), shape["tp"]
+    prompt = grpo_prompt_length(cfg)
+    reference = (f"reference = a frozen copy of the initial params in {cfg.precision.mode}: {gib(ref)} per device"
+                 if ref else "no reference copy (" + ("beta 0" if po.beta == 0 else "the LoRA base") + ", 0 B)")
+    return (f"GRPO       {reference}; rollouts of {t.batch_size // po.num_generations} prompts × {po.num_generations} "
+            f"generations = {t.batch_size} rows of {prompt} prompt + {po.max_completion_length} completion tokens\n"
+            f"rollout    KV cache {gib(r['kv_cache'])} per device ({t.batch_size} rows × {prompt + po.max_completion_length} "
+            f"slots × {m.num_layers} layers × 2 × {m.num_key_value_heads} kv heads × {m.head_dim} × {b['p']} B, "
+            f"rows over data {data}, kv heads over tp {tp}); rollout batch {gib(r['batch'])} per device "
+            f"({len(ROLLOUT_FIELDS)} fp32/int32 [{t.batch_size}, {t.seq_len}] fields); rollout peak {gib(r['total'])} "
+            f"(state + 2 × KV cache + prefill scores {gib(r['scores'])}"
+            + (f" + a gathered layer {gib(r['gathered'])}" if r["gathered"] else "")
+            + f" + batch), step peak {gib(n['step_total'])}: the plan's peak is the "
+            + ("rollout's" if r["total"] > n["step_total"] else "step's"))
 
 
 def _zero_groups_note(cfg: Config, shape: dict) -> str:

@@ -20,6 +20,7 @@ sharded like every training batch (the batch over the data axes).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -40,7 +41,7 @@ from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
 from jaxcolossal.posttrain.rewards import RewardSet, make_rewards
 
-__all__ = ["Rollouts", "group_advantages", "row_layout"]
+__all__ = ["Rollouts", "group_advantages", "rollout_token_logps", "row_layout"]
 
 ROLLOUTS_KEPT = 2
 """Rollout batches kept in ``<checkpoint.dir>/rollouts`` (the newest ones)."""
@@ -83,6 +84,22 @@ def row_layout(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions: 
             "segment_ids": real[:, :-1].astype(np.int32), "positions": positions[:, :-1]}
 
 
+def rollout_token_logps(plan, params, inputs, targets, mask, segment_ids, positions) -> jax.Array:
+    """The rollout's per-token log-probs of ``targets`` under ``params`` (the sampling policy's
+    ``old_logps`` or the reference's ``ref_logps``), fp32 ``[B, t]``, 0 where ``mask`` is 0: the
+    family's hidden states, then the chunked log-probs (token and vocabulary chunks, never the whole
+    fp32 logits: :func:`jaxcolossal.models.layers.logprobs.token_logprobs`). ``plan``: the run's
+    :class:`~jaxcolossal.train.state.TrainPlan` (its family, sharder and model config); ``params``
+    laid out as training holds them (offloaded leaves are fetched in); ``inputs``/``targets``/
+    ``segment_ids``/``positions`` int32 and ``mask`` fp32, ``[B, t]`` with the batch sharding.
+    :class:`Rollouts` jits it with ``plan`` bound; so does the GPU compile test."""
+    cfg, family, shard = plan.cfg.model, plan.family, plan.sharder
+    params = fetch_layer(params)
+    h = family.hidden_states(params, inputs, cfg, shard, shard.is_sharded("vocab"), segment_ids, positions)
+    return token_logprobs(h, family.head_weight(params, cfg), targets, mask, cfg.vocab_size, shard,
+                          cfg.loss_chunk_tokens, cfg.loss_chunk_vocab)
+
+
 @dataclass
 class _Rollout:
     """One rollout: its step, the host batch (global numpy arrays) and its metrics."""
@@ -118,7 +135,7 @@ class Rollouts:
         self.current: _Rollout | None = None
         self.metrics: dict = {}
         self._generators: dict = {}
-        self._logps = jax.jit(self._token_logps)
+        self._logps = jax.jit(functools.partial(rollout_token_logps, plan))
 
     # ------------------------------------------------------------------ the batch
     def batch(self, step: int, state: Any = None) -> dict:
@@ -217,13 +234,6 @@ class Rollouts:
             return np.ones(len(lengths), bool)
         ended = completions[np.arange(len(lengths)), np.maximum(lengths - 1, 0)] == self.eos
         return ~ended
-
-    def _token_logps(self, params, inputs, targets, mask, segment_ids, positions):
-        cfg, family, shard = self.cfg.model, self.plan.family, self.plan.sharder
-        params = fetch_layer(params)
-        h = family.hidden_states(params, inputs, cfg, shard, shard.is_sharded("vocab"), segment_ids, positions)
-        return token_logprobs(h, family.head_weight(params, cfg), targets, mask, cfg.vocab_size, shard,
-                              cfg.loss_chunk_tokens, cfg.loss_chunk_vocab)
 
     def _policy_logps(self, state: Any, host: dict) -> dict:
         """``old_logps`` (μ > 1: the sampling policy's) and ``ref_logps`` (``beta > 0``), fp32

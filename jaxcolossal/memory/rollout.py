@@ -1,0 +1,103 @@
+"""Post-training's terms in the memory model: the frozen reference copy that DPO and GRPO (``beta > 0``)
+hold in the train state, and GRPO's rollout phase (:mod:`jaxcolossal.posttrain.rollout`), per device.
+
+A GRPO iteration runs three programs on the training mesh while the whole train state stays resident
+(params, fp32 master and optimizer state, the reference): the sampler (prefill and KV-cached decode
+loop, :func:`jaxcolossal.generate.make_generator`), the per-token log-probs of the old policy and the
+reference (a forward of the rollout rows through the chunked log-prob path), and the train step. The
+planner's GRPO peak is ``max(step peak, rollout peak)``:
+
+* the step peak: :func:`jaxcolossal.memory.budget.device_need`'s, the reference counted in its state;
+* the rollout peak: the resident state + the sampler's temporaries + the rollout batch, where the
+  sampler's temporaries are, as XLA:GPU lays them out (tests/gpu_compile/test_grpo_compile.py, the
+  Llama-3-8B shape on 8 H200s):
+
+  - the KV cache twice (:func:`kv_cache_bytes`: the decode loop's carry, read and written in place,
+    keeps up to a second cache-sized buffer live beside it, a key cache in the attention's layout);
+  - the prefill's fp32 attention scores of one layer: ``rows × heads/tp × (P + C) × P × 4`` bytes (the
+    prompts attend over the whole cache's slots);
+  - under ZeRO-3 one layer's weights gathered whole (compute dtype, split over tp only).
+
+The log-prob program is a forward (no residuals kept) of the same rows the step differentiates, so the
+step's peak bounds it; it is not modelled on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config
+from jaxcolossal.config.derived import grpo_prompt_length, holds_reference
+from jaxcolossal.memory.placement import local_elements
+from jaxcolossal.models import get_family
+from jaxcolossal.parallel.mesh import DATA_AXES
+from jaxcolossal.parallel.sharding import RULES, is_shape, logical_to_spec, shard_bytes
+
+ROLLOUT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions", "advantages", "old_logps",
+                  "ref_logps")
+"""The rollout batch's fields: each ``[B, seq_len]``, int32 or fp32 (4 bytes), split over the data axes."""
+
+
+def reference_bytes(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int]) -> int:
+    """Per-device bytes of the frozen reference copy (the initial params in the compute dtype, sharded
+    like the params: ``specs.params`` of the base model's ``shapes``), or 0 when the state holds none
+    (SFT, GRPO with ``beta = 0``, a LoRA base as the reference: :func:`holds_reference`)."""
+    if not holds_reference(cfg):
+        return 0
+    return sum(jax.tree.leaves(local_elements(shapes, specs.params, mesh_shape))) * \
+        BYTES_PER_PARAM[cfg.precision.mode]["p"]
+
+
+def kv_cache_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
+    """Per-device bytes of the sampler's KV cache for a GRPO rollout: ``batch_size`` rows × ``P + C``
+    slots (the prompt width :func:`grpo_prompt_length` and ``max_completion_length``) × layers × 2 ×
+    kv heads × head dim × the compute dtype's bytes, each leaf split as the rules table splits the
+    family's ``cache_axes`` (the rows over the data axes, the kv heads over tp)."""
+    t, po = cfg.training, cfg.posttrain
+    family = get_family(cfg.model)
+    dtype = COMPUTE_DTYPES[cfg.precision.mode]
+    slots = grpo_prompt_length(cfg) + po.max_completion_length
+    cache = jax.eval_shape(lambda: family.init_cache(cfg.model, t.batch_size, slots, dtype))
+    axes = family.cache_axes(cfg.model)
+    per_leaf = jax.tree.map(lambda a, x: shard_bytes(x.shape, x.dtype, logical_to_spec(a, RULES), mesh_shape),
+                            axes, cache, is_leaf=lambda x: isinstance(x, tuple))
+    return sum(jax.tree.leaves(per_leaf))
+
+
+def _data_size(mesh_shape: Mapping[str, int]) -> int:
+    return math.prod(mesh_shape.get(a, 1) for a in DATA_AXES)
+
+
+def _gathered_layer_bytes(cfg: Config, shapes: Any, mesh_shape: Mapping[str, int]) -> int:
+    """ZeRO-3 over a data group > 1: one layer's weights gathered whole for its forward (the compute
+    dtype, split over tp only); 0 otherwise."""
+    if cfg.parallel.zero_stage < 3 or _data_size(mesh_shape) == 1:
+        return 0
+    flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)[0]
+    per_layer = sum(math.prod(s) // s[0] for path, s in flat
+                    if any(getattr(k, "key", None) == "layers" for k in path))
+    return per_layer * BYTES_PER_PARAM[cfg.precision.mode]["p"] // mesh_shape.get("tp", 1)
+
+
+def rollout_need(cfg: Config, shapes: Any, mesh_shape: Mapping[str, int], state: int) -> dict:
+    """GRPO's rollout phase per device (module docstring), bytes: ``kv_cache`` (one cache),
+    ``scores`` (the prefill's fp32 attention scores of one layer), ``gathered`` (ZeRO-3's gathered
+    layer), ``temporaries`` (the sampler's: twice the cache + scores + gathered), ``batch`` (the
+    rollout batch's :data:`ROLLOUT_FIELDS`) and ``total`` (``state`` — the resident train state, the
+    reference included — + temporaries + batch). ``shapes``: the base model's param shapes."""
+    t, m = cfg.training, cfg.model
+    data, tp = _data_size(mesh_shape), mesh_shape.get("tp", 1)
+    rows = max(1, t.batch_size // data)
+    prompt = grpo_prompt_length(cfg)
+    slots = prompt + cfg.posttrain.max_completion_length
+    kv = kv_cache_bytes(cfg, mesh_shape)
+    scores = rows * max(1, m.num_attention_heads // tp) * slots * prompt * jnp.dtype(jnp.float32).itemsize
+    gathered = _gathered_layer_bytes(cfg, shapes, mesh_shape)
+    temporaries = 2 * kv + scores + gathered
+    batch = len(ROLLOUT_FIELDS) * rows * t.seq_len * 4
+    return {"kv_cache": kv, "scores": scores, "gathered": gathered, "temporaries": temporaries, "batch": batch,
+            "total": state + temporaries + batch}
