@@ -206,7 +206,7 @@ def summary_lines(s: dict) -> list[str]:
              f"categories add up to {s['accounted']:.2%} of the wall time"]
     for r in s["restarts"]:
         lines.append(f"restart {r['attempt']}: resumed from step {r['resumed_from']} ({r['source']}), "
-                     f"{r['steps_lost']} steps lost ({r['lost_s']:.1f} s), {r['gap_s']:.1f} s between attempts")
+                     f"{r['steps_lost']} step{'' if r['steps_lost'] == 1 else 's'} lost ({r['lost_s']:.1f} s), {r['gap_s']:.1f} s between attempts")
     return lines
 
 

@@ -885,6 +885,7 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
             save = run.ckpt is not None and (evaluate or (c.save_every and done % c.save_every == 0))
             log_now = done % cfg.logging.log_every == 0 or done == t.max_steps
             if log_now:  # a non-finite step is logged too (null values, spelt out in "nonfinite_values")
+                hang.phase(f"waiting for step {done}'s results (the collectives of step {done}) to log them")
                 perf = _log_step(run, done, m, clock, bar)
             if log_now or evaluate or save or stop:
                 guard.flush()
