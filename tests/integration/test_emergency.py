@@ -52,3 +52,37 @@ def test_lost_local_folder_comes_back_from_the_replica(tmp_path):
     assert int(out["state"].step) == 4
     meta = json.load(open(local / "rank0" / "replica_of_rank0" / "step_3" / "meta.json"))
     assert meta["process_count"] == 1 and meta["step"] == 3
+
+
+def _sharded_state(mesh_shape=(4, 2)):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("fsdp", "tp"))
+    P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    rng = np.random.default_rng(0)
+    return {"step": jax.device_put(np.int32(7), NS(mesh, P())),
+            "w": jax.device_put(rng.normal(size=(8, 8)).astype(np.float32), NS(mesh, P("fsdp", "tp"))),
+            "b": jax.device_put(rng.normal(size=(8,)).astype(jax.numpy.bfloat16), NS(mesh, P("tp"))),
+            "m": jax.device_put(rng.normal(size=(8, 4)).astype(np.float32), NS(mesh, P(None, "fsdp")))}
+
+
+def test_save_and_restore_bit_exact_from_own_copy_or_replica(tmp_path):
+    from jaxcolossal.train.emergency import LocalCheckpoints, agree_step
+
+    state = _sharded_state()
+    local = LocalCheckpoints(str(tmp_path), 1, {"fsdp": 4, "tp": 2}, {})
+    for step in (1, 2, 3):
+        local.save(step, state)
+    local.close()
+    assert sorted(os.listdir(tmp_path / "rank0")) == ["replica_of_rank0", "step_2", "step_3"]  # the newest 2
+    target = jax.tree.map(lambda x: jax.numpy.zeros_like(x), state)
+    assert local.available(target) == [3, 2] and agree_step([3, 2]) == 3
+    got, path = local.restore(3, target)
+    _same(got, state)
+    assert all(g.sharding == s.sharding for g, s in zip(jax.tree.leaves(got), jax.tree.leaves(state)))
+    shutil.rmtree(tmp_path / "rank0" / "step_3")  # the own copy lost: the replica restores it
+    got, path = local.restore(3, target)
+    assert "replica_of_rank0" in path
+    _same(got, state)
+    # another layout (mesh 2 x 4) does not fit: nothing to restore from here
+    other = LocalCheckpoints(str(tmp_path), 1, {"fsdp": 2, "tp": 4}, {})
+    assert other.available(_sharded_state((2, 4))) == []
+    other.close()
