@@ -171,7 +171,8 @@ class LocalCheckpoints:
             self._pool.shutdown(wait=True)
 
     def clear(self) -> None:
-        """Delete this process's own and replica step folders (a fresh run)."""
+        """Delete this process's own and replica step folders (a fresh run, or the end of a run whose
+        final persistent checkpoint makes them stale)."""
         self.wait()
         for folder in (self.own, self.replica):
             for s in _steps(folder):
@@ -224,7 +225,8 @@ class LocalCheckpoints:
                 dtype = jnp.dtype(x.dtype)
                 data = {k: z[f"a{n + i}"].view(dtype) for i, k in enumerate(keys)}
                 n += len(keys)
-                arrays = [jax.device_put(data[_index_key(idx)], d)
+                kind = getattr(x.sharding, "memory_kind", None)  # offloaded leaves go back to host memory
+                arrays = [jax.device_put(data[_index_key(idx)], jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
                           for d, idx in x.sharding.addressable_devices_indices_map(x.shape).items()]
                 out.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays))
         return jax.tree.unflatten(treedef, out), path

@@ -1087,6 +1087,8 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
         _save(run, state, val_loss=out["val_loss_end"], final=True)
         if run.ckpt:
             run.ckpt.close()
+        if run.local is not None:  # the final persistent step is the newest: the emergency copies are stale
+            run.local.clear()
     if run.nvme is not None:  # the returned state is whole
         out["state"] = state = run.full(state)
     if run.plan.lora and run.is_main:  # the trained adapters in PEFT's format, beside the logs

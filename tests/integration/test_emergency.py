@@ -6,9 +6,11 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 from tiny import SMALL_MAIN_JOB
 
 from jaxcolossal.config import load_config
+from jaxcolossal.runtime import goodput
 from jaxcolossal.train.loop import train
 
 MAIN_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -27,31 +29,54 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_local_checkpoint_restores_bit_exact_and_is_preferred(tmp_path):
+class Crash(RuntimeError):
+    pass
+
+
+def _crash_after(monkeypatch, step):
+    """The next run raises right after its step ``step`` (as if the process died there)."""
+    original = goodput.GoodputRecorder.step_done
+
+    def step_done(self, done):
+        original(self, done)
+        if done == step:
+            raise Crash(f"crash after step {done}")
+    monkeypatch.setattr(goodput.GoodputRecorder, "step_done", step_done)
+
+
+def test_local_checkpoint_restores_bit_exact_and_is_preferred(tmp_path, monkeypatch):
     full = train(_cfg(tmp_path, "a", "training.max_steps=5", "checkpoint.local_every=2"))
-    # 3 steps, local steps 2 (the final step 3 is persistent only); then the persistent folder is lost
-    train(_cfg(tmp_path, "b", "training.max_steps=3", "checkpoint.local_every=2"))
+    assert os.listdir(tmp_path / "a" / "local" / "rank0" / "replica_of_rank0") == []  # a finished run clears them
+    with monkeypatch.context() as m:  # dies after step 3: emergency step 2, no persistent step
+        _crash_after(m, 3)
+        with pytest.raises(Crash):
+            train(_cfg(tmp_path, "b", "training.max_steps=5", "checkpoint.save_every=3", "checkpoint.local_every=2"))
     local = tmp_path / "b" / "local"
     assert sorted(os.listdir(local / "rank0")) == ["replica_of_rank0", "step_2"]
-    shutil.rmtree(tmp_path / "b" / "ckpt")
     resumed = train(_cfg(tmp_path, "b", "training.max_steps=5", "checkpoint.local_every=2", "training.resume=auto"))
     _same(resumed["state"], full["state"])
-    assert resumed["goodput"]["restarts"] == [] and resumed["goodput"]["attempts"] == 1
+    g = resumed["goodput"]
+    assert g["attempts"] == 1  # the restart count was not set: a new job in goodput.jsonl
     text = open(tmp_path / "b" / "run" / "train.log").read()
     assert "resumed from step 2 of the emergency (local) checkpoints" in text
 
 
-def test_lost_local_folder_comes_back_from_the_replica(tmp_path):
-    train(_cfg(tmp_path, "b", "training.max_steps=3", "checkpoint.local_every=1"))
+def test_lost_local_folder_comes_back_from_the_replica(tmp_path, monkeypatch):
+    with monkeypatch.context() as m:
+        _crash_after(m, 3)
+        with pytest.raises(Crash):
+            train(_cfg(tmp_path, "b", "training.max_steps=4", "checkpoint.local_every=1"))
     local = tmp_path / "b" / "local"
     shutil.rmtree(local / "rank0" / "step_2")  # the own copy is gone; the replica (rank (0+1)%1 = 0's) stays
-    shutil.rmtree(tmp_path / "b" / "ckpt")
+    meta = json.load(open(local / "rank0" / "replica_of_rank0" / "step_2" / "meta.json"))
+    assert meta["process_count"] == 1 and meta["step"] == 2
+    monkeypatch.setenv("JAXCOLOSSAL_RESTART_COUNT", "1")
     out = train(_cfg(tmp_path, "b", "training.max_steps=4", "checkpoint.local_every=1", "training.resume=true"))
     text = open(tmp_path / "b" / "run" / "train.log").read()
     assert "resumed from step 2 of the emergency (local) checkpoints" in text and "replica_of_rank0" in text
     assert int(out["state"].step) == 4
-    meta = json.load(open(local / "rank0" / "replica_of_rank0" / "step_3" / "meta.json"))
-    assert meta["process_count"] == 1 and meta["step"] == 3
+    g = out["goodput"]  # one restart: step 3 was computed, then lost
+    assert g["attempts"] == 2 and g["steps_lost"] == 1 and abs(g["accounted"] - 1) <= 0.02
 
 
 def _sharded_state(mesh_shape=(4, 2)):
