@@ -132,12 +132,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def _time_write(local, state) -> float:
-    """Seconds of one whole local save: host copy, files and the replica."""
-    t0 = time.perf_counter()
-    local.save(10**9, state)
-    local.wait()
-    return time.perf_counter() - t0
+def _time_write(local, state, repeats: int = 5) -> float:
+    """Median seconds of a whole local save: host copy, files and the replica."""
+    times = []
+    for k in range(repeats):
+        t0 = time.perf_counter()
+        local.save(10**9 + k, state)
+        local.wait()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _report(args, none, with_local, saves, write_s, size, block_s, total_s) -> None:

@@ -11,7 +11,8 @@ multi-tier checkpointing replicator service. So each process keeps its own copy:
 
 * **Save** (every ``local_every`` steps): each process copies the shards it holds of every leaf of
   the state to host memory (one copy per distinct shard index: replicas on its own devices are
-  written once), then a background thread writes them as one ``.npz`` with a ``meta.json`` (step,
+  written once), then a background thread writes their bytes into one file, ``shards.bin`` (raw,
+  no archive or checksum to compute), with a ``meta.json`` (each shard's offset and shape, the step,
   process count, mesh shape, each leaf's shape and dtype, the shard indices, the config) into
   ``<local_dir>/rank<r>/step_<step>/`` (written under a temporary name, renamed when complete),
   and a replica of that folder into the next process's folder,
@@ -49,6 +50,8 @@ KEEP = 2
 """Emergency checkpoints kept per folder (own and replica), newest first."""
 PREFIX = "step_"
 """Step folders are ``step_<step>``; unfinished ones ``.tmp-step_<step>-<pid>``."""
+SHARDS = "shards.bin"
+"""The file of a step folder that holds the shards' bytes (offsets and shapes in ``meta.json``)."""
 MAX_STEPS_SHARED = 2 * KEEP
 """How many restorable steps each process reports in :func:`agree_step`."""
 
@@ -86,10 +89,16 @@ def _wanted(leaf: Any) -> dict[str, list]:
     return out
 
 
-def _as_bytes(x: np.ndarray) -> np.ndarray:
-    """``x`` as unsigned integers of its item size (bfloat16 and the float8s survive ``np.save``)."""
-    x = np.ascontiguousarray(x).reshape(np.shape(x))  # ascontiguousarray makes a 0-d array 1-d
-    return x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.itemsize in (1, 2, 4, 8) else x
+def _write_shards(path: str, host: list[np.ndarray]) -> list[list]:
+    """Write the arrays' bytes one after another into ``path``; returns ``[[offset, shape], ...]``."""
+    index, offset = [], 0
+    with open(path, "wb") as f:
+        for a in host:
+            shape = list(np.shape(a))
+            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)  # bfloat16, float8: their bytes
+            index.append([offset, shape])
+            offset += a.nbytes
+    return index
 
 
 def _layout(state: Any, mesh_shape: dict, config: dict) -> dict:
@@ -139,23 +148,20 @@ class LocalCheckpoints:
         self._pending = self._pool.submit(self._write, int(step), host, meta)
 
     def _write(self, step: int, host: list[np.ndarray], meta: dict) -> None:
+        """Write the copy into the own folder, then the replica into the peer's, each under a
+        temporary name renamed when whole; keep the newest :data:`KEEP` in each."""
         name = f"{PREFIX}{step}"
-        tmp = os.path.join(self.own, f".tmp-{name}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        np.savez(os.path.join(tmp, "shards.npz"), **{f"a{i}": _as_bytes(a) for i, a in enumerate(host)})
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
-        for folder in (self.own, self.replica):  # the replica: a copy into the peer's folder, renamed when whole
-            final = os.path.join(folder, name)
-            if folder != self.own:
-                src, tmp = tmp, os.path.join(folder, f".tmp-{name}-{os.getpid()}")
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(src, tmp)
+        meta["nbytes"] = sum(int(a.nbytes) for a in host)
+        for folder in (self.own, self.replica):
+            tmp, final = os.path.join(folder, f".tmp-{name}-{os.getpid()}"), os.path.join(folder, name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            meta["arrays"] = _write_shards(os.path.join(tmp, SHARDS), host)
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _prune(folder, KEEP)
-            tmp = final
 
     def wait(self) -> None:
         """Block until the pending write is on disk. Raises what it raised (OSError)."""
@@ -220,15 +226,19 @@ class LocalCheckpoints:
             meta = json.load(f)
         flat, treedef = jax.tree.flatten(target)
         out, n = [], 0
-        with np.load(os.path.join(path, "shards.npz")) as z:
-            for x, keys in zip(flat, meta["shards"]):
-                dtype = jnp.dtype(x.dtype)
-                data = {k: z[f"a{n + i}"].view(dtype) for i, k in enumerate(keys)}
-                n += len(keys)
-                kind = getattr(x.sharding, "memory_kind", None)  # offloaded leaves go back to host memory
-                arrays = [jax.device_put(data[_index_key(idx)], jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
-                          for d, idx in x.sharding.addressable_devices_indices_map(x.shape).items()]
-                out.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays))
+        raw = np.fromfile(os.path.join(path, SHARDS), np.uint8)
+        for x, keys in zip(flat, meta["shards"]):
+            dtype = jnp.dtype(x.dtype)
+            data = {}
+            for i, k in enumerate(keys):
+                offset, shape = meta["arrays"][n + i]
+                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                data[k] = raw[offset:offset + size].view(dtype).reshape(shape)
+            n += len(keys)
+            kind = getattr(x.sharding, "memory_kind", None)  # offloaded leaves go back to host memory
+            arrays = [jax.device_put(data[_index_key(idx)], jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
+                      for d, idx in x.sharding.addressable_devices_indices_map(x.shape).items()]
+            out.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays))
         return jax.tree.unflatten(treedef, out), path
 
 
@@ -251,9 +261,9 @@ def _fits(path: str, want: dict, config: dict) -> bool:
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        if not os.path.isfile(os.path.join(path, "shards.npz")):
+        if os.path.getsize(os.path.join(path, SHARDS)) != meta["nbytes"]:  # truncated
             return False
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError):
         return False
     same = all(meta.get(k) == want[k] for k in ("process_count", "mesh_shape", "leaves", "shards"))
     return same and not config_diff(meta.get("config", {}), config)

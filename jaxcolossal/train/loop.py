@@ -18,6 +18,12 @@ object a line) and the sinks ``logging`` switches on (TensorBoard, W&B:
 ``run_start`` record (:func:`run_start_record`) and a line in ``train.log`` naming the same run id.
 ``logging.profile_steps`` traces chosen steps (:mod:`jaxcolossal.train.profile`). A signal during
 start-up stops it at the next phase boundary, before any step (:class:`StoppedBeforeTraining`).
+
+Fault tolerance (docs/fault_tolerance.md): emergency checkpoints every ``checkpoint.local_every``
+steps (:mod:`jaxcolossal.train.emergency`), preferred at resume when newer than the persistent
+ones; the hang watchdog (:mod:`jaxcolossal.runtime.watchdog`, exit 75) told of each step and phase;
+the goodput timeline (:mod:`jaxcolossal.runtime.goodput`, ``<run_dir>/goodput.jsonl``) with its
+report at the end; every process's step and data times at each logged step, stragglers named.
 """
 
 from __future__ import annotations

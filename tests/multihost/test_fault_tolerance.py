@@ -28,6 +28,7 @@ def test_crash_then_restart_resumes_from_the_peer_replica_bit_exact_with_goodput
             f"checkpoint.dir={tmp_path / 'ckpt'}", f"checkpoint.local_dir={tmp_path / 'local'}",
             f"logging.run_dir={tmp_path / 'run'}", "training.resume=auto", "parallel.zero_stage=2"]
     env = clean_env(JAXCOLOSSAL_TEST_CRASH="1:5")
+    t0 = time.time()
     first = run(launcher(2, WRAPPER, *args, timeout_s=60, log_dir=tmp_path / "logs0"), env, timeout=140)
     assert first.returncode == 1 and "FAULT crash rank 1 after step 5" in first.stderr + \
         (tmp_path / "logs0" / "rank1.log").read_text(), first.describe()
@@ -37,6 +38,7 @@ def test_crash_then_restart_resumes_from_the_peer_replica_bit_exact_with_goodput
     second = run(launcher(2, WRAPPER, *args, timeout_s=60, log_dir=tmp_path / "logs1"),
                  clean_env(JAXCOLOSSAL_RESTART_COUNT="1"), timeout=140)
     assert second.returncode == 0, second.describe()
+    outside = time.time() - t0  # the job's wall time seen from outside: both launchers, the test's pause between
     log = (tmp_path / "run" / "train.log").read_text()
     assert "resumed from step 4 of the emergency (local) checkpoints" in log, log[-3000:]
     records = read_metrics(tmp_path / "run")
@@ -52,6 +54,9 @@ def test_crash_then_restart_resumes_from_the_peer_replica_bit_exact_with_goodput
                        if r["attempt"] == 0][-1]["step"]
     assert last_step_first >= max(before) and g["steps_lost"] == last_step_first - 4
     assert abs(g["goodput_accounted"] - 1) <= 0.02 and 0 < g["goodput"] < 1
+    # the timeline covers the job as measured from outside, less the launchers' own start and teardown
+    print(f"GOODPUT wall {g['goodput_wall_s']:.1f} s of {outside:.1f} s measured outside")
+    assert outside - 20 <= g["goodput_wall_s"] <= outside
     assert g["goodput_restart_s"] > 0 and g["goodput_wasted_s"] > 0
     assert f"restart 1: resumed from step 4 (local), {last_step_first - 4} step" in log
 
