@@ -60,11 +60,11 @@ def _setup(overrides: list[str]):
 
 def _block(compiled, state, batches, steps: int, local=None, every: int = 0, start: int = 0):
     """Run ``steps`` steps (with ``local``: a save every ``every`` steps, the last write waited for);
-    returns (state, seconds, [blocking seconds of each local save])."""
+    returns (state, wall seconds, CPU seconds of this process's threads, [blocking seconds of each save])."""
     import jax  # heavy: jax; main() sets devices first
 
     saves = []
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for i in range(steps):
         state, m = compiled(state, batches[i % len(batches)])
         if local is not None and (start + i + 1) % every == 0:
@@ -75,7 +75,7 @@ def _block(compiled, state, batches, steps: int, local=None, every: int = 0, sta
     jax.block_until_ready((state, m))
     if local is not None:
         local.wait()
-    return state, time.perf_counter() - t0, saves
+    return state, time.perf_counter() - t0, time.process_time() - c0, saves
 
 
 def _persistent_cost(cfg, state, tmp: str, repeats: int = 3) -> tuple[float, float]:
@@ -99,9 +99,9 @@ def _persistent_cost(cfg, state, tmp: str, repeats: int = 3) -> tuple[float, flo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices (ignored on a GPU)")
-    ap.add_argument("--steps", type=int, default=20, help="steps per block")
+    ap.add_argument("--steps", type=int, default=10, help="steps per block")
     ap.add_argument("--every", type=int, default=10, help="local checkpoint interval in steps")
-    ap.add_argument("--rounds", type=int, default=8, help="blocks of each kind, alternating (ABBA)")
+    ap.add_argument("--rounds", type=int, default=24, help="blocks of each kind, alternating (ABBA)")
     ap.add_argument("overrides", nargs="*", help="config overrides of the main job (section.key=value)")
     args = ap.parse_args(argv)
     import jaxcolossal as jc
@@ -111,24 +111,29 @@ def main(argv=None) -> int:
     cfg, plan, state, compiled, batches = _setup(args.overrides)
     with tempfile.TemporaryDirectory(prefix="jaxcolossal-bench-local-") as tmp:
         local = LocalCheckpoints(os.path.join(tmp, "local"), args.every, plan.mesh_shape, cfg.to_dict())
-        state, _, _ = _block(compiled, state, batches, args.every)  # warm-up
-        state, _, _ = _block(compiled, state, batches, args.every, local, args.every, 0)
+        state, *_ = _block(compiled, state, batches, args.every)  # warm-up
+        state, *_ = _block(compiled, state, batches, args.every, local, args.every, 0)
         none, with_local, saves, step = [], [], [], args.every
+        cpu = {"none": [], "local": []}
         for r in range(args.rounds):  # A B, then B A: a drift of the machine's speed hits both alike
             for kind in (("none", "local") if r % 2 == 0 else ("local", "none")):
                 if kind == "none":
-                    state, s, _ = _block(compiled, state, batches, args.steps)
+                    state, s, c, _ = _block(compiled, state, batches, args.steps)
                     none.append(s / args.steps)
                 else:
-                    state, s, b = _block(compiled, state, batches, args.steps, local, args.every, step)
+                    state, s, c, b = _block(compiled, state, batches, args.steps, local, args.every, step)
                     with_local.append(s / args.steps)
                     saves += b
                     step += args.steps
+                cpu[kind].append(c / args.steps)
         write_s = _time_write(local, state)
         local.close()
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(tmp, "local")) for f in fs)
         block_s, total_s = _persistent_cost(cfg, state, tmp)
     _report(args, none, with_local, saves, write_s, size, block_s, total_s)
+    print(f"CPU time per step (all threads of this process; less sensitive to other jobs on the machine): "
+          f"{statistics.median(cpu['none']) * 1e3:.2f} ms without, {statistics.median(cpu['local']) * 1e3:.2f} ms "
+          f"with: ratio {statistics.median(cpu['local']) / statistics.median(cpu['none']):.3f}")
     return 0
 
 
