@@ -2,12 +2,13 @@
 ones (``checkpoint.local_every``, ``checkpoint.local_dir``; docs/fault_tolerance.md).
 
 Why not Orbax's emergency checkpoint manager (orbax-checkpoint 0.12.8,
-``orbax.checkpoint.experimental.emergency``): its ``CheckpointManager`` needs at least two
-data-parallel *replicas* of the whole state along one mesh axis (multi-slice TPU: a slice that lost
-its local copy is restored by broadcast from a slice that has it); a ZeRO layout shards the state
-over the data group, so there is no such replica, and one process on CPU is refused outright
-("at least 2 data-parallel replicas are needed"). Its ``ReplicatorCheckpointManager`` needs GKE's
-multi-tier checkpointing replicator service. So each process keeps its own copy:
+``orbax.checkpoint.experimental.emergency``, read, not run): its ``CheckpointManager`` keeps local
+copies only with at least two *replicas* of the whole state along one mesh axis (multi-slice TPU: a
+slice that lost its local copy is restored by broadcast from one that has it); with one replica it
+drops the local directory and is a plain persistent manager. A ZeRO layout shards the state over
+``fsdp`` and the main job's ``dp`` axis is 1, so it would keep nothing locally. Its
+``ReplicatorCheckpointManager`` needs GKE's multi-tier checkpointing replicator service. So each
+process keeps its own copy:
 
 * **Save** (every ``local_every`` steps): each process copies the shards it holds of every leaf of
   the state to host memory (one copy per distinct shard index: replicas on its own devices are
