@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=24, help="blocks of each kind, alternating (ABBA)")
     ap.add_argument("overrides", nargs="*", help="config overrides of the main job (section.key=value)")
     args = ap.parse_args(argv)
-    import jaxcolossal as jc
+    import jaxcolossal as jc  # heavy: jax; imported after argparse so that --help is instant
     jc.simulate_devices(args.devices)
     from jaxcolossal.train.emergency import LocalCheckpoints  # heavy: jax; after the devices are set
 

@@ -11,6 +11,7 @@ from tiny import SMALL_MAIN_JOB
 
 from jaxcolossal.config import load_config
 from jaxcolossal.runtime import goodput
+from jaxcolossal.train.emergency import LocalCheckpoints, agree_step
 from jaxcolossal.train.loop import train
 
 MAIN_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -90,8 +91,6 @@ def _sharded_state(mesh_shape=(4, 2)):
 
 
 def test_save_and_restore_bit_exact_from_own_copy_or_replica(tmp_path):
-    from jaxcolossal.train.emergency import LocalCheckpoints, agree_step
-
     state = _sharded_state()
     local = LocalCheckpoints(str(tmp_path), 1, {"fsdp": 4, "tp": 2}, {})
     for step in (1, 2, 3):
