@@ -74,6 +74,7 @@ QUICK = {  # measurement script: flags appended for a small, quick run (argparse
                            "--compile-repeats", "1", "--zero-hidden", "32", "--zero-layers", "1",
                            "--zero-stages", "1,3"],
     "scripts/lean_step.py": ["--audit-seq", "256"],
+    "scripts/bench_local_checkpoint.py": ["--steps", "2", "--every", "1", "--rounds", "2"],
 }
 
 NEEDS_GPU = ("scripts/gpu_check.sh",)

@@ -109,6 +109,9 @@ RANGES: dict[str, Range] = {
     "precision.max_consecutive_skips": _POS,
     "data.val_fraction": Range(0, 1, hi_open=True), "data.max_corpus_bytes": Range(0, note="0: all of it"),
     "checkpoint.save_every": Range(0, note="0: only at evaluations and the end"), "checkpoint.max_to_keep": _POS,
+    "checkpoint.local_every": Range(0, note="0: no emergency checkpoints"),
+    "fault_tolerance.hang_timeout_s": Range(0, note="0: no hang watchdog"), "fault_tolerance.hang_factor": _GT0,
+    "fault_tolerance.straggler_factor": Range(1),
     "logging.log_every": _POS,
     "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
     "offload.devices_per_host": _POS,
@@ -193,6 +196,9 @@ def _check_model(cfg: Config) -> None:
     if t.resume is not False and not cfg.checkpoint.dir:
         raise ConfigError(f"training.resume={yaml_list([t.resume])[1:-1]} needs checkpoint.dir (the folder to "
                           "resume from)")
+    if cfg.checkpoint.local_every and not cfg.checkpoint.dir:
+        raise ConfigError(f"checkpoint.local_every={cfg.checkpoint.local_every} needs checkpoint.dir: an emergency "
+                          "checkpoint is restored only against the persistent ones (set checkpoint.dir=checkpoints/run1)")
 
 
 def _check_data(cfg: Config) -> None:

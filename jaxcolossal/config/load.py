@@ -23,7 +23,7 @@ from jaxcolossal.config.schema import Bytes, Config, StepRange, parse_bytes, par
 from jaxcolossal.errors import ConfigError, ConfigFileNotFoundError
 
 PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir", "checkpoint.dir",
-             "logging.run_dir", "offload.nvme_path")
+             "checkpoint.local_dir", "logging.run_dir", "offload.nvme_path")
 """Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
 
 

@@ -769,6 +769,38 @@ class CheckpointConfig:
     overwrite: bool = False
     """``true``: a fresh run (``training.resume=false``) into a ``dir`` that already holds checkpoints
     deletes them first; without it such a run is refused before anything compiles."""
+    local_every: int = 0
+    """Emergency (local) checkpoints every this many steps, >= 0; 0 (the default): none. Each process
+    writes the shards it holds of the whole train state to ``local_dir`` in a background thread,
+    plus a replica of them into the next process's folder, keeping the newest 2
+    (:mod:`jaxcolossal.train.emergency`, docs/fault_tolerance.md). ``training.resume`` restores the
+    newest step every process has when it is newer than the newest persistent checkpoint and the
+    layout (process count, mesh) is the same. Needs ``dir``."""
+    local_dir: str = ""
+    """The emergency checkpoints' folder (a fast local disk); ``""`` (the default):
+    ``<tmp>/jaxcolossal-local/<name of dir>-<hash of dir's absolute path>`` (``<tmp>``: ``$TMPDIR`` or
+    ``/tmp``). Process ``r`` writes ``rank<r>/`` and the replica ``rank<r+1 mod n>/replica_of_rank<r>/``,
+    so on several nodes it must be a path every process can write. ``~`` and ``$VAR`` are expanded."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Hang detection, goodput and stragglers (docs/fault_tolerance.md); the emergency checkpoints
+    are ``checkpoint.local_every``."""
+
+    hang_timeout_s: float = 180.0
+    """The hang watchdog (:mod:`jaxcolossal.runtime.watchdog`): a process where no training step
+    finishes within ``max(hang_timeout_s, hang_factor × the median step time)`` seconds dumps every
+    thread's stack to its log and exits with code 75; >= 0, 0: off. Armed after the first step (the
+    start-up and the first compile are covered by ``$JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, 300 s)."""
+    hang_factor: float = 10.0
+    """The hang limit's multiple of the median step time (of the latest 50 steps), > 0."""
+    straggler_factor: float = 1.5
+    """A rank whose step time (or data-loading time) is above this multiple of the other ranks'
+    median is named in the log at each ``logging.log_every`` step, >= 1."""
+    goodput: bool = True
+    """Record the run's time by category in ``<logging.run_dir>/goodput.jsonl`` (process 0; the
+    attempts of a restarted job append to it) and report the goodput at the end of the run."""
 
 
 class StepRange(str):
@@ -949,6 +981,8 @@ class Config:
     """Preference optimisation (``training.objective=dpo``): β, the loss variant and the reference model."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Orbax checkpoints: where, how often, how many."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Hang detection, goodput and stragglers."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics, the log file, the progress bar and TensorBoard."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)

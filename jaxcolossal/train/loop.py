@@ -18,6 +18,12 @@ object a line) and the sinks ``logging`` switches on (TensorBoard, W&B:
 ``run_start`` record (:func:`run_start_record`) and a line in ``train.log`` naming the same run id.
 ``logging.profile_steps`` traces chosen steps (:mod:`jaxcolossal.train.profile`). A signal during
 start-up stops it at the next phase boundary, before any step (:class:`StoppedBeforeTraining`).
+
+Fault tolerance (docs/fault_tolerance.md): emergency checkpoints every ``checkpoint.local_every``
+steps (:mod:`jaxcolossal.train.emergency`), preferred at resume when newer than the persistent
+ones; the hang watchdog (:mod:`jaxcolossal.runtime.watchdog`, exit 75) told of each step and phase;
+the goodput timeline (:mod:`jaxcolossal.runtime.goodput`, ``<run_dir>/goodput.jsonl``) with its
+report at the end; every process's step and data times at each logged step, stragglers named.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -62,7 +69,18 @@ from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape
 from jaxcolossal.posttrain.rollout import Rollouts
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.dist_logger import get_dist_logger
+from jaxcolossal.runtime.faults import restart_count
+from jaxcolossal.runtime.goodput import (
+    GoodputRecorder,
+    process_start_time,
+    read_records,
+    stragglers,
+    summarize,
+    summary_lines,
+)
 from jaxcolossal.runtime.launch import collective_timeout
+from jaxcolossal.runtime.watchdog import HangWatchdog
+from jaxcolossal.train.emergency import LocalCheckpoints, agree_step, any_local_steps, local_dir
 from jaxcolossal.train.guard import (
     NonFiniteError,
     NonFiniteGuard,
@@ -240,7 +258,7 @@ def preflight(cfg: Config, eval_only: bool = False) -> None:
     if not c.dir or eval_only:
         return
     steps = step_dirs(c.dir)
-    if t.resume is True and not steps:
+    if t.resume is True and not steps and not (c.local_every and any_local_steps(local_dir(cfg))):
         unfinished = sorted(n for n in os.listdir(c.dir) if "tmp" in n) if os.path.isdir(c.dir) else []
         raise ConfigError(
             f"training.resume=true, but checkpoint.dir={c.dir!r} holds no checkpoint"
@@ -287,6 +305,11 @@ class Run:
     sample_prompt: str = TEXT_SAMPLE_PROMPT
     run_id: str = ""
     profiler: StepProfiler | None = None
+    local: LocalCheckpoints | None = None
+    goodput: GoodputRecorder | None = None
+    hang: HangWatchdog | None = None
+    data_mark: float = 0.0
+    """The data-waiting seconds at the last logged step (per-rank times, :func:`_rank_times`)."""
 
     def full(self, state: Any) -> Any:
         """``state`` whole: with the NVMe tier, its leaves read back from their files (for a save)."""
@@ -319,30 +342,59 @@ SCHEDULE_KEYS = tuple(f"training.{k}" for k in ("learning_rate", "min_learning_r
 """Keys that shape the learning-rate schedule; a resume that changes them says so."""
 
 
-def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any) -> Any:
+def _restore(cfg: Config, ckpt: CheckpointManager | None, state: Any,
+             local: LocalCheckpoints | None = None) -> tuple[Any, str]:
     """``training.resume``: true restores the newest step that restores (or fails), auto as
-    well when there is one; damaged steps are moved aside by the checkpoint manager. Returns
-    ``state`` itself (the same object) when it restores nothing."""
+    well when there is one; damaged steps are moved aside by the checkpoint manager. With
+    emergency checkpoints (``local``), the newest step every process holds locally
+    (:func:`agree_step`, a collective) is restored instead when it is newer than the newest
+    persistent step. Returns ``(state, source)``: ``source`` ``"local"``, ``"persistent"``, or
+    ``"none"`` with ``state`` itself when it restores nothing (a fresh run also clears ``local``)."""
     if ckpt is None or cfg.training.resume is False:
-        return state
+        if local is not None:
+            local.clear()
+        return state, "none"
+    log = get_dist_logger()
+    state, source = _restore_newest(cfg, ckpt, state, local)
+    if source == "none":
+        return state, source
+    step = int(state.step)
+    if local is not None:  # newer local steps belong to the history this run replaces
+        local.drop_after(step)
+    if step >= cfg.training.max_steps:
+        raise ConfigError(f"training.max_steps={cfg.training.max_steps}: the checkpoint is already at step {step}, "
+                          "so there is nothing to train; max_steps counts all steps, not the steps to add "
+                          f"(e.g. training.max_steps={step + cfg.training.max_steps})")
+    if source == "persistent":
+        changed = config_diff(ckpt.saved_config(step), cfg.to_dict(), SCHEDULE_KEYS)
+        if changed:
+            log.warning("the learning-rate schedule differs from the saved run's, so the resumed steps "
+                        "follow the new one: " + "; ".join(changed), ranks=[0])
+    return state, source
+
+
+def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
+                    local: LocalCheckpoints | None) -> tuple[Any, str]:
+    """:func:`_restore`'s choice between the emergency and the persistent checkpoints, logged."""
+    log = get_dist_logger()
+    newest_local = agree_step(local.available(state)) if local is not None else None
+    persistent = ckpt.latest_step()
+    if newest_local is not None and (persistent is None or newest_local > persistent):
+        state, path = local.restore(newest_local, state)
+        log.info(f"resumed from step {newest_local} of the emergency (local) checkpoints in {local.directory} "
+                 f"(newest persistent step: {persistent}; process 0 read {path})", ranks=[0])
+        return state, "local"
     try:
         state = ckpt.restore(state)
     except FileNotFoundError:
         if cfg.training.resume is True:
             raise
-        get_dist_logger().info(f"training.resume=auto: no checkpoint in {ckpt.directory}, starting fresh", ranks=[0])
-        return state
-    step = int(state.step)
-    get_dist_logger().info(f"resumed from step {step} in {ckpt.directory}", ranks=[0])
-    if step >= cfg.training.max_steps:
-        raise ConfigError(f"training.max_steps={cfg.training.max_steps}: the checkpoint is already at step {step}, "
-                          "so there is nothing to train; max_steps counts all steps, not the steps to add "
-                          f"(e.g. training.max_steps={step + cfg.training.max_steps})")
-    changed = config_diff(ckpt.saved_config(step), cfg.to_dict(), SCHEDULE_KEYS)
-    if changed:
-        get_dist_logger().warning("the learning-rate schedule differs from the saved run's, so the resumed steps "
-                                  "follow the new one: " + "; ".join(changed), ranks=[0])
-    return state
+        log.info(f"training.resume=auto: no checkpoint in {ckpt.directory}, starting fresh", ranks=[0])
+        return state, "none"
+    log.info(f"resumed from step {int(state.step)} in {ckpt.directory} (persistent"
+             + (f"; newest emergency step every process holds: {newest_local})" if local is not None else ")"),
+             ranks=[0])
+    return state, "persistent"
 
 
 def _data(cfg: Config, mesh, plan: TrainPlan | None = None) -> tuple[DataLoader, list, str]:
@@ -610,7 +662,7 @@ def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoad
     return compiled, compile_s, peak
 
 
-def _start(cfg: Config, stop: StopSignals) -> Run:
+def _start(cfg: Config, stop: StopSignals, rec: GoodputRecorder) -> Run:
     """Everything before the first step: the mesh and plan, the data, the model's state, the
     checkpoint folder (restored from with ``training.resume``), the metric sinks and the compiled
     train step.
@@ -633,12 +685,18 @@ def _start(cfg: Config, stop: StopSignals) -> Run:
         print(param_table(plan))
         print(memory_report(plan, state, tier)[0])
     ckpt, metrics = _open_checkpoints(cfg), None
+    local = LocalCheckpoints(local_dir(cfg), cfg.checkpoint.local_every, plan.mesh_shape, cfg.to_dict()) \
+        if cfg.checkpoint.local_every else None
     try:
-        state, resumed_from = _restored(cfg, ckpt, state, tier, stop)
+        with rec.phase("checkpoint_load"):
+            state, resumed_from, source = _restored(cfg, ckpt, state, tier, stop, local)
+        rec.resumed(resumed_from or 0, source)
         # the metric sinks before compiling: a W&B run that cannot start is refused without the compile's wait
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=is_main)
-        compiled, compile_s, peak = _compile(cfg, plan, tx, state, loader)
+        with rec.phase("compilation"):
+            compiled, compile_s, peak = _compile(cfg, plan, tx, state, loader)
         stop.check("compiling the train step")
+        rec.enter("other")
     except BaseException as e:
         if metrics is not None:
             metrics.close(exit_code=getattr(e, "exit_code", 1))
@@ -649,24 +707,28 @@ def _start(cfg: Config, stop: StopSignals) -> Run:
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
                eval_step=make_dpo_eval_step(plan) if cfg.training.objective == "dpo" else make_eval_step(plan),
                compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
-               sample_prompt=sample_prompt, run_id=run_id, profiler=StepProfiler.for_run(cfg, run_id, is_main))
+               sample_prompt=sample_prompt, run_id=run_id, profiler=StepProfiler.for_run(cfg, run_id, is_main),
+               local=local, goodput=rec)
 
 
-def _restored(cfg: Config, ckpt: Any, state: Any, tier: NvmeTier | None, stop: StopSignals) -> tuple[Any, int | None]:
-    """``(state, resumed_from)``: ``state`` restored from the checkpoint folder with ``training.resume``
-    (``resumed_from`` its step, else ``None``), its NVMe-bound leaves spilled to their files.
+def _restored(cfg: Config, ckpt: Any, state: Any, tier: NvmeTier | None, stop: StopSignals,
+              local: LocalCheckpoints | None = None) -> tuple[Any, int | None, str]:
+    """``(state, resumed_from, source)``: ``state`` restored with ``training.resume`` from the
+    checkpoint folder or the emergency checkpoints (:func:`_restore`; ``resumed_from`` its step, else
+    ``None``; ``source`` ``"persistent"``, ``"local"`` or ``"none"``), its NVMe-bound leaves spilled
+    to their files.
 
     Raises:
         StoppedBeforeTraining: a signal arrived while the folder was opened or restored from.
     """
-    fresh, state = state, _restore(cfg, ckpt, state)
-    resumed_from = None if state is fresh else int(state.step)
+    state, source = _restore(cfg, ckpt, state, local)
+    resumed_from = None if source == "none" else int(state.step)
     stop.check("opening the checkpoint folder" if resumed_from is None else f"restoring step {resumed_from}")
     if tier is not None:  # the offloaded optimizer state goes to its files; tokens take its places
         state = tier.spill(state)
         get_dist_logger().info(f"NVMe tier: {len(tier.slots)} optimizer-state leaves, "
                                f"{tier.bytes_per_device() / 2**20:.3f} MiB per device, in {tier.path}", ranks=[0])
-    return state, resumed_from
+    return state, resumed_from, source
 
 
 # ----------------------------------------------------------------------------- evaluate, save
@@ -740,14 +802,38 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
                          num_devices=jax.device_count(), peak=mx.mfu_peak(run.plan.mesh),
                          recompute=cfg.model.remat != "none")
     peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # addressable here
+    ranks = _rank_times(run, done, step_s)
     run.write({"step": done, **m, **perf, "step_time_s": step_s, "peak_memory_bytes": peak or run.compiled_peak,
-               "peak_memory_source": "runtime" if peak else "compiled estimate"})
+               "peak_memory_source": "runtime" if peak else "compiled estimate", **ranks})
     moe = {} if "expert_load" not in m else {  # a mixture of experts: its busiest expert's share, the dropped slots
         "top_expert": f"{max(m['expert_load']):.0%}", "dropped": f"{m['moe_dropped_share']:.1%}"}
     bar.set_postfix(**bar_fields(m, perf), **moe)
     # the bar on a terminal, this line in train.log; elsewhere (a file, a pipe) the line is the log's only record
     get_dist_logger().info(step_line(done, t.max_steps, m, perf, moe), ranks=[0], file_only=not bar.disable)
     return perf
+
+
+def _rank_times(run: Run, done: int, step_s: float) -> dict:
+    """Every process's step time and data-waiting time per step since the last logged step (a gather
+    over the processes; ``{}`` with one), as ``rank_step_time_s`` / ``rank_data_s`` lists in seconds;
+    a rank above ``fault_tolerance.straggler_factor`` × the others' median is named in a warning."""
+    data_total = run.goodput.totals["data_waiting"]
+    data_s = (data_total - run.data_mark) / max(run.cfg.logging.log_every, 1)
+    run.data_mark = data_total
+    if jax.process_count() == 1:
+        return {}
+    rows = np.asarray(multihost_utils.process_allgather(np.array([step_s, data_s], np.float64)))
+    out = {"rank_step_time_s": [round(float(x), 6) for x in rows[:, 0]],
+           "rank_data_s": [round(float(x), 6) for x in rows[:, 1]]}
+    factor = run.cfg.fault_tolerance.straggler_factor
+    for what, key in (("step time", "rank_step_time_s"), ("data-loading time", "rank_data_s")):
+        for r in stragglers(out[key], factor):
+            others = out[key][:r] + out[key][r + 1:]
+            get_dist_logger().warning(
+                f"straggler at step {done}: process {r}'s {what} {out[key][r]:.4f} s is above "
+                f"fault_tolerance.straggler_factor={factor:g} x the other processes' median "
+                f"{float(np.median(others)):.4f} s", ranks=[0])
+    return out
 
 
 def bar_fields(m: dict, perf: dict) -> dict[str, str]:
@@ -779,6 +865,28 @@ def step_line(step: int, max_steps: int, m: dict, perf: dict, extra: dict | None
     return ", ".join(parts)
 
 
+def _evaluate_phase(run: Run, state: Any, done: int) -> float:
+    """The evaluation at step ``done`` inside the loop: its loss logged and written, its time
+    ``evaluation`` in the goodput, a phase boundary for the hang watchdog."""
+    run.hang.progress(f"in the evaluation at step {done}")
+    with run.goodput.phase("evaluation"):
+        v = _evaluate(run, state)
+    run.hang.progress(f"after the evaluation at step {done}")
+    run.write({"step": done, "val_loss": v})
+    get_dist_logger().info(f"step {done}: validation loss {v:.4f}", ranks=[0])
+    return v
+
+
+def _save_local(run: Run, state: Any, done: int, m: dict, clock: "_StepClock") -> None:
+    """The emergency checkpoint of step ``done`` (``checkpoint.local_every``): the host copy here, the
+    files in the background (:class:`LocalCheckpoints`); time ``checkpoint_save`` in the goodput."""
+    with clock.paused(m):
+        run.hang.progress(f"in the emergency checkpoint save at step {done}")
+        with run.goodput.phase("checkpoint_save"):
+            run.local.save(done, run.full(state))
+        run.hang.progress(f"after the emergency checkpoint save at step {done}")
+
+
 def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, dict]:
     """Train from the state's step to ``max_steps`` (or a signal). Returns ``(state, perf)``.
 
@@ -795,37 +903,49 @@ def _steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any, di
     profiler = run.profiler or StepProfiler(None, "")
     bar = tqdm(range(start, t.max_steps), initial=start, total=t.max_steps, dynamic_ncols=True, desc="train",
                disable=not (run.is_main and cfg.logging.progress_bar and sys.stderr.isatty()))
+    rec, hang = run.goodput, run.hang
+    rec.enter("productive")
     try:
         for step in bar:
             done = step + 1
+            hang.phase(f"in step {done}'s data loading")
+            on_policy = getattr(run.loader, "on_policy", False)  # GRPO: the rollout phase on this state,
+            with contextlib.nullcontext() if on_policy else rec.phase("data_waiting"):  # productive time
+                batch = run.loader.batch(step, state) if on_policy else run.loader.batch(step)
+            hang.phase(f"in step {done}'s train_step dispatch")
             with profiler.step(done, state) as traced:
-                if getattr(run.loader, "on_policy", False):  # GRPO: the rollout phase on this state
-                    state, m = run.compiled(state, run.loader.batch(step, state))
+                state, m = run.compiled(state, batch)
+                if on_policy:
                     m = {**m, **run.loader.metrics}
-                else:
-                    state, m = run.compiled(state, run.loader.batch(step))
                 traced.append((state, m))
             clock.paused_s += profiler.take_overhead_s()  # starting and writing a trace is not step time
             watchdog.kick(f"step {done}")
+            hang.phase(f"waiting for step {done - 1}'s results (the collectives of steps {done - 1}-{done})")
             guard.watch(done, m)
+            hang.step_done(done)
+            rec.step_done(done)
             evaluate = bool(t.eval_every) and done % t.eval_every == 0 and done != t.max_steps
             save = run.ckpt is not None and (evaluate or (c.save_every and done % c.save_every == 0))
             log_now = done % cfg.logging.log_every == 0 or done == t.max_steps
             if log_now:  # a non-finite step is logged too (null values, spelt out in "nonfinite_values")
+                hang.phase(f"waiting for step {done}'s results (the collectives of step {done}) to log them")
                 perf = _log_step(run, done, m, clock, bar)
             if log_now or evaluate or save or stop:
                 guard.flush()
             if evaluate or save:
                 with clock.paused(m):
-                    v = _evaluate(run, state) if evaluate else None
-                    if evaluate:
-                        run.write({"step": done, "val_loss": v})
-                        get_dist_logger().info(f"step {done}: validation loss {v:.4f}", ranks=[0])
+                    v = _evaluate_phase(run, state, done) if evaluate else None
                     if save:
-                        _save(run, state, val_loss=v)  # eval steps are candidates for the best checkpoint
+                        hang.progress(f"in checkpoint save at step {done}")
+                        with rec.phase("checkpoint_save"):
+                            _save(run, state, val_loss=v)  # eval steps are candidates for the best checkpoint
+                        hang.progress(f"after the checkpoint save at step {done}")
+            if run.local is not None and run.local.due(done) and done != t.max_steps:
+                _save_local(run, state, done, m, clock)
             if stop:
                 break
         guard.flush()
+        rec.enter("other")
     except Exception as e:
         if not isinstance(e, NonFiniteError):
             if explain_oom(e, run.plan, run.compiled):  # out of memory in a step: why, what would fit, what held it
@@ -944,8 +1064,28 @@ def train(cfg: Config) -> dict:
             watchdog.stop()
 
 
+_TRAINED_IN_THIS_PROCESS = [False]
+"""Whether :func:`train` ran before in this process: the goodput of the first run counts from the
+process's start (imports included), a later one's from its call."""
+
+
+def goodput_recorder(cfg: Config) -> GoodputRecorder:
+    """The run's goodput timeline (:mod:`jaxcolossal.runtime.goodput`): process 0 appends it to
+    ``<logging.run_dir>/goodput.jsonl`` with ``fault_tolerance.goodput``; the other processes keep it in
+    memory (their data-waiting time is gathered for the straggler check). The attempt number is
+    :func:`restart_count` (0: a new job in the file)."""
+    path = os.path.join(cfg.logging.run_dir, "goodput.jsonl") \
+        if cfg.fault_tolerance.goodput and jax.process_index() == 0 else None
+    start = time.time() if _TRAINED_IN_THIS_PROCESS[0] else process_start_time()
+    _TRAINED_IN_THIS_PROCESS[0] = True
+    return GoodputRecorder(path, restart_count(os.environ), start=start)
+
+
 def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
-    run = _start(cfg, stop)
+    ft = cfg.fault_tolerance
+    hang = HangWatchdog(ft.hang_timeout_s, ft.hang_factor, process_index=jax.process_index())
+    run = _start(cfg, stop, goodput_recorder(cfg))
+    run.hang = hang
     out = None
     try:
         out = _run(run, watchdog, stop)
@@ -955,13 +1095,18 @@ def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
             run.ckpt.close()
         raise
     finally:  # W&B marks a run that raised as failed, one stopped by a signal with its exit code
+        hang.stop()
+        if run.local is not None:
+            run.local.close()
         run.metrics.close(exit_code=1 if out is None else out["exit_code"])
 
 
 def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
-    log = get_dist_logger()
+    log, rec = get_dist_logger(), run.goodput
     watchdog.start("compiled the train step")
-    val_start = _evaluate(run, run.state)
+    run.hang.start()  # armed by the first step; the start-up is the collective-timeout watchdog's
+    with rec.phase("evaluation"):
+        val_start = _evaluate(run, run.state)
     log.info(f"validation loss at step {int(run.state.step)}: {val_start:.4f} nats/token", ranks=[0])
     run.write({"step": int(run.state.step), "val_loss": val_start})
     stop.start_training(after=f"the evaluation at step {int(run.state.step)}")
@@ -969,18 +1114,25 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     out = {"val_loss_start": val_start, "val_loss_end": None, "perf": perf, "compile_s": run.compile_s,
            "sample": "", "state": state, "plan": run.plan, "stopped_by": stop.received,
            "exit_code": stop.exit_code}
+    run.hang.stop()  # the end-of-run phases are watched by the collective-timeout watchdog
     if stop:  # a signal: save where we are and stop, without the final evaluation
         watchdog.stop()
         log.warning(f"{stop.received} received: saving step {int(state.step)} and stopping", ranks=[0])
     else:
-        out["val_loss_end"] = val_end = _evaluate(run, state)
+        with rec.phase("evaluation"):
+            out["val_loss_end"] = val_end = _evaluate(run, state)
         watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
         run.write({"step": int(state.step), "val_loss": val_end})
         log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} "
                  "(nats/token)", ranks=[0])
-    _save(run, state, val_loss=out["val_loss_end"], final=True)
-    if run.ckpt:
-        run.ckpt.close()
+    with rec.phase("checkpoint_save"):
+        if run.local is not None:
+            run.local.close()
+        _save(run, state, val_loss=out["val_loss_end"], final=True)
+        if run.ckpt:
+            run.ckpt.close()
+        if run.local is not None:  # the final persistent step is the newest: the emergency copies are stale
+            run.local.clear()
     if run.nvme is not None:  # the returned state is whole
         out["state"] = state = run.full(state)
     if run.plan.lora and run.is_main:  # the trained adapters in PEFT's format, beside the logs
@@ -992,7 +1144,25 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
         out["sample"] = _sample(run, state)
         if run.is_main and out["sample"]:
             print("----- sample -----\n" + printable(out["sample"]) + "\n------------------")
+    out["goodput"] = _report_goodput(run, int(state.step))
     return out
+
+
+def _report_goodput(run: Run, step: int) -> dict:
+    """End the attempt's goodput timeline; on process 0 (with ``fault_tolerance.goodput``) log the job's
+    summary over all its attempts (:func:`summary_lines`) and write it to the metrics as one record
+    (``event`` ``"goodput"``: ``goodput``, ``goodput_wall_s``, ``goodput_accounted``, ``steps_lost`` and
+    ``goodput_<category>_s``). Returns :func:`summarize`'s dict (``{}`` elsewhere)."""
+    run.goodput.finish()
+    if not run.goodput.path:
+        return {}
+    s = summarize(read_records(run.goodput.path))
+    for line in summary_lines(s):
+        get_dist_logger().info(line, ranks=[0])
+    run.write({"step": step, "event": "goodput", "goodput": s["goodput"], "goodput_wall_s": s["wall_s"],
+               "goodput_accounted": s["accounted"], "steps_lost": s["steps_lost"],
+               **{f"goodput_{k}_s": v for k, v in s["seconds"].items()}})
+    return s
 
 
 # ----------------------------------------------------------------------------- evaluate only

@@ -122,8 +122,12 @@ def test_checkpoint_from_two_processes_resumes_in_one(zero3):
 def test_logs_metrics_and_checkpoints_are_written_once(zero3):
     root = zero3["root"]
     records = read_metrics(root / "multi")
-    # metrics.jsonl: the run's start, 7 train steps and 2 validations, each once (train_losses asserts no repeats)
-    assert len(records) == 10 and records[0]["event"] == "run_start" and [r["step"] for r in records if "val_loss" in r] == [0, 7]
+    # metrics.jsonl: the run's start, 7 train steps, 2 validations and the goodput summary, each once
+    # (train_losses asserts no repeats)
+    assert len(records) == 11 and records[0]["event"] == "run_start" and [r["step"] for r in records if "val_loss" in r] == [0, 7]
+    assert records[-1]["event"] == "goodput" and abs(records[-1]["goodput_accounted"] - 1) <= 0.02
+    # every process's step time at each logged step (issue 44's straggler check)
+    assert all(len(r["rank_step_time_s"]) == 2 for r in records if "loss" in r)
     assert sorted(train_losses(records)) == [1, 2, 3, 4, 5, 6, 7]
     # train.log: written by process 0 only, each line once
     log = (root / "multi" / "train.log").read_text().splitlines()

@@ -1,0 +1,221 @@
+"""Goodput: a job's wall time split by cause, across the attempts of a restarted job (issue 44).
+
+The categories follow MaxText's goodput library (``ml-goodput-measurement``: productive time, and
+badput from TPU/program start-up, compilation, data loading, checkpoint save/restore, job restart
+and wasted progress), on one timeline per attempt:
+
+``initialization``  process start → the checkpoint folder and state (imports, mesh, data, init)
+``compilation``     compiling the train step
+``checkpoint_load`` restoring the state (persistent or emergency checkpoint)
+``productive``      training steps kept by the job
+``data_waiting``    the host building the next batch
+``checkpoint_save`` persistent and emergency saves (the blocking part)
+``evaluation``      validation passes
+``other``           the rest of the attempt (logging, the end-of-run phases)
+``restart``         between attempts: from the last record of a failed attempt to the start of
+                    the next process (failure detection, teardown, relaunch)
+``wasted``          steps computed by a failed attempt after the step the next attempt resumed from
+                    (recomputed), at that attempt's mean step time
+
+Every second of an attempt is in exactly one category (:class:`GoodputRecorder` switches between
+them), so the categories add up to the job's wall time (first process start → last record); the
+summary reports the difference as ``unaccounted_s``. Process 0 appends records to
+``<run_dir>/goodput.jsonl``; a restarted attempt (:func:`jaxcolossal.runtime.faults.restart_count`
+> 0) appends to the same file, and an attempt numbered 0 starts a new job in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+CATEGORIES = ("initialization", "compilation", "checkpoint_load", "productive", "data_waiting", "checkpoint_save",
+              "evaluation", "other")
+"""The categories of one attempt's timeline."""
+JOB_CATEGORIES = CATEGORIES + ("restart", "wasted")
+"""The categories of a job's summary: an attempt's, plus the time between attempts and the steps recomputed."""
+
+
+def process_start_time() -> float:
+    """This process's start, in seconds since the epoch (Linux: ``/proc/self/stat``'s start time
+    over the boot time); the time now where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+class GoodputRecorder:
+    """One attempt's timeline: the current category, and seconds per category so far.
+
+    Args:
+        path: the job's ``goodput.jsonl`` (appended to), or None: record in memory only (the
+            processes other than 0).
+        attempt: the restart number (0: the first attempt; another job starts at each 0).
+        start: the attempt's start (seconds since the epoch), default :func:`process_start_time`.
+        clock: seconds since the epoch (tests pass a fake one).
+    """
+
+    def __init__(self, path: str | None, attempt: int = 0, *, start: float | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.path, self.attempt, self.clock = path, attempt, clock
+        self.totals = dict.fromkeys(CATEGORIES, 0.0)
+        self.current, self.t = "initialization", process_start_time() if start is None else start
+        self.start, self.step, self.steps_run = self.t, 0, 0
+        self._file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a")
+        self._write({"event": "attempt_start", "attempt": attempt, "time": self.start, "pid": os.getpid()})
+
+    def _write(self, rec: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+
+    def enter(self, category: str) -> str:
+        """Switch to ``category`` (one of :data:`CATEGORIES`); returns the one left.
+
+        Raises:
+            ValueError: an unknown category.
+        """
+        if category not in self.totals:
+            raise ValueError(f"goodput category {category!r} is not one of {', '.join(CATEGORIES)}")
+        now = self.clock()
+        self.totals[self.current] += now - self.t
+        left, self.current, self.t = self.current, category, now
+        return left
+
+    @contextlib.contextmanager
+    def phase(self, category: str) -> Iterator[None]:
+        """``category`` for the block, then back to the one before."""
+        left = self.enter(category)
+        try:
+            yield
+        finally:
+            self.enter(left)
+
+    def snapshot(self, event: str = "progress", **extra) -> dict:
+        """The totals up to now, as written to the file: ``event``, ``attempt``, ``time``, ``step``,
+        ``steps_run``, ``totals`` (seconds per category) and ``extra``."""
+        self.enter(self.current)
+        rec = {"event": event, "attempt": self.attempt, "time": self.t, "step": self.step,
+               "steps_run": self.steps_run, "totals": dict(self.totals), **extra}
+        self._write(rec)
+        return rec
+
+    def resumed(self, step: int, source: str) -> None:
+        """The attempt starts from ``step`` (0: fresh), restored from ``source`` (``"persistent"``,
+        ``"local"``, ``"none"``)."""
+        self.step = step
+        self.snapshot("resumed", resumed_from=step, source=source)
+
+    def step_done(self, step: int) -> None:
+        """Training step ``step`` finished (its time is ``productive``); one record per step."""
+        self.step, self.steps_run = step, self.steps_run + 1
+        self.snapshot()
+
+    def finish(self) -> dict:
+        """The attempt's last record (``attempt_end``); closes the file."""
+        rec = self.snapshot("attempt_end")
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        return rec
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of ``path`` (a ``goodput.jsonl``); a last line cut by a killed process is ignored."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _attempts(records: list[dict]) -> list[dict]:
+    """The attempts of the file's last job (from its last ``attempt_start`` numbered 0): start, end
+    (its last record's time), totals, last step, steps run, the step it resumed from and how."""
+    starts = [i for i, r in enumerate(records) if r.get("event") == "attempt_start" and r.get("attempt") == 0]
+    out: list[dict] = []
+    for r in records[starts[-1] if starts else 0:]:
+        if r.get("event") == "attempt_start":
+            out.append({"attempt": r["attempt"], "start": r["time"], "end": r["time"], "step": 0, "steps_run": 0,
+                        "totals": dict.fromkeys(CATEGORIES, 0.0), "resumed_from": 0, "source": "none",
+                        "finished": False})
+        elif out:
+            a = out[-1]
+            a.update(end=r["time"], step=r.get("step", a["step"]), steps_run=r.get("steps_run", a["steps_run"]),
+                     totals=r.get("totals", a["totals"]), finished=r.get("event") == "attempt_end")
+            if r.get("event") == "resumed":
+                a.update(resumed_from=r["resumed_from"], source=r["source"])
+    return out
+
+
+def summarize(records: list[dict]) -> dict:
+    """The job's goodput from its records (:func:`read_records`).
+
+    Returns a dict: ``wall_s``; ``seconds`` (per :data:`JOB_CATEGORIES`); ``goodput`` (productive /
+    wall, in [0, 1]); ``accounted`` (sum of the categories / wall); ``unaccounted_s``; ``restarts``: one
+    ``{"attempt", "resumed_from", "source", "steps_lost", "lost_s", "gap_s"}`` per restart; ``steps_lost``.
+    ``{}`` when there is no attempt.
+    """
+    attempts = _attempts(records)
+    if not attempts:
+        return {}
+    seconds = dict.fromkeys(JOB_CATEGORIES, 0.0)
+    for a in attempts:
+        for k, v in a["totals"].items():
+            seconds[k] += v
+    restarts = []
+    for prev, a in zip(attempts, attempts[1:]):
+        lost = max(0, min(prev["step"] - a["resumed_from"], prev["steps_run"]))
+        lost_s = lost * prev["totals"]["productive"] / max(prev["steps_run"], 1)
+        gap = a["start"] - prev["end"]
+        seconds["restart"] += gap
+        seconds["wasted"] += lost_s
+        seconds["productive"] -= lost_s
+        restarts.append({"attempt": a["attempt"], "resumed_from": a["resumed_from"], "source": a["source"],
+                         "steps_lost": lost, "lost_s": lost_s, "gap_s": gap})
+    wall = attempts[-1]["end"] - attempts[0]["start"]
+    total = sum(seconds.values())
+    return {"wall_s": wall, "seconds": seconds, "goodput": seconds["productive"] / wall if wall > 0 else 0.0,
+            "accounted": total / wall if wall > 0 else 1.0, "unaccounted_s": wall - total, "restarts": restarts,
+            "steps_lost": sum(r["steps_lost"] for r in restarts), "attempts": len(attempts)}
+
+
+def summary_lines(s: dict) -> list[str]:
+    """The end-of-run report of :func:`summarize`'s dict: the goodput line, then one line per restart
+    (``restart 1: resumed from step 10 (local), 2 steps lost (0.8 s), 6.1 s between attempts``)."""
+    if not s:
+        return []
+    wall, sec = s["wall_s"], s["seconds"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s ({v / wall:.1%})" for k, v in sec.items() if wall > 0)
+    lines = [f"goodput {s['goodput']:.1%} of {wall:.1f} s wall over {s['attempts']} attempt(s): {parts}; the "
+             f"categories add up to {s['accounted']:.2%} of the wall time"]
+    for r in s["restarts"]:
+        lines.append(f"restart {r['attempt']}: resumed from step {r['resumed_from']} ({r['source']}), "
+                     f"{r['steps_lost']} step{'' if r['steps_lost'] == 1 else 's'} lost ({r['lost_s']:.1f} s), {r['gap_s']:.1f} s between attempts")
+    return lines
+
+
+def stragglers(times: list[float], factor: float) -> list[int]:
+    """The ranks whose time (``times[rank]``, seconds, e.g. a step's) exceeds ``factor`` × the
+    median of the other ranks' times (none with fewer than 2 ranks)."""
+    out = []
+    for r, t in enumerate(times):
+        others = times[:r] + times[r + 1:]
+        if others and t > factor * statistics.median(others) and t > 0:
+            out.append(r)
+    return out
