@@ -306,8 +306,10 @@ class Run:
     run_id: str = ""
     profiler: StepProfiler | None = None
     local: LocalCheckpoints | None = None
-    goodput: GoodputRecorder | None = None
-    hang: HangWatchdog | None = None
+    goodput: GoodputRecorder = dataclasses.field(default_factory=lambda: GoodputRecorder(None))
+    """The job's goodput timeline (:func:`goodput_recorder`); in memory only by default."""
+    hang: HangWatchdog = dataclasses.field(default_factory=lambda: HangWatchdog(None))
+    """The hang watchdog (:func:`train` sets it); off by default."""
     data_mark: float = 0.0
     """The data-waiting seconds at the last logged step (per-rank times, :func:`_rank_times`)."""
 
