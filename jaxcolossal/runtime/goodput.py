@@ -41,15 +41,17 @@ JOB_CATEGORIES = CATEGORIES + ("restart", "wasted")
 
 
 def process_start_time() -> float:
-    """This process's start, in seconds since the epoch (Linux: ``/proc/self/stat``'s start time
-    over the boot time); the time now where that cannot be read."""
+    """This process's start, in seconds since the epoch: the time now less the seconds since the
+    start (Linux: ``/proc/uptime`` less ``/proc/self/stat``'s start time, both 10 ms ticks since boot;
+    ``/proc/stat``'s whole-second ``btime`` would put a restarted attempt's start up to 1 s before the
+    failed one's end); the time now where that cannot be read."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
