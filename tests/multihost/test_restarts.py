@@ -353,6 +353,6 @@ def test_torchrun_elastic_agent_restarts_our_training_script(tmp_path):
     text = out.read_text(errors="replace")
     assert p.returncode == 0, text[-6000:]
     assert "restart 1: training.resume=false taken as auto" in text, text[-6000:]
-    assert re.search(r"resumed from step (5|10) in ", text), text[-6000:]
+    assert re.search(r"resumed from step (5|10|15) in ", text), text[-6000:]  # the kill lands at step 7 or later
     assert 16 in last_losses(tmp_path / "tr" / "run")
     print(f"torchrun: killed rank 1 at step >= 7, restarted and finished in {time.monotonic() - t0:.0f} s")
