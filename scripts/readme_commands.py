@@ -75,7 +75,7 @@ QUICK = {  # measurement script: flags appended for a small, quick run (argparse
                            "--zero-stages", "1,3"],
     "scripts/lean_step.py": ["--audit-seq", "256"],
     "scripts/bench_local_checkpoint.py": ["--steps", "2", "--every", "1", "--rounds", "2"],
-    "scripts/grpo_arithmetic.py": ["--sft-steps", "20", "--grpo-steps", "3", "--out", "runs/readme_grpo_arith"],
+    "scripts/grpo_arithmetic.py": ["--sft-steps", "20", "--grpo-steps", "3"],
     "scripts/bench_grpo.py": ["--steps", "2"],
 }
 

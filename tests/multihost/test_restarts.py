@@ -340,7 +340,9 @@ def test_torchrun_elastic_agent_restarts_our_training_script(tmp_path):
         p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fo, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
         try:
-            while _last_step(out) < 7:
+            ckpt = tmp_path / "tr" / "ckpt"
+            # past step 7 and with a committed checkpoint (orbax renames a step's folder when it is complete)
+            while _last_step(out) < 7 or not any(d.name.isdigit() for d in ckpt.glob("*")):
                 assert p.poll() is None and time.monotonic() - t0 < 300, out.read_text()[-4000:]
                 time.sleep(0.02)
             victim = next(c for c in _children(p.pid) if _rank_of(c) == "1")
