@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
+from hf_tiny import tiny_llama  # noqa: E402
 from trl import DPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
@@ -28,15 +29,7 @@ VOCAB, T, PAIRS, BETA = 128, 24, 4, 0.3
 
 
 def _llama(seed):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg).float()
-    with torch.no_grad():  # HF's init gives near-flat logits; spread them
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.05 if "norm" in name else 0.2))
-    return model
+    return tiny_llama(seed, VOCAB)
 
 
 def _pairs():
