@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxcolossal.errors import DataError, TokenizerError
 
-from .corpus import iter_json_lines, resolve_files
+from .corpus import held_out_cut, iter_json_lines, resolve_files
 
 __all__ = ["ChatData", "generation_prompt", "load_chat", "render_segments"]
 
@@ -56,9 +56,7 @@ class ChatData:
     def split(self, val_fraction: float) -> tuple["ChatData", "ChatData"]:
         """The last ``ceil(N · val_fraction)`` rows (at least one when ``val_fraction > 0`` and
         N > 1) are the validation split; the rest train."""
-        n = len(self.examples)
-        k = 0 if val_fraction <= 0 or n < 2 else max(1, int(np.ceil(n * val_fraction)))
-        cut = n - k
+        cut = held_out_cut(len(self.examples), val_fraction)
         return (ChatData(self.examples[:cut], self.masks[:cut], self.truncated, self.prompts[:cut], self.files,
                          self.skipped),
                 ChatData(self.examples[cut:], self.masks[cut:], 0, self.prompts[cut:], self.files))

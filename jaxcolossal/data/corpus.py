@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import itertools
 import json
+import math
 import os
 import sysconfig
 from typing import Iterator
@@ -331,3 +332,11 @@ def load_splits(data_cfg, with_docs: bool = False):
     starts = np.asarray(starts)
     val_starts = np.unique(np.concatenate([[0], starts[starts >= cut] - cut])).astype(np.int64)
     return (train, starts[starts < cut]), (val, val_starts)
+
+
+def held_out_cut(n: int, val_fraction: float) -> int:
+    """Where ``n`` rows split into training and held-out parts: the last ``ceil(n · val_fraction)`` rows
+    (at least one when ``val_fraction > 0`` and ``n > 1``; none otherwise) are held out; returns the
+    index of the first held-out row."""
+    k = 0 if val_fraction <= 0 or n < 2 else max(1, int(math.ceil(n * val_fraction)))
+    return n - k

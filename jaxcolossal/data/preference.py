@@ -28,7 +28,7 @@ import numpy as np
 from jaxcolossal.errors import DataError
 
 from .chat import ROLES, _chat_template, render_segments
-from .corpus import iter_json_lines, resolve_files
+from .corpus import held_out_cut, iter_json_lines, resolve_files
 
 __all__ = ["PreferenceData", "load_preferences", "pair_rows"]
 
@@ -56,9 +56,7 @@ class PreferenceData:
     def split(self, val_fraction: float) -> tuple["PreferenceData", "PreferenceData"]:
         """The last ``ceil(N · val_fraction)`` pairs (at least one when ``val_fraction > 0`` and
         N > 1) are the held-out split; the rest train."""
-        n = len(self)
-        k = 0 if val_fraction <= 0 or n < 2 else max(1, int(np.ceil(n * val_fraction)))
-        cut = n - k
+        n, cut = len(self), held_out_cut(len(self), val_fraction)
 
         def part(s):
             return PreferenceData(self.chosen[s], self.rejected[s], self.chosen_masks[s], self.rejected_masks[s],

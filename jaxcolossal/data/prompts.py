@@ -24,7 +24,7 @@ import numpy as np
 from jaxcolossal.errors import DataError
 
 from .chat import generation_prompt
-from .corpus import iter_json_lines, resolve_files
+from .corpus import held_out_cut, iter_json_lines, resolve_files
 
 __all__ = ["PromptData", "load_prompts", "prompt_batch"]
 
@@ -48,9 +48,7 @@ class PromptData:
     def split(self, val_fraction: float) -> tuple["PromptData", "PromptData"]:
         """The last ``ceil(N · val_fraction)`` prompts (at least one when ``val_fraction > 0`` and
         N > 1) are held out; the rest train."""
-        n = len(self)
-        k = 0 if val_fraction <= 0 or n < 2 else max(1, int(np.ceil(n * val_fraction)))
-        cut = n - k
+        n, cut = len(self), held_out_cut(len(self), val_fraction)
 
         def part(s):
             return PromptData(self.texts[s], self.tokens[s], self.answers[s], self.truncated, self.files)

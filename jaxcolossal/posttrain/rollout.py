@@ -107,6 +107,8 @@ class _Rollout:
     step: int
     host: dict
     metrics: dict
+    placed: dict | None = None
+    """``host`` on the mesh, placed once for the μ steps that reuse it."""
 
 
 class Rollouts:
@@ -146,7 +148,9 @@ class Rollouts:
         if self.current is None or self.current.step != first:
             self.current = self._load(first) if step != first else self._roll(first, state)
             self.metrics = self.current.metrics
-        return self._place(self.current.host)
+        if self.current.placed is None:
+            self.current.placed = self._place(self.current.host)
+        return self.current.placed
 
     def _zeros(self) -> dict:
         t = self.P + self.C - 1
