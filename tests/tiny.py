@@ -67,17 +67,21 @@ def assert_params_match(got, want, lr: float = 1e-3):
     """Updated parameters of a parallel run against the single-device run (fp32).
 
     Nearly every element must agree to rtol 1e-5 / atol 1e-6 (at most 0.1% of a leaf may not), and
-    every element to atol ``0.02·lr``: Adam's update ``lr·m/(√v + ε)`` is ≈ ``lr·sign(g)`` from
-    the first step on, so an element whose gradient is ~ε turns fp32 summation-order noise in
-    ``g`` into up to ~1% of ``lr`` (observed: 1-3 elements of 16k per leaf, ≤ 6e-6 at lr 1e-3;
-    the rest ≤ 1e-7). A wrong reduction or sharding moves whole leaves by ~lr and fails both.
+    every element to atol ``0.1·lr``. Adam's update ``lr·m/(√v + ε)`` is ≈ ``lr·sign(g)`` from the first
+    step on, so an element whose gradient is ~ε turns fp32 summation-order noise in ``g`` into a
+    step difference of a fraction of ``lr``, by an amount that depends on the CPU's kernels. Measured
+    over the 475 leaves compared by the parallel-equivalence tests (ZeRO × tp, pipelines, MoE, DPO,
+    GRPO, LoRA, sequence parallelism, compression, offload): at most 4 elements of 16,384 off (0.024%)
+    and at most 0.013·lr on an Intel Xeon; 0.024·lr on an AMD EPYC (DPO under ZeRO-2/3). Both bounds
+    are about 4× the largest measured spread. A wrong reduction or sharding moves whole leaves by ~lr
+    and fails both.
     """
     def check(path, a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         off = np.abs(a - b) > 1e-6 + 1e-5 * np.abs(b)
         name = jax.tree_util.keystr(path)
         assert off.mean() <= 1e-3, f"{name}: {off.sum()} of {off.size} elements differ by > 1e-6"
-        np.testing.assert_allclose(a, b, rtol=0, atol=0.02 * lr, err_msg=name)
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.1 * lr, err_msg=name)
 
     jax.tree_util.tree_map_with_path(check, got, want)
 

@@ -74,7 +74,7 @@ def test_lora_starts_as_the_base_and_trains_only_the_adapters():
 
 def test_lora_one_device_equals_zero2_dp4_tp2():
     """fp32, 3 steps, rank 8 on every projection: the loss and gradient norm to rtol 1e-5, the adapters
-    as :func:`tiny.assert_params_match` (nearly all elements to 1e-6, all within 0.02·lr)."""
+    as :func:`tiny.assert_params_match` (nearly all elements to 1e-6, all within 0.1·lr)."""
     s1, m1, _ = run_steps(_lora({"data_parallel_size": 1}), jax.devices()[:1], steps=3)
     s8, m8, plan = run_steps(_lora({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}), steps=3)
     assert plan.mesh_shape["tp"] == 2 and plan.data_size == 4

@@ -4,7 +4,7 @@ every mode exports for CUDA.
 
 Tolerance (fp32, 3 steps): loss and grad norm rtol 1e-5; updated params by
 :func:`tiny.assert_params_match` (rtol 1e-5 / atol 1e-6 for all but 0.1% of a leaf, all within
-0.02·lr).
+0.1·lr).
 """
 
 import re
