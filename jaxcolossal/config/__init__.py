@@ -52,6 +52,7 @@ from jaxcolossal.config.schema import (
                                         ParallelConfig,
                                         PosttrainConfig,
                                         PrecisionConfig,
+                                        RopeConfig,
                                         StepRange,
                                         TrainingConfig,
                                         gib,
@@ -63,7 +64,7 @@ from jaxcolossal.errors import ConfigError
 __all__ = [
     "ALIASES", "BYTES_PER_PARAM", "COMPUTE_DTYPES", "FP8_RECIPE", "PATH_KEYS", "RANGES", "WIRE_BYTES", "Bytes", "CheckpointConfig",
     "attention_kernel", "config_help", "config_reference_markdown", "double_buffers_loops", "field_docs",
-    "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OffloadConfig", "ParallelConfig", "PosttrainConfig",
+    "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "LoggingConfig", "LoraConfig", "RopeConfig", "ModelConfig", "OffloadConfig", "ParallelConfig", "PosttrainConfig",
     "PrecisionConfig", "Range", "TrainingConfig", "all_keys", "check_ranges", "config_from_dict", "expand_path",
     "expand_paths", "gib", "load_config", "parse_bytes", "parse_overrides", "parse_step_range", "StepRange", "pipeline_microbatches", "precision_label",
     "prefetches_weights",

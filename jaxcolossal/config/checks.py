@@ -9,6 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from jaxcolossal.config.architecture import check_architecture
 from jaxcolossal.config.derived import (
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
@@ -86,6 +87,16 @@ RANGES: dict[str, Range] = {
     "model.moe_intermediate_size": Range(0, note="0: intermediate_size"), "model.num_shared_experts": _NONNEG,
     "model.first_k_dense": _NONNEG, "model.router_aux_loss_coef": _NONNEG, "model.router_z_loss_coef": _NONNEG,
     "model.capacity_factor": Range(0, note="0: dropless"), "parallel.expert_parallel_size": _POS,
+    "model.rope.factor": _NONNEG, "model.rope.original_max_position_embeddings": _NONNEG,
+    "model.rope.low_freq_factor": _GT0, "model.rope.high_freq_factor": _GT0, "model.rope.beta_fast": _GT0,
+    "model.rope.beta_slow": _GT0, "model.rope.mscale": _NONNEG, "model.rope.mscale_all_dim": _NONNEG,
+    "model.rope.attention_factor": Range(0, note="0: derived"), "model.rope.partial_rotary_factor": Range(0, 1, lo_open=True),
+    "model.rope_local_theta": Range(0, note="0: rope_theta"), "model.sliding_window": Range(0, note="0: none"),
+    "model.query_pre_attn_scalar": Range(0, note="0: head_dim"), "model.attn_logit_softcapping": _NONNEG,
+    "model.final_logit_softcapping": _NONNEG, "model.swiglu_limit": Range(0, note="0: no clamp"),
+    "model.q_lora_rank": Range(0, note="0: no q compression"), "model.kv_lora_rank": _NONNEG,
+    "model.qk_nope_head_dim": _NONNEG, "model.qk_rope_head_dim": _NONNEG, "model.v_head_dim": _NONNEG,
+    "model.n_group": Range(0, note="0: no groups"), "model.topk_group": _NONNEG, "model.routed_scaling_factor": _GT0,
     "training.batch_size": _POS, "training.micro_batch_size": Range(0, note="0: use batch_size"),
     "training.seq_len": _POS, "training.gradient_accumulation_steps": _POS,
     "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
@@ -148,6 +159,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     p = cfg.parallel
     check_ranges(cfg)
     _check_model(cfg)
+    check_architecture(cfg)
     _check_data(cfg)
     _check_features(cfg)
     _check_logging(cfg)
@@ -170,17 +182,17 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
 def _check_model(cfg: Config) -> None:
     """The model's shape, the batch's split into microbatches, and the precision flags."""
     m, t, pr = cfg.model, cfg.training, cfg.precision
-    if m.hidden_size % m.num_attention_heads:
+    if m.hidden_size % m.num_attention_heads and not m.attention_head_dim:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError(
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
             f"model.num_key_value_heads={m.num_key_value_heads} (grouped-query attention)")
-    if m.head_dim % 2:
+    if m.head_dim % 2 and m.type != "deepseek":
         raise ConfigError(f"the head size (model.attention_head_dim, else hidden_size / num_attention_heads) = "
                           f"{m.head_dim} must be even for RoPE")
-    if t.seq_len > m.max_position_embeddings:
+    if t.seq_len > m.max_position_embeddings and m.rope.type != "dynamic":
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     if t.micro_batch_size == 0 and t.batch_size % t.gradient_accumulation_steps:
@@ -228,7 +240,11 @@ def _check_data(cfg: Config) -> None:
 
 
 MOE_KEYS = ("num_shared_experts", "first_k_dense", "moe_intermediate_size", "capacity_factor", "router_scoring",
-            "router_aux_loss_form")
+            "router_aux_loss_form", "n_group", "topk_group", "routed_scaling_factor", "router_score_correction",
+            "router_bias", "expert_bias")
+
+MOE_FAMILIES = ("llama", "deepseek", "gpt_oss")
+"""The families with mixture-of-experts layers."""
 
 
 def _check_moe(cfg: Config) -> None:
@@ -243,9 +259,9 @@ def _check_moe(cfg: Config) -> None:
             raise ConfigError(f"{', '.join(set_keys) or f'parallel.expert_parallel_size={ep}'} needs a mixture of "
                               "experts: set model.num_experts (e.g. 8)")
         return
-    if m.type != "llama":
+    if m.type not in MOE_FAMILIES:
         raise ConfigError(f"model.num_experts={m.num_experts}: the {m.type} family has no mixture-of-experts layer "
-                          "(model.type=llama has: Mixtral, Qwen3-MoE, DeepSeek-style)")
+                          f"(model.type {', '.join(MOE_FAMILIES)} have)")
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} is more than model.num_experts="
                           f"{m.num_experts}: each token picks its top-k of the experts")

@@ -27,8 +27,11 @@ PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir
 """Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
 
 
-NUMBER_LIST_KEYS = ("posttrain.reward_weights",)
+NUMBER_LIST_KEYS = ("posttrain.reward_weights", "model.rope.short_factor", "model.rope.long_factor")
 """String keys that hold comma-separated numbers: a YAML number or list is taken as that string."""
+
+NAME_LIST_KEYS = ("model.layer_types",)
+"""String keys that hold comma-separated names: a YAML list of strings is taken as that string."""
 
 
 def _coerce(path: str, value: Any, annotation: Any) -> Any:
@@ -65,6 +68,8 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             return ""
         if path in NUMBER_LIST_KEYS and isinstance(value, (int, float, list)) and not isinstance(value, bool):
             return ",".join(str(v) for v in (value if isinstance(value, list) else [value]))
+        if path in NAME_LIST_KEYS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return ",".join(value)
         if not isinstance(value, str):
             raise ConfigError(f"{path}={value!r}: expected a string")
         return value

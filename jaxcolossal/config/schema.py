@@ -73,6 +73,68 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE's scaling (Hugging Face's ``rope_scaling`` / ``rope_parameters``), as transformers'
+    ``modeling_rope_utils.ROPE_INIT_FUNCTIONS`` computes it (:mod:`jaxcolossal.models.layers.rope`).
+    Read from a checkpoint's ``config.json`` by ``model.init_from`` and ``--to-jax``; each type uses
+    the keys its docstring names and ignores the others."""
+
+    type: Literal["default", "linear", "dynamic", "yarn", "longrope", "llama3"] = "default"
+    """The scaling type: ``default`` (plain RoPE), ``linear`` (positions divided by ``factor``),
+    ``dynamic`` (NTK: the base grows with the sequence past ``model.max_position_embeddings``, which
+    ``training.seq_len`` may then exceed),
+    ``yarn`` (DeepSeek-V3, GPT-OSS, Qwen long context), ``longrope`` (Phi-3, Phi-4-mini) or
+    ``llama3`` (Llama 3.1 / 3.2 / 3.3)."""
+    factor: float = 1.0
+    """The context extension factor, >= 0 (``linear``, ``dynamic``, ``yarn``, ``llama3``; ``longrope``'s
+    attention factor). 0 with ``yarn``/``longrope``: ``max_position_embeddings /
+    original_max_position_embeddings``, as transformers derives it."""
+    original_max_position_embeddings: int = 0
+    """The pre-training context, in tokens, >= 0 (``yarn``, ``longrope``, ``llama3``; 8192 for Llama
+    3.1). Must be > 0 for those types."""
+    low_freq_factor: float = 1.0
+    """``llama3``: wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    divided by ``factor``, > 0."""
+    high_freq_factor: float = 4.0
+    """``llama3``: wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` are
+    kept; between the two, a smooth ramp. Must exceed ``low_freq_factor``."""
+    beta_fast: float = 32.0
+    """``yarn``: the rotations that bound extrapolation in the linear ramp, > 0."""
+    beta_slow: float = 1.0
+    """``yarn``: the rotations that bound interpolation in the linear ramp, > 0."""
+    mscale: float = 0.0
+    """``yarn``: with ``mscale_all_dim``, the attention factor is ``m(factor, mscale) /
+    m(factor, mscale_all_dim)``, ``m(s, c) = 0.1·c·ln(s) + 1`` (DeepSeek-V3), >= 0; 0: ``m(factor, 1)``."""
+    mscale_all_dim: float = 0.0
+    """``yarn``: see ``mscale``, >= 0. DeepSeek-V3's attention also multiplies its softmax scale by
+    ``m(factor, mscale_all_dim)²``."""
+    attention_factor: float = 0.0
+    """``yarn``/``longrope``: the factor on cos and sin (so on q·k squared), >= 0; 0: derived as
+    transformers derives it."""
+    truncate: bool = True
+    """``yarn``: round the correction range outwards to whole dimensions (transformers' default)."""
+    short_factor: str = ""
+    """``longrope``: the per-dimension factors up to ``original_max_position_embeddings`` tokens,
+    comma-separated (a YAML list is accepted), one per rotated dimension pair."""
+    long_factor: str = ""
+    """``longrope``: the per-dimension factors beyond ``original_max_position_embeddings`` tokens,
+    comma-separated (a YAML list is accepted)."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dimensions that RoPE turns, in (0, 1] (Phi-4-mini 0.75): the first
+    ``int(head_dim × partial_rotary_factor)``; the rest pass unrotated."""
+
+    @property
+    def short_factors(self) -> tuple[float, ...]:
+        """``short_factor`` as numbers."""
+        return tuple(float(v) for v in self.short_factor.split(",") if v.strip())
+
+    @property
+    def long_factors(self) -> tuple[float, ...]:
+        """``long_factor`` as numbers."""
+        return tuple(float(v) for v in self.long_factor.split(",") if v.strip())
+
+
 @dataclass
 class ModelConfig:
     """The model: its family and shape (names follow Hugging Face's ``LlamaConfig`` and
@@ -83,9 +145,12 @@ class ModelConfig:
     passes through (DeepSeek-MoE).
     """
 
-    type: Literal["llama", "gpt2"] = "llama"
-    """The model family: ``llama`` or ``gpt2``. ``llama``: RMSNorm, RoPE, a SwiGLU MLP, grouped-query
-    attention; the only family with mixtures of experts and LoRA. ``gpt2``: LayerNorm, learned position
+    type: Literal["llama", "gpt2", "gemma", "deepseek", "gpt_oss"] = "llama"
+    """The model family: ``llama``, ``gpt2``, ``gemma``, ``deepseek`` or ``gpt_oss`` (docs/models.md).
+    ``llama``: RMSNorm, RoPE, a SwiGLU MLP, grouped-query attention, and as flags Qwen2/2.5, Qwen3,
+    Mistral, Phi-3, OLMo-2 and the mixtures of experts Mixtral and Qwen3-MoE. ``gemma``: Gemma 2 and 3's
+    block (sandwich norms, GeGLU, local and global layers). ``deepseek``: DeepSeek-V3's multi-head
+    latent attention and MoE. ``gpt_oss``: GPT-OSS (attention sinks, clamped SwiGLU experts). ``gpt2``: LayerNorm, learned position
     embeddings, a GELU MLP, no grouped-query attention (``num_key_value_heads`` must equal
     ``num_attention_heads``). Must equal the checkpoint's with ``model.init_from``."""
     num_layers: int = 4
@@ -187,6 +252,77 @@ class ModelConfig:
     attention_head_dim: int = 0
     """The size of one attention head, in elements, >= 0; 0: ``hidden_size / num_attention_heads``
     (Qwen3 sets its own). The head size must be even (RoPE turns pairs of dimensions)."""
+    hf_model_type: str = ""
+    """The Hugging Face ``model_type`` this model was read from (``llama``, ``qwen2``, ``qwen3``,
+    ``mistral``, ``phi3``, ``olmo2``, ``mixtral``, ``gemma3_text``, ...): the architecture ``--to-hf``
+    writes back. ``""``: the family's plain one (LLaMA, or Mixtral/Qwen3-MoE by the MoE keys)."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    """RoPE's scaling type and parameters (:class:`RopeConfig`; default: plain RoPE)."""
+    rope_local_theta: float = 0.0
+    """The RoPE base of the sliding-window layers, >= 0 (Gemma 3's ``rope_local_base_freq``, plain RoPE
+    there); 0: ``rope_theta`` for every layer."""
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    """Biases on the attention projections: ``none``; ``qkv`` on q, k and v (Qwen2/2.5); ``all`` on q,
+    k, v and the output (Hugging Face LLaMA's ``attention_bias: true``, GPT-OSS)."""
+    mlp_bias: bool = False
+    """``true``: biases on the MLP's gate, up and down projections (Hugging Face LLaMA's ``mlp_bias``)."""
+    sliding_window: int = 0
+    """Sliding-window attention, in tokens, >= 0: a query attends to itself and the ``sliding_window −
+    1`` tokens before it (Hugging Face's convention), on the layers ``layer_types`` marks sliding (all,
+    when it is empty). 0: every layer attends to the whole causal prefix. Needs
+    ``model.attention_impl=xla`` and no ring attention (``parallel.sequence_parallelism_mode``)."""
+    layer_types: str = ""
+    """Each layer's attention, comma-separated, one per layer (a YAML list is accepted):
+    ``sliding_attention`` or ``full_attention`` (Hugging Face's ``layer_types``: Gemma 2/3, GPT-OSS,
+    Qwen2 with ``max_window_layers``). ``""``: every layer sliding when ``sliding_window > 0``, else
+    full. Layers that differ are refused with pipeline parallelism."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """With ``qk_norm``: ``head``, an RMSNorm over each head of q and k (Qwen3, Gemma 3), or
+    ``projection``, over the whole q and k projections (OLMo-2)."""
+    norm_position: Literal["pre", "post"] = "pre"
+    """Where the layer norms sit: ``pre`` (LLaMA: ``x + f(norm(x))``) or ``post`` (OLMo-2: ``x +
+    norm(f(x))``, the norms after attention and after the MLP, none before)."""
+    query_pre_attn_scalar: float = 0.0
+    """The attention's softmax scale is ``query_pre_attn_scalar^-1/2``, >= 0 (Gemma 2/3); 0: the head
+    size's, ``head_dim^-1/2``."""
+    attn_logit_softcapping: float = 0.0
+    """Gemma 2's attention soft-cap, >= 0: scores become ``c · tanh(scores / c)`` before the softmax;
+    0: none."""
+    final_logit_softcapping: float = 0.0
+    """Gemma 2's final soft-cap, >= 0: logits become ``c · tanh(logits / c)``; 0: none."""
+    attention_sinks: bool = False
+    """``true``: a learned logit per head joins each query's softmax and takes probability mass
+    without a value (GPT-OSS's sinks)."""
+    swiglu_limit: float = 0.0
+    """GPT-OSS's clamped SwiGLU, >= 0: the gate is clamped above at the limit, the up projection to
+    ``[−limit, limit]``; 0: the plain SwiGLU."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3, ``type=deepseek``): the rank of q's compression,
+    >= 0; 0: q is projected from the hidden state directly."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention: the rank of the compressed key/value latent (what the KV cache
+    holds, besides the shared rotary key), >= 0."""
+    qk_nope_head_dim: int = 0
+    """Multi-head latent attention: each head's query/key dimensions without RoPE, >= 0."""
+    qk_rope_head_dim: int = 0
+    """Multi-head latent attention: each head's query/key dimensions with RoPE (the key's shared by
+    all heads), >= 0."""
+    v_head_dim: int = 0
+    """Multi-head latent attention: each head's value dimensions, >= 0."""
+    n_group: int = 0
+    """Group-limited routing (DeepSeek-V3), >= 0: the experts are split in ``n_group`` groups and a
+    token's experts come from its ``topk_group`` best groups; 0 or 1: no grouping."""
+    topk_group: int = 0
+    """Group-limited routing: the groups a token's experts come from, 1 to ``n_group``."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' output is multiplied by it, > 0 (DeepSeek-V3's 2.5)."""
+    router_score_correction: bool = False
+    """``true``: a per-expert bias (DeepSeek-V3's ``e_score_correction_bias``) is added to the
+    scores to choose the experts, not to weight them."""
+    router_bias: bool = False
+    """``true``: the router projection has a bias (GPT-OSS)."""
+    expert_bias: bool = False
+    """``true``: the routed experts' projections have biases (GPT-OSS)."""
     num_experts: int = 0
     """The routed experts of each mixture-of-experts layer, >= 0; 0 (the default): dense MLPs. A
     mixture of experts needs ``type=llama``; ``parallel.expert_parallel_size`` must divide it, and
@@ -248,6 +384,25 @@ class ModelConfig:
     def head_dim(self) -> int:
         """``attention_head_dim`` when set (Qwen3 decouples it), else ``hidden_size / num_attention_heads``."""
         return self.attention_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's ``sliding_attention`` or ``full_attention`` (``layer_types``, else every layer
+        sliding when ``sliding_window > 0``, else full)."""
+        named = tuple(v.strip() for v in self.layer_types.split(",") if v.strip())
+        if named:
+            return named
+        return ("sliding_attention" if self.sliding_window else "full_attention",) * self.num_layers
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window in tokens (0: the whole causal prefix)."""
+        return tuple(self.sliding_window if k == "sliding_attention" else 0 for k in self.layer_kinds)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q·k: ``query_pre_attn_scalar^-1/2``, else ``head_dim^-1/2``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 @dataclass

@@ -26,6 +26,7 @@ Model code tags the tensors with :func:`jax.ad_checkpoint.checkpoint_name` using
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -70,10 +71,14 @@ def fetch_layer(p: Any) -> Any:
     return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device) if _on_host(a) else a, p)
 
 
-def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard: Any = None) -> jax.Array:
+def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard: Any = None,
+                extras: dict | None = None) -> jax.Array:
     """``x = layer(x, params_i)`` for each layer's params in ``stacked`` (leading dim ``[L]``), as one
     ``lax.scan`` whose body is checkpointed with the ``remat`` policy. Stacked leaves in host
     memory are streamed in one layer at a time (:func:`fetch_layer`).
+
+    ``extras``: per-layer constants that are not parameters (``{name: [L, ...] array}``, e.g. each
+    layer's attention window), merged into ``params_i`` under their names.
 
     With ``remat=full`` and a sharder that carries ZeRO-3 layer specs (``shard.layer_specs``,
     :meth:`jaxcolossal.parallel.sharding.Sharder.with_layer_prefetch`: ``parallel.overlap``), the scan
@@ -84,9 +89,10 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
     Raises:
         KeyError: an unknown policy name (the config validates it first).
     """
+    extras = extras or {}
     specs = getattr(shard, "layer_specs", None)
     if specs is not None and remat == "full" and not any(_on_host(a) for a in jax.tree.leaves(stacked)):
-        return prefetched_scan(layer, x, stacked, shard.mesh, *specs)
+        return prefetched_scan(layer, x, stacked, shard.mesh, *specs, extras=extras)
     lowp = getattr(shard, "lowp_gather", None)
     if lowp is not None:  # ZeRO++ qwZ: each layer's weight shards cross the wire in bf16/fp8
         kind, gathered, sharded = lowp
@@ -97,13 +103,14 @@ def scan_layers(layer: Callable, x: jax.Array, stacked: dict, remat: str, shard:
     else:
         fetch = fetch_layer
 
-    def body(carry, p):
-        return layer(carry, fetch(p)), None
+    def body(carry, xs):
+        p, e = xs
+        return layer(carry, {**fetch(p), **e}), None
 
     policy = POLICIES[remat]
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    return jax.lax.scan(body, x, stacked)[0]
+    return jax.lax.scan(body, x, (stacked, extras))[0]
 
 
 _SLICING = ("dynamic_slice", "squeeze")
@@ -138,8 +145,8 @@ def scan_chunk(layer: Callable, x: jax.Array, stacked: dict, chunk: jax.Array, r
     return jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, jnp.arange(n, dtype=jnp.int32))[0]
 
 
-def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gathered: dict, sharded: dict
-                    ) -> jax.Array:
+def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gathered: dict, sharded: dict,
+                    extras: dict | None = None) -> jax.Array:
     """:func:`scan_layers` for ZeRO-3 with ``remat=full``, with the weights' all-gathers issued one
     layer ahead (FSDP's forward/backward prefetch; DeepSpeed's ``stage3_prefetch_bucket_size``).
 
@@ -158,12 +165,18 @@ def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gat
         mesh: the mesh of the specs.
         gathered: per leaf, one layer's ``PartitionSpec`` without ``fsdp`` (tp stays).
         sharded: per leaf, one layer's ``PartitionSpec`` as stored (with ``fsdp``).
+        extras: per-layer constants ``[L, ...]`` merged into each layer's params (:func:`scan_layers`).
 
     Returns:
         ``[b, t, d]``, equal to :func:`scan_layers`'s (fp32: to rounding of the summation order).
     """
 
     n = jax.tree.leaves(stacked)[0].shape[0]
+    extras = extras or {}
+    plain_layer = layer
+
+    def layer(h, w, i):  # the layer with its constants (loop index i) merged into its params
+        return plain_layer(h, {**w, **jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), extras)})
 
     def put(tree, specs):
         return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, specs)
@@ -171,13 +184,13 @@ def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gat
     def at(stacked, i):  # layer i's weights, gathered (all-gathered over fsdp)
         return put(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked), gathered)
 
-    fn, consts = jax.closure_convert(layer, x, at(stacked, 0))  # the arrays `layer` closes over, as arguments
+    fn, consts = jax.closure_convert(layer, x, at(stacked, 0), jnp.int32(0))  # closed-over arrays as arguments
 
     def forward(x, stacked, consts, keep):
         def body(carry, i):
             h, w = carry
             w_next = at(stacked, jnp.minimum(i + 1, n - 1))  # issued before layer i's compute
-            return (fn(h, w, *consts), w_next), (h if keep else None)
+            return (fn(h, w, i, *consts), w_next), (h if keep else None)
         (y, _), xs = jax.lax.scan(body, (x, at(stacked, 0)), jnp.arange(n))
         return y, xs
 
@@ -193,16 +206,16 @@ def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gat
         xs, stacked, consts = res
         fl = [j for j, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]  # differentiable ones
 
-        def f(h, w, fc):
+        def f(h, w, fc, i):
             c = list(consts)
             for j, v in zip(fl, fc):
                 c[j] = v
-            return fn(h, w, *c)
+            return fn(h, w, i, *c)
 
         def body(carry, ix):
             (g, w, dc), (i, h) = carry, ix
             w_prev = at(stacked, jnp.maximum(i - 1, 0))  # issued before layer i's backward
-            _, vjp = jax.vjp(f, h, w, [consts[j] for j in fl])  # layer i recomputed from its input
+            _, vjp = jax.vjp(partial(f, i=i), h, w, [consts[j] for j in fl])  # layer i recomputed from its input
             dh, dw, dci = vjp(g)
             return (dh, w_prev, [a + b for a, b in zip(dc, dci)]), put(dw, sharded)  # reduce-scattered here
         init = (dy, at(stacked, n - 1), [jnp.zeros_like(consts[j]) for j in fl])

@@ -203,8 +203,8 @@ def test_config_errors(tmp_path):
     bad = ModelConfig(type="gpt2", num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         gpt2.param_shapes_and_axes(bad, 256)
-    with pytest.raises(ConfigError, match="rope scaling"):
-        config_from_hf({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0},
+    with pytest.raises(ConfigError, match="rope_scaling.rope_type='proportional': supported types are"):
+        config_from_hf({"model_type": "llama", "rope_scaling": {"type": "proportional", "factor": 2.0},
                         "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
                         "intermediate_size": 8, "vocab_size": 10})
     with pytest.raises(ConfigError, match="supported are"):

@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich, 2019), computed in fp32, returned in ``x.dtype``."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, axes: int | tuple = -1, offset: float = 0.0) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich, 2019) over ``axes`` (the last; OLMo-2's q/k norm: the last two, with
+    ``scale`` shaped as them), computed in fp32, returned in ``x.dtype``; the scale is ``offset + scale``
+    (Gemma's ``1 + w``: ``offset=1``)."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axes, keepdims=True) + eps)
+    return (y * (offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:

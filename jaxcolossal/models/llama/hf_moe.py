@@ -35,11 +35,9 @@ def flavour(cfg: ModelConfig) -> str | None:
 
     Raises:
         ConfigError: a mixture of experts with no such architecture (shared experts, dense first
-            layers, sigmoid scores, a capacity factor), or q/k norms on a dense model.
+            layers, sigmoid scores, a capacity factor).
     """
     if not cfg.moe:
-        if cfg.qk_norm:
-            raise ConfigError("model.qk_norm=true on a dense model: no Hugging Face export for it here (Qwen3MoE only)")
         return None
     odd = {"num_shared_experts": cfg.num_shared_experts, "first_k_dense": cfg.first_k_dense,
            "router_scoring": cfg.router_scoring != "softmax"}
@@ -59,10 +57,8 @@ def config_from_hf(hf: dict, kind: str, base: dict) -> dict:
     the LLaMA keys already read).
 
     Raises:
-        ConfigError: a sliding window, router jitter, or (Qwen3-MoE) dense layers among the MoE ones.
+        ConfigError: router jitter, or (Qwen3-MoE) dense layers among the MoE ones.
     """
-    if hf.get("sliding_window") and (kind == "mixtral" or hf.get("use_sliding_window")):
-        raise ConfigError(f"Hugging Face {kind} config: sliding_window={hf['sliding_window']} is not supported")
     if hf.get("router_jitter_noise"):
         raise ConfigError(f"Hugging Face {kind} config: router_jitter_noise={hf['router_jitter_noise']} is not supported")
     out = {**base, "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
@@ -75,8 +71,7 @@ def config_from_hf(hf: dict, kind: str, base: dict) -> dict:
                           "the MoE ones) are not supported")
     experts = hf.get("num_experts") or hf["num_local_experts"]  # transformers 5 writes the latter
     return {**out, "num_experts": int(experts), "moe_intermediate_size": int(hf["moe_intermediate_size"]),
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "qk_norm": True,
-            "attention_head_dim": int(hf.get("head_dim") or 0)}
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "qk_norm": True}
 
 
 def config_to_hf(cfg: ModelConfig, base: dict) -> dict:
@@ -85,13 +80,12 @@ def config_to_hf(cfg: ModelConfig, base: dict) -> dict:
     out = {**base, "architectures": [FLAVOURS[kind]], "model_type": kind,
            "num_experts_per_tok": cfg.num_experts_per_tok, "router_aux_loss_coef": cfg.router_aux_loss_coef,
            "output_router_logits": False}
-    for key in ("attention_bias", "mlp_bias"):
-        out.pop(key, None)
+    out.pop("mlp_bias", None)
     if kind == "mixtral":
-        return {**out, "num_local_experts": cfg.num_experts, "sliding_window": None, "router_jitter_noise": 0.0}
+        out.pop("attention_bias", None)
+        return {**out, "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0}
     return {**out, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_size,
-            "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            "use_sliding_window": False, "sliding_window": None, "attention_bias": False}
+            "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def mlp_from_hf(g: Callable[[str], np.ndarray], cfg: ModelConfig, layers: int) -> dict:
@@ -107,9 +101,6 @@ def mlp_from_hf(g: Callable[[str], np.ndarray], cfg: ModelConfig, layers: int) -
     out = {"router": np.stack([g(f"model.layers.{i}.{pre}{router}").T for i in range(layers)]),
            "moe_w_gate": experts(w1, lambda w: w.T), "moe_w_up": experts(w3, lambda w: w.T),
            "moe_w_down": experts(w2, lambda w: w.T)}
-    if cfg.qk_norm:
-        for n in ("q_norm", "k_norm"):
-            out[n] = np.stack([g(f"model.layers.{i}.self_attn.{n}.weight") for i in range(layers)])
     return out
 
 
@@ -122,6 +113,4 @@ def mlp_to_hf(lp: dict, cfg: ModelConfig, i: int) -> dict[str, Any]:
         q = f"{p}{pre}experts.{e}."
         out.update({q + w1 + ".weight": lp["moe_w_gate"][i, e].T, q + w3 + ".weight": lp["moe_w_up"][i, e].T,
                     q + w2 + ".weight": lp["moe_w_down"][i, e].T})
-    if cfg.qk_norm:
-        out.update({p + "self_attn.q_norm.weight": lp["q_norm"][i], p + "self_attn.k_norm.weight": lp["k_norm"][i]})
     return out

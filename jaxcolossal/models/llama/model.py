@@ -64,13 +64,23 @@ def _layer_table(cfg: ModelConfig, L: int, experts: bool) -> dict:
         "wo": ((L, h, q, d), ("layers", "heads", "head_dim", "embed")),
         "mlp_norm": ((L, d), ("layers", "embed")),
     }
-    if cfg.qk_norm:  # Qwen3: RMSNorm over each head of q and k
+    if cfg.qk_norm and cfg.qk_norm_scope == "head":  # Qwen3: RMSNorm over each head of q and k
         layers.update(q_norm=((L, q), ("layers", "head_dim")), k_norm=((L, q), ("layers", "head_dim")))
+    elif cfg.qk_norm:  # OLMo-2: over the whole q and k projections
+        layers.update(q_norm=((L, h, q), ("layers", "heads", "head_dim")),
+                      k_norm=((L, k, q), ("layers", "kv_heads", "head_dim")))
+    if cfg.attention_bias != "none":  # Qwen2: q/k/v; HF LLaMA's attention_bias: q/k/v/o
+        layers.update(bq=((L, h, q), ("layers", "heads", "head_dim")), bk=((L, k, q), ("layers", "kv_heads", "head_dim")),
+                      bv=((L, k, q), ("layers", "kv_heads", "head_dim")))
+        if cfg.attention_bias == "all":
+            layers.update(bo=((L, d), ("layers", "embed")))
     if experts:
         layers.update(moe.layer_shapes_and_axes(cfg))
-    else:
-        layers.update(w_gate=((L, d, f), ("layers", "embed", "mlp")), w_up=((L, d, f), ("layers", "embed", "mlp")),
-                      w_down=((L, f, d), ("layers", "mlp", "embed")))
+        return layers
+    layers.update(w_gate=((L, d, f), ("layers", "embed", "mlp")), w_up=((L, d, f), ("layers", "embed", "mlp")),
+                  w_down=((L, f, d), ("layers", "mlp", "embed")))
+    if cfg.mlp_bias:
+        layers.update(b_gate=((L, f), ("layers", "mlp")), b_up=((L, f), ("layers", "mlp")), b_down=((L, d), ("layers", "embed")))
     return layers
 
 
@@ -92,6 +102,8 @@ def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
 def _init_leaf(key, name: str, shape, cfg: ModelConfig) -> jax.Array:
     if name.endswith("norm"):
         return jnp.ones(shape, jnp.float32)
+    if name in BIASES:
+        return jnp.zeros(shape, jnp.float32)
     std = cfg.initializer_range
     if name in ("wo", "w_down", "moe_w_down", "shared_w_down"):  # GPT-2 / Megatron scaled init of the residual projections
         std = std / math.sqrt(2 * cfg.num_layers)
@@ -144,42 +156,88 @@ def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
 
 # ----------------------------------------------------------------------------- the computation
 
+BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down")
+"""The bias leaves of ``model.attention_bias`` and ``model.mlp_bias`` (zero at initialisation)."""
+
+
+def _norm_in(x: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A sub-block's input: ``rms_norm(x)`` with pre-norms (LLaMA), ``x`` itself with post-norms (OLMo-2)."""
+    return rms_norm(x, scale, cfg.rms_norm_eps) if cfg.norm_position == "pre" else x
+
+
+def _norm_out(y: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A sub-block's output before the residual: ``y`` with pre-norms, ``rms_norm(y)`` with post-norms."""
+    return y if cfg.norm_position == "pre" else rms_norm(y, scale, cfg.rms_norm_eps)
+
+
+def _qk_norm(q: jax.Array, k: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Qwen3's RMSNorm over each head of q ``[b, t, h, q]`` and k, or OLMo-2's over the whole projection
+    (the last two dims; under tp the mean square is summed over the tp shards of the heads)."""
+    if cfg.qk_norm_scope == "head":
+        return rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return (rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, axes=(-2, -1)),
+            rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, axes=(-2, -1)))
+
+
+def layer_window(lp: dict, cfg: ModelConfig):
+    """This layer's attention window: the per-layer constant ``lp["window"]`` when the layers differ
+    (:func:`layer_extras`), else the one window of every layer (a Python int; 0: full attention)."""
+    return lp["window"] if "window" in lp else max(cfg.layer_windows, default=0)
+
+
+def layer_extras(cfg: ModelConfig, first: int, count: int) -> dict:
+    """The per-layer constants of layers ``first .. first + count − 1`` for the layer scan
+    (:func:`jaxcolossal.parallel.layer_scan.scan_layers`): each layer's window ``[count]`` when the
+    layers' windows differ (``model.layer_types``), else none."""
+    windows = cfg.layer_windows
+    if len(set(windows)) <= 1:
+        return {}
+    return {"window": jnp.asarray(windows[first:first + count], jnp.int32)}
+
 
 def project_qkv(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard) -> tuple:
-    """The first phase of the attention half: norm, the q/k/v projections (with LoRA), Qwen3's
-    q/k norm and RoPE. x ``[b, t, d]`` -> q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` (compute dtype)."""
+    """The first phase of the attention half: the pre-norm (none with post-norms), the q/k/v
+    projections (with their biases and LoRA), the q/k norm and RoPE (the rotated dimensions of
+    ``cos``/``sin``). x ``[b, t, d]`` -> q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` (compute dtype)."""
     overlap = tp_overlaps(shard, x.shape[1])  # Megatron-SP's gathers/scatters as ring matmuls
     column = partial(column_parallel, shard, overlap)
     # + the LoRA adapters where model.lora puts them (with its dropout when the step passes a key)
     lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = _norm_in(x, lp["attn_norm"], cfg)
+    biases = [lp["bq"], lp["bk"], lp["bv"]] if "bq" in lp else None
     q, k, v = column(h, [("btd,dhq->bthq", lp["wq"], "h"), ("btd,dkq->btkq", lp["wk"], "k"),
-                         ("btd,dkq->btkq", lp["wv"], "k")])
+                         ("btd,dkq->btkq", lp["wv"], "k")], biases)
     q, k, v = (lora(EQUATIONS[n], h, y, name=n) for n, y in (("wq", q), ("wk", k), ("wv", v)))
     q = tag(shard(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = tag(shard(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = tag(shard(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
-    if "q_norm" in lp:  # Qwen3's per-head RMSNorm, before RoPE
-        q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    if "q_norm" in lp:  # Qwen3's per-head / OLMo-2's whole-projection RMSNorm, before RoPE
+        q, k = _qk_norm(q, k, lp, cfg)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def attention_output(x: jax.Array, a: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard) -> jax.Array:
     """The last phase of the attention half: the output projection of the attended values ``a [b,
-    t, h, q]`` (with LoRA) added to the residual ``x [b, t, d]`` -> ``[b, t, d]``."""
+    t, h, q]`` (with its bias and LoRA; OLMo-2's post-norm) added to the residual ``x [b, t, d]`` -> ``[b, t, d]``."""
     row = partial(row_parallel, shard, tp_overlaps(shard, x.shape[1]))
     lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
     a = shard(a, ("batch", "seq", "heads", "head_dim"))
-    o = lora(EQUATIONS["wo"], a, row("bthq,hqd->btd", a, lp["wo"], "h"), name="wo")
-    return shard(x + tag(o, "out_proj"), ("batch", "seq", "embed"))
+    o = lora(EQUATIONS["wo"], a, row("bthq,hqd->btd", a, lp["wo"], "h", lp.get("bo")), name="wo")
+    return shard(x + _norm_out(tag(o, "out_proj"), lp["attn_norm"], cfg), ("batch", "seq", "embed"))
 
 
 def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
                     segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     """The attention half of a pre-norm LLaMA block with its residual: x ``[b, t, d]`` -> ``[b, t, d]``."""
     q, k, v = project_qkv(x, lp, cfg, cos, sin, shard)
-    a = attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions)
+    window = layer_window(lp, cfg)
+    a = attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions, **({"window": window} if
+                                                                                  _windowed(cfg) else {}))
     return attention_output(x, a, lp, cfg, shard)
+
+
+def _windowed(cfg: ModelConfig) -> bool:
+    return any(cfg.layer_windows)
 
 
 def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
@@ -190,8 +248,8 @@ def moe_decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard:
     x = attention_block(x, lp, cfg, cos, sin, shard, segment_ids, positions)
     manual = getattr(shard, "manual_experts", None)  # inside a pipeline's shard_map
     mesh = None if manual else getattr(shard, "mesh", None)
-    y, stats = moe.moe_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, mesh, manual)
-    return shard(x + y, ("batch", "seq", "embed")), jax.tree.map(jnp.add, acc, stats)
+    y, stats = moe.moe_mlp(_norm_in(x, lp["mlp_norm"], cfg), lp, cfg, mesh, manual)
+    return shard(x + _norm_out(y, lp["mlp_norm"], cfg), ("batch", "seq", "embed")), jax.tree.map(jnp.add, acc, stats)
 
 
 def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard) -> jax.Array:
@@ -200,14 +258,16 @@ def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shar
     column = partial(column_parallel, shard, overlap)
     row = partial(row_parallel, shard, overlap)
     lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    g, u = column(h, [("btd,df->btf", lp["w_gate"], "f"), ("btd,df->btf", lp["w_up"], "f")])
+    h = _norm_in(x, lp["mlp_norm"], cfg)
+    biases = [lp["b_gate"], lp["b_up"]] if "b_gate" in lp else None
+    g, u = column(h, [("btd,df->btf", lp["w_gate"], "f"), ("btd,df->btf", lp["w_up"], "f")], biases)
     g, u = lora(EQUATIONS["w_gate"], h, g, name="w_gate"), lora(EQUATIONS["w_up"], h, u, name="w_up")
     g = tag(shard(g, ("batch", "seq", "mlp")), "mlp_gate")
     u = tag(shard(u, ("batch", "seq", "mlp")), "mlp_up")
     act = jax.nn.silu(g) * u
-    y = tag(lora(EQUATIONS["w_down"], act, row("btf,fd->btd", act, lp["w_down"], "f"), name="w_down"), "mlp_down")
-    return shard(x + y, ("batch", "seq", "embed"))
+    down = row("btf,fd->btd", act, lp["w_down"], "f", lp.get("b_down"))
+    y = tag(lora(EQUATIONS["w_down"], act, down, name="w_down"), "mlp_down")
+    return shard(x + _norm_out(y, lp["mlp_norm"], cfg), ("batch", "seq", "embed"))
 
 
 def decoder_layer(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard,
@@ -244,23 +304,25 @@ def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: S
         layers = {**layers, DROPOUT_KEY: jax.random.split(dropout_key, cfg.num_layers)}
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
-    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
+    cos, sin = rope_tables(tokens.shape[1], cfg, positions)
 
     def dense(h, lp):
         return decoder_layer(h, lp, cfg, cos, sin, shard, segment_ids, positions)
 
     stats = {}
-    if "dense_layers" in params:  # DeepSeek's first k dense layers, their own stack
+    k = cfg.first_k_dense if "dense_layers" in params else 0
+    if k:  # DeepSeek's first k dense layers, their own stack
         plain = shard.without_layer_specs() if hasattr(shard, "without_layer_specs") else shard
-        x = scan_layers(dense, x, params["dense_layers"], cfg.remat, plain)
+        x = scan_layers(dense, x, params["dense_layers"], cfg.remat, plain, layer_extras(cfg, 0, k))
+    extras = layer_extras(cfg, k, cfg.num_layers - k)
     if cfg.moe:
         def routed(c, lp):
             return moe_decoder_layer(c, lp, cfg, cos, sin, shard, segment_ids, positions)
 
-        x, stats = scan_layers(routed, (x, moe.zero_stats(cfg)), layers, cfg.remat, shard)
+        x, stats = scan_layers(routed, (x, moe.zero_stats(cfg)), layers, cfg.remat, shard, extras)
         stats = moe.finish(stats, cfg)
     else:
-        x = scan_layers(dense, x, layers, cfg.remat, shard)
+        x = scan_layers(dense, x, layers, cfg.remat, shard, extras)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), stats
 
 
@@ -314,27 +376,31 @@ def cache_axes(cfg: ModelConfig) -> dict:
 
 
 def _cached_stack(x: jax.Array, layers: dict, cache: dict, cfg: ModelConfig, cos, sin, shard: Sharder,
-                  index: jax.Array, mask: jax.Array, experts: bool) -> tuple[jax.Array, dict]:
+                  index: jax.Array, kv_valid: jax.Array, experts: bool, extras: dict) -> tuple[jax.Array, dict]:
     """One stack of layers over ``x [b, t, d]`` as a ``lax.scan`` over (layer params, layer cache):
-    each layer writes its new keys/values at slot ``index`` and attends over the whole cache under
-    ``mask [b, t, S]``. Returns ``(x, the stack's updated cache)``."""
+    each layer writes its new keys/values at slot ``index`` and attends over the whole cache, its
+    mask from ``kv_valid [b, S]`` and the layer's window (``extras``: :func:`layer_extras`).
+    Returns ``(x, the stack's updated cache)``."""
     cache_spec = CACHE_AXES[1:]
+    t = x.shape[1]
 
     def body(h, xs):
-        lp, kc, vc = xs
+        lp, e, kc, vc = xs
+        lp = {**lp, **e}
         q, k, v = project_qkv(h, lp, cfg, cos, sin, shard)
         kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), cache_spec)
         vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), cache_spec)
+        mask = cache_mask(index, t, kv_valid, layer_window(lp, cfg))
         h = attention_output(h, cached_attention(q, kc, vc, mask).astype(h.dtype), lp, cfg, shard)
         if experts:
             mesh = getattr(shard, "mesh", None)
-            y, _ = moe.moe_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, mesh)
-            h = shard(h + y, ("batch", "seq", "embed"))
+            y, _ = moe.moe_mlp(_norm_in(h, lp["mlp_norm"], cfg), lp, cfg, mesh)
+            h = shard(h + _norm_out(y, lp["mlp_norm"], cfg), ("batch", "seq", "embed"))
         else:
             h = mlp_block(h, lp, cfg, shard)
         return h, (kc, vc)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (fetch_layer(layers), cache["k"], cache["v"]))
+    x, (ks, vs) = jax.lax.scan(body, x, (fetch_layer(layers), extras, cache["k"], cache["v"]))
     return x, {"k": ks, "v": vs}
 
 
@@ -360,13 +426,14 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
         ``capacity_factor`` the pads of a prefill take capacity like real tokens.
     """
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, False, cfg.embedding_impl), ("batch", "seq", "embed"))
-    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, positions)
-    mask = cache_mask(index, tokens.shape[1], kv_valid)
+    cos, sin = rope_tables(tokens.shape[1], cfg, positions)
     out = {}
-    if "dense_layers" in params:
+    k = cfg.first_k_dense if "dense_layers" in params else 0
+    if k:
         x, out["dense_layers"] = _cached_stack(x, params["dense_layers"], cache["dense_layers"], cfg, cos, sin,
-                                               shard, index, mask, False)
-    x, out["layers"] = _cached_stack(x, params["layers"], cache["layers"], cfg, cos, sin, shard, index, mask, cfg.moe)
+                                               shard, index, kv_valid, False, layer_extras(cfg, 0, k))
+    x, out["layers"] = _cached_stack(x, params["layers"], cache["layers"], cfg, cos, sin, shard, index, kv_valid,
+                                     cfg.moe, layer_extras(cfg, k, cfg.num_layers - k))
     h = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], cfg.rms_norm_eps)
     return logits_from_hidden(params, h, cfg, shard), out
 
@@ -420,7 +487,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
         return layer
 
     def layer_for(x):
-        cos, sin = rope_tables((x[0] if pooled else x).shape[1], cfg.head_dim, cfg.rope_theta, positions)
+        cos, sin = rope_tables((x[0] if pooled else x).shape[1], cfg, positions)
         if cfg.moe:
             return moe_layer(cos, sin)
         return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, positions=positions)

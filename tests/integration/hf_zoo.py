@@ -1,0 +1,85 @@
+"""Tiny models of every Hugging Face architecture we read, created by transformers with the real
+model's distinctive keys on (RoPE scaling type, explicit head_dim, biases, norms, windows, tying),
+shrunk in size only: 2 layers (or as many as the layer pattern needs), hidden 32, vocabulary 100.
+
+Where a real value would not show in 16 tokens (Llama 3.1's ``original_max_position_embeddings`` of
+8192, Mistral v0.1's 4096-token window) the tiny model keeps the key and its type with a context
+small enough that it changes the logits; each entry says so.
+
+``initializer_range`` 0.15 makes the logits decisive; norm scales and biases (which transformers
+initialises to constants) are perturbed by 0.1·N(0, 1) so that a wrong mapping of any of them shows.
+Import after ``pytest.importorskip("torch")``.
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 100
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.15, bos_token_id=0,
+            eos_token_id=1, pad_token_id=None, attn_implementation="eager")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+"""Llama 3.2's own ``rope_scaling`` (1B/3B), as its config.json has it."""
+
+ZOO: dict[str, tuple[str, dict]] = {
+    # Llama 3.2 1B/3B: rope llama3 (factor 32) with theta 500000, tied; its 8192-token original context
+    # shrunk to 8 so that the scaled low frequencies turn within 16 tokens
+    "llama3.2": ("LlamaConfig", dict(rope_theta=500000.0, tie_word_embeddings=True, head_dim=8,
+                                     rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8})),
+    # HF LLaMA's own flags: q/k/v/o and MLP biases, an explicit head_dim that differs from hidden / heads
+    "llama-bias-headdim": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, head_dim=16)),
+    "llama-linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    # dynamic NTK: max_position_embeddings 8 so that 16 tokens grow the base
+    "llama-dynamic": ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                                          max_position_embeddings=8)),
+    "llama-yarn": ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32,
+                                                     "beta_slow": 1, "original_max_position_embeddings": 16})),
+    # Qwen2.5-0.5B/1.5B: q/k/v biases (o without), tied; the window off (use_sliding_window false)
+    "qwen2.5": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+    # Qwen2 with its sliding window on from layer max_window_layers (2 of 3 layers full)
+    "qwen2-window": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4,
+                                         max_window_layers=1)),
+    # Qwen3-0.6B: per-head q/k RMSNorm, head_dim 128 where hidden / heads is 64 (here 16 for 8), tied
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True, rope_theta=1000000.0)),
+    # Mistral-Nemo: head_dim 128 with hidden 5120 / 32 heads (here 16 for 8), no window
+    "mistral-nemo": ("MistralConfig", dict(head_dim=16, sliding_window=None, rope_theta=1000000.0)),
+    # Mistral v0.1's sliding window (4096 there, 4 here)
+    "mistral-window": ("MistralConfig", dict(sliding_window=4)),
+    # Mixtral with an explicit head_dim (the raw reshape error of issue 50)
+    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                      rope_theta=1000000.0)),
+    # Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary 0.75, LongRoPE (original 4096 there, 8
+    # here: 16 tokens take the long factors), tied
+    "phi4-mini": ("Phi3Config", dict(partial_rotary_factor=0.75, tie_word_embeddings=True, pad_token_id=VOCAB - 1,
+                                     original_max_position_embeddings=8,
+                                     rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5],
+                                                   "long_factor": [1.0, 3.0, 9.0]})),
+    # Phi-3-mini-4k: its sliding window (2047 there, 4 here)
+    "phi3-window": ("Phi3Config", dict(sliding_window=4, pad_token_id=VOCAB - 1)),  # a pad id in the vocabulary, as Phi-3 has
+    # OLMo-2: norms after attention and after the MLP, q/k RMSNorm over the whole projection
+    "olmo2": ("Olmo2Config", dict(pad_token_id=None, rope_theta=500000.0)),
+}
+"""name -> (transformers config class, the keys beyond :data:`BASE`)."""
+
+
+def build(name: str, seed: int = 0) -> "transformers.PreTrainedModel":
+    """The tiny ``name`` model of :data:`ZOO` (fp32, eval mode), its weights from ``seed``."""
+    cls, keys = ZOO[name]
+    cfg = getattr(transformers, cls)(**{**BASE, **keys})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # constants (norm scales, biases, sinks) perturbed so that their mapping shows
+        for pname, p in model.named_parameters():
+            if p.ndim == 1 or "norm" in pname or "bias" in pname:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def logits(model, tokens) -> "numpy.ndarray":  # noqa: F821
+    """transformers' fp32 logits ``[b, t, V]`` of int ``tokens [b, t]``."""
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens).long()).logits.float().numpy()
