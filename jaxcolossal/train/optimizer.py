@@ -28,8 +28,9 @@ def lr_schedule(t: TrainingConfig) -> optax.Schedule:
     return lambda step: base(step + shift)
 
 
-NO_DECAY_SUFFIXES = ("norm", "norm_bias")
-NO_DECAY_NAMES = {"bq", "bk", "bv", "bo", "b_fc", "b_proj"}
+NO_DECAY_SUFFIXES = ("norm", "norm_bias", "_bias")
+NO_DECAY_PREFIXES = ("b_",)
+NO_DECAY_NAMES = {"bq", "bk", "bv", "bo"}
 
 
 def decay_mask(params: Any) -> Any:
@@ -38,7 +39,7 @@ def decay_mask(params: Any) -> Any:
     def keep(path, _):
         last = path[-1]
         name = str(getattr(last, "key", getattr(last, "name", last)))
-        return not (name.endswith(NO_DECAY_SUFFIXES) or name in NO_DECAY_NAMES)
+        return not (name.endswith(NO_DECAY_SUFFIXES) or name.startswith(NO_DECAY_PREFIXES) or name in NO_DECAY_NAMES)
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
