@@ -65,10 +65,11 @@ ZOO: dict[str, tuple[str, dict]] = {
 """name -> (transformers config class, the keys beyond :data:`BASE`)."""
 
 
-def build(name: str, seed: int = 0) -> "transformers.PreTrainedModel":
-    """The tiny ``name`` model of :data:`ZOO` (fp32, eval mode), its weights from ``seed``."""
+def build(name: str, seed: int = 0, **overrides) -> "transformers.PreTrainedModel":
+    """The tiny ``name`` model of :data:`ZOO` (fp32, eval mode), its weights from ``seed``; ``overrides``:
+    config keys set over the entry's (``vocab_size=256`` for byte tokens)."""
     cls, keys = ZOO[name]
-    cfg = getattr(transformers, cls)(**{**BASE, **keys})
+    cfg = getattr(transformers, cls)(**{**BASE, **keys, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     g = torch.Generator().manual_seed(seed + 1)
