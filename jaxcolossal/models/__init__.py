@@ -1,6 +1,7 @@
 """Model families and the layers they share.
 
-Each family is a folder (:mod:`~jaxcolossal.models.llama`, :mod:`~jaxcolossal.models.gpt2`) whose
+Each family is a folder (:mod:`~jaxcolossal.models.llama`, :mod:`~jaxcolossal.models.gpt2`,
+:mod:`~jaxcolossal.models.gemma`) whose
 ``FAMILY`` is a :class:`~jaxcolossal.models.family.Family`: pure functions over a params dict, an
 NNX module class, and its Hugging Face format. :data:`FAMILIES` registers them by ``model.type``;
 the train step, the pipeline and the planner only talk to that record (:func:`get_family`), and
@@ -11,14 +12,15 @@ writing Hugging Face folders is :mod:`jaxcolossal.models.hf_io`, PEFT adapters :
 import jax
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models import gpt2, llama
+from jaxcolossal.models import gemma, gpt2, llama
 from jaxcolossal.models.family import Family, count_params, param_axes
+from jaxcolossal.models.gemma import GemmaForCausalLM
 from jaxcolossal.models.gpt2 import GPT2LMHeadModel
 from jaxcolossal.models.layers import lora
 from jaxcolossal.models.layers.vocab import padded_vocab_size
 from jaxcolossal.models.llama import LlamaForCausalLM
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, gemma.FAMILY)}
 """``model.type`` -> its :class:`~jaxcolossal.models.family.Family`; adding a family is one line here."""
 
 
@@ -57,5 +59,6 @@ def adapter_layout(cfg: ModelConfig, shapes: dict, axes: dict) -> tuple[dict, di
                                                                 for n in shapes["layers"]}))
 
 
-__all__ = ["adapter_layout", "param_layout", "Family", "LlamaForCausalLM", "GPT2LMHeadModel", "count_params",
+__all__ = ["adapter_layout", "param_layout", "Family", "LlamaForCausalLM", "GPT2LMHeadModel", "GemmaForCausalLM",
+           "count_params",
            "param_axes", "padded_vocab_size", "get_family", "FAMILIES"]

@@ -97,7 +97,7 @@ def rollout_token_logps(plan, params, inputs, targets, mask, segment_ids, positi
     params = fetch_layer(params)
     h = family.hidden_states(params, inputs, cfg, shard, shard.is_sharded("vocab"), segment_ids, positions)
     return token_logprobs(h, family.head_weight(params, cfg), targets, mask, cfg.vocab_size, shard,
-                          cfg.loss_chunk_tokens, cfg.loss_chunk_vocab)
+                          cfg.loss_chunk_tokens, cfg.loss_chunk_vocab, cfg.final_logit_softcapping)
 
 
 @dataclass

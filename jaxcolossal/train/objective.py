@@ -83,7 +83,8 @@ def sequence_logps(family, params, tokens, targets, mask, mcfg, shard, vocab_par
     extra = {} if dropout_key is None else {"dropout_key": dropout_key}
     h = family.hidden_states(params, tokens, mcfg, shard, vocab_parallel, None, None, **extra)
     lp = token_logprobs(h, family.head_weight(params, mcfg), targets, mask, mcfg.vocab_size, shard,
-                        mcfg.loss_chunk_tokens, mcfg.loss_chunk_vocab)  # chunked: never the whole fp32 logits
+                        mcfg.loss_chunk_tokens, mcfg.loss_chunk_vocab,
+                        mcfg.final_logit_softcapping)  # chunked: never the whole fp32 logits
     return jnp.sum(lp, axis=-1)
 
 
@@ -229,7 +230,7 @@ def policy_token_logps(family, params, tokens, targets, mask, mcfg, shard, vocab
     extra = {} if dropout_key is None else {"dropout_key": dropout_key}
     h = family.hidden_states(params, tokens, mcfg, shard, vocab_parallel, segment_ids, positions, **extra)
     return token_logprobs(h, family.head_weight(params, mcfg), targets, mask, mcfg.vocab_size, shard,
-                          mcfg.loss_chunk_tokens, mcfg.loss_chunk_vocab)
+                          mcfg.loss_chunk_tokens, mcfg.loss_chunk_vocab, mcfg.final_logit_softcapping)
 
 
 class Grpo:

@@ -61,6 +61,21 @@ ZOO: dict[str, tuple[str, dict]] = {
     "phi3-window": ("Phi3Config", dict(sliding_window=4, pad_token_id=VOCAB - 1)),  # a pad id in the vocabulary, as Phi-3 has
     # OLMo-2: norms after attention and after the MLP, q/k RMSNorm over the whole projection
     "olmo2": ("Olmo2Config", dict(pad_token_id=None, rope_theta=500000.0)),
+    # Gemma-2-2B: sliding and global layers alternating (Gemma2Config's own pattern), attention soft-cap 50
+    # and final soft-cap 30, GeGLU, sandwich norms, tied; query_pre_attn_scalar 256 = its head_dim there, 12
+    # here where head_dim is 16 so that the scale shows; its 4096-token window 4 here
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                    tie_word_embeddings=True)),
+    # Gemma-3-4B text: 5 local layers to 1 global (6 layers: both kinds), q/k norms, local RoPE base 10000 and
+    # global 1000000 with the 4B+ models' linear scaling (factor 8) on the global layers only, no soft-caps,
+    # query_pre_attn_scalar 256 there (= head_dim), 12 here; its 1024-token window 4 here; tied
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}},
+                                        tie_word_embeddings=True)),
 }
 """name -> (transformers config class, the keys beyond :data:`BASE`)."""
 

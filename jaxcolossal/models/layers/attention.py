@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.models.layers.flash_attention import flash_attention
+from jaxcolossal.models.layers.logprobs import soft_cap
 from jaxcolossal.models.layers.vocab import Sharder, no_shard
 from jaxcolossal.parallel import sequence
 
@@ -78,7 +79,7 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = _capped(scores * (d ** -0.5 if scale is None else scale), softcap)
+    scores = soft_cap(scores * (d ** -0.5 if scale is None else scale), softcap)
     mask = _window_mask(jnp.tril(jnp.ones((t, t), dtype=bool)), window)
     if segment_ids is not None:
         mask = mask[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [b, t, s]
@@ -87,11 +88,6 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
     probs = _with_sinks(scores, sinks, kv, softmax).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, v.shape[-1])
-
-
-def _capped(scores: jax.Array, softcap: float) -> jax.Array:
-    """Gemma 2's soft-cap ``c·tanh(scores / c)`` (``softcap`` 0: unchanged)."""
-    return scores if not softcap else softcap * jnp.tanh(scores / softcap)
 
 
 def _window_mask(causal: jax.Array, window, offset=0) -> jax.Array:
@@ -135,7 +131,7 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
     kv = k_cache.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    scores = _capped(scores * (d ** -0.5 if scale is None else scale), softcap)
+    scores = soft_cap(scores * (d ** -0.5 if scale is None else scale), softcap)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = _with_sinks(scores, sinks, kv, lambda s: jax.nn.softmax(s, axis=-1)).astype(v_cache.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)

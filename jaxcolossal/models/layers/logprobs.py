@@ -43,6 +43,12 @@ def no_shard(x, axes):
     return x
 
 
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """Gemma's soft-cap ``cap · tanh(x / cap)`` (fp32 scores or logits; ``cap`` 0: ``x`` unchanged), as
+    transformers' Gemma 2 applies it to the attention scores and Gemma 2/3 to the final logits."""
+    return x if not cap else cap * jnp.tanh(x / cap)
+
+
 def vocab_shards(shard: Sharder) -> int:
     """How many ways ``shard``'s rules split the ``vocab`` axis (1 without a mesh)."""
     size = getattr(shard, "axis_size", None)
@@ -95,7 +101,8 @@ def zeros_varying_like(shape, dtype, *refs) -> jax.Array:
 
 
 def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax.Array | None, vocab_size: int,
-                   shard: Sharder = no_shard, chunk_tokens: int = 1024, chunk_vocab: int = 8192) -> jax.Array:
+                   shard: Sharder = no_shard, chunk_tokens: int = 1024, chunk_vocab: int = 8192,
+                   softcap: float = 0.0) -> jax.Array:
     """``log softmax(h @ head_w)[tokens]`` per position: fp32 ``[b, t]``, 0 where ``mask`` is 0.
 
     Args:
@@ -113,6 +120,8 @@ def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax
             materialises the fp32 logits ``[b, t, v]`` (the reference path, differentiated by autodiff).
         chunk_vocab: vocabulary columns per device per chunk (``model.loss_chunk_vocab``); ``<= 0``:
             a device's whole vocabulary shard in one chunk.
+        softcap: the final logit soft-cap ``c`` (``model.final_logit_softcapping``, Gemma): the logits
+            are ``c · tanh(h @ head_w / c)`` (:func:`soft_cap`); 0: none.
 
     Differentiable in ``h`` and ``head_w`` (gradients in their dtypes, formed in fp32 and scaled by
     the incoming cotangent before the cast, see :func:`_chunked_logprobs`).
@@ -120,7 +129,7 @@ def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax
     b, t, d = h.shape
     valid = jnp.ones((b, t), jnp.float32) if mask is None else mask.astype(jnp.float32)
     if chunk_tokens <= 0:
-        return full_logprobs(h, head_w, tokens, vocab_size, shard) * valid
+        return full_logprobs(h, head_w, tokens, vocab_size, shard, softcap) * valid
     rows = b // batch_shards(shard, b)  # a device's rows: the chunks are sized per device
     c = chunk_positions(rows, t, chunk_tokens)
     n = math.ceil(t / c)
@@ -132,15 +141,16 @@ def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax
         return jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
 
     w3, layout = _vocab_view(head_w, shard, chunk_vocab)
-    lp = _chunked_logprobs(shard, vocab_size, *layout)(to_chunks(h), w3, to_chunks(tokens))
+    lp = _chunked_logprobs(shard, vocab_size, *layout, softcap)(to_chunks(h), w3, to_chunks(tokens))
     return jnp.moveaxis(lp, 0, 1).reshape(b, n * c)[:, :t] * valid
 
 
 def full_logprobs(h: jax.Array, w: jax.Array, tokens: jax.Array, vocab_size: int,
-                  shard: Sharder = no_shard) -> jax.Array:
-    """The reference: fp32 logits ``[b, t, v]`` materialised, ``logits[token] - logsumexp``
-    (fp32 ``[b, t]``); vocab-parallel by the partitioner's all-reduces over tp."""
+                  shard: Sharder = no_shard, softcap: float = 0.0) -> jax.Array:
+    """The reference: fp32 logits ``[b, t, v]`` materialised (soft-capped by ``softcap``, 0: not),
+    ``logits[token] - logsumexp`` (fp32 ``[b, t]``); vocab-parallel by the partitioner's all-reduces over tp."""
     lg = shard(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), ("batch", "seq", "vocab"))
+    lg = soft_cap(lg, softcap)
     col = jax.lax.broadcasted_iota(jnp.int32, lg.shape, 2)
     if lg.shape[-1] != vocab_size:
         lg = jnp.where(col < vocab_size, lg, PAD_LOGIT)
@@ -173,7 +183,7 @@ def _head_axes(n: int) -> tuple:
 # ----------------------------------------------------------------------------- the custom VJP
 
 
-def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: int, vc: int):
+def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: int, vc: int, softcap: float = 0.0):
     """The chunked log-probs as a ``custom_vjp`` over ``(h_chunks [m, b, c, d], w3 [d, n, nv·vc],
     tokens [m, b, c])`` -> fp32 ``[m, b, c]`` (``m`` token chunks of ``c`` positions; the vocab
     view of :func:`_vocab_view`).
@@ -185,7 +195,9 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
     rows, reduced once per vocab chunk; :func:`_backward_scan`). ``g`` is divided by its largest magnitude first, so that
     ``dlogits`` lies in ``[-1, 1]`` when cast to the compute dtype for its two matmuls (which
     accumulate in fp32, as Liger's kernel does), and the magnitude is multiplied back in fp32: an
-    fp16 loss scale neither overflows nor underflows the cast.
+    fp16 loss scale neither overflows nor underflows the cast. With a ``softcap`` ``c`` each chunk's
+    logits are ``c · tanh(u / c)`` of the raw ``u = h @ w`` (:func:`soft_cap`), and ``dlogits`` is
+    multiplied by the cap's slope ``1 − (logit / c)²`` before the contraction.
     """
 
     def chunk_logits(hc, w3, j):  # [b, c, d], the view, chunk index -> fp32 [b, c, n, vc], col ids, w chunk
@@ -194,7 +206,7 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
             lg = jnp.einsum("bcd,dk->bck", hc, wj, preferred_element_type=jnp.float32)[:, :, None, :]
         else:
             lg = jnp.einsum("bcd,dnk->bcnk", hc, wj, preferred_element_type=jnp.float32)
-        lg = shard(lg, ("batch", "seq", "vocab" if n > 1 else None, None))
+        lg = soft_cap(shard(lg, ("batch", "seq", "vocab" if n > 1 else None, None)), softcap)
         loc = j * vc + jnp.arange(vc, dtype=jnp.int32)[None, :]
         col = jnp.arange(n, dtype=jnp.int32)[:, None] * local + loc  # [n, vc] global column ids
         keep = (loc < local) & (col < vocab_size)
@@ -225,7 +237,7 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
         hs, w3, ys, lse = res
         big = jnp.max(jnp.abs(g))
         big = jnp.where(big > 0, big, 1.0).astype(jnp.float32)
-        dh, dw = _backward_scan(chunk_logits, shard, (hs, w3, ys, lse, g / big), big, n, nv, vc)
+        dh, dw = _backward_scan(chunk_logits, shard, (hs, w3, ys, lse, g / big), big, n, nv, vc, softcap)
         return dh.astype(hs.dtype), dw, None
 
     chunked.defvjp(fwd, bwd)
@@ -233,13 +245,15 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
 
 
 def _backward_scan(chunk_logits: Callable, shard: Sharder, arrays: tuple, big: jax.Array, n: int, nv: int,
-                   vc: int):
+                   vc: int, softcap: float = 0.0):
     """The backward's two loops, over vocab chunks outside and token chunks inside: ``(dh [m, b, c,
     d]`` fp32, ``dW [d, n, nv·vc]`` in ``w3``'s dtype), for the cotangent ``g [m, b, c]`` divided by
     its largest magnitude ``big`` (see :func:`_chunked_logprobs`). Vocab-outer, so a vocab chunk's
     ``dW`` is summed over all tokens in fp32 (``[d, n, vc]``), multiplied by ``big`` and cast once
     into the result: no fp32 buffer of the whole head's size (the step's own gradient buffer is
-    one already); ``dh`` (``tokens × d``) is the one carried whole, in fp32."""
+    one already); ``dh`` (``tokens × d``) is the one carried whole, in fp32. ``softcap``: the chunks'
+    logits are soft-capped, so ``dlogits`` takes the cap's slope ``1 − (logit / c)²`` (0 on the padded
+    columns, whose logit is far below ``−c``)."""
     hs, w3, ys, lse, g = arrays
     nb = batch_shards(shard, hs.shape[1])
 
@@ -251,6 +265,8 @@ def _backward_scan(chunk_logits: Callable, shard: Sharder, arrays: tuple, big: j
         lg, col, wj = chunk_logits(hc, w3, j)
         p = jnp.exp(lg - lc[..., None, None])
         dlg = gc[..., None, None] * ((col == yc[..., None, None]).astype(jnp.float32) - p)
+        if softcap:  # through c·tanh(u/c): d/du = 1 − tanh² = 1 − (logit/c)²; a pad's PAD_LOGIT clips to slope 0
+            dlg = dlg * (1.0 - jnp.square(jnp.clip(lg / softcap, -1.0, 1.0)))
         dlg = shard(dlg.astype(hc.dtype), ("batch", "seq", "vocab" if n > 1 else None, None))
         if n == 1:  # the 2-D view of _vocab_view
             dlg = dlg[:, :, 0, :]

@@ -31,7 +31,15 @@ import jax.numpy as jnp
 
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models.layers.linear import project, take_rows
-from jaxcolossal.models.layers.logprobs import PAD_LOGIT, Sharder, batch_shards, no_shard, token_logprobs, vocab_shards
+from jaxcolossal.models.layers.logprobs import (
+    PAD_LOGIT,
+    Sharder,
+    batch_shards,
+    no_shard,
+    soft_cap,
+    token_logprobs,
+    vocab_shards,
+)
 
 # ----------------------------------------------------------------------------- input embedding
 
@@ -73,10 +81,12 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, shard: Sharder = no_shard,
 # ----------------------------------------------------------------------------- LM head + loss
 
 
-def logits(h: jax.Array, w: jax.Array, vocab_size: int, shard: Sharder = no_shard) -> jax.Array:
-    """fp32 logits ``[b, t, v]`` of hidden ``h [b, t, d]`` and head ``w [d, v]`` (sharded on ``vocab``);
-    the padded columns ``>= vocab_size`` are :data:`PAD_LOGIT`."""
+def logits(h: jax.Array, w: jax.Array, vocab_size: int, shard: Sharder = no_shard, softcap: float = 0.0) -> jax.Array:
+    """fp32 logits ``[b, t, v]`` of hidden ``h [b, t, d]`` and head ``w [d, v]`` (sharded on ``vocab``),
+    soft-capped to ``softcap · tanh(logits / softcap)`` when ``softcap`` > 0 (Gemma's
+    ``final_logit_softcapping``); the padded columns ``>= vocab_size`` are :data:`PAD_LOGIT`."""
     out = shard(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), ("batch", "seq", "vocab"))
+    out = soft_cap(out, softcap)
     if out.shape[-1] != vocab_size:
         col = jax.lax.broadcasted_iota(jnp.int32, out.shape, 2)
         out = jnp.where(col < vocab_size, out, PAD_LOGIT)
@@ -117,7 +127,7 @@ def fused_pays(tokens: int, hidden: int, chunk_tokens: int) -> bool:
 
 def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int, shard: Sharder = no_shard,
                  chunk_tokens: int = 0, mask: jax.Array | None = None, force_fused: bool = False,
-                 chunk_vocab: int = 0) -> jax.Array:
+                 chunk_vocab: int = 0, softcap: float = 0.0) -> jax.Array:
     """Summed next-token cross-entropy (nats, fp32 scalar) of the head ``w`` on hidden states ``h``.
 
     Args:
@@ -133,6 +143,8 @@ def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int
             :func:`fused_pays` says it costs more memory (tests and measurements).
         chunk_vocab: vocabulary columns per device per chunk (``model.loss_chunk_vocab``); 0: a
             device's whole vocabulary shard in one chunk.
+        softcap: the final logit soft-cap (``model.final_logit_softcapping``, Gemma; 0: none): the
+            cross-entropy is of ``softcap · tanh(h @ w / softcap)``, on both paths.
 
     The chunked path is minus the masked sum of :func:`jaxcolossal.models.layers.logprobs.token_logprobs`
     (chunked over tokens and vocabulary, online log-sum-exp, a backward that recomputes each
@@ -143,8 +155,8 @@ def lm_head_loss(h: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int
     b, t, d = h.shape
     rows = b // batch_shards(shard, b)  # a device's rows: the chunks are sized per device
     if chunk_tokens <= 0 or not (force_fused or fused_pays(rows * t, d, chunk_tokens)):
-        return cross_entropy_sum(logits(h, w, vocab_size, shard), targets, mask)
-    return -jnp.sum(token_logprobs(h, w, targets, mask, vocab_size, shard, chunk_tokens, chunk_vocab))
+        return cross_entropy_sum(logits(h, w, vocab_size, shard, softcap), targets, mask)
+    return -jnp.sum(token_logprobs(h, w, targets, mask, vocab_size, shard, chunk_tokens, chunk_vocab, softcap))
 
 
 def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, Callable]:
@@ -152,7 +164,8 @@ def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, C
     vocab_parallel, segment_ids, positions) -> [b, t, d]`` and ``head_weight(params, cfg) -> [d, v]``.
 
     ``head_loss(params, h, targets, cfg, shard, mask=None)``: the summed cross-entropy of final
-    hidden states ``h [b, t, d]`` through the fused, chunked LM head (:func:`lm_head_loss`).
+    hidden states ``h [b, t, d]`` through the fused, chunked LM head (:func:`lm_head_loss`), its logits
+    soft-capped by ``model.final_logit_softcapping`` (0 but in Gemma).
     ``loss_sum(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions)``:
     the summed next-token cross-entropy (nats, fp32 scalar) of int ``tokens``/``targets [b, t]``;
     with a ``mask [b, t]`` (1 = trained on) only the masked-in tokens count; ``dropout_key``: a PRNG
@@ -161,7 +174,7 @@ def lm_loss(hidden_states: Callable, head_weight: Callable) -> tuple[Callable, C
     def head_loss(params: dict, h: jax.Array, targets: jax.Array, cfg, shard: Sharder = no_shard,
                   mask: jax.Array | None = None) -> jax.Array:
         return lm_head_loss(h, head_weight(params, cfg), targets, cfg.vocab_size, shard, cfg.loss_chunk_tokens, mask,
-                            chunk_vocab=cfg.loss_chunk_vocab)
+                            chunk_vocab=cfg.loss_chunk_vocab, softcap=cfg.final_logit_softcapping)
 
     def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg, shard: Sharder = no_shard,
                  vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
