@@ -84,6 +84,32 @@ def test_loss_equals_full_logits(chunk_vocab):
     _assert_close(got, want)
 
 
+@pytest.mark.parametrize("chunk_tokens,chunk_vocab", [(10, 7), (37, 0), (0, 0)])
+def test_softcapped_logprobs_equal_full_logits(chunk_tokens, chunk_vocab):
+    """Gemma's final soft-cap (``softcap`` 2, where logits of about ±3 bend hard): the chunked log-probs
+    (and the unchunked reference path, ``chunk_tokens`` 0) equal ``log_softmax(2·tanh(h @ w / 2))[token]``
+    in value and gradient (the custom VJP's ``1 − (logit/c)²`` slope), and the padded columns get no
+    gradient; the loss through ``lm_head_loss`` likewise."""
+    h, w, y, mask = _inputs()
+    cot = jnp.asarray(np.random.default_rng(3).normal(size=y.shape), jnp.float32)
+
+    def ref(h, w):
+        lg = 2.0 * jnp.tanh(jnp.einsum("btd,dv->btv", h, w[:, :45]) / 2.0)
+        return jax.nn.log_softmax(lg, axis=-1)[jnp.arange(2)[:, None], jnp.arange(37)[None], y] * mask
+
+    def chunked(h, w):
+        return logprobs.token_logprobs(h, w, y, mask, 45, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+                                       softcap=2.0)
+
+    got = _value_and_grads(chunked, h, w, cot)
+    _assert_close(got, _value_and_grads(ref, h, w, cot))
+    assert np.all(np.asarray(got[1][1])[:, 45:] == 0), "padded vocabulary columns receive no gradient"
+    loss = jax.value_and_grad(lambda h, w: vocab.lm_head_loss(h, w, y, 45, chunk_tokens=chunk_tokens, mask=mask,
+                                                              force_fused=True, chunk_vocab=chunk_vocab, softcap=2.0),
+                              argnums=(0, 1))(h, w)
+    _assert_close(loss, jax.value_and_grad(lambda h, w: -jnp.sum(ref(h, w)), argnums=(0, 1))(h, w))
+
+
 def test_vocab_parallel_tp2():
     """dp 4 × tp 2 on the 8 simulated devices, the head's vocabulary over tp (each shard's 32
     columns in vocab chunks of 8, the last shard holding the 3 padded ones): log-probs and loss
@@ -109,6 +135,10 @@ def test_vocab_parallel_tp2():
                                       argnums=(0, 1)))(hs, ws)
     _assert_close(loss, jax.value_and_grad(lambda h, w: vocab.lm_head_loss(h, w, y, 61, mask=mask),
                                            argnums=(0, 1))(h, w))
+    capped = jax.jit(jax.value_and_grad(lambda h, w: vocab.lm_head_loss(h, w, ys, 61, shard, 8, ms, True, 8, 2.0),
+                                        argnums=(0, 1)))(hs, ws)  # Gemma's final soft-cap, vocab-parallel
+    _assert_close(capped, jax.value_and_grad(lambda h, w: vocab.lm_head_loss(h, w, y, 61, mask=mask, softcap=2.0),
+                                             argnums=(0, 1))(h, w))
 
 
 # ----------------------------------------------------------------------------- memory (compiled, CPU)
