@@ -34,8 +34,8 @@ FACTOR_TYPES = ("yarn", "longrope", "llama3")
 
 def check_architecture(cfg: Config) -> None:
     """Refuse, in one line naming the key, an architecture key that ``model.type`` does not implement,
-    RoPE parameters that do not fit their type, malformed ``layer_types``, and sliding windows with a
-    kernel or parallelism that ignores them.
+    RoPE parameters that do not fit their type, malformed ``layer_types``, and sliding windows, Gemma's
+    softmax scale and soft-cap with a kernel or parallelism that ignores them.
 
     Raises:
         ConfigError: naming the key and the value that works.
@@ -46,6 +46,7 @@ def check_architecture(cfg: Config) -> None:
         raise ConfigError("model.rope: the gpt2 family has learned positions, not RoPE (keep model.rope's defaults)")
     _check_rope(m)
     _check_layer_kinds(cfg)
+    _check_attention_options(cfg)
 
 
 def _check_family_keys(m: ModelConfig) -> None:
@@ -86,6 +87,22 @@ def _check_rope(m: ModelConfig) -> None:
     elif r.short_factor or r.long_factor:
         raise ConfigError(f"model.rope.short_factor/long_factor are longrope's: model.rope.type={r.type} ignores "
                           "them (remove them or set model.rope.type=longrope)")
+
+
+def _check_attention_options(cfg: Config) -> None:
+    """Gemma's softmax scale (``query_pre_attn_scalar``) and attention soft-cap with the kernels and the
+    sequence-parallel modes that apply them: XLA's attention (and Ulysses', Megatron-SP's around it), not
+    the fused kernels nor ring attention's online softmax."""
+    m, p = cfg.model, cfg.parallel
+    key = next((k for k in ("attn_logit_softcapping", "query_pre_attn_scalar") if getattr(m, k)), None)
+    if key is None:
+        return
+    if m.attention_impl != "xla":
+        raise ConfigError(f"model.{key}={getattr(m, key):g}: the {m.attention_impl} kernel has no softmax scale or "
+                          "soft-cap here: set model.attention_impl=xla")
+    if p.sequence_parallelism_mode == "ring_attn":
+        raise ConfigError(f"model.{key}={getattr(m, key):g}: ring attention's online softmax has no softmax scale or "
+                          "soft-cap here: use parallel.sequence_parallelism_mode=all_to_all or split_gather")
 
 
 def _check_layer_kinds(cfg: Config) -> None:
