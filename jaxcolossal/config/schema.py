@@ -190,14 +190,14 @@ class ModelConfig:
     ``false``: a separate ``lm_head`` matrix. Shapes the saved state, so a resumed checkpoint and
     ``model.init_from`` must agree."""
     rms_norm_eps: float = 1e-5
-    """The epsilon added to the mean square in every RMSNorm of ``type=llama`` (the layers', the
-    final one, and ``qk_norm``'s), > 0."""
+    """The epsilon added to the mean square in every RMSNorm of ``type=llama`` and ``type=gemma`` (the
+    layers', the final one, and ``qk_norm``'s), > 0."""
     layer_norm_eps: float = 1e-5
     """The epsilon added to the variance in every LayerNorm of ``type=gpt2`` (Hugging Face's
     ``layer_norm_epsilon``), > 0."""
     rope_theta: float = 10000.0
-    """RoPE's base θ (``type=llama``), > 0: the dimension pair ``i`` of a head of size ``q`` turns by
-    ``position · θ^(−2i/q)`` radians."""
+    """RoPE's base θ (``type=llama``; ``type=gemma``: of the global layers when ``rope_local_theta`` is
+    set), > 0: the dimension pair ``i`` of a head of size ``q`` turns by ``position · θ^(−2i/q)`` radians."""
     initializer_range: float = 0.02
     """The standard deviation of a fresh model's normal weight initialisation, > 0. The weight matrices
     and embeddings are drawn from normal(0, initializer_range), the residual output projections' with it
@@ -247,8 +247,8 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """The LoRA adapters (:class:`LoraConfig`; ``model.lora.rank=0``: none)."""
     qk_norm: bool = False
-    """``true``: an RMSNorm over each head of q and k before RoPE (Qwen3; ``type=llama``). A dense
-    model with it has no Hugging Face export here (Qwen3-MoE has)."""
+    """``true``: an RMSNorm over each head of q and k before RoPE (Qwen3, ``type=llama``; Gemma 3,
+    ``type=gemma``, whose export is then ``Gemma3ForCausalLM``)."""
     attention_head_dim: int = 0
     """The size of one attention head, in elements, >= 0; 0: ``hidden_size / num_attention_heads``
     (Qwen3 sets its own). The head size must be even (RoPE turns pairs of dimensions)."""
