@@ -53,6 +53,9 @@ SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Buffers that some checkpoints carry and that are not parameters.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
+_TOWERS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+"""The vision tower and projector of a multimodal checkpoint, which its causal language model leaves
+unused (Gemma 3's text model read from a ``Gemma3ForConditionalGeneration``: :mod:`jaxcolossal.models.gemma.hf`)."""
 
 
 # ----------------------------------------------------------------------------- configs
@@ -285,7 +288,7 @@ def load_hf(path: str | os.PathLike, tp: int = 1, **overrides: Any) -> tuple[Mod
 
     family = get_family(cfg)
     params, used = family.params_from_hf(checked_get, keyset.__contains__, cfg)
-    unused = sorted(k for k in keyset - used if not _IGNORED.search(k))
+    unused = sorted(k for k in keyset - used if not (_IGNORED.search(k) or _TOWERS.search(k)))
     if unused:
         arch = config_to_hf(cfg)["architectures"][0]
         raise ValueError(f"{str(path)!r}: the checkpoint has weights that a {arch} of this "

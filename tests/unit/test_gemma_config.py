@@ -1,6 +1,7 @@
 """The Gemma family's configs (jaxcolossal/models/gemma/hf.py, config/architecture.py): a Gemma 3
 ``config.json`` in transformers 4's form (``rope_scaling``, ``rope_local_base_freq``,
-``sliding_window_pattern``) reads as its transformers 5 form does; keys a config leaves out take
+``sliding_window_pattern``) reads as its transformers 5 form does, and so does the ``text_config`` of the
+multimodal ``Gemma3ForConditionalGeneration``; keys a config leaves out take
 transformers' defaults; every key that changes the math and is not implemented is refused in one line
 naming it; an export reads back as the model it came from; and the kernels and sequence-parallel
 modes that would ignore Gemma's softmax scale or soft-caps are refused by name."""
@@ -38,6 +39,20 @@ def test_gemma3_transformers4_config_reads_as_transformers5():
     assert (new.attn_logit_softcapping, new.final_logit_softcapping) == (0.0, 0.0)
 
 
+def test_multimodal_gemma3_reads_its_text_config_and_exports_the_text_model():
+    """Gemma-3-4B's ``Gemma3ForConditionalGeneration`` config (transformers 4: the text_config holds only
+    what differs from Gemma3TextConfig's defaults) reads as the text model; an export is ``gemma3_text``."""
+    text = {k: v for k, v in GEMMA3_TF4.items() if k not in ("model_type", "rope_theta", "rope_local_base_freq",
+                                                              "sliding_window_pattern")}
+    cfg = config_from_hf({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                          "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+                          "mm_tokens_per_image": 256})
+    assert dataclasses.replace(cfg, hf_model_type="gemma3_text") == config_from_hf(GEMMA3_TF4)
+    out = config_to_hf(cfg)
+    assert (out["model_type"], out["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
+    assert config_from_hf(out) == dataclasses.replace(cfg, hf_model_type="gemma3_text")
+
+
 def test_missing_keys_take_transformers_defaults():
     """Gemma2Config's soft-caps 50 and 30 when the keys are absent, none when null; head_dim and
     query_pre_attn_scalar 256; layers alternating sliding and global; Gemma 3's default bases."""
@@ -53,7 +68,8 @@ def test_missing_keys_take_transformers_defaults():
 
 
 @pytest.mark.parametrize("keys, match", [
-    ({"model_type": "gemma3", "text_config": {}}, "model_type='gemma3': the multimodal Gemma3ForConditionalGeneration"),
+    ({"model_type": "gemma3", "text_config": {}}, "text_config=None: expected Gemma 3's text model"),
+    ({"model_type": "gemma3", "text_config": {"model_type": "llama"}}, "text_config='llama': expected Gemma 3's"),
     ({"attention_bias": True}, "attention_bias=True: Gemma's projections have no bias"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True: bidirectional attention"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu': only 'gelu_pytorch_tanh'"),

@@ -1,6 +1,8 @@
 """The Gemma family's Hugging Face format: ``Gemma2ForCausalLM`` (``model_type: gemma2``) and the text-only
-``Gemma3ForCausalLM`` (``gemma3_text``). The multimodal ``Gemma3ForConditionalGeneration`` (``gemma3``, a
-``text_config`` beside a vision tower) is recognised only to be refused in one line.
+``Gemma3ForCausalLM`` (``gemma3_text``); and the language model of the multimodal
+``Gemma3ForConditionalGeneration`` (``gemma3``: Gemma 3 4B, 12B, 27B), read from its ``text_config`` and
+its ``language_model`` weights (the vision tower and projector are left unused:
+:data:`jaxcolossal.models.hf_io._TOWERS`), and exported as the text-only ``Gemma3ForCausalLM``.
 
 Key mapping (torch ``Linear`` weights are ``[out, in]``; L layers, i a layer)::
 
@@ -17,6 +19,9 @@ Key mapping (torch ``Linear`` weights are ``[out, in]``; L layers, i a layer)::
     model.layers.i.mlp.down_proj.weight             [d, f]     layers.w_down [L, f, d]
     model.norm.weight                               [d]        final_norm [d]
     lm_head.weight                                  [V, d]     lm_head [d, v]  (absent when tied, as in every Gemma)
+
+A ``Gemma3ForConditionalGeneration`` checkpoint holds the same tensors under ``language_model.model.``
+(transformers 4, and 5's saved form) or ``model.language_model.`` instead of ``model.``.
 
 The norm weights are stored as transformers stores them (``w`` of ``1 + w``). Every ``config.json``
 key that changes the math is read or refused in one line naming it (:mod:`jaxcolossal.models.hf_config`);
@@ -42,7 +47,12 @@ from jaxcolossal.models.hf_config import (
 
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "gemma3": "Gemma3ForConditionalGeneration"}
-"""Hugging Face ``model_type`` -> architecture class (``gemma3``: recognised, to be refused by name)."""
+"""Hugging Face ``model_type`` -> architecture class (``gemma3``: its language model is read, and exported
+as ``gemma3_text``)."""
+
+TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+"""Where the text model's tensors sit: a causal LM's ``model.``, a ``Gemma3ForConditionalGeneration``'s
+``language_model.model.`` (transformers 4's names, which 5 still saves) or ``model.language_model.``."""
 
 INIT_FROM_KEYS = ("rms_norm_eps", "rope_theta", "rope", "rope_local_theta", "attention_head_dim", "qk_norm",
                   "sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
@@ -74,9 +84,6 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_
 
 def _refusals(hf: dict, kind: str) -> None:
     """The keys of a Gemma config that change the math and are not implemented, refused by name."""
-    if kind == "gemma3":
-        refuse(kind, "model_type", kind, "the multimodal Gemma3ForConditionalGeneration (text_config + vision "
-               "tower) is not read here; a text-only Gemma3ForCausalLM checkpoint (model_type gemma3_text) is")
     refuse_dropout(hf, kind)
     if hf["hidden_activation"] != "gelu_pytorch_tanh":
         refuse(kind, "hidden_activation", hf["hidden_activation"], "only 'gelu_pytorch_tanh' (Gemma's GeGLU) is "
@@ -130,6 +137,20 @@ def _capping(hf: dict, key: str) -> float:
     return 0.0 if hf[key] is None else float(hf[key])
 
 
+def _text_config(hf: dict, kind: str) -> dict:
+    """The ``text_config`` of a ``Gemma3ForConditionalGeneration`` config, with the top level's
+    ``tie_word_embeddings`` (which ties its LM head) when it sets one.
+
+    Raises:
+        ConfigError: no ``text_config``, or one that is not Gemma 3's (named)."""
+    text = dict(hf.get("text_config") or {})
+    if text.get("model_type", "gemma3_text") != "gemma3_text" or not text:
+        refuse(kind, "text_config", text.get("model_type"), "expected Gemma 3's text model (model_type gemma3_text)")
+    if hf.get("tie_word_embeddings") is not None:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
 def config_from_hf(hf: dict, kind: str) -> ModelConfig:
     """A :class:`ModelConfig` (``type=gemma``) from a ``config.json`` dict whose ``model_type`` is ``kind``.
 
@@ -138,12 +159,16 @@ def config_from_hf(hf: dict, kind: str) -> ModelConfig:
     :func:`_gemma3_rope`), ``layer_types`` (else ``sliding_window_pattern``), ``sliding_window``,
     ``query_pre_attn_scalar``, ``attn_logit_softcapping`` (Gemma 2), ``final_logit_softcapping``;
     Gemma 3 has q/k norms (``qk_norm``). A key left out takes transformers' default (:data:`DEFAULTS`).
+    ``gemma3`` (multimodal): its ``text_config`` (:func:`_text_config`), read as ``gemma3_text``.
 
     Raises:
         ConfigError: a key that changes the math and is not implemented, named (:func:`_refusals`; a
             ``sliding_window`` of null with sliding layers).
     """
-    hf = {**DEFAULTS.get(kind, DEFAULTS["gemma2"]), **{k: v for k, v in hf.items() if v is not None or k in (
+    source, kind = kind, "gemma3_text" if kind == "gemma3" else kind
+    if source == "gemma3":
+        hf = _text_config(hf, source)
+    hf = {**DEFAULTS[kind], **{k: v for k, v in hf.items() if v is not None or k in (
         "final_logit_softcapping", "attn_logit_softcapping", "sliding_window")}}
     _refusals(hf, kind)
     kinds = _layer_types(hf)
@@ -156,7 +181,7 @@ def config_from_hf(hf: dict, kind: str) -> ModelConfig:
         r, theta = rope_from_hf(hf, kind)
         rope = {"rope": r, "rope_theta": theta}
     return ModelConfig(
-        type="gemma", hf_model_type=kind, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        type="gemma", hf_model_type=source, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_key_value_heads"],
         intermediate_size=hf["intermediate_size"], max_position_embeddings=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"], tie_word_embeddings=bool(hf["tie_word_embeddings"]),
@@ -169,8 +194,10 @@ def config_from_hf(hf: dict, kind: str) -> ModelConfig:
 
 
 def architecture(cfg: ModelConfig) -> str:
-    """The ``model_type`` an export writes: ``model.hf_model_type`` when set, else Gemma 3's text model
-    for q/k norms, else Gemma 2."""
+    """The ``model_type`` an export writes: ``model.hf_model_type`` when set (the text-only ``gemma3_text``
+    for a multimodal ``gemma3``), else Gemma 3's text model for q/k norms, else Gemma 2."""
+    if cfg.hf_model_type == "gemma3":
+        return "gemma3_text"
     return cfg.hf_model_type or ("gemma3_text" if cfg.qk_norm else "gemma2")
 
 
@@ -242,14 +269,18 @@ def _normal(field: str, value, cfg: ModelConfig):
 
 def params_from_hf(get: Callable, has: Callable, cfg: ModelConfig) -> tuple[dict, set]:
     """``(params, used keys)``: the Gemma params dict (fp32 numpy, unpadded vocabulary) read through
-    ``get(key) -> np.ndarray`` and ``has(key) -> bool`` by the key mapping of the module doc."""
+    ``get(key) -> np.ndarray`` and ``has(key) -> bool`` by the key mapping of the module doc (under the
+    first of :data:`TEXT_PREFIXES` that holds the embedding)."""
     used = set()
     L, d, h, k, q = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    p = "model.layers.{i}."
+    base = next((b for b in TEXT_PREFIXES if has(b + "embed_tokens.weight")), "model.")
+
+    def g(key):
+        used.add(key)
+        return get(key)
 
     def stack(key, fn=lambda w: w):
-        used.update(p.format(i=i) + key for i in range(L))
-        return np.stack([fn(get(p.format(i=i) + key)) for i in range(L)])
+        return np.stack([fn(g(f"{base}layers.{i}.{key}")) for i in range(L)])
 
     layers = {name: stack(key + ".weight") for name, key in _NORM_KEYS.items()}
     layers.update(wq=stack("self_attn.q_proj.weight", lambda w: w.T.reshape(d, h, q)),
@@ -260,13 +291,12 @@ def params_from_hf(get: Callable, has: Callable, cfg: ModelConfig) -> tuple[dict
                   w_down=stack("mlp.down_proj.weight", lambda w: w.T))
     if cfg.qk_norm:
         layers.update(q_norm=stack("self_attn.q_norm.weight"), k_norm=stack("self_attn.k_norm.weight"))
-    used.update(("model.embed_tokens.weight", "model.norm.weight"))
-    out = {"embed_tokens": get("model.embed_tokens.weight"), "layers": layers, "final_norm": get("model.norm.weight")}
+    out = {"embed_tokens": g(base + "embed_tokens.weight"), "layers": layers, "final_norm": g(base + "norm.weight")}
+    head = next((key for key in ("lm_head.weight", "language_model.lm_head.weight") if has(key)), "lm_head.weight")
     if not cfg.tie_word_embeddings:
-        used.add("lm_head.weight")
-        out["lm_head"] = get("lm_head.weight").T
-    elif has("lm_head.weight"):
-        used.add("lm_head.weight")  # a tied copy
+        out["lm_head"] = g(head).T
+    elif has(head):
+        used.add(head)  # a tied copy
     return out, used
 
 
