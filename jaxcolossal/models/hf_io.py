@@ -20,7 +20,8 @@ Reads and writes LOCAL Hugging Face model directories (nothing is downloaded)::
 * :func:`init_params_from` ``(cfg_model, tp)``: the weights behind ``model.init_from`` (fine-tuning).
 
 The key mapping of each family is in its ``hf`` module (:mod:`jaxcolossal.models.llama.hf`:
-LLaMA, Mixtral, Qwen3-MoE; :mod:`jaxcolossal.models.gpt2.hf`), reached through the family registry
+LLaMA, Mixtral, Qwen3-MoE; :mod:`jaxcolossal.models.gpt2.hf`; :mod:`jaxcolossal.models.gemma.hf`: Gemma 2,
+Gemma 3), reached through the family registry
 (:class:`jaxcolossal.models.family.Family`: ``hf_architectures``, ``config_from_hf``, ``params_from_hf``, ...).
 
 Weights are read with the ``safetensors`` package's numpy API (bf16 tensors, which numpy
