@@ -10,6 +10,8 @@
   both soft-caps) exports as the architecture its keys name, which transformers loads clean with
   logits equal to ours on 40 tokens (past the windows).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -26,7 +28,7 @@ from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf, save_hf  # noqa: E402
 
 REL = 1e-5
-ROOT = __file__.rsplit("/tests/", 1)[0]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)
 
