@@ -288,7 +288,8 @@ def _check_moe(cfg: Config) -> None:
 
 
 LORA_FAMILIES = ("llama", "gemma")
-"""The families whose projections carry LLaMA's names and equations (:data:`jaxcolossal.models.layers.lora.WEIGHTS`)."""
+"""The families whose projections carry LLaMA's names and equations
+(:data:`jaxcolossal.models.layers.lora.WEIGHTS`)."""
 
 
 def _check_lora(cfg: Config) -> None:

@@ -81,7 +81,8 @@ def test_fp8_tracks_bf16():
     ({"lora": {"rank": 4, "targets": "q,k,v,o,gate,up,down"}},
      dict(data_parallel_size=4, tensor_parallel_size=2, zero_stage=2)),
     # a pipeline's layers are alike: every layer global here (the config refuses mixed layers with pp)
-    ({"sliding_window": 0, "layer_types": ""}, dict(pipeline_parallel_size=2, data_parallel_size=4, num_microbatches=2)),
+    ({"sliding_window": 0, "layer_types": ""},
+     dict(pipeline_parallel_size=2, data_parallel_size=4, num_microbatches=2)),
 ], ids=["lora_dp4_tp2_zero2", "pipeline_pp2_dp4"])
 def test_lora_and_pipeline_equal_one_device(model, parallel):
     """LoRA on every projection (the adapters trained, the base frozen) and a pipeline of global layers."""

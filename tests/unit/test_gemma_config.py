@@ -16,7 +16,8 @@ from jaxcolossal.models.hf_io import config_from_hf, config_to_hf
 SIZES = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=64)
 
-GEMMA3_TF4 = dict(SIZES, model_type="gemma3_text", num_hidden_layers=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+GEMMA3_TF4 = dict(SIZES, model_type="gemma3_text", num_hidden_layers=6, rope_theta=1000000.0,
+                  rope_local_base_freq=10000.0,
                   rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=4, sliding_window_pattern=6,
                   query_pre_attn_scalar=12, final_logit_softcapping=None, attn_logit_softcapping=None)
 """Gemma-3-4B's text config as transformers 4 wrote it, shrunk."""

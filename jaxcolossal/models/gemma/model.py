@@ -91,7 +91,8 @@ class GemmaForCausalLM(nnx.Module):
     Args:
         cfg: the model section of the config (``type=gemma``).
         rngs: ``nnx.Rngs`` for initialisation (module doc).
-        tp: tensor-parallel size, only to pad the vocabulary (:func:`jaxcolossal.models.layers.vocab.padded_vocab_size`).
+        tp: tensor-parallel size, only to pad the vocabulary
+            (:func:`jaxcolossal.models.layers.vocab.padded_vocab_size`).
 
     Params are fp32 ``nnx.Param`` with logical ``axes`` metadata. ``__call__(tokens)`` maps int32
     ``[b, t]`` tokens to fp32 logits ``[b, t, vocab_size]`` (padding removed).
