@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 CORPUS = [
     "Once upon a time there was a little robot who liked to count: 1, 2, 3, 12, 345, 6789.",
@@ -283,7 +283,6 @@ def _train(spec: Spec, vocab_size: int) -> Tokenizer:
 
 def _finish(tok: Tokenizer, spec: Spec) -> None:
     """Added tokens after the vocabulary, and the post-processor."""
-    from tokenizers import AddedToken
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.added])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.plain_added])
     template = []

@@ -1,6 +1,10 @@
 """A tiny LLaMA built by transformers for the TRL parity tests (DPO, GRPO): 2 layers, hidden 32, 4 heads
 over 2 kv heads, fp32, eager attention, its weights spread from HF's near-flat init so the logits are
 not uniform. Import it after ``pytest.importorskip("torch")``."""
+import json
+import os
+
+import tokenizer_families  # tests/: the tokenizer folders of the families
 import torch
 import transformers
 
@@ -53,11 +57,6 @@ def llama3_folder(path: str, new_tokens: int, seed: int = 0) -> list[int]:
     ``eos_token_id`` is a list: the three real end tokens and two tokens that greedy decoding of
     :data:`LLAMA3_PROMPTS` produces, chosen so that some rows end mid-way and at least one runs to
     ``new_tokens``. Returns that list."""
-    import json
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import tokenizer_families  # tests/: the tokenizer folders of the families
     tokenizer_families.build("llama3", path)
     cfg_path = os.path.join(path, "tokenizer_config.json")
     with open(cfg_path, encoding="utf-8") as f:
@@ -85,8 +84,8 @@ def llama3_folder(path: str, new_tokens: int, seed: int = 0) -> list[int]:
 
 def _pick_eos(rows: list[list[int]], real_eos: list[int], new_tokens: int) -> list[int]:
     """The real end ids and two generated tokens such that as many rows as can end mid-way (none at its
-    first token), at different steps, and at least one row meets none of them (runs to ``new_tokens``). Raises AssertionError when
-    no pair leaves such a row (another seed is needed)."""
+    first token), at different steps, and at least one row meets none of them (runs to ``new_tokens``).
+    Raises AssertionError when no pair leaves such a row (another seed is needed)."""
     best, score = None, (0, 0)
     for a in sorted({t for r in rows for t in r[1: new_tokens - 2]}):
         for b in sorted({t for r in rows for t in r[1: new_tokens - 2]} - {a}):

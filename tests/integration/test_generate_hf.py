@@ -4,14 +4,13 @@ transformers, loaded with ``load_hf``; our KV-cached sampler's greedy tokens equ
 different lengths, left-padded on the HF side with an ``attention_mask`` and a ``pad_token_id``,
 stopping per row at eos; and a LLaMA-3-style folder (its tokenizer's BOS, an eos list) from text."""
 
-import pathlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+import hf_tiny  # noqa: E402  (tests/integration: the tiny transformers models; after torch's importorskip)
 from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.generate import generate, pad_prompts  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
@@ -84,10 +83,6 @@ def test_llama3_folder_with_an_eos_list_equals_transformers_generate(tmp_path):
     mid-way in some rows): prompts tokenized by ``encode_prompt`` are transformers' ids (BOS first), and
     the batched greedy tokens equal ``model.generate(**tok(prompts, padding=True, padding_side="left"),
     do_sample=False)``'s, each row ending at the first id of the list."""
-    import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    import hf_tiny  # tests/integration: the tiny transformers models
-
     path = str(tmp_path / "llama3")
     eos = hf_tiny.llama3_folder(path, NEW)
     want_ids, want = hf_tiny.hf_greedy_rows(path, hf_tiny.LLAMA3_PROMPTS, NEW)

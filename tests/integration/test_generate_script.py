@@ -59,8 +59,7 @@ def test_llama3_folder_from_text_with_an_eos_list_equals_transformers(tmp_path):
     id of the list (it crashed on the list before), the prompts tokenized with their BOS; the
     completion's text leaves every eos id out."""
     pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    import hf_tiny  # tests/integration: the tiny transformers models
+    import hf_tiny  # optional: torch and transformers (tests/integration's tiny transformers models)
 
     path = str(tmp_path / "llama3")
     eos = hf_tiny.llama3_folder(path, 12)

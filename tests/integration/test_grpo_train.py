@@ -2,6 +2,7 @@
 same rollouts and the same updates as one device; a run stopped between the two steps of a rollout
 (num_iterations 2) and resumed gives the same rewards and params bit for bit; the dry run counts the
 rollout; refusals come before anything compiles."""
+import dataclasses
 import json
 import os
 
@@ -130,8 +131,6 @@ def test_completions_end_at_any_eos_id_of_the_init_from_folder(tmp_path):
     """``model.init_from``'s ``generation_config.json`` eos list (LLaMA 3's form) joins the tokenizer's
     eos: a completion ends at the first token that is any of its ids (the same draws as without the list
     up to there), the loss mask stops after it, and only rows without one count as clipped."""
-    import dataclasses
-
     cfg = grpo_config(posttrain={"num_iterations": 1, "beta": 0.0})
     plan, _, state, _ = setup(cfg, jax.devices()[:1])
     prompts = load_prompts(cfg.data, get_tokenizer("byte"), 9)

@@ -8,16 +8,13 @@ TRL's ``GRPOTrainer`` tokenizes them; corpus documents still get no special toke
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
+import tokenizer_families  # tests/: the tokenizer folders of the families
 
 transformers = pytest.importorskip("transformers")
 sentencepiece = pytest.importorskip("sentencepiece")
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tokenizer_families  # noqa: E402
 
 from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.data.chat import generation_prompt, render_chat  # noqa: E402
@@ -136,9 +133,9 @@ def test_sentencepiece_prompt_ids_equal_transformers(tmp_path, flags):
     """A ``tokenizer.model`` alone (LLaMA-1/2's form): transformers converts it and adds BOS/EOS as
     ``tokenizer_config.json``'s ``add_bos_token``/``add_eos_token`` say (default: neither); so do we."""
     (tmp_path / "train.txt").write_text("\n".join(f"def function_{i}(x):\n    return x * {i}" for i in range(300)))
-    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "tokenizer"),
-                                             vocab_size=150, model_type="bpe", eos_id=2, bos_id=1, unk_id=0,
-                                             minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"),
+                                             model_prefix=str(tmp_path / "tokenizer"), vocab_size=150, model_type="bpe",
+                                             eos_id=2, bos_id=1, unk_id=0, minloglevel=2)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **flags}))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
