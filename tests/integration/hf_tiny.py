@@ -1,6 +1,8 @@
 """A tiny LLaMA built by transformers for the TRL parity tests (DPO, GRPO): 2 layers, hidden 32, 4 heads
 over 2 kv heads, fp32, eager attention, its weights spread from HF's near-flat init so the logits are
-not uniform. Import it after ``pytest.importorskip("torch")``."""
+not uniform; and a LLaMA-3-style folder (tokenizer, eos list) with transformers' greedy rows for the
+generation tests (:func:`llama3_folder`, :func:`hf_greedy_rows`). Import it after
+``pytest.importorskip("torch")``."""
 import json
 import os
 
