@@ -7,6 +7,8 @@ with the real model's distinctive keys (tests/integration/hf_zoo.py):
 * ``save_hf`` writes a folder that ``AutoModelForCausalLM`` loads with no missing or unexpected keys
   and whose logits are equal.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -69,7 +71,6 @@ def sharded_logits(cfg, params, x, parallel):
 
 
 def _model_dict(cfg):
-    import dataclasses
     d = dataclasses.asdict(cfg)
     d.pop("lora")
     return d
