@@ -119,7 +119,8 @@ def _check_layer_kinds(cfg: Config) -> None:
 
 def _check_mla(cfg: Config) -> None:
     """DeepSeek's multi-head latent attention: its sizes, one key/value per query head, and the kernels
-    and layouts it runs with (the einsum attention, no ring attention, no pipeline yet)."""
+    and layouts it runs with (the einsum attention, no ring attention). A pipeline is refused with the
+    first dense layers by the mixture of experts' own check (a second stack of layers)."""
     m, p = cfg.model, cfg.parallel
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if getattr(m, key) <= 0:
@@ -135,9 +136,6 @@ def _check_mla(cfg: Config) -> None:
     if p.sequence_parallelism_mode == "ring_attn":
         raise ConfigError("parallel.sequence_parallelism_mode=ring_attn: multi-head latent attention has no ring "
                           "attention here (use all_to_all or split_gather)")
-    if p.pipeline_parallel_size not in (1,):
-        raise ConfigError(f"parallel.pipeline_parallel_size={p.pipeline_parallel_size}: model.type=deepseek does not "
-                          "run in a pipeline yet (set it to 1)")
 
 
 def _check_router_groups(m: ModelConfig) -> None:
