@@ -126,6 +126,11 @@ def _check_mla(cfg: Config) -> None:
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}={getattr(m, key)}: model.type=deepseek needs it > 0 (DeepSeek-V3: "
                               "kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)")
+    for key, why in (("qk_norm", "MLA normalises its latents, not q and k"),
+                     ("attention_head_dim", "MLA's heads are sized by qk_nope/qk_rope/v_head_dim")):
+        if getattr(m, key):
+            raise ConfigError(f"model.{key}={getattr(m, key)!r} is not implemented by model.type=deepseek ({why}): "
+                              "keep its default")
     if m.num_key_value_heads != m.num_attention_heads:
         raise ConfigError(f"model.num_key_value_heads={m.num_key_value_heads}: multi-head latent attention expands "
                           f"one key/value per query head: set it to model.num_attention_heads={m.num_attention_heads}")

@@ -1,7 +1,7 @@
 """The model-family interface: every registered family fills every field of
 :class:`jaxcolossal.models.family.Family`, and a family folder that lacks a function of the
 interface is refused by name when its record is built. The KV-cached decode path is optional
-(:data:`~jaxcolossal.models.family.DECODE_FUNCTIONS`); both registered families have it."""
+(:data:`~jaxcolossal.models.family.DECODE_FUNCTIONS`); every registered family has it."""
 
 import dataclasses
 import types
