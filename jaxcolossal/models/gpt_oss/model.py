@@ -155,8 +155,9 @@ def layer_window(lp: dict, cfg: ModelConfig):
 def layer_extras(cfg: ModelConfig) -> dict:
     """The per-layer constants for the layer scan (:func:`jaxcolossal.parallel.layer_scan.scan_layers`):
     each layer's window int32 ``[L]`` when the layers' windows differ (GPT-OSS's alternating
-    ``sliding_attention`` / ``full_attention``), else none."""
-    windows = cfg.layer_windows
+    ``sliding_attention`` / ``full_attention``), else none. (The planner traces the first layers of a
+    model by lowering ``num_layers`` alone: the windows are cut to it.)"""
+    windows = cfg.layer_windows[:cfg.num_layers]
     return {"window": jnp.asarray(windows, jnp.int32)} if len(set(windows)) > 1 else {}
 
 
