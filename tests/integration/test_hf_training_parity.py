@@ -23,8 +23,10 @@ from jaxcolossal.config import config_from_dict  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf  # noqa: E402
 from jaxcolossal.train.optimizer import lr_schedule  # noqa: E402
 
-PARITY = ["llama3.2", "qwen3"]
-"""The zoo entries trained against torch (Llama-3.2: rope llama3, tied; Qwen3: q/k norm, explicit head_dim)."""
+PARITY = ["llama3.2", "qwen3", "gpt-oss"]
+"""The zoo entries trained against torch (Llama-3.2: rope llama3, tied; Qwen3: q/k norm, explicit head_dim;
+GPT-OSS: sinks, biases everywhere, alternating windows, a biased router and clamped experts, no load-balancing
+term: transformers' default loss has none)."""
 
 STEPS = 10
 TRAINING = {"batch_size": 4, "seq_len": 16, "learning_rate": 3e-3, "warmup_steps": 2, "max_steps": STEPS,

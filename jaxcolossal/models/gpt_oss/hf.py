@@ -162,6 +162,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 def _check_round_trip(cfg: ModelConfig, out: dict) -> None:
     """Refuse an export that ``GptOssConfig`` cannot carry: the fields of :data:`ARCHITECTURE_FIELDS`
     that :func:`config_from_hf` would read back differently."""
+    if cfg.swiglu_limit <= 0:
+        raise ConfigError(f"model.swiglu_limit={cfg.swiglu_limit!r}: GptOssForCausalLM always clamps its SwiGLU "
+                          "(swiglu_limit > 0; GPT-OSS's is 7.0)")
     try:
         back = config_from_hf(out, "gpt_oss")
     except ConfigError as e:
