@@ -58,9 +58,11 @@ def gated(g: jax.Array, u: jax.Array, limit: float = 0.0) -> jax.Array:
 
 
 def _row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
-    """int32 ``[m]``: each row's group for rows sorted by group (the last group for rows past them)."""
-    group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
-    return jnp.minimum(group, group_sizes.shape[0] - 1)
+    """int32 ``[m]``: each row's group for rows sorted by group (the last group for rows past them): the
+    group ends at or before the row, counted by a scatter and a cumulative sum (``jnp.searchsorted``
+    trips over the varying manual axes of a pipeline's ``shard_map``)."""
+    ends = jnp.zeros((m,), jnp.int32).at[jnp.cumsum(group_sizes)].add(1, mode="drop")
+    return jnp.minimum(jnp.cumsum(ends), group_sizes.shape[0] - 1)
 
 
 def _experts_grouped(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, blocked: bool = False, bg=None, bu=None,
@@ -240,6 +242,7 @@ def routed_experts(x: jax.Array, top_i: jax.Array, top_w: jax.Array, wg: jax.Arr
     rows = P(DATA_AXES, None)
     expert_in, expert_out = P(EP_AXIS, None, TP_AXIS), P(EP_AXIS, TP_AXIS, None)
     bias_specs = (P(EP_AXIS, TP_AXIS), P(EP_AXIS, TP_AXIS), P(None, None))[:len(biases)]
-    y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(rows, rows, rows, expert_in, expert_in, expert_out, *bias_specs),
+    in_specs = (rows, rows, rows, expert_in, expert_in, expert_out, *bias_specs)
+    y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
                                out_specs=(rows, P(DATA_AXES)), check_vma=False)(x, top_i, top_w, wg, wu, wd, *biases)
     return y, jnp.sum(dropped)

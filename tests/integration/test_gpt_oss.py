@@ -2,6 +2,8 @@
 
 * logits under expert parallelism (ep 2 × tp 2 ZeRO-1, ep 4 ZeRO-3, and the capacity path with a capacity
   that drops nothing) within 1e-5 of max |logit| of transformers';
+* every parameter's gradient under ep 2 × tp 2 ZeRO-2 and ep 4 ZeRO-3 (capacity path) within 1e-5 of the
+  one device's (the experts' and router's biases, the sinks);
 * the zoo model's clamped SwiGLU clamps (some gate values above the limit, some up values beyond ±limit,
   in every layer), so the logits tests cover the clamp;
 * the loss with ``output_router_logits`` (transformers' cross-entropy + coef × its load-balancing loss over
@@ -9,11 +11,15 @@
 * a config.json that omits keys reads as ``GptOssConfig``'s defaults; the keys GPT-OSS cannot run with are
   refused in one line naming them (MXFP4 ``quantization_config``, ``swiglu_alpha``, ``experts_per_token``),
   and so are the exports and layouts it cannot carry;
+* the planner counts gpt-oss-20b and -120b as OpenAI's model card does (20.91 B / 3.61 B active, 116.83 B /
+  5.13 B: the active count without the input embedding), and a sliding layer's attention FLOPs by its window;
+* a pipeline (ep 2 × pp 2, every layer sliding) equals the same microbatches without one;
 * the shared experts' biases and clamp in the blocked (CPU) grouped matmuls equal ``ragged_dot``'s, and
   the capacity path's equal the dropless one's.
 """
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -25,13 +31,20 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from hf_zoo import BASE, ZOO, build, logits  # noqa: E402
 from test_hf_architectures import REL, rel_err, sharded_logits, tokens  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from tiny import run_steps, tiny_config  # noqa: E402
 
-from jaxcolossal.config import ConfigError, config_from_dict  # noqa: E402
+from jaxcolossal.config import ConfigError, config_from_dict, load_config  # noqa: E402
+from jaxcolossal.metrics import attended_keys, flops_per_token, param_count  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import config_from_hf, config_to_hf, load_hf  # noqa: E402
 from jaxcolossal.parallel import expert  # noqa: E402
+from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
+from jaxcolossal.plan.dry_run import dry_run  # noqa: E402
+from jaxcolossal.train.state import make_plan  # noqa: E402
 
 NAME = "gpt-oss"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +184,8 @@ def test_blocked_experts_with_biases_and_clamp_equal_ragged_dot(limit):
     np.testing.assert_allclose(run(True)(x, w), run(False)(x, w), rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(run(True)(x, w))[270:]) and not np.any(np.asarray(run(False)(x, w))[270:])
     grads = [jax.grad(lambda x, w, b=b: jnp.sum(run(b)(x, w) ** 2), argnums=(0, 1))(x, w) for b in (True, False)]
-    for a, b in zip(*map(jax.tree.leaves, grads)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(*map(jax.tree.leaves, grads)):  # to 1e-5 of the largest (sums of squares: cancellations)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))))
 
 
 def test_capacity_path_with_biases_equals_dropless_and_drops_the_bias_with_the_slot():
@@ -187,3 +200,76 @@ def test_capacity_path_with_biases_equals_dropless_and_drops_the_bias_with_the_s
     y, dropped = expert.routed_experts(x, top_i, top_w, wg, wu, wd, 0.01, biases=(bg, bu, bd), swiglu_limit=0.7)
     assert float(dropped) == 64 * 2 - 4
     assert np.count_nonzero(np.abs(np.asarray(y)).sum(axis=1)) <= 4
+
+
+GPT_OSS_TINY = dict(type="gpt_oss", num_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                    attention_bias="all", attention_sinks=True, router_bias=True, expert_bias=True, swiglu_limit=1.0,
+                    sliding_window=8, router_aux_loss_coef=0.01, initializer_range=0.1)
+"""A fresh GPT-OSS on tests/tiny.py's sizes: every layer sliding (a pipeline runs one layer kind), limit 1."""
+
+
+def _gradients(parallel: dict, model: dict, params=None) -> tuple[dict, dict]:
+    """``(params, the gradient of the summed loss)`` of a fresh :data:`GPT_OSS_TINY` (key 0) under ``parallel``'s
+    training layout, on a fixed batch of 16 × 32 tokens (fp32, numpy)."""
+    cfg = tiny_config(parallel, model=model)
+    n = cfg.parallel.data_parallel_size * cfg.parallel.tensor_parallel_size
+    plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()[:n]))
+    if params is None:
+        params = jax.device_get(plan.family.init_params(cfg.model, jax.random.key(0), plan.mesh_shape["tp"]))
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(plan.mesh, s)), params, plan.specs.params)
+    x = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (16, 33)).astype(np.int32)
+    grad = jax.jit(jax.grad(lambda p, a, b: plan.family.loss_sum(p, a, b, cfg.model, plan.sharder, True)))
+    return params, jax.device_get(grad(placed, *(jax.device_put(a, plan.batch_sharding) for a in (x[:, :-1], x[:, 1:]))))
+
+
+@pytest.mark.parametrize("parallel,capacity", [
+    ({"data_parallel_size": 4, "tensor_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 2}, 0.0),
+    ({"data_parallel_size": 8, "expert_parallel_size": 4, "zero_stage": 3}, 4.0),
+], ids=["ep2_tp2_zero2", "ep4_zero3_capacity"])
+def test_gradients_under_expert_parallelism_equal_one_device(parallel, capacity):
+    """Every leaf's gradient (the load-balancing loss on) within 1e-5 of its largest element of the one
+    device's: the experts' biases (the down bias added once after the tp sum, gathered whole on every
+    device; gate and up split with the experts' f over tp), the router bias and the sinks (with the heads).
+    (Trained steps drift apart sooner: a token whose top-2 is near a tie may switch experts.)"""
+    model = {**GPT_OSS_TINY, "capacity_factor": capacity}
+    params, want = _gradients({"data_parallel_size": 1}, model)
+    _, got = _gradients(parallel, model, params)
+    worst = {}
+    for name, g in want["layers"].items():
+        worst[name] = float(np.max(np.abs(got["layers"][name] - g)) / np.max(np.abs(g)))
+    print(f"{parallel} capacity {capacity}: worst leaf {max(worst, key=worst.get)} {max(worst.values()):.1e}")
+    assert max(worst.values()) < 1e-5, worst
+
+
+def test_expert_parallel_in_a_pipeline_equals_the_same_microbatches_without_one():
+    """ep 2 × pp 2 (1F1B, ZeRO-1, 4 microbatches) against the same data group and microbatches without a
+    pipeline (the experts' down biases gathered over the pipeline's manual ep axis): gradient norm to rtol
+    1e-5, params within 1e-4 (test_moe.py's bounds)."""
+    ref = tiny_config({"data_parallel_size": 4, "expert_parallel_size": 2, "zero_stage": 1}, model=GPT_OSS_TINY,
+                      training={"gradient_accumulation_steps": 4})
+    s1, m1, _ = run_steps(ref, jax.devices()[:4], steps=3)
+    par = {"data_parallel_size": 4, "expert_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 4,
+           "pipeline_schedule": "1f1b", "zero_stage": 1}
+    s8, m8, plan = run_steps(tiny_config(par, model=GPT_OSS_TINY), steps=3)
+    assert plan.mesh_shape["pp"] == 2 and plan.mesh_shape["ep"] == 2
+    np.testing.assert_allclose([m["grad_norm"] for m in m8], [m["grad_norm"] for m in m1], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(s8.params)), jax.tree.leaves(jax.device_get(s1.params))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("config,total,active", [
+    ("bench/gpt_oss_20b.yaml", "20,914,757,184 (20.91 B)", "3.61 B"),
+    ("bench/gpt_oss_120b.yaml", "116,829,156,672 (116.83 B)", "5.13 B"),
+    ("gpt_oss_tiny.yaml", "2,644,656 (0.00 B)", "0.00 B"),
+])
+def test_dry_run_counts_gpt_oss_as_published(config, total, active):
+    overrides = ["parallel.data_parallel_size=4"] if "tiny" in config else []  # the tiny one resolves -1 by --devices
+    cfg = load_config(os.path.join(ROOT, "configs", config), overrides)
+    text = dry_run(cfg)
+    assert f"parameters {total}" in text and f"({active} without the input embedding)" in text, text
+    # 6N+attn: the full layers' keys t/2, the sliding ones' their window's (128 of 4096: 126.0)
+    m, t = cfg.model, cfg.training.seq_len
+    keys = sum(t / 2 if w == 0 else np.mean(np.minimum(np.arange(1, t + 1), w)) for w in m.layer_windows)
+    want = 6 * param_count(m)["matmul"] + 12 * keys * m.num_attention_heads * m.head_dim
+    assert flops_per_token(m, t)["6N+attn"] == pytest.approx(want, rel=1e-12)
+    assert attended_keys(0, t) == attended_keys(t, t) == t / 2

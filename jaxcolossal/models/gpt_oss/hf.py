@@ -13,7 +13,7 @@ L layers, i a layer, E experts of size f)::
     model.layers.i.post_attention_layernorm.weight  [d]          layers.mlp_norm [L, d]
     model.layers.i.mlp.router.weight / .bias        [E, d] / [E] layers.router [L, d, E] / router_bias [L, E]
     model.layers.i.mlp.experts.gate_up_proj         [E, d, 2f]   layers.moe_w_gate = [..., ::2], moe_w_up = [..., 1::2]
-    model.layers.i.mlp.experts.gate_up_proj_bias    [E, 2f]      layers.moe_gate_bias = [:, ::2], moe_up_bias = [:, 1::2]
+    model.layers.i.mlp.experts.gate_up_proj_bias    [E, 2f]      layers.moe_gate_bias = [:, ::2], moe_up_bias [:, 1::2]
     model.layers.i.mlp.experts.down_proj            [E, f, d]    layers.moe_w_down [L, E, f, d]
     model.layers.i.mlp.experts.down_proj_bias       [E, d]       layers.moe_down_bias [L, E, d]
     model.norm.weight                               [d]          final_norm [d]

@@ -81,8 +81,8 @@ def param_shapes_and_axes(cfg: ModelConfig, vocab: int) -> dict:
         "mlp_norm": ((L, d), ("layers", "embed")),
     }
     if cfg.attention_bias == "all":
-        layers.update(bq=((L, h, q), ("layers", "heads", "head_dim")), bk=((L, k, q), ("layers", "kv_heads", "head_dim")),
-                      bv=((L, k, q), ("layers", "kv_heads", "head_dim")), bo=((L, d), ("layers", "embed")))
+        kv = ((L, k, q), ("layers", "kv_heads", "head_dim"))
+        layers.update(bq=((L, h, q), ("layers", "heads", "head_dim")), bk=kv, bv=kv, bo=((L, d), ("layers", "embed")))
     if cfg.attention_sinks:
         layers["sinks"] = ((L, h), ("layers", "heads"))
     layers.update(moe.layer_shapes_and_axes(cfg))

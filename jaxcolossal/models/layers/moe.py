@@ -61,7 +61,8 @@ def layer_shapes_and_axes(cfg: ModelConfig) -> dict:
 
 
 EXPERT_BIASES = ("moe_gate_bias", "moe_up_bias", "moe_down_bias")
-"""The routed experts' bias leaves (``model.expert_bias``), in :func:`jaxcolossal.parallel.expert.routed_experts`' order."""
+"""The routed experts' bias leaves (``model.expert_bias``), in the order of
+:func:`jaxcolossal.parallel.expert.routed_experts`' ``biases``."""
 
 
 def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple = (),
