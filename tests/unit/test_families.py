@@ -1,7 +1,7 @@
 """The model-family interface: every registered family fills every field of
 :class:`jaxcolossal.models.family.Family`, and a family folder that lacks a function of the
 interface is refused by name when its record is built. The KV-cached decode path is optional
-(:data:`~jaxcolossal.models.family.DECODE_FUNCTIONS`); both registered families have it."""
+(:data:`~jaxcolossal.models.family.DECODE_FUNCTIONS`); every registered family has it."""
 
 import dataclasses
 import types
@@ -15,7 +15,7 @@ from jaxcolossal.models.llama import hf, model
 
 
 def test_every_registered_family_fills_the_interface():
-    assert sorted(FAMILIES) == ["gpt2", "llama"]
+    assert sorted(FAMILIES) == ["gpt2", "gpt_oss", "llama"]
     for name, fam in FAMILIES.items():
         assert fam.name == name
         for f in MODEL_FUNCTIONS + HF_FUNCTIONS:
@@ -41,5 +41,5 @@ def test_a_family_lacking_a_function_is_refused_by_name():
 
 
 def test_get_family_refuses_an_unknown_type():
-    with pytest.raises(Exception, match=r"model.type='mistral': allowed values are \['gpt2', 'llama'\]"):
+    with pytest.raises(Exception, match=r"model.type='mistral': allowed values are \['gpt2', 'gpt_oss', 'llama'\]"):
         get_family(dataclasses.replace(ModelConfig(), type="mistral"))
