@@ -7,9 +7,14 @@
 
 A checkpoint is restored as ``scripts/train.py --eval-only`` restores it (the newest step in
 ``checkpoint.dir``, else ``model.init_from``), on the run's mesh and in its layout; the config's
-``data.tokenizer`` encodes the prompts. An HF folder is read with ``load_hf`` on one device; its
-tokenizer files (``tokenizer.json``), else ``--tokenizer``, encode them, and its
-``generation_config.json``/``config.json`` name the eos. All prompts are one batch.
+``data.tokenizer`` encodes the prompts, and a row ends at the tokenizer's eos or at any id of the
+``model.init_from`` folder's ``generation_config.json`` ``eos_token_id`` list. An HF folder is read
+with ``load_hf`` on one device; its tokenizer files (``tokenizer.json``), else ``--tokenizer``, encode
+the prompts, and its ``generation_config.json``/``config.json`` name the eos: one id or a list (LLaMA
+3's ``[128001, 128008, 128009]``), a row ending at any of them, as transformers' ``generate``. Prompts
+are encoded as the tokenizer encodes a prompt by default (``AutoTokenizer(folder)(text)``: LLaMA 3's
+``<|begin_of_text|>`` first); the printed completion leaves every eos id out. All prompts are one
+batch.
 
 Exit status: 0 done; 2 bad input (one line on stderr: a missing or malformed prompts file, no
 prompt, an option out of range, a config error, nothing to sample from); 3 a tokenizer or
@@ -69,8 +74,18 @@ def sampling_of(args):
         raise ConfigError(f"--{str(e).split(' ')[0].replace('_', '-')}: {e}") from None
 
 
+def _eos_of(value, where: str) -> tuple[int, ...]:
+    """The eos ids of ``value`` (an id, a list of ids or None). Raises ConfigError naming ``where``."""
+    from jaxcolossal.generate import eos_ids  # heavy: jax, after the devices are set up
+    try:
+        return eos_ids(value)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def from_hf(args):
-    """``(family, model cfg, params, tokenizer, eos id)`` of ``--hf``'s folder."""
+    """``(family, model cfg, params, tokenizer, eos ids)`` of ``--hf``'s folder: the eos ids that its
+    ``generation_config.json`` (else ``config.json``) names, as transformers' ``generate`` reads them."""
     from jaxcolossal.data import get_tokenizer  # heavy: jax, after the devices are set up
     from jaxcolossal.models import get_family  # heavy: as above
     from jaxcolossal.models.hf_io import load_hf, read_special_tokens  # heavy: as above
@@ -79,19 +94,26 @@ def from_hf(args):
     has_tok = any(os.path.isfile(os.path.join(args.hf, f)) for f in ("tokenizer.json", "tokenizer.model"))
     tok = get_tokenizer(args.tokenizer or (args.hf if has_tok else "byte"))
     cfg, params = load_hf(args.hf)
-    return get_family(cfg), cfg, params, tok, read_special_tokens(args.hf).get("eos_token_id")
+    eos = _eos_of(read_special_tokens(args.hf).get("eos_token_id"), f"--hf {args.hf}: eos_token_id")
+    return get_family(cfg), cfg, params, tok, eos
 
 
 def from_checkpoint(args):
-    """``(family, model cfg, params, tokenizer, eos id)`` of the config's newest checkpoint (or
-    ``model.init_from``), on the run's mesh."""
+    """``(family, model cfg, params, tokenizer, eos ids)`` of the config's newest checkpoint (or
+    ``model.init_from``), on the run's mesh: the tokenizer's eos, and the ids of the ``model.init_from``
+    folder's ``generation_config.json`` list when the run has one."""
     from jaxcolossal.data import get_tokenizer  # heavy: jax, after the devices are set up
+    from jaxcolossal.generate import run_eos_ids  # heavy: as above
     from jaxcolossal.train.loop import state_for_sampling  # heavy: orbax and tensorstore
     cfg = load_config(args.config, args.overrides)
     tok = get_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    try:
+        eos = run_eos_ids(tok, cfg.model.init_from or None)
+    except ValueError as e:
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
     plan, state, source = state_for_sampling(cfg)
     print(f"sampling from {source}", file=sys.stderr)
-    return plan.family, cfg.model, state.model_params, tok, getattr(tok, "eos_id", None)
+    return plan.family, cfg.model, state.model_params, tok, eos
 
 
 def run(args) -> int:
@@ -104,11 +126,11 @@ def run(args) -> int:
     from jaxcolossal.generate import generate, printable  # heavy: jax, after the devices are set up
     family, cfg, params, tok, eos = from_hf(args) if args.hf else from_checkpoint(args)
     cfg = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, tok.vocab_size))  # the tokenizer's ids only
-    ids = [list(tok.encode(p)) for p in prompts]
+    ids = [[int(i) for i in tok.encode_prompt(p)] for p in prompts]  # as AutoTokenizer(folder)(p): its BOS
     out = generate(family, cfg, params, ids, args.max_new_tokens, sampling, eos_id=None if args.ignore_eos else eos,
                    seed=args.seed)
     for prompt, row in zip(prompts, out.rows()):
-        text = tok.decode([t for t in row if t != eos])
+        text = tok.decode([t for t in row if t not in eos])
         if args.jsonl:
             print(json.dumps({"prompt": prompt, "completion": text, "tokens": row}))
         else:

@@ -277,7 +277,7 @@ def _check_moe(cfg: Config) -> None:
                           "model.first_k_dense=0, no fp16, and pipeline_schedule 1f1b or interleaved (for now)")
     off = {"parallel.sequence_parallelism_mode / sequence_parallel_size": p.sequence_parallelism_mode != "none",
            "parallel.gradient_compression": p.gradient_compression != "none",
-           "parallel.communication_dtype": p.communication_dtype != "fp32", "model.lora.rank": m.lora.enabled,
+           "parallel.communication_dtype": p.communication_dtype != "fp32",
            "offload": cfg.offload.offload_optim_frac > 0 or cfg.offload.offload_param_frac > 0
            or cfg.offload.placement_policy == "auto" or bool(cfg.offload.nvme_path)}
     for key, on in off.items():
@@ -285,6 +285,11 @@ def _check_moe(cfg: Config) -> None:
             default = "none and 1" if key.startswith("parallel.sequence") else "its default"
             raise ConfigError(f"model.num_experts={m.num_experts}: a mixture of experts does not run with {key} yet "
                               f"(set it to {default})")
+    mlp = [t for t in m.lora.target_list if t not in ("q", "k", "v", "o")] if m.lora.enabled else []
+    if mlp or (m.lora.enabled and m.first_k_dense):
+        raise ConfigError(f"model.lora.targets={m.lora.targets!r}: with a mixture of experts LoRA adapts the attention "
+                          "projections of the MoE layers only: set model.lora.targets to some of q,k,v,o"
+                          + (" and model.first_k_dense=0" if m.first_k_dense else ""))
 
 
 def _check_lora(cfg: Config) -> None:
@@ -393,7 +398,6 @@ def _check_posttrain_features(cfg: Config) -> None:
     name = t.objective.upper()
     why = {"parallel.pipeline_parallel_size > 1": (p.pipeline_parallel_size not in (1,),
                                                    "the pipeline's last stage computes the LM loss only"),
-           "a mixture of experts": (m.moe, f"the step's statistics carry the router's or {name}'s, not both yet"),
            "parallel.sequence_parallel_size > 1": (p.sequence_parallel_size not in (1,),
                                                    "ring attention reorders the tokens the log-probs are summed over"),
            "data.packing_mask": (d.packing_mask, "a row holds one response"),

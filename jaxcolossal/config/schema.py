@@ -33,10 +33,10 @@ class LoraConfig:
 
     rank: int = 0
     """The adapters' rank ``r``, an integer >= 0; 0 (the default) turns LoRA off, and then the other
-    ``model.lora`` keys must keep their defaults. LoRA needs ``model.type=llama`` and does not run
-    with ``parallel.gradient_compression``, an offloaded state (``offload.offload_optim_frac``,
-    ``offload_param_frac``, ``placement_policy=auto``, ``nvme_path``) or a mixture of experts
-    (``model.num_experts``) yet."""
+    ``model.lora`` keys must keep their defaults. LoRA does not run with
+    ``parallel.gradient_compression`` or an offloaded state (``offload.offload_optim_frac``,
+    ``offload_param_frac``, ``placement_policy=auto``, ``nvme_path``) yet; with a mixture of experts
+    (``model.num_experts``) it adapts the attention projections only (targets among ``q, k, v, o``)."""
     alpha: float = 16.0
     """The adapters' scale numerator, a float > 0: their product is multiplied by ``alpha / rank``
     (PEFT's ``lora_alpha``). ``model.lora.init_from`` replaces it with the adapter's own."""
@@ -325,10 +325,11 @@ class ModelConfig:
     """``true``: the routed experts' projections have biases (GPT-OSS)."""
     num_experts: int = 0
     """The routed experts of each mixture-of-experts layer, >= 0; 0 (the default): dense MLPs. A
-    mixture of experts needs ``type=llama``; ``parallel.expert_parallel_size`` must divide it, and
-    the other expert keys (and ``expert_parallel_size > 1``) need it. Not yet with sequence
-    parallelism, gradient compression, a ``parallel.communication_dtype`` other than fp32, LoRA or
-    offload; in a pipeline only with ``parallel.tensor_parallel_size=1``, ``first_k_dense=0``, no fp16
+    mixture of experts needs ``type`` llama, deepseek or gpt_oss; ``parallel.expert_parallel_size`` must
+    divide it, and the other expert keys (and ``expert_parallel_size > 1``) need it. Not yet with
+    sequence parallelism, gradient compression, a ``parallel.communication_dtype`` other than fp32 or
+    offload; LoRA on the attention projections only; DPO and GRPO add no router loss (TRL's default,
+    ``output_router_logits`` off); in a pipeline only with ``parallel.tensor_parallel_size=1``, ``first_k_dense=0``, no fp16
     and the ``1f1b`` or ``interleaved`` schedule."""
     num_experts_per_tok: int = 2
     """``k``: the routed experts each token goes to (the top k of the router's scores), from 1 to

@@ -13,26 +13,35 @@ that are assistant tokens (including the end-of-text that closes each assistant 
 model learns to stop), 0 on system/user turns, role headers and padding: only the responses are
 trained on.
 
-Rendering: a Hugging Face tokenizer whose ``tokenizer_config.json`` has a ``chat_template`` is
-rendered with that Jinja template (``jinja2``, as ``transformers`` does), segment by segment: the
-text up to each assistant turn (``add_generation_prompt=True``) is the prompt and what the turn
-adds is the response. Otherwise a plain template is used: ``"<role>: <content>\\n"`` per turn,
-with the assistant's ``"assistant: "`` header masked out and its content plus end-of-text in.
+Rendering: a tokenizer folder with a chat template (``chat_template.jinja``, else
+``tokenizer_config.json``'s ``chat_template``) is rendered with it as ``transformers``'
+``apply_chat_template`` renders it (a sandboxed ``jinja2`` environment with its options, ``tojson``,
+``raise_exception``, ``strftime_now``, and the special tokens' texts), segment by segment: the text
+up to each assistant turn (``add_generation_prompt=True``) is the prompt and what the turn adds is
+the response. The text is encoded without added special tokens (the template writes ``bos_token``
+itself), as transformers encodes it. Otherwise a plain template is used: ``"<role>: <content>\\n"``
+per turn, with the assistant's ``"assistant: "`` header masked out and its content plus
+end-of-text in.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from dataclasses import dataclass, field
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
 import numpy as np
 
 from jaxcolossal.errors import DataError, TokenizerError
 
 from .corpus import held_out_cut, iter_json_lines, resolve_files
 
-__all__ = ["ChatData", "generation_prompt", "load_chat", "render_segments"]
+__all__ = ["ChatData", "chat_template_source", "generation_prompt", "load_chat", "render_chat", "render_segments",
+           "special_token_strings"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -79,27 +88,132 @@ def _conversation(record, where: str) -> list[dict]:
     raise DataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str, 'response': str}}")
 
 
-def _chat_template(tokenizer):
-    name = tokenizer.name
-    folder = name if os.path.isdir(name) else os.path.dirname(os.path.abspath(name))
-    path = os.path.join(folder, "tokenizer_config.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""The chat template's own file beside the tokenizer (transformers >= 4.50 saves it there); when present
+it wins over ``tokenizer_config.json``'s ``chat_template``, as transformers reads them."""
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The named special tokens transformers passes to a chat template (``special_tokens_map``)."""
+
+
+def _tokenizer_folder(tokenizer) -> str | None:
+    """The folder of a file-backed tokenizer (Hugging Face or SentencePiece), else None."""
+    name = getattr(tokenizer, "name", None)
+    if not isinstance(name, str) or not hasattr(tokenizer, "encode_batch"):
+        return None
+    return name if os.path.isdir(name) else os.path.dirname(os.path.abspath(name))
+
+
+def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        cfg = json.load(f)
-    tmpl = cfg.get("chat_template")
-    if not isinstance(tmpl, str):
-        return None
+        return {}
+    with open(path, encoding="utf-8") as f:
+        out = json.load(f)
+    return out if isinstance(out, dict) else {}
 
-    def tok(name):
-        v = cfg.get(name)
-        return v.get("content", "") if isinstance(v, dict) else (v or "")
 
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
-    template = env.from_string(tmpl)
-    specials = {"bos_token": tok("bos_token"), "eos_token": tok("eos_token")}
-    return lambda messages, gen: template.render(messages=messages, add_generation_prompt=gen, **specials)
+def chat_template_source(folder: str) -> str | None:
+    """The Jinja text of the chat template in a tokenizer ``folder``: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}`` of
+    which the ``default`` one is taken), else None."""
+    path = os.path.join(folder, CHAT_TEMPLATE_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    tmpl = _read_json(os.path.join(folder, "tokenizer_config.json")).get("chat_template")
+    if isinstance(tmpl, list):
+        tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    return tmpl if isinstance(tmpl, str) else None
+
+
+def special_token_strings(folder: str) -> dict[str, str]:
+    """The special tokens' texts a chat template sees, as transformers 5 passes them: the named ones
+    (``bos_token``, ``eos_token``, ...) and a model's own ``*_token`` keys of ``tokenizer_config.json``
+    (a string or an ``{"content": ...}`` object), those of a legacy ``special_tokens_map.json`` taking
+    over when the config has no ``added_tokens_decoder``; unset ones are left out."""
+    cfg = _read_json(os.path.join(folder, "tokenizer_config.json"))
+    values = {k: v for k, v in cfg.items() if k.endswith("_token") and (k in SPECIAL_TOKEN_NAMES or isinstance(v, str))}
+    if "added_tokens_decoder" not in cfg:
+        legacy = _read_json(os.path.join(folder, "special_tokens_map.json"))
+        values.update({k: v for k, v in legacy.items() if k in SPECIAL_TOKEN_NAMES})
+    values = {k: v.get("content") if isinstance(v, dict) else v for k, v in values.items()}
+    return {k: v for k, v in values.items() if isinstance(v, str)}
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (assistant-mask markers of training
+    templates): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' ``tojson`` (no HTML escaping, unlike Jinja's own)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> jinja2.Environment:
+    """The sandboxed Jinja environment transformers renders chat templates in: its options,
+    extensions, ``tojson`` filter and globals (``raise_exception``, ``strftime_now``, ``dict``)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, dict=dict,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
+
+
+def _chat_template(tokenizer):
+    """``render(messages, add_generation_prompt) -> str`` with the tokenizer folder's chat template
+    (:func:`chat_template_source`), rendered as ``transformers``' ``apply_chat_template(...,
+    tokenize=False)`` renders it (``tools`` and ``documents`` None, the special tokens' texts); None
+    for a tokenizer without one. The render raises :class:`DataError` when the template refuses the
+    conversation (``raise_exception``, e.g. Gemma's "System role not supported")."""
+    folder = _tokenizer_folder(tokenizer)
+    source = chat_template_source(folder) if folder else None
+    if source is None:
+        return None
+    try:
+        template = _environment().from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise TokenizerError(f"{folder}: the chat template is not valid Jinja: {e}") from None
+    specials = special_token_strings(folder)
+
+    def render(messages, add_generation_prompt):
+        try:
+            return template.render(messages=messages, tools=None, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **specials)
+        except jinja2.exceptions.TemplateError as e:
+            raise DataError(f"the chat template of {folder} refuses the conversation: {e}") from None
+    return render
+
+
+def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = False) -> str:
+    """``messages`` rendered by the tokenizer's chat template, the text ``transformers``'
+    ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`` gives; encode it
+    with ``tokenizer.encode`` (no special tokens added: the template writes ``bos_token`` itself).
+
+    Raises:
+        TokenizerError: the tokenizer has no chat template.
+        DataError: the template refuses the conversation."""
+    template = _chat_template(tokenizer)
+    if template is None:
+        raise TokenizerError(f"{getattr(tokenizer, 'name', tokenizer)!r} has no chat template (chat_template.jinja "
+                             "or tokenizer_config.json's chat_template)")
+    return template(messages, add_generation_prompt)
 
 
 def render_segments(messages: list[dict], template=None, eos_text: str = "") -> list[tuple[str, bool]]:
@@ -137,7 +251,7 @@ def generation_prompt(messages: list[dict], tokenizer) -> str:
     """The text a model continues to answer ``messages`` (system/user turns): the tokenizer's chat
     template with ``add_generation_prompt=True`` when it has one, else the plain form's turns and
     ``"assistant: "`` (module docstring)."""
-    template = _chat_template(tokenizer) if hasattr(tokenizer, "encode_batch") else None
+    template = _chat_template(tokenizer)
     if template is not None:
         return template(messages, True)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
@@ -173,7 +287,7 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
             an empty corpus (or one whose conversations were all dropped), or a conversation whose
             responses are all cut off by ``seq_len`` unless ``skip_long_examples``.
     """
-    template = _chat_template(tokenizer) if hasattr(tokenizer, "encode_batch") else None
+    template = _chat_template(tokenizer)
     eos = getattr(tokenizer, "eos_id", None)
     pad = 0 if eos is None else eos
     eos_text = tokenizer.decode([eos]) if (eos is not None and template is None) else ""

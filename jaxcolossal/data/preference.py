@@ -138,7 +138,7 @@ class _Renderer:
 
     def __init__(self, tokenizer, seq_len: int):
         self.tok, self.seq_len = tokenizer, seq_len
-        self.template = _chat_template(tokenizer) if hasattr(tokenizer, "encode_batch") else None
+        self.template = _chat_template(tokenizer)
         self.eos = getattr(tokenizer, "eos_id", None)
         self.pad = 0 if self.eos is None else self.eos
         self.eos_text = tokenizer.decode([self.eos]) if (self.eos is not None and self.template is None) else ""

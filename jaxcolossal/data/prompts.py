@@ -3,11 +3,15 @@
 ``training.objective=grpo`` with ``data.format=prompts`` reads ``data.corpus`` (JSON-lines globs), one
 prompt per line, as TRL's ``GRPOTrainer`` datasets hold them:
 
-* ``{"prompt": str, "answer": ...}``: the prompt's text is encoded as it is (no end-of-text id: the
-  completion continues it); ``answer`` (any JSON value, optional) is passed to the reward functions
-  as their ``answer`` argument (TRL passes a dataset's extra columns the same way).
+* ``{"prompt": str, "answer": ...}``: the prompt's text is encoded as TRL's ``GRPOTrainer`` encodes
+  it, ``processing_class(text=prompt)``: with the special tokens the tokenizer adds to a prompt
+  (``encode_prompt``: LLaMA 3's ``<|begin_of_text|>`` first; no end-of-text id: the completion
+  continues it); ``answer`` (any JSON value, optional) is passed to the reward functions as their
+  ``answer`` argument (TRL passes a dataset's extra columns the same way).
 * ``{"prompt": [messages], ...}``: chat messages, rendered with the tokenizer's chat template (or the
-  plain ``"<role>: <content>\\n"`` form) and its generation prompt, as ``data.format=chat`` renders them.
+  plain ``"<role>: <content>\\n"`` form) and its generation prompt, as ``data.format=chat`` renders them,
+  and encoded without added special tokens (the template writes ``bos_token``): TRL's
+  ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``.
 
 A prompt longer than ``max_tokens`` (``training.seq_len + 1 - posttrain.max_completion_length``) is
 cut to its last ``max_tokens`` tokens and counted, or with ``data.skip_long_examples`` dropped. A
@@ -55,15 +59,17 @@ class PromptData:
         return part(slice(0, cut)), part(slice(cut, n))
 
 
-def _prompt_text(record: Any, where: str, tokenizer) -> str:
-    """The prompt's text: a string as it is, chat messages through the chat template."""
+def _prompt_text(record: Any, where: str, tokenizer) -> tuple[str, list[int]]:
+    """The prompt's text and ids: a string as it is, encoded as a prompt (``encode_prompt``: the
+    tokenizer's BOS); chat messages through the chat template, encoded as they render."""
     if not isinstance(record, dict) or "prompt" not in record:
         raise DataError(f"{where}: a GRPO prompt row needs a 'prompt' (a string or chat messages)")
     prompt = record["prompt"]
     if isinstance(prompt, str):
-        return prompt
+        return prompt, [int(i) for i in tokenizer.encode_prompt(prompt)]
     if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        return generation_prompt(prompt, tokenizer)
+        text = generation_prompt(prompt, tokenizer)
+        return text, [int(i) for i in tokenizer.encode(text)]
     raise DataError(f"{where}: 'prompt' must be a string or a list of {{'role', 'content'}} messages")
 
 
@@ -79,8 +85,7 @@ def load_prompts(data_cfg, tokenizer, max_tokens: int) -> PromptData:
     out = PromptData([], [], [], files=len(files))
     for path in files:
         for where, record in iter_json_lines(path):
-            text = _prompt_text(record, where, tokenizer)
-            ids = [int(i) for i in tokenizer.encode(text)]
+            text, ids = _prompt_text(record, where, tokenizer)
             if len(ids) > max_tokens:
                 if data_cfg.skip_long_examples:
                     out.skipped.append(where)

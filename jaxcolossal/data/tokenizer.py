@@ -6,6 +6,12 @@
   the ``tokenizers`` library (:class:`HFTokenizer`): what a LLaMA or GPT-2 checkpoint ships with.
 * A SentencePiece ``tokenizer.model`` (or a folder holding one and no ``tokenizer.json``), loaded
   with the ``sentencepiece`` library (:class:`SentencePieceTokenizer`).
+
+Two encodings: ``encode`` adds no special token (corpus documents, joined by the end-of-text id;
+chat text rendered by a template that writes its own ``bos_token``); ``encode_prompt`` encodes a
+prompt as the model's own tokenizer does by default, as ``transformers.AutoTokenizer(folder)(text)``
+does: the ``tokenizer.json`` post-processor applied (LLaMA 3's ``<|begin_of_text|>``, Mistral's
+``<s>``, Gemma's ``<bos>``; nothing for Qwen or GPT-2).
 """
 from __future__ import annotations
 
@@ -44,6 +50,10 @@ class ByteTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"ByteTokenizer.encode expects a str, got {type(text).__name__}")
         return np.frombuffer(bytearray(text.encode("utf-8", errors="replace")), dtype=np.uint8)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """:meth:`encode`: bytes have no special tokens to add."""
+        return self.encode(text)
 
     def decode(self, ids) -> str:
         """Decode token ids back to text.
@@ -85,7 +95,8 @@ class HFTokenizer:
     ``vocab_size`` counts the added special tokens; ``eos_id`` is the id of the end-of-text token
     named by ``tokenizer_config.json``'s ``eos_token`` beside the file, else of the first of
     ``</s>``, ``<|end_of_text|>``, ``<|endoftext|>``, ``<eos>`` the vocabulary holds, else None.
-    ``encode`` adds no special tokens (documents are joined with ``eos_id`` by the corpus).
+    ``encode`` adds no special tokens (documents are joined with ``eos_id`` by the corpus);
+    ``encode_prompt`` adds what the file's post-processor adds (as transformers does by default).
 
     Raises:
         FileNotFoundError: ``path`` is neither a ``tokenizer.json`` nor a folder holding one.
@@ -130,6 +141,15 @@ class HFTokenizer:
             raise TypeError(f"HFTokenizer.encode expects a str, got {type(text).__name__}")
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """Ids of ``text`` as a prompt: with the special tokens the ``tokenizer.json`` post-processor
+        adds (LLaMA 3's ``<|begin_of_text|>`` first), equal to ``AutoTokenizer(folder)(text).input_ids``
+        (transformers 5 takes the post-processor from ``tokenizer.json`` and ignores
+        ``tokenizer_config.json``'s ``add_bos_token`` when that file exists). 1-D, :attr:`dtype`."""
+        if not isinstance(text, str):
+            raise TypeError(f"HFTokenizer.encode_prompt expects a str, got {type(text).__name__}")
+        return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=self.dtype)
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """:meth:`encode` of many texts at once, on the library's thread pool."""
         return [np.asarray(e.ids, dtype=self.dtype)
@@ -150,7 +170,9 @@ class SentencePieceTokenizer:
     """A SentencePiece ``tokenizer.model`` (LLaMA-1/2's format) through the ``sentencepiece`` library.
 
     ``vocab_size`` is the model's piece count; ``eos_id`` its end-of-sentence id (None when it has
-    none). ``encode`` adds no BOS/EOS.
+    none). ``encode`` adds no BOS/EOS; ``encode_prompt`` adds BOS (EOS) when the
+    ``tokenizer_config.json`` beside the model sets ``add_bos_token`` (``add_eos_token``) true, as
+    transformers builds the post-processor of a tokenizer converted from ``tokenizer.model``.
 
     Raises:
         ImportError: without the ``sentencepiece`` package.
@@ -171,12 +193,29 @@ class SentencePieceTokenizer:
         eos = int(self._sp.eos_id())
         self.eos_id = eos if eos >= 0 else None
         self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        self._bos_eos = self._prompt_specials(os.path.dirname(os.path.abspath(path)))
+
+    def _prompt_specials(self, folder: str) -> tuple[list[int], list[int]]:
+        """``([bos] or [], [eos] or [])``: what :meth:`encode_prompt` puts around the ids."""
+        cfg = os.path.join(folder, "tokenizer_config.json")
+        flags = {}
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                flags = json.load(f)
+        bos, eos = int(self._sp.bos_id()), int(self._sp.eos_id())
+        return ([bos] if flags.get("add_bos_token") is True and bos >= 0 else [],
+                [eos] if flags.get("add_eos_token") is True and eos >= 0 else [])
 
     def encode(self, text: str) -> np.ndarray:
         """Ids of ``text`` (no BOS/EOS): 1-D ``uint16`` or ``uint32``."""
         if not isinstance(text, str):
             raise TypeError(f"SentencePieceTokenizer.encode expects a str, got {type(text).__name__}")
         return np.asarray(self._sp.encode(text), dtype=self.dtype)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """Ids of ``text`` as a prompt: :meth:`encode`'s with BOS/EOS as the class docstring says."""
+        bos, eos = self._bos_eos
+        return np.asarray(bos + [int(i) for i in self.encode(text)] + eos, dtype=self.dtype)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """:meth:`encode` of many texts (the library's C++ loop)."""

@@ -4,8 +4,11 @@ jitted program (no host round-trip per token), optionally on the training mesh.
 
 Semantics follow Hugging Face transformers' ``generate``: prompts left-padded with an
 ``attention_mask``, each row's positions counted from its first real token, the pads never attended
-to; greedy or sampled (:mod:`jaxcolossal.generate.sampling`); a row stops at ``eos_id`` and is filled
-with ``pad_id`` after it; the loop ends when every row has stopped or at ``max_new_tokens``.
+to; greedy or sampled (:mod:`jaxcolossal.generate.sampling`); a row stops at ``eos_id`` (one id, or a
+list of them: a row stops at any, as ``generation_config.json``'s ``eos_token_id: [128001, 128008,
+128009]`` makes LLaMA 3 stop) and is filled with ``pad_id`` after it; the loop ends when every row has
+stopped or at ``max_new_tokens``. On a mesh, a batch that the data axes do not divide is padded with
+one-token rows that are dropped from the result (:func:`generate`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcolossal.generate.eos import EosIds, eos_ids
 from jaxcolossal.generate.sampling import Sampling, next_token
 from jaxcolossal.models import param_layout
 from jaxcolossal.parallel.layer_scan import fetch_layer
-from jaxcolossal.parallel.sharding import RULES, Sharder, logical_to_spec, state_specs
+from jaxcolossal.parallel.sharding import RULES, Sharder, entry_axes, logical_to_spec, state_specs
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +82,7 @@ def _prefill(family, cfg, params, tokens, mask, total: int, dtype, shard) -> tup
 
 
 def _decode_loop(family, cfg, params, state: dict, width: int, max_new: int, sampling: Sampling,
-                 eos_id: int | None, pad_id: int, shard) -> dict:
+                 eos: tuple[int, ...], pad_id: int, shard) -> dict:
     """Phase 2: the decode steps as a ``lax.while_loop``. ``state``: ``i`` (tokens generated), ``tok``
     (the last ones ``[b]``), ``out [b, max_new]``, ``done [b]``, ``cache``, ``kv_valid``, ``pos [b]``, ``key``."""
 
@@ -91,26 +95,29 @@ def _decode_loop(family, cfg, params, state: dict, width: int, max_new: int, sam
         logits, cache = family.forward_cached(params, s["tok"][:, None], s["cache"], slot, s["pos"][:, None],
                                               kv_valid, cfg, shard)
         key, sub = jax.random.split(s["key"])
-        tok, done = _choose(logits[:, 0, : cfg.vocab_size], sub, sampling, s["done"], eos_id, pad_id)
+        tok, done = _choose(logits[:, 0, : cfg.vocab_size], sub, sampling, s["done"], eos, pad_id)
         return dict(i=s["i"] + 1, tok=tok, out=s["out"].at[:, s["i"]].set(tok), done=done, cache=cache,
                     kv_valid=kv_valid, pos=s["pos"] + 1, key=key)
 
     return jax.lax.while_loop(cond, body, state)
 
 
-def _choose(logits, key, sampling: Sampling, done, eos_id, pad_id) -> tuple[jax.Array, jax.Array]:
-    """The next tokens ``[b]`` (``pad_id`` for a row already done) and the rows done after them."""
+def _choose(logits, key, sampling: Sampling, done, eos: tuple[int, ...], pad_id) -> tuple[jax.Array, jax.Array]:
+    """The next tokens int32 ``[b]`` (``pad_id`` for a row already done) and the rows done after them
+    (bool ``[b]``): a row is done once its token is any of the ``eos`` ids (none: never)."""
     tok = jnp.where(done, pad_id, next_token(logits, key, sampling))
-    if eos_id is not None:
-        done = done | (tok == eos_id)
+    if eos:
+        done = done | jnp.isin(tok, jnp.asarray(eos, jnp.int32))
     return tok, done
 
 
 def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
-                   eos_id: int | None = None, pad_id: int = 0, mesh: Mesh | None = None,
+                   eos_id: EosIds = None, pad_id: int = 0, mesh: Mesh | None = None,
                    param_specs: Any = None, dtype=None, rules=RULES, fp8: bool = False) -> Callable:
     """A jitted ``(params, tokens [b, P], mask [b, P], key) -> (out int32 [b, max_new_tokens], lengths
     int32 [b])`` for left-padded prompts (:func:`pad_prompts`): the prefill, then the decode loop.
+    ``eos_id``: the end-of-text id, or a list of them (a row stops at the first token that is any of
+    them; transformers' ``generate`` with a list ``eos_token_id``), or None (never stop early).
 
     On a ``mesh`` the params come in with ``param_specs`` (the training layout: tp, ZeRO-3's fsdp; a
     tree of ``PartitionSpec``), the prompts and outputs with the batch over the data axes, and the
@@ -119,8 +126,10 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     ``fp8``: the projections multiply in FP8, as a ``precision.fp8`` run trains.
 
     Raises:
-        ValueError: a family without a decode path, ``max_new_tokens < 1``, or bad ``sampling``.
+        ValueError: a family without a decode path, ``max_new_tokens < 1``, bad ``sampling``, or an
+            ``eos_id`` that is not an id (a non-negative int) or a list of them.
     """
+    eos = eos_ids(eos_id)
     if family.forward_cached is None:
         raise ValueError(f"model family {family.name!r} has no KV-cached decode path yet")
     if max_new_tokens < 1:
@@ -135,12 +144,12 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
                                                 dtype or params[family.embedding].dtype, shard)
         key, sub = jax.random.split(key)
         done0 = jnp.zeros(tokens.shape[:1], bool)
-        tok, done = _choose(logits[:, : cfg.vocab_size], sub, sampling, done0, eos_id, pad_id)
+        tok, done = _choose(logits[:, : cfg.vocab_size], sub, sampling, done0, eos, pad_id)
         out = jnp.full((tokens.shape[0], max_new_tokens), pad_id, jnp.int32).at[:, 0].set(tok)
         s = _decode_loop(family, cfg, params, dict(i=jnp.int32(1), tok=tok, out=out, done=done, cache=cache,
                                                    kv_valid=kv_valid, pos=pos, key=key), width, max_new_tokens,
-                         sampling, eos_id, pad_id, shard)
-        return s["out"], _lengths(s["out"], eos_id, s["i"])
+                         sampling, eos, pad_id, shard)
+        return s["out"], _lengths(s["out"], eos, s["i"])
 
     if mesh is None:
         return jax.jit(run)
@@ -161,24 +170,56 @@ def training_param_specs(cfg, mesh: Mesh, zero_stage: int, rules=RULES) -> Any:
     return state_specs(axes, shapes, zero_stage, shape, rules).params
 
 
-def _lengths(out: jax.Array, eos_id: int | None, steps: jax.Array) -> jax.Array:
-    """Tokens generated per row: up to and including the first eos, else all ``steps``."""
-    if eos_id is None:
+def _lengths(out: jax.Array, eos: tuple[int, ...], steps: jax.Array) -> jax.Array:
+    """Tokens generated per row, int32 ``[b]``: up to and including the first of any of the ``eos``
+    ids, else all ``steps``."""
+    if not eos:
         return jnp.full(out.shape[:1], steps, jnp.int32)
-    hit = out == eos_id
+    hit = jnp.isin(out, jnp.asarray(eos, jnp.int32))
     first = jnp.argmax(hit, axis=1).astype(jnp.int32) + 1
     return jnp.where(jnp.any(hit, axis=1), first, steps)
 
 
+def data_shards(mesh: Mesh | None, rules=RULES) -> int:
+    """How many shards the batch dimension has on ``mesh``: the product of the sizes of the mesh axes
+    that the rules' ``batch`` entry names (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    shape = dict(mesh.shape)
+    entry = logical_to_spec(("batch",), rules)[0]
+    return int(np.prod([shape[a] for a in entry_axes(entry)], dtype=np.int64))
+
+
+def pad_batch(tokens: np.ndarray, mask: np.ndarray, multiple: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompts ``[b, P]`` and their ``mask`` with rows appended up to the next multiple of
+    ``multiple``: each a one-token prompt (``pad_id`` at the last column, masked in, so that its
+    attention has a real key), to be dropped from the result."""
+    extra = -tokens.shape[0] % multiple
+    if not extra:
+        return tokens, mask
+    rows = np.full((extra, tokens.shape[1]), pad_id, tokens.dtype)
+    row_mask = np.zeros((extra, tokens.shape[1]), bool)
+    row_mask[:, -1] = True
+    return np.concatenate([tokens, rows]), np.concatenate([mask, row_mask])
+
+
 def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             sampling: Sampling = Sampling(greedy=True), eos_id: int | None = None, pad_id: int = 0,
+             sampling: Sampling = Sampling(greedy=True), eos_id: EosIds = None, pad_id: int = 0,
              seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=None,
              rules=RULES, fp8: bool = False) -> Generated:
     """Generate up to ``max_new_tokens`` tokens after each of ``prompts`` (token lists of any lengths)
     with :func:`make_generator` (compiled on every call: reuse :func:`make_generator` to sample
     repeatedly). ``params``: the family's params (fp32 or the compute ``dtype``; on a ``mesh``, laid
-    out as ``param_specs``). Raises ValueError as :func:`pad_prompts` and :func:`make_generator`."""
+    out as ``param_specs``). ``eos_id``: an id or a list of ids (any of them ends a row) or None.
+
+    On a ``mesh`` whose data axes do not divide the number of prompts, the batch is padded with
+    one-token rows (:func:`pad_batch`) up to a multiple of :func:`data_shards`; they are dropped from
+    the result, which has one row per prompt either way.
+
+    Raises ValueError as :func:`pad_prompts` and :func:`make_generator`."""
     tokens, mask = pad_prompts(prompts, pad_id)
     fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype, rules, fp8)
+    tokens, mask = pad_batch(tokens, mask, data_shards(mesh, rules), pad_id)
     out, lengths = fn(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(seed))
-    return Generated(np.asarray(out), np.asarray(lengths))
+    n = len(prompts)
+    return Generated(np.asarray(out)[:n], np.asarray(lengths)[:n])

@@ -145,6 +145,13 @@ def scan_chunk(layer: Callable, x: jax.Array, stacked: dict, chunk: jax.Array, r
     return jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, jnp.arange(n, dtype=jnp.int32))[0]
 
 
+def _indexed(layer: Callable, extras: dict) -> Callable:
+    """``layer(h, w) `` as ``(h, w, i) -> layer(h, w + layer i's constants)`` (``extras``: ``[L, ...]``)."""
+    def run(h, w, i):
+        return layer(h, {**w, **jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), extras)})
+    return run
+
+
 def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gathered: dict, sharded: dict,
                     extras: dict | None = None) -> jax.Array:
     """:func:`scan_layers` for ZeRO-3 with ``remat=full``, with the weights' all-gathers issued one
@@ -172,11 +179,7 @@ def prefetched_scan(layer: Callable, x: jax.Array, stacked: dict, mesh: Any, gat
     """
 
     n = jax.tree.leaves(stacked)[0].shape[0]
-    extras = extras or {}
-    plain_layer = layer
-
-    def layer(h, w, i):  # the layer with its constants (loop index i) merged into its params
-        return plain_layer(h, {**w, **jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), extras)})
+    layer = _indexed(layer, extras or {})
 
     def put(tree, specs):
         return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, specs)

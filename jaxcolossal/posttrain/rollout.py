@@ -11,6 +11,11 @@ of the reference (``beta > 0``) through the chunked log-prob path. The μ steps 
 its batch; with ``checkpoint.dir`` it is also written to ``<checkpoint.dir>/rollouts/<step>.npz`` so
 that a run resumed between them continues bit for bit.
 
+A completion ends at the first end-of-text id: the tokenizer's ``eos_id`` or any id of the
+``eos_token_id`` list of ``model.init_from``'s ``generation_config.json`` (LLaMA 3's ``<|eot_id|>``,
+``<|eom_id|>``, ``<|end_of_text|>``: :func:`jaxcolossal.generate.run_eos_ids`); each of them counts as an
+end for the truncation flags and is left out of the text the reward functions read.
+
 A row is ``[left-padded prompt (P tokens) | completion (C tokens)]``, ``P = seq_len + 1 - C``; the
 batch is ``inputs``/``targets`` (the row less its last/first token, int32 ``[B, seq_len]``),
 ``loss_mask`` (1 on the completion tokens up to and including the end-of-text one), ``segment_ids``
@@ -33,15 +38,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from jaxcolossal.config import ConfigError
 from jaxcolossal.config.derived import grpo_prompt_length
 from jaxcolossal.data.prompts import PromptData, prompt_batch
-from jaxcolossal.generate import Sampling, make_generator, pad_prompts
+from jaxcolossal.generate import Sampling, make_generator, pad_prompts, run_eos_ids
 from jaxcolossal.models.layers.logprobs import token_logprobs
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
 from jaxcolossal.posttrain.rewards import RewardSet, make_rewards
 
-__all__ = ["Rollouts", "group_advantages", "rollout_token_logps", "row_layout"]
+__all__ = ["Rollouts", "completion_ids", "group_advantages", "rollout_token_logps", "row_layout", "truncated_rows"]
 
 ROLLOUTS_KEPT = 2
 """Rollout batches kept in ``<checkpoint.dir>/rollouts`` (the newest ones)."""
@@ -82,6 +88,21 @@ def row_layout(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions: 
     positions = np.maximum(np.cumsum(real, axis=1) - 1, 0).astype(np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": loss_mask,
             "segment_ids": real[:, :-1].astype(np.int32), "positions": positions[:, :-1]}
+
+
+def completion_ids(completions: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...], vocab: int) -> list[list[int]]:
+    """Each completion's ids as the reward functions read them: its first ``lengths`` tokens (int
+    ``[B, C]``, ``[B]``) less every ``eos`` id and the ids at or past ``vocab`` (the tokenizer's size)."""
+    return [[int(i) for i in row[:n] if int(i) not in eos and i < vocab] for row, n in zip(completions, lengths)]
+
+
+def truncated_rows(completions: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...]) -> np.ndarray:
+    """bool ``[B]``: the rows that did not end at an end-of-text id (any of ``eos``; all rows when
+    there is none), i.e. ran to ``max_completion_length``."""
+    if not eos:
+        return np.ones(len(lengths), bool)
+    last = completions[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
+    return ~np.isin(last, np.asarray(eos))
 
 
 def rollout_token_logps(plan, params, inputs, targets, mask, segment_ids, positions) -> jax.Array:
@@ -131,7 +152,10 @@ class Rollouts:
         self.G, self.B, self.mu = po.num_generations, t.batch_size, po.num_iterations
         self.P, self.C = grpo_prompt_length(cfg), po.max_completion_length
         self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern)
-        self.eos = getattr(tokenizer, "eos_id", None)
+        try:
+            self.eos: tuple[int, ...] = run_eos_ids(tokenizer, cfg.model.init_from or None)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
         self.sampling = Sampling(temperature=po.temperature, top_k=po.top_k, top_p=po.top_p)
         self.dir = os.path.join(cfg.checkpoint.dir, "rollouts") if cfg.checkpoint.dir else ""
         self.current: _Rollout | None = None
@@ -200,7 +224,9 @@ class Rollouts:
 
     @property
     def _pad(self) -> int:
-        return 0 if self.eos is None else int(self.eos)
+        """The pad id: the tokenizer's eos (else the first end id, else 0)."""
+        own = getattr(self.tok, "eos_id", None)
+        return int(own) if own is not None else self.eos[0] if self.eos else 0
 
     def _generate(self, params, tokens, mask, key, sampling: Sampling) -> tuple[np.ndarray, np.ndarray]:
         """Completions int32 ``[B, C]`` and lengths ``[B]``, gathered to every process."""
@@ -225,19 +251,15 @@ class Rollouts:
 
     def _score(self, prompts: list[str], completions: np.ndarray, lengths: np.ndarray,
                answers: list) -> tuple[np.ndarray, list[str]]:
-        """Each reward function's values ``[B, F]`` and the completions' texts (eos dropped, ids past
-        the tokenizer's vocabulary skipped)."""
-        ids = [[int(i) for i in row[:n] if i != self.eos and i < self.tok.vocab_size]
-               for row, n in zip(completions, lengths)]
+        """Each reward function's values ``[B, F]`` and the completions' texts (every eos id dropped, ids
+        past the tokenizer's vocabulary skipped: :func:`completion_ids`)."""
+        ids = completion_ids(completions, lengths, self.eos, self.tok.vocab_size)
         texts = [self.tok.decode(np.asarray(r, np.int32)) for r in ids]
         return self.rewards.score(prompts, texts, ids, answers), texts
 
     def _truncated(self, completions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Rows that ended at ``max_completion_length`` without the end-of-text token."""
-        if self.eos is None:
-            return np.ones(len(lengths), bool)
-        ended = completions[np.arange(len(lengths)), np.maximum(lengths - 1, 0)] == self.eos
-        return ~ended
+        """Rows that ended at ``max_completion_length`` without an end-of-text id (:func:`truncated_rows`)."""
+        return truncated_rows(completions, lengths, self.eos)
 
     def _policy_logps(self, state: Any, host: dict) -> dict:
         """``old_logps`` (μ > 1: the sampling policy's) and ``ref_logps`` (``beta > 0``), fp32

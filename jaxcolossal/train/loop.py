@@ -57,7 +57,7 @@ from jaxcolossal.data.chat import generation_prompt, load_chat
 from jaxcolossal.data.loader import PairLoader
 from jaxcolossal.data.preference import load_preferences
 from jaxcolossal.data.prompts import load_prompts
-from jaxcolossal.generate import Sampling, generate, printable, sample_tokens
+from jaxcolossal.generate import Sampling, generate, printable, run_eos_ids, sample_tokens
 from jaxcolossal.memory.budget import formula_bytes
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
 from jaxcolossal.models.hf_io import check_init_from, init_params_from
@@ -983,16 +983,21 @@ def _save_last_finite(run: Run, state: Any) -> None:
 
 def _sample(run: Run, state: Any) -> str:
     """A short generated text from the run's sample prompt (:func:`_data`), the tokenizer's ids only
-    (temperature 0.8, the prompt cut to its last ``seq_len`` tokens); after chat fine-tuning it ends
-    at the first end-of-text token (the end of the response). The KV-cached sampler
+    (temperature 0.8, the prompt cut to its last ``seq_len`` tokens), encoded as the run's data is: a
+    GRPO run's prompt as its prompts are (``encode_prompt``: the tokenizer's BOS), a chat run's rendered
+    text and a text corpus's without special tokens. After chat fine-tuning or GRPO it ends at the first
+    end-of-text id (the tokenizer's, or any of ``model.init_from``'s ``generation_config.json`` list:
+    :func:`jaxcolossal.generate.run_eos_ids`). The KV-cached sampler
     (:func:`jaxcolossal.generate.generate`) on the params as training lays them out; a family without
     a decode path (``Family.forward_cached`` None) uses the windowed one."""
     cfg, t = run.cfg.model, run.cfg.training
     if t.sample_tokens <= 0:
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
-    eos = getattr(tok, "eos_id", None) if run.cfg.data.format == "chat" else None
-    prompt = tok.encode(run.sample_prompt)[-min(t.seq_len, SAMPLE_WINDOW):]
+    fmt = run.cfg.data.format
+    eos = run_eos_ids(tok, cfg.init_from or None) if fmt in ("chat", "prompts") else ()
+    encode = tok.encode_prompt if fmt == "prompts" else tok.encode
+    prompt = encode(run.sample_prompt)[-min(t.seq_len, SAMPLE_WINDOW):]
     family = run.plan.family
     if family.forward_cached is None:
         shard = Sharder(None).with_fp8(run.cfg.precision.fp8)
@@ -1003,8 +1008,7 @@ def _sample(run: Run, state: Any) -> str:
         small = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, tok.vocab_size))
         out = generate(family, small, state.model_params, [list(prompt)], t.sample_tokens, Sampling(temperature=0.8),
                        eos_id=eos, seed=t.seed + 1, fp8=run.cfg.precision.fp8).rows()[0]
-    if eos is not None and eos in out:
-        out = out[: out.index(eos)]
+    out = out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
     return run.sample_prompt + tok.decode(np.asarray(out, np.int32))
 
 

@@ -2,7 +2,7 @@
 transformers, loaded with ``load_hf``; our KV-cached sampler's greedy tokens equal
 ``generate(do_sample=False)``'s token for token (fp32, eager attention), for a batch of prompts of
 different lengths, left-padded on the HF side with an ``attention_mask`` and a ``pad_token_id``,
-stopping per row at eos."""
+stopping per row at eos; and a LLaMA-3-style folder (its tokenizer's BOS, an eos list) from text."""
 
 import pytest
 
@@ -10,9 +10,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+import hf_tiny  # noqa: E402  (tests/integration: the tiny transformers models; after torch's importorskip)
+from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.generate import generate, pad_prompts  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
-from jaxcolossal.models.hf_io import load_hf  # noqa: E402
+from jaxcolossal.models.hf_io import load_hf, read_special_tokens  # noqa: E402
 
 VOCAB = 100
 PAD = 0
@@ -73,3 +75,23 @@ def test_gpt2_greedy_equals_transformers_generate(tmp_path):
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                   attn_implementation="eager", bos_token_id=2, eos_token_id=1, pad_token_id=PAD)
     _check(tmp_path, _randomize(transformers.GPT2LMHeadModel(cfg)))
+
+
+def test_llama3_folder_with_an_eos_list_equals_transformers_generate(tmp_path):
+    """A tiny LLaMA saved by transformers with a LLaMA-3-style tokenizer (BOS by its post-processor) and a
+    ``generation_config.json`` eos LIST (the three real end tokens and two that greedy decoding meets
+    mid-way in some rows): prompts tokenized by ``encode_prompt`` are transformers' ids (BOS first), and
+    the batched greedy tokens equal ``model.generate(**tok(prompts, padding=True, padding_side="left"),
+    do_sample=False)``'s, each row ending at the first id of the list."""
+    path = str(tmp_path / "llama3")
+    eos = hf_tiny.llama3_folder(path, NEW)
+    want_ids, want = hf_tiny.hf_greedy_rows(path, hf_tiny.LLAMA3_PROMPTS, NEW)
+    assert read_special_tokens(path)["eos_token_id"] == eos and len(eos) == 5
+    tok = get_tokenizer(path)
+    ids = [tok.encode_prompt(p).tolist() for p in hf_tiny.LLAMA3_PROMPTS]
+    assert ids == want_ids and all(i[0] == tok._tok.token_to_id("<|begin_of_text|>") for i in ids)
+    cfg, params = load_hf(path)
+    got = generate(get_family(cfg), cfg, params, ids, NEW, eos_id=eos).rows()
+    assert got == want
+    lengths = sorted(len(r) for r in got)
+    assert lengths[0] < NEW - 1 and lengths[-1] == NEW and len(set(lengths)) >= 3  # rows end at different steps

@@ -1,15 +1,19 @@
-"""``scripts/generate.py``: greedy tokens from a Hugging Face folder equal transformers' ``generate``;
-a finished run's checkpoint samples from a jsonl prompts file on the run's mesh; bad input is one line
-on stderr and exit status 2."""
+"""``scripts/generate.py``: greedy tokens from a Hugging Face folder equal transformers' ``generate``
+(also from text, through a LLaMA-3-style tokenizer's BOS and an eos list, as a subprocess); a finished
+run's checkpoint samples from a jsonl prompts file on the run's mesh; bad input is one line on stderr
+and exit status 2."""
 
 import importlib.util
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from jaxcolossal.config import load_config
+from jaxcolossal.data import get_tokenizer
 from jaxcolossal.train.loop import train
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -46,6 +50,34 @@ def test_hf_folder_greedy_equals_transformers(tmp_path, capsys):
         with torch.no_grad():
             want = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
         assert row == want[0, ids.shape[1]:].tolist()
+
+
+def test_llama3_folder_from_text_with_an_eos_list_equals_transformers(tmp_path):
+    """``generate.py --hf DIR --greedy --jsonl`` as a user runs it, on a tiny LLaMA with a LLaMA-3-style
+    tokenizer and a ``generation_config.json`` eos list: each row's tokens equal transformers'
+    ``model.generate(**tok(prompts, padding=True, padding_side="left"), do_sample=False)`` up to the first
+    id of the list (it crashed on the list before), the prompts tokenized with their BOS; the
+    completion's text leaves every eos id out."""
+    pytest.importorskip("torch")
+    import hf_tiny  # optional: torch and transformers (tests/integration's tiny transformers models)
+
+    path = str(tmp_path / "llama3")
+    eos = hf_tiny.llama3_folder(path, 12)
+    _, want = hf_tiny.hf_greedy_rows(path, hf_tiny.LLAMA3_PROMPTS, 12)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    prompts = [a for p in hf_tiny.LLAMA3_PROMPTS for a in ("--prompt", p)]
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--hf", path, *prompts, "--greedy",
+                        "--max-new-tokens", "12", "--jsonl"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = _jsonl(p.stdout)
+    assert [r["prompt"] for r in rows] == hf_tiny.LLAMA3_PROMPTS
+    assert [r["tokens"] for r in rows] == want
+    assert any(len(r) < 11 for r in want) and any(len(r) == 12 and not set(r) & set(eos) for r in want)
+    tok = get_tokenizer(path)
+    for r in rows:
+        assert r["completion"] == tok.decode([t for t in r["tokens"] if t not in eos])
+        assert r["completion"] != tok.decode(r["tokens"]) or not set(r["tokens"]) & set(eos)
 
 
 def test_checkpoint_samples_from_a_prompts_file(tmp_path, capsys):

@@ -2,6 +2,7 @@
 same rollouts and the same updates as one device; a run stopped between the two steps of a rollout
 (num_iterations 2) and resumed gives the same rewards and params bit for bit; the dry run counts the
 rollout; refusals come before anything compiles."""
+import dataclasses
 import json
 import os
 
@@ -124,3 +125,32 @@ def test_grpo_composes_with_lora_bf16_and_zero3():
     assert all(m["nonfinite"] == 0 for _, m in out)
     assert out[0][1]["kl"] == 0 and out[2][1]["kl"] > 0  # adapters start at B = 0: the policy is the base
     assert jax.tree.leaves(state.frozen)[0].dtype == np.dtype("bfloat16")
+
+
+def test_completions_end_at_any_eos_id_of_the_init_from_folder(tmp_path):
+    """``model.init_from``'s ``generation_config.json`` eos list (LLaMA 3's form) joins the tokenizer's
+    eos: a completion ends at the first token that is any of its ids (the same draws as without the list
+    up to there), the loss mask stops after it, and only rows without one count as clipped."""
+    cfg = grpo_config(posttrain={"num_iterations": 1, "beta": 0.0})
+    plan, _, state, _ = setup(cfg, jax.devices()[:1])
+    prompts = load_prompts(cfg.data, get_tokenizer("byte"), 9)
+    P, C = 9, cfg.posttrain.max_completion_length
+
+    def rollout(c):
+        ro = Rollouts(c, plan, prompts, get_tokenizer("byte"), plan.batch_sharding)
+        host = ro.batch(0, state) and ro.current.host
+        return ro, host["targets"][:, P - 1:], host["loss_mask"][:, P - 1:]
+
+    _, free, _ = rollout(cfg)
+    eos = sorted({int(free[r, 1]) for r in range(0, 16, 5)})  # ids met at the second step of some rows
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with_list = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(tmp_path)))
+    ro, comp, mask = rollout(with_list)
+    assert ro.eos == tuple(eos)
+    ends = [next((i + 1 for i, t in enumerate(row) if t in eos), C) for row in free.tolist()]
+    for r, n in enumerate(ends):
+        np.testing.assert_array_equal(comp[r, :n], free[r, :n])  # the same draws up to the end
+        np.testing.assert_array_equal(mask[r], np.arange(C) < n)  # trained on the tokens up to the eos
+    ended = [any(t in eos for t in row) for row in free.tolist()]
+    assert 0 < sum(ended) < 16 and min(ends) < C
+    assert ro.metrics["completions/clipped_ratio"] == pytest.approx(1 - np.mean(ended))

@@ -7,6 +7,8 @@ with the real model's distinctive keys (tests/integration/hf_zoo.py):
 * ``save_hf`` writes a folder that ``AutoModelForCausalLM`` loads with no missing or unexpected keys
   and whose logits are equal.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,9 +18,10 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from hf_zoo import VOCAB, ZOO, build, logits  # noqa: E402
+from tiny import assert_params_match, run_steps, tiny_config  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jaxcolossal.config import config_from_dict  # noqa: E402
+from jaxcolossal.config import config_from_dict, prefetches_weights  # noqa: E402
 from jaxcolossal.generate import generate  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf, read_special_tokens, save_hf  # noqa: E402
@@ -69,7 +72,6 @@ def sharded_logits(cfg, params, x, parallel):
 
 
 def _model_dict(cfg):
-    import dataclasses
     d = dataclasses.asdict(cfg)
     d.pop("lora")
     return d
@@ -114,3 +116,17 @@ def test_greedy_generation_equals_transformers(saved):
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
                              min_new_tokens=10, eos_token_id=None, pad_token_id=0)
     np.testing.assert_array_equal(ours, out[:, width:].numpy())
+
+
+def test_per_layer_windows_train_under_zero3_prefetch_as_on_one_device():
+    """Sliding and full layers (per-layer windows carried by the layer scan) through ZeRO-3's prefetching
+    scan (``parallel.overlap`` with ``remat=full``) over dp 4 × tp 2: 3 steps equal one device
+    (:func:`tiny.assert_params_match`'s tolerance; loss and grad norm rtol 1e-5)."""
+    model = {"sliding_window": 4, "layer_types": "sliding_attention,full_attention", "remat": "full"}
+    one, m1, _ = run_steps(tiny_config(model=model), jax.devices()[:1])
+    par, m8, plan = run_steps(tiny_config({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 3},
+                                          model=model))
+    assert prefetches_weights(plan.cfg)  # the prefetching scan, with the windows as per-layer constants
+    for a, b in zip(m8, m1):
+        np.testing.assert_allclose([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]], rtol=1e-5)
+    assert_params_match(jax.device_get(par.params), jax.device_get(one.params))

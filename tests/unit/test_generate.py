@@ -13,6 +13,7 @@ import pytest
 from jaxcolossal.config import LoraConfig, ModelConfig, ParallelConfig
 from jaxcolossal.generate import (
     Sampling,
+    data_shards,
     generate,
     left_align,
     make_generator,
@@ -184,3 +185,39 @@ def test_the_same_greedy_tokens_on_one_device_and_on_the_training_mesh(cfg, para
                                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
     many = generate(fam, cfg, placed, prompts, 8, mesh=mesh, param_specs=specs, rules=rules)
     assert many.rows() == one.rows()
+
+
+def test_a_list_of_eos_ids_ends_each_row_at_the_first_of_any():
+    """``eos_id=[a, b, c]`` (LLaMA 3's ``generation_config.json`` form): a row ends at the first token that
+    is any of them, its length counts it, ``pad_id`` fills the rest; a list of one id is that id."""
+    fam, params = _params(TINY)
+    ref = generate(fam, TINY, params, PROMPTS, 8).rows()
+    eos = [ref[0][3], ref[2][1], 97]  # 97: an id no row produces
+    out = generate(fam, TINY, params, PROMPTS, 8, eos_id=eos, pad_id=99)
+    for r, row in enumerate(ref):
+        n = next((i + 1 for i, t in enumerate(row) if t in eos), 8)
+        assert out.rows()[r] == row[:n] and out.lengths[r] == n and (out.tokens[r, n:] == 99).all()
+    assert min(out.lengths) < 8  # some row did stop early
+    one = generate(fam, TINY, params, PROMPTS, 8, eos_id=[ref[0][3]])
+    assert one.rows() == generate(fam, TINY, params, PROMPTS, 8, eos_id=ref[0][3]).rows()
+    with pytest.raises(ValueError, match="eos_id must be"):
+        make_generator(fam, TINY, 4, eos_id=[1, "2"])
+
+
+@pytest.mark.parametrize("devices", [4, 8], ids=["data2", "data4"])
+def test_a_batch_the_data_axes_do_not_divide_is_padded_and_the_pads_dropped(devices):
+    """3 prompts on a mesh whose data axes have 2 or 4 shards: the same greedy tokens and lengths as
+    without a mesh (no IndivisibleError from JAX), one row per prompt."""
+    fam = get_family(TINY)
+    params = jax.tree.map(lambda a: a * 4 if a.ndim >= 2 else a, fam.init_params(TINY, jax.random.key(0), tp=2))
+    one = generate(fam, TINY, params, PROMPTS, 6, eos_id=[7, 8])
+    parallel = ParallelConfig(tensor_parallel_size=2, zero_stage=3)
+    mesh = make_mesh(parallel, jax.devices()[:devices])
+    rules = rules_for(parallel)
+    assert data_shards(mesh, rules) == devices // 2 and len(PROMPTS) % (devices // 2)
+    specs = training_param_specs(TINY, mesh, zero_stage=3, rules=rules)
+    placed = jax.device_put(params, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+                                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    many = generate(fam, TINY, placed, PROMPTS, 6, eos_id=[7, 8], mesh=mesh, param_specs=specs, rules=rules)
+    assert many.tokens.shape == (3, 6) and many.rows() == one.rows()
+    np.testing.assert_array_equal(many.lengths, one.lengths)

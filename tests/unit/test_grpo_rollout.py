@@ -1,11 +1,13 @@
 """GRPO's host-side pieces: the built-in rewards, a user's reward function, the weighted sum, the group
-advantages (TRL 1.16's sum_then_normalize, Bessel-corrected std + 1e-4) and the row layout."""
+advantages (TRL 1.16's sum_then_normalize, Bessel-corrected std + 1e-4), the row layout, and the end
+of a completion at any id of an eos list."""
 import numpy as np
 import pytest
 
 from jaxcolossal.config import ConfigError
 from jaxcolossal.posttrain.rewards import exact_match, final_answer, make_rewards
-from jaxcolossal.posttrain.rollout import group_advantages, row_layout
+from jaxcolossal.generate import run_eos_ids
+from jaxcolossal.posttrain.rollout import completion_ids, group_advantages, row_layout, truncated_rows
 
 
 def length_reward(prompts, completions, **kwargs):
@@ -58,3 +60,30 @@ def test_row_layout():
     np.testing.assert_array_equal(rows["segment_ids"][0], [0, 0, 1, 1, 1, 1])
     np.testing.assert_array_equal(rows["positions"][0], [0, 0, 0, 1, 2, 3])  # from the first real token
     np.testing.assert_array_equal(rows["positions"][1], [0, 1, 2, 3, 4, 5])
+
+
+def test_every_eos_id_of_a_list_ends_a_completion():
+    """LLaMA 3's ``[end_of_text, eom, eot]``: a row that ends at any of them is not truncated, and no
+    eos id reaches the reward text; a row that ran to the end without one is truncated."""
+    eos = (7, 8, 9)
+    completions = np.array([[3, 4, 8, 0], [3, 9, 0, 0], [3, 4, 5, 6], [7, 0, 0, 0], [5, 300, 6, 2]])
+    lengths = np.array([3, 2, 4, 1, 4])
+    np.testing.assert_array_equal(truncated_rows(completions, lengths, eos), [False, False, True, False, True])
+    assert completion_ids(completions, lengths, eos, 256) == [[3, 4], [3], [3, 4, 5, 6], [], [5, 6, 2]]
+    np.testing.assert_array_equal(truncated_rows(completions, lengths, ()), [True] * 5)  # no eos: nothing ends
+
+
+def test_run_eos_ids_join_the_tokenizer_and_init_from_folder(tmp_path):
+    """The tokenizer's eos first, then ``model.init_from``'s ``generation_config.json`` list (else its
+    ``config.json`` id), each id once."""
+    class Tok:
+        eos_id = 9
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": 5}')
+    assert run_eos_ids(Tok(), str(tmp_path)) == (9, 5)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 8, 9]}')
+    assert run_eos_ids(Tok(), str(tmp_path)) == (9, 7, 8)
+    assert run_eos_ids(Tok(), None) == (9,) and run_eos_ids(object(), str(tmp_path)) == (7, 8, 9)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": ["<eot>"]}')
+    with pytest.raises(ValueError, match="eos_id must be"):
+        run_eos_ids(Tok(), str(tmp_path))

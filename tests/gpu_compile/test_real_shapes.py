@@ -1,0 +1,55 @@
+"""The Hugging Face models users fine-tune, at their real shapes (``configs/bench/``), compiled by XLA's
+GPU compiler for the smallest fleet of whole 8-GPU hosts that fits (H100 before H200), as pre-training
+and as a GRPO iteration's train step: each fits its GPUs, and the planner's predicted per-device peak
+(:func:`jaxcolossal.memory.budget.need`, the GPU's memory terms) is within 10% of the compiled one.
+
+The GRPO step is the Llama-3-8B one of test_grpo_compile.py on each shape: XLA attention, 8 prompts ×
+8 generations per 8 devices (8 rows a device), a 513-token prompt and a 1024-token completion, β 0.04
+(the frozen reference in the state). Measured figures: docs/models.md.
+"""
+
+import os
+
+import pytest
+
+from jaxcolossal.aot import fleet, target
+from jaxcolossal.config import load_config
+from jaxcolossal.memory.budget import need
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {  # config -> (target, devices): the fewest whole hosts that fit, as docs/models.md says
+    "llama3_1_8b": ("h100", 8), "llama3_3_70b": ("h200", 16), "qwen2_5_7b": ("h100", 8), "qwen3_8b": ("h100", 8),
+    "qwen3_32b": ("h200", 8), "mistral_nemo_12b": ("h100", 8), "phi4_mini": ("h100", 8),
+}
+
+
+def grpo_overrides(devices: int) -> list[str]:
+    """The config as one GRPO iteration's train step on ``devices`` GPUs (8 completion rows a device)."""
+    return ["model.attention_impl=xla", "training.objective=grpo", "data.format=prompts",
+            "data.corpus=configs/data/arith_prompts.jsonl", f"training.batch_size={8 * devices}",
+            "training.micro_batch_size=0", "training.seq_len=1536", "posttrain.max_completion_length=1024",
+            "posttrain.num_generations=8", "posttrain.beta=0.04"]
+
+
+PLANNER_MISSES = {("phi4_mini", "grpo"): "the planner says 16.00 GiB, XLA:GPU 19.16 GiB (-16.5%): at 8 rows × 1536 "
+                  "tokens a device the XLA attention's fp32 probabilities [8, 8, 1536, 1536, 3] (1.69 GiB) are "
+                  "held several times over by the while loop's double buffering; the SFT step at the same batch "
+                  "misses by -16% too"}
+"""Rows where the planner is known to be more than 10% off, with the measured figures (docs/models.md)."""
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "grpo"])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_real_shape_compiles_fits_and_the_planner_is_within_10_percent(name, kind, request):
+    if (name, kind) in PLANNER_MISSES:
+        request.applymarker(pytest.mark.xfail(reason=PLANNER_MISSES[name, kind], strict=True))
+    device, n = SHAPES[name]
+    gpu = target.get_target(device)
+    cfg = load_config(os.path.join(ROOT, f"configs/bench/{name}.yaml"), grpo_overrides(n) if kind == "grpo" else [])
+    fc = fleet.compile_for(cfg, gpu, n, keep_hlo=False)
+    predicted = need(cfg, n, backend="gpu")["total"]
+    print(f"\n{name} {kind} on {device}x{n}: compiled peak {fc.peak / 2**30:.2f} GiB, planner {predicted / 2**30:.2f} "
+          f"GiB ({(predicted - fc.peak) / fc.peak:+.1%}), compile {fc.compile_s:.0f} s")
+    assert fc.fits and fc.peak <= gpu.hbm_bytes
+    assert abs(predicted - fc.peak) / fc.peak <= 0.10, (predicted, fc.peak)
