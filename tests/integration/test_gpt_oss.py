@@ -14,6 +14,7 @@
 * the planner counts gpt-oss-20b and -120b as OpenAI's model card does (20.91 B / 3.61 B active, 116.83 B /
   5.13 B: the active count without the input embedding), and a sliding layer's attention FLOPs by its window;
 * a pipeline (ep 2 × pp 2, every layer sliding) equals the same microbatches without one;
+* LoRA on the attention's q, k, v, o equals its merged weights;
 * the shared experts' biases and clamp in the blocked (CPU) grouped matmuls equal ``ragged_dot``'s, and
   the capacity path's equal the dropless one's.
 """
@@ -38,6 +39,7 @@ from jaxcolossal.config import ConfigError, config_from_dict, load_config  # noq
 from jaxcolossal.metrics import attended_keys, flops_per_token, param_count  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import config_from_hf, config_to_hf, load_hf  # noqa: E402
+from jaxcolossal.models.layers import lora  # noqa: E402
 from jaxcolossal.parallel import expert  # noqa: E402
 from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
 from jaxcolossal.plan.dry_run import dry_run  # noqa: E402
@@ -273,3 +275,22 @@ def test_dry_run_counts_gpt_oss_as_published(config, total, active):
     want = 6 * param_count(m)["matmul"] + 12 * keys * m.num_attention_heads * m.head_dim
     assert flops_per_token(m, t)["6N+attn"] == pytest.approx(want, rel=1e-12)
     assert attended_keys(0, t) == attended_keys(t, t) == t / 2
+
+
+def test_lora_on_the_attention_equals_its_merged_weights():
+    """LoRA on GPT-OSS's q, k, v and o (what a mixture of experts adapts), B drawn non-zero: the adapted
+    forward equals the forward of the merged weights ``W + (alpha/rank)·A B`` (PEFT's merge_and_unload)."""
+    cfg = tiny_config(model={**GPT_OSS_TINY, "lora": {"rank": 4, "targets": "q,k,v,o"}}).model
+    family = get_family(cfg)
+    params = family.init_params(cfg, jax.random.key(0))
+    shapes = jax.tree.map(lambda sa: sa[0], lora.adapter_shapes_and_axes(cfg.lora, family.param_shapes_and_axes(
+        cfg, cfg.vocab_size)["layers"]), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+    adapters = lora.init_adapters(cfg.lora, shapes, jax.random.key(1))
+    adapters = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(2), a.shape), adapters)
+    assert sorted(adapters["layers"]) == sorted(f"w{n}{s}" for n in "qkvo" for s in ("_lora_a", "_lora_b"))
+    x = jnp.asarray(tokens(b=2, t=16))
+    adapted = family.forward(lora.merge(params, adapters), x, cfg)
+    merged = family.forward(lora.merged_weights(lora.merge(params, adapters), cfg.lora), x, cfg)
+    plain = family.forward(params, x, cfg)
+    assert float(jnp.max(jnp.abs(adapted - plain))) > 1e-2  # the adapters change the logits
+    np.testing.assert_allclose(adapted, merged, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(merged))))

@@ -45,6 +45,7 @@ from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models.layers import moe, vocab
 from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
+from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
 from jaxcolossal.models.layers.norm import rms_norm
 from jaxcolossal.models.layers.rope import apply_rope, rope_tables
 from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, init_vocab_padded, no_shard, padded_vocab_size
@@ -162,13 +163,16 @@ def layer_extras(cfg: ModelConfig) -> dict:
 
 
 def project_qkv(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard) -> tuple:
-    """The attention's first phase: the pre-norm, the q/k/v projections with their biases, RoPE.
-    x ``[b, t, d]`` -> q ``[b, t, h, q]``, k/v ``[b, t, k, q]`` (compute dtype)."""
+    """The attention's first phase: the pre-norm, the q/k/v projections with their biases (and LoRA's
+    adapters where ``model.lora`` puts them), RoPE. x ``[b, t, d]`` -> q ``[b, t, h, q]``, k/v ``[b, t, k,
+    q]`` (compute dtype)."""
     column = partial(column_parallel, shard, tp_overlaps(shard, x.shape[1]))
+    lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     biases = [lp["bq"], lp["bk"], lp["bv"]] if "bq" in lp else None
     q, k, v = column(h, [("btd,dhq->bthq", lp["wq"], "h"), ("btd,dkq->btkq", lp["wk"], "k"),
                          ("btd,dkq->btkq", lp["wv"], "k")], biases)
+    q, k, v = (lora(EQUATIONS[n], h, y, name=n) for n, y in (("wq", q), ("wk", k), ("wv", v)))
     q = tag(shard(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = tag(shard(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = tag(shard(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
@@ -176,11 +180,12 @@ def project_qkv(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Shard
 
 
 def attention_output(x: jax.Array, a: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard) -> jax.Array:
-    """The attention's last phase: the output projection (and its bias) of the attended values ``a [b,
-    t, h, q]`` added to the residual ``x [b, t, d]`` -> ``[b, t, d]``."""
+    """The attention's last phase: the output projection (its bias, LoRA's adapter) of the attended values
+    ``a [b, t, h, q]`` added to the residual ``x [b, t, d]`` -> ``[b, t, d]``."""
     row = partial(row_parallel, shard, tp_overlaps(shard, x.shape[1]))
+    lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
     a = shard(a, ("batch", "seq", "heads", "head_dim"))
-    o = row("bthq,hqd->btd", a, lp["wo"], "h", lp.get("bo"))
+    o = lora(EQUATIONS["wo"], a, row("bthq,hqd->btd", a, lp["wo"], "h", lp.get("bo")), name="wo")
     return shard(x + tag(o, "out_proj"), ("batch", "seq", "embed"))
 
 
@@ -207,9 +212,12 @@ def decoder_layer(carry: tuple, lp: dict, cfg: ModelConfig, cos, sin, shard: Sha
 
 def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
                      vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
-                     positions: jax.Array | None = None) -> tuple:
+                     positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple:
     """:func:`hidden_states` and the MoE layers' statistics (:data:`jaxcolossal.models.layers.moe.STATS`,
     the microbatch's: :func:`jaxcolossal.models.layers.moe.finish`)."""
+    layers = params["layers"]
+    if dropout_key is not None and cfg.lora.dropout > 0:  # LoRA's dropout: one key per layer
+        layers = {**layers, DROPOUT_KEY: jax.random.split(dropout_key, cfg.num_layers)}
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg, positions)
@@ -217,7 +225,7 @@ def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: S
     def layer(c, lp):
         return decoder_layer(c, lp, cfg, cos, sin, shard, segment_ids, positions)
 
-    x, stats = scan_layers(layer, (x, moe.zero_stats(cfg)), params["layers"], cfg.remat, shard, layer_extras(cfg))
+    x, stats = scan_layers(layer, (x, moe.zero_stats(cfg)), layers, cfg.remat, shard, layer_extras(cfg))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), moe.finish(stats, cfg)
 
 
@@ -228,10 +236,10 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
 
     The embedding is :func:`jaxcolossal.models.layers.vocab.embed_lookup` (vocab-parallel when
     ``vocab_parallel``); packed rows pass ``segment_ids`` and ``positions`` (int ``[b, t]``).
-    ``dropout_key`` is LoRA's, which a mixture of experts does not run with (config/checks.py refuses
-    it), so it is unused here.
+    ``dropout_key``: LoRA's dropout in a training step (``model.lora.dropout``; LoRA adapts the attention
+    projections only, as with every mixture of experts).
     """
-    return hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)[0]
+    return hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)[0]
 
 
 def head_weight(params: dict, cfg: ModelConfig) -> jax.Array:
@@ -258,7 +266,7 @@ def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Mod
     losses (:func:`jaxcolossal.models.layers.moe.loss_terms`: ``router_aux_loss_coef``, 0 when read
     from a Hugging Face config whose ``output_router_logits`` is false, as transformers' default loss
     has no load-balancing term), and the MoE statistics."""
-    h, stats = hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions)
+    h, stats = hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)
     loss = head_loss(params, h, targets, cfg, shard, mask)
     n = tokens.size if mask is None else jnp.sum(mask.astype(jnp.float32))
     return loss + moe.loss_terms(stats, cfg, n), stats
@@ -268,7 +276,8 @@ def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConf
              vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
              positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
     """:func:`loss_and_stats`'s loss."""
-    return loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions)[0]
+    return loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions,
+                          dropout_key)[0]
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
