@@ -4,7 +4,8 @@ Two labelled FLOP conventions are reported side by side:
 
 * ``6N+attn`` — model FLOPs per trained token = ``6·N_matmul + 6·L·t·d``: 6 FLOPs per matmul
   parameter per token (forward 2, backward 4; Kaplan et al., 2020) plus PaLM's attention term
-  ``12·L·H·Q·t`` halved for the causal mask (Chowdhery et al., 2022, App. B); a sliding-window
+  ``12·L·H·Q·t`` halved for the causal mask (Chowdhery et al., 2022, App. B); with multi-head latent
+  attention's q·k and value head sizes apart, ``6·L·H·(Q_qk + Q_v)·t`` halved; a sliding-window
   layer counts the keys its window leaves (:func:`attended_keys`). ``N_matmul``
   excludes the input-embedding lookup but includes the LM head. Recompute is not counted
   (these are *model* FLOPs, the basis of MFU).
@@ -148,8 +149,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> 
     for the input gradient only (``4N``) and the adapters' all three (``6·N_lora``): the compiled
     step's matmul FLOPs exactly, on the tiny model (``tests/integration/test_lora.py``)."""
     n = param_count(cfg)
+    dq, dv = cfg.attention_dims  # q·k and p·v, forward and backward: 6·h·(dq + dv) per attended key
     keys = sum(attended_keys(w, seq_len) for w in cfg.layer_windows)  # L·t/2 without sliding windows
-    attention = 12 * keys * cfg.num_attention_heads * cfg.head_dim
+    attention = 6 * keys * cfg.num_attention_heads * (dq + dv)  # 6·L·t·h·q when dq = dv = q, no windows
     if cfg.lora.enabled:  # the frozen weights' matmuls: forward and input gradient only; the adapters' all three
         adapters = lora_param_count(cfg)
         return {"6N+attn": float(4 * n["matmul"] + 6 * adapters + attention),

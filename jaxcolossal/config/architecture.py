@@ -47,6 +47,9 @@ def check_architecture(cfg: Config) -> None:
     _check_rope(m)
     _check_layer_kinds(cfg)
     _check_sinks(cfg)
+    if m.type == "deepseek":
+        _check_mla(cfg)
+        _check_router_groups(m)
 
 
 def _check_family_keys(m: ModelConfig) -> None:
@@ -126,3 +129,43 @@ def _check_sinks(cfg: Config) -> None:
     if mode in ("all_to_all", "ring_attn"):
         raise ConfigError(f"model.attention_sinks=true: parallel.sequence_parallelism_mode={mode} has no sink logit "
                           "here: use split_gather or none")
+
+
+def _check_mla(cfg: Config) -> None:
+    """DeepSeek's multi-head latent attention: its sizes, one key/value per query head, and the kernels
+    and layouts it runs with (the einsum attention, no ring attention). A pipeline is refused with the
+    first dense layers by the mixture of experts' own check (a second stack of layers)."""
+    m, p = cfg.model, cfg.parallel
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)}: model.type=deepseek needs it > 0 (DeepSeek-V3: "
+                              "kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)")
+    for key, why in (("qk_norm", "MLA normalises its latents, not q and k"),
+                     ("attention_head_dim", "MLA's heads are sized by qk_nope/qk_rope/v_head_dim")):
+        if getattr(m, key):
+            raise ConfigError(f"model.{key}={getattr(m, key)!r} is not implemented by model.type=deepseek ({why}): "
+                              "keep its default")
+    if m.num_key_value_heads != m.num_attention_heads:
+        raise ConfigError(f"model.num_key_value_heads={m.num_key_value_heads}: multi-head latent attention expands "
+                          f"one key/value per query head: set it to model.num_attention_heads={m.num_attention_heads}")
+    if m.attention_impl != "xla":
+        raise ConfigError(f"model.attention_impl={m.attention_impl}: multi-head latent attention (value heads of "
+                          f"{m.v_head_dim} against query/key heads of {m.qk_nope_head_dim + m.qk_rope_head_dim}, its own "
+                          "softmax scale) runs with model.attention_impl=xla")
+    if p.sequence_parallelism_mode == "ring_attn":
+        raise ConfigError("parallel.sequence_parallelism_mode=ring_attn: multi-head latent attention has no ring "
+                          "attention here (use all_to_all or split_gather)")
+
+
+def _check_router_groups(m: ModelConfig) -> None:
+    """DeepSeek-V3's group-limited routing: whole groups of at least two experts, and enough experts in the
+    chosen groups for the top-k."""
+    if m.n_group <= 1:
+        return
+    e, g = m.num_experts, m.n_group
+    if e % g or e // g < 2:
+        raise ConfigError(f"model.n_group={g}: the {e} routed experts (model.num_experts) must split into groups of "
+                          "at least 2 (a group scores by its two best experts)")
+    if not 1 <= m.topk_group <= g or m.topk_group * (e // g) < m.num_experts_per_tok:
+        raise ConfigError(f"model.topk_group={m.topk_group}: must be in 1..model.n_group={g} and its groups must hold "
+                          f"model.num_experts_per_tok={m.num_experts_per_tok} experts ({e // g} per group)")

@@ -182,7 +182,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
 def _check_model(cfg: Config) -> None:
     """The model's shape, the batch's split into microbatches, and the precision flags."""
     m, t, pr = cfg.model, cfg.training, cfg.precision
-    if m.hidden_size % m.num_attention_heads and not m.attention_head_dim:
+    if m.hidden_size % m.num_attention_heads and not m.attention_head_dim and m.type != "deepseek":
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
     if m.num_attention_heads % m.num_key_value_heads:

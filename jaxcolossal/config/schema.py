@@ -387,6 +387,14 @@ class ModelConfig:
         return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def attention_dims(self) -> tuple[int, int]:
+        """``(q·k dims, value dims)`` of one attention head: ``qk_nope_head_dim + qk_rope_head_dim`` and
+        ``v_head_dim`` for multi-head latent attention (``type=deepseek``), else ``head_dim`` both."""
+        if self.type == "deepseek":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's ``sliding_attention`` or ``full_attention`` (``layer_types``, else every layer
         sliding when ``sliding_window > 0``, else full)."""

@@ -34,7 +34,7 @@ from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config
 from jaxcolossal.config.derived import grpo_prompt_length, holds_reference
 from jaxcolossal.memory.placement import local_elements
 from jaxcolossal.models import get_family
-from jaxcolossal.parallel.mesh import DATA_AXES
+from jaxcolossal.parallel.mesh import DATA_AXES, entry_axes
 from jaxcolossal.parallel.sharding import RULES, is_shape, logical_to_spec, shard_bytes
 
 ROLLOUT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions", "advantages", "old_logps",
@@ -52,11 +52,29 @@ def reference_bytes(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[st
         BYTES_PER_PARAM[cfg.precision.mode]["p"]
 
 
+def kv_cache_slot(cfg: Config) -> tuple[str, bool]:
+    """What one slot (token) of the sampler's cache holds, read from the family's ``init_cache``: the
+    layers and each array's numbers per layer (LLaMA ``"2 layers × (k 2×32 + v 2×32)"``: kv heads × head
+    dim; DeepSeek ``"3 layers × (latent 512 + k_rope 64)"``), and whether the family's ``cache_axes``
+    split any of it over tp."""
+    family = get_family(cfg.model)
+    cache = jax.eval_shape(lambda: family.init_cache(cfg.model, 1, 1, jnp.float32))
+    flat = jax.tree_util.tree_flatten_with_path(cache)[0]
+    names = {}
+    for path, x in flat:  # each array [L, b, S, ...] of each stack of layers
+        names.setdefault(str(getattr(path[-1], "key", path[-1])), "×".join(map(str, x.shape[3:])) or "1")
+    layers = sum(x.shape[0] for path, x in flat if str(getattr(path[-1], "key", path[-1])) == next(iter(names)))
+    axes = jax.tree.leaves(family.cache_axes(cfg.model), is_leaf=lambda x: isinstance(x, tuple))
+    over_tp = any("tp" in entry_axes(e) for a in axes for e in logical_to_spec(a, RULES) if e is not None)
+    return f"{layers} layers × (" + " + ".join(f"{n} {d}" for n, d in names.items()) + ")", over_tp
+
+
 def kv_cache_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     """Per-device bytes of the sampler's KV cache for a GRPO rollout: ``batch_size`` rows × ``P + C``
-    slots (the prompt width :func:`grpo_prompt_length` and ``max_completion_length``) × layers × 2 ×
-    kv heads × head dim × the compute dtype's bytes, each leaf split as the rules table splits the
-    family's ``cache_axes`` (the rows over the data axes, the kv heads over tp)."""
+    slots (the prompt width :func:`grpo_prompt_length` and ``max_completion_length``) × what a slot
+    holds (:func:`kv_cache_slot`: LLaMA's layers × 2 × kv heads × head dim, DeepSeek's layers × (latent +
+    rotary key)) × the compute dtype's bytes, each leaf split as the rules table splits the family's
+    ``cache_axes`` (the rows over the data axes, the kv heads over tp)."""
     t, po = cfg.training, cfg.posttrain
     family = get_family(cfg.model)
     dtype = COMPUTE_DTYPES[cfg.precision.mode]

@@ -46,8 +46,8 @@ class Family:
     * ``embedding``: the name of the vocabulary-padded input embedding (``embed_tokens``, ``wte``).
     * ``init_from_keys``: the model keys, beyond the shared sizes, that ``model.init_from`` checks.
 
-    KV-cached decoding (:mod:`jaxcolossal.generate`), ``None`` for a family without it (both registered
-    families have it):
+    KV-cached decoding (:mod:`jaxcolossal.generate`), ``None`` for a family without it (every registered
+    family has it):
 
     * ``init_cache(cfg, batch, length, dtype) -> cache`` (a tree of ``[L, b, S, ...]`` arrays);
       ``cache_axes(cfg) -> `` the same tree of logical-axis tuples.

@@ -293,9 +293,10 @@ def load_hf(path: str | os.PathLike, tp: int = 1, **overrides: Any) -> tuple[Mod
     vocab = family.padded_vocab_size(cfg, tp)
     params = _pad_vocab(params, cfg, vocab)
     want = family.param_shapes_and_axes(cfg, vocab)
-    for name, (shape, _) in [*((n, sa) for n, sa in want.items() if n != "layers"),
-                             *((f"layers.{n}", sa) for n, sa in want["layers"].items())]:
-        got = params["layers"][name[len("layers."):]] if name.startswith("layers.") else params[name]
+    flat = [(n, sa, params[n]) for n, sa in want.items() if not isinstance(sa, dict)]
+    flat += [(f"{s}.{n}", sa, params[s][n]) for s, stack in want.items() if isinstance(stack, dict)
+             for n, sa in stack.items()]  # the stacks of layers: layers, and DeepSeek's dense_layers
+    for name, (shape, _), got in flat:
         if tuple(got.shape) != tuple(shape):
             raise ValueError(f"{str(path)!r}: {name} has shape {tuple(got.shape)}, the config implies {tuple(shape)}")
     return cfg, params

@@ -56,6 +56,7 @@ RULES: dict[str, Any] = {
     "layers": None,
     "stage": "pp",
     "lora_rank": None,
+    "latent": None,  # multi-head latent attention's compressed ranks (DeepSeek): every tp rank expands its heads from all of it
     "expert": "ep",
     "zero": ZERO_AXIS,
 }

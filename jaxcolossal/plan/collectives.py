@@ -303,12 +303,15 @@ def _sp_terms(st: _Step) -> None:
     """Ulysses' all-to-alls or ring attention's k/v hops, and the gradients' all-reduce over sp."""
     p, m, ring, sp, k = st.cfg.parallel, st.cfg.model, ring_factor, st.sp, st.k
 
-    def heads(h):  # bytes of one [b, s/sp, h, hd]
-        return st.tokens * h * m.head_dim * st.a_bytes / max(st.tp, 1)
+    dq, dv = m.attention_dims  # head_dim both, but for multi-head latent attention
+
+    def heads(h, d=m.head_dim):  # bytes of one [b, s/sp, h, d]
+        return st.tokens * h * d * st.a_bytes / max(st.tp, 1)
 
     if p.sequence_parallelism_mode == "all_to_all":  # Ulysses: q, k, v to heads and the output back, per
-        st.add("all-to-all", "sp", 2 * st.layers * k * ring(sp) * (2 * heads(m.num_attention_heads)  # layer, fwd + bwd
-                                                                   + 2 * heads(m.num_key_value_heads)), "Ulysses")
+        h, kv = m.num_attention_heads, m.num_key_value_heads  # layer, fwd + bwd
+        st.add("all-to-all", "sp", 2 * st.layers * k * ring(sp) * (heads(h, dq) + heads(h, dv) + heads(kv, dq)
+                                                                   + heads(kv, dv)), "Ulysses")
     else:
         st.add("collective-permute", "sp", 2 * st.layers * k * (sp - 1) * 2 * heads(m.num_key_value_heads),
                "ring attention k/v, forward and backward")

@@ -14,7 +14,7 @@ from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, precis
 from jaxcolossal.config.derived import grpo_prompt_length
 from jaxcolossal.memory.activations import describe
 from jaxcolossal.memory.budget import device_need, layout, lora_layout, need, resolve
-from jaxcolossal.memory.rollout import ROLLOUT_FIELDS
+from jaxcolossal.memory.rollout import ROLLOUT_FIELDS, kv_cache_slot
 from jaxcolossal.metrics import flops_per_token, param_count
 from jaxcolossal.models import param_layout
 from jaxcolossal.parallel.compression import check_powersgd
@@ -128,10 +128,11 @@ def _grpo_line(cfg: Config, num_devices: int, shape: dict) -> str:
     """GRPO's line (:mod:`jaxcolossal.memory.rollout`): the reference copy (``beta > 0``), the rollout
     (prompts × generations, the prompt and completion widths), the sampler's KV cache and the rollout
     batch per device, and the rollout's peak against the step's (the plan's peak is the larger)."""
-    t, po, m = cfg.training, cfg.posttrain, cfg.model
+    t, po = cfg.training, cfg.posttrain
     b = BYTES_PER_PARAM[cfg.precision.mode]
     n = need(cfg, num_devices, "gpu")  # the config's static offload fractions, as the step's line
     r, ref = n["rollout"], n["reference"]
+    slot, over_tp = kv_cache_slot(cfg)
     data, tp = math.prod(shape[a] for a in DATA_AXES), shape["tp"]
     prompt = grpo_prompt_length(cfg)
     reference = (f"reference = a frozen copy of the initial params in {cfg.precision.mode}: {gib(ref)} per device"
@@ -139,8 +140,9 @@ def _grpo_line(cfg: Config, num_devices: int, shape: dict) -> str:
     return (f"GRPO       {reference}; rollouts of {t.batch_size // po.num_generations} prompts × {po.num_generations} "
             f"generations = {t.batch_size} rows of {prompt} prompt + {po.max_completion_length} completion tokens\n"
             f"rollout    KV cache {gib(r['kv_cache'])} per device ({t.batch_size} rows × {prompt + po.max_completion_length} "
-            f"slots × {m.num_layers} layers × 2 × {m.num_key_value_heads} kv heads × {m.head_dim} × {b['p']} B, "
-            f"rows over data {data}, kv heads over tp {tp}); rollout batch {gib(r['batch'])} per device "
+            f"slots × {slot} × {b['p']} B, rows over data {data}, "
+            + (f"kv heads over tp {tp}" if over_tp else "whole on every tp rank")
+            + f"); rollout batch {gib(r['batch'])} per device "
             f"({len(ROLLOUT_FIELDS)} fp32/int32 [{t.batch_size}, {t.seq_len}] fields); rollout peak {gib(r['total'])} "
             f"(state + 2 × KV cache + prefill scores {gib(r['scores'])}"
             + (f" + a gathered layer {gib(r['gathered'])}" if r["gathered"] else "")

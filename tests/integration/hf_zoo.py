@@ -61,6 +61,30 @@ ZOO: dict[str, tuple[str, dict]] = {
     "phi3-window": ("Phi3Config", dict(sliding_window=4, pad_token_id=VOCAB - 1)),  # a pad id in the vocabulary, as Phi-3 has
     # OLMo-2: norms after attention and after the MLP, q/k RMSNorm over the whole projection
     "olmo2": ("Olmo2Config", dict(pad_token_id=None, rope_theta=500000.0)),
+    # DeepSeek-V3 (671B): MLA with a q latent (1536 there, 24 here), the kv latent (512, 16), per head 128
+    # nope + 64 rope query/key dims and 128 value dims (16 + 8, 12: v != q), DeepSeek's interleaved rotary
+    # layout; yarn factor 40 with mscale = mscale_all_dim = 1 (the softmax scale x mscale^2), its 4096-token
+    # original context shrunk to 4 so that the interpolated frequencies turn within 16 tokens; 256 routed
+    # experts in 8 groups, top-4 groups, top-8 (8 in 4 groups, top-2 groups, top-3), sigmoid scores with the
+    # score-correction bias (perturbed by build()), routed_scaling_factor 2.5, 1 shared expert, the first 3
+    # of 61 layers dense (1 of 3 here)
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=16, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+        rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                      "beta_slow": 1, "original_max_position_embeddings": 4}, max_position_embeddings=160)),
+    # DeepSeek-V2-Lite's shape on V3's code: no q latent (q_lora_rank null: a plain q_proj), 64 routed experts
+    # in one group (8 here), top-6 (top-2), 2 shared experts, weights not renormalised, routed_scaling_factor
+    # 1, yarn mscale = mscale_all_dim = 0.707, the first layer dense, tied embeddings (our flag, not V2-Lite's)
+    "deepseek-v2-lite": ("DeepseekV3Config", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=16, n_routed_experts=8,
+        n_shared_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        first_k_dense_replace=1, norm_topk_prob=False, tie_word_embeddings=True,
+        rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+                      "beta_slow": 1, "original_max_position_embeddings": 4}, max_position_embeddings=160)),
     # GPT-OSS-20B: sinks, q/k/v/o biases, sliding / full layers alternating (window 128 there, 4 here), yarn
     # (factor 32, beta 32/1, untruncated) over theta 150000 with its 4096-token original context shrunk to 64
     # so that the ramp moves into the frequencies 16 tokens turn, head_dim 64 with hidden 2880 / 64 heads (16
@@ -90,6 +114,9 @@ def build(name: str, seed: int = 0, **overrides) -> "transformers.PreTrainedMode
         for pname, p in model.named_parameters():
             if p.ndim == 1 or "norm" in pname or "bias" in pname:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        for pname, b in model.named_buffers():  # DeepSeek-V3's e_score_correction_bias: a buffer, zero at init
+            if pname.endswith("e_score_correction_bias"):
+                b.add_(torch.randn(b.shape, generator=g) * 0.1)
     return model.eval()
 
 

@@ -2,7 +2,8 @@
 with the real model's distinctive keys (tests/integration/hf_zoo.py):
 
 * logits equal transformers' fp32 logits within 1e-5 of max |logit|, on one device and on tp 2 × fsdp 4
-  (ZeRO-3: the params sharded over fsdp, gathered layer by layer);
+  (ZeRO-3: the params sharded over fsdp, gathered layer by layer), and for a mixture of experts on
+  ep 2 × tp 2 (the experts split over ep, tokens exchanged all-to-all; ZeRO-1 over the data group of 4);
 * batched greedy generation of left-padded prompts of mixed lengths is token-equal to ``generate``;
 * ``save_hf`` writes a folder that ``AutoModelForCausalLM`` loads with no missing or unexpected keys
   and whose logits are equal.
@@ -84,6 +85,19 @@ def test_logits_tp2_fsdp4_zero3(saved):
     got = sharded_logits(cfg, params, x, {"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 3})
     err = rel_err(got, logits(model, x))
     print(f"{name} tp2 x fsdp4 ZeRO-3: {err:.2e}")
+    assert err < REL
+
+
+def test_logits_ep2_tp2_experts(saved):
+    name, model, path = saved
+    cfg, params = load_hf(path, tp=2)
+    if not cfg.moe:
+        pytest.skip("dense: no experts to split")
+    x = tokens(b=4)
+    got = sharded_logits(cfg, params, x, {"data_parallel_size": 4, "expert_parallel_size": 2,
+                                          "tensor_parallel_size": 2, "zero_stage": 1})
+    err = rel_err(got, logits(model, x))
+    print(f"{name} ep2 x tp2 ZeRO-1: {err:.2e}")
     assert err < REL
 
 

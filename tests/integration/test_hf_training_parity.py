@@ -5,7 +5,8 @@ cosine learning rate, weight decay 0.1 on the parameters transformers' ``Trainer
 ``get_decay_parameter_names``: not biases or norms, as ours) and global-norm clipping at 1.
 
 Acceptance (issue 50): each step's loss within 1e-4, and every weight tensor within 2% of its total
-step: ``‖w_ours − w_torch‖ ≤ 0.02 · ‖w_torch − w_initial‖``.
+step: ``‖w_ours − w_torch‖ ≤ 0.02 · ‖w_torch − w_initial‖``; a tensor torch leaves where it was (DeepSeek-V3's
+``e_score_correction_bias``, a buffer) must stay exactly where it was here.
 """
 import dataclasses
 
@@ -23,10 +24,12 @@ from jaxcolossal.config import config_from_dict  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf  # noqa: E402
 from jaxcolossal.train.optimizer import lr_schedule  # noqa: E402
 
-PARITY = ["llama3.2", "qwen3", "gpt-oss"]
+PARITY = ["llama3.2", "qwen3", "deepseek-v3", "gpt-oss"]
 """The zoo entries trained against torch (Llama-3.2: rope llama3, tied; Qwen3: q/k norm, explicit head_dim;
-GPT-OSS: sinks, biases everywhere, alternating windows, a biased router and clamped experts, no load-balancing
-term: transformers' default loss has none)."""
+DeepSeek-V3: multi-head latent attention, group-limited sigmoid routing with the score-correction bias,
+which neither side trains: a buffer in transformers, a zero-gradient leaf here; GPT-OSS: sinks, biases
+everywhere, alternating windows, a biased router and clamped experts, no load-balancing term:
+transformers' default loss has none)."""
 
 STEPS = 10
 TRAINING = {"batch_size": 4, "seq_len": 16, "learning_rate": 3e-3, "warmup_steps": 2, "max_steps": STEPS,
@@ -90,6 +93,9 @@ def test_ten_steps_equal_transformers_and_torch_adamw(name, tmp_path):
     def check(path, a, b, w0):
         a, b, w0 = (np.asarray(v, np.float64) for v in (a, b, w0))
         step = np.linalg.norm(b - w0)
+        if step == 0 and jax.tree_util.keystr(path).endswith("['router_score_bias']"):  # frozen on both sides
+            np.testing.assert_array_equal(a, w0)
+            return
         assert step > 0, f"{jax.tree_util.keystr(path)} did not move"
         worst.append(np.linalg.norm(a - b) / step)
         assert worst[-1] <= 0.02, f"{jax.tree_util.keystr(path)}: {worst[-1]:.2%} of its total step"

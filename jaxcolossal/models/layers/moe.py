@@ -1,13 +1,16 @@
-"""Mixture-of-experts MLP for the LLaMA family (``model.num_experts > 0``): Mixtral (softmax router,
-top-2, renormalised), Qwen3-MoE (softmax, top-k, ``norm_topk_prob`` as its config says) and
-DeepSeek-MoE's layout (fine-grained experts, shared experts, the first ``first_k_dense`` layers
-dense, sigmoid scores); and GPT-OSS's options: a router bias (``model.router_bias``), biased experts
-(``model.expert_bias``) and the clamped SwiGLU (``model.swiglu_limit``).
+"""Mixture-of-experts MLP for the LLaMA, DeepSeek and GPT-OSS families (``model.num_experts > 0``):
+Mixtral (softmax router, top-2, renormalised), Qwen3-MoE (softmax, top-k, ``norm_topk_prob`` as its
+config says), DeepSeek-MoE's layout (fine-grained experts, shared experts, the first ``first_k_dense``
+layers dense, sigmoid scores), DeepSeek-V3's router (group-limited top-k, the score-correction bias that
+chooses but does not weight, ``routed_scaling_factor``: :func:`choose_experts`) and GPT-OSS's options: a
+router bias (``model.router_bias``), biased experts (``model.expert_bias``) and the clamped SwiGLU
+(``model.swiglu_limit``).
 
 Params of one MoE layer, stacked over the ``L_moe`` MoE layers (``E`` experts of size ``f_e``,
 shared experts ``f_s = num_shared_experts · f_e``)::
 
     router       [L, d, E]       (layers, embed, None)
+    router_score_bias [L, E]     (layers, None)                     with router_score_correction (frozen)
     moe_w_gate   [L, E, d, f_e]  (layers, expert, embed, mlp)       moe_w_up likewise
     moe_w_down   [L, E, f_e, d]  (layers, expert, mlp, embed)
     shared_w_gate/up [L, d, f_s], shared_w_down [L, f_s, d]          (as a dense MLP)
@@ -51,6 +54,8 @@ def layer_shapes_and_axes(cfg: ModelConfig) -> dict:
         out.update({"shared_w_gate": ((L, d, fs), ("layers", "embed", "mlp")),
                     "shared_w_up": ((L, d, fs), ("layers", "embed", "mlp")),
                     "shared_w_down": ((L, fs, d), ("layers", "mlp", "embed"))})
+    if cfg.router_score_correction:  # DeepSeek-V3's e_score_correction_bias (zero at initialisation)
+        out["router_score_bias"] = ((L, E), ("layers", None))
     if cfg.router_bias:
         out["router_bias"] = ((L, E), ("layers", None))
     if cfg.expert_bias:
@@ -60,19 +65,62 @@ def layer_shapes_and_axes(cfg: ModelConfig) -> dict:
     return out
 
 
+def _group_limited(choice: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """DeepSeek-V3's group-limited routing: ``choice [T, E]`` with the experts outside each token's
+    ``topk_group`` best groups of ``n_group`` set to ``-inf``; a group's score is the sum of its two best
+    experts' (transformers' ``DeepseekV3TopkRouter``)."""
+    t, e = choice.shape
+    g = cfg.n_group
+    group_scores = jnp.sum(jax.lax.top_k(choice.reshape(t, g, e // g), 2)[0], axis=-1)       # [T, G]
+    best = jax.lax.top_k(group_scores, cfg.topk_group)[1]                                      # [T, topk_group]
+    keep = jnp.any(best[:, :, None] == jnp.arange(g)[None, None, :], axis=1)                  # [T, G]
+    return jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
+
+
+def choose_experts(scores: jax.Array, cfg: ModelConfig, score_bias: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Each token's top-k experts and their weights from the router's fp32 scores ``[T, E]``.
+
+    The experts are chosen by ``scores + score_bias`` (DeepSeek-V3's ``e_score_correction_bias``
+    ``[E]``, ``model.router_score_correction``), within the token's best groups when ``model.n_group``
+    > 1 (:func:`_group_limited`); their weights are the scores themselves, without the bias, summed to
+    one when ``norm_topk_prob`` (DeepSeek-V3 adds 1e-20 to the sum), then times
+    ``routed_scaling_factor``, as transformers' ``DeepseekV3TopkRouter`` computes them (for
+    softmax routers without a bias or groups: ``lax.top_k`` of the scores, Mixtral's). The choice
+    carries no gradient, so the bias gets none: it stays frozen in training (it is updated outside
+    the gradient in the DeepSeek-V3 paper; transformers keeps it as a buffer).
+
+    Returns:
+        ``(top_i int32 [T, k], top_w fp32 [T, k])``.
+    """
+    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+    choice = jax.lax.stop_gradient(choice)
+    if cfg.n_group > 1:
+        choice = _group_limited(choice, cfg)
+    top_i = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
+    top_w = jnp.take_along_axis(scores, top_i, axis=-1)
+    if cfg.norm_topk_prob:
+        eps = 1e-20 if cfg.router_scoring == "sigmoid" else 0.0
+        top_w = top_w / (jnp.sum(top_w, axis=-1, keepdims=True) + eps)
+    if cfg.routed_scaling_factor != 1.0:
+        top_w = top_w * cfg.routed_scaling_factor
+    return top_i, top_w
+
+
 EXPERT_BIASES = ("moe_gate_bias", "moe_up_bias", "moe_down_bias")
 """The routed experts' bias leaves (``model.expert_bias``), in the order of
 :func:`jaxcolossal.parallel.expert.routed_experts`' ``biases``."""
 
 
 def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple = (),
-          b_router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
-    """Each token's top-k experts and weights, and the router's losses and load.
+          score_bias: jax.Array | None = None, b_router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+    """Each token's top-k experts and weights (:func:`choose_experts`), and the router's losses and load.
 
     Args:
         x: ``[T, d]`` tokens (compute dtype); ``w_router``: ``[d, E]``.
         data_axes: inside a ``shard_map`` manual over the data axes (a pipeline), those axes: the
             statistics are summed over them, so that they are the whole microbatch's.
+        score_bias: fp32 ``[E]``, DeepSeek-V3's score-correction bias (chooses, does not weight).
         b_router: ``[E]``, the router's bias (GPT-OSS), added to the logits; ``None``: none. GPT-OSS's
             top-k of the logits then softmax over the chosen equals softmax, top-k, renormalised.
 
@@ -88,9 +136,7 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple 
     if b_router is not None:
         logits = logits + b_router.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
-    top_w, top_i = jax.lax.top_k(scores, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_i, top_w = choose_experts(scores, cfg, score_bias)
 
     def total(a):  # summed over the data shards
         return jax.lax.psum(a, data_axes) if data_axes else a
@@ -135,7 +181,8 @@ def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None, manual: tuple |
     instead, :func:`pooled_loss_gradient`)."""
     b, t, d = h.shape
     x = h.reshape(b * t, d)
-    top_i, top_w, stats = route(x, lp["router"], cfg, manual[1] if manual else (), lp.get("router_bias"))
+    top_i, top_w, stats = route(x, lp["router"], cfg, manual[1] if manual else (), lp.get("router_score_bias"),
+                                lp.get("router_bias"))
     biases = tuple(lp[n] for n in EXPERT_BIASES) if cfg.expert_bias else None
     y, dropped = routed_experts(x, top_i, top_w, lp["moe_w_gate"], lp["moe_w_up"], lp["moe_w_down"],
                                 cfg.capacity_factor, mesh, manual_ep=manual[0] if manual else None, biases=biases,
