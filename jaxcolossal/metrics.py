@@ -5,7 +5,8 @@ Two labelled FLOP conventions are reported side by side:
 * ``6N+attn`` — model FLOPs per trained token = ``6·N_matmul + 6·L·t·d``: 6 FLOPs per matmul
   parameter per token (forward 2, backward 4; Kaplan et al., 2020) plus PaLM's attention term
   ``12·L·H·Q·t`` halved for the causal mask (Chowdhery et al., 2022, App. B); with multi-head latent
-  attention's q·k and value head sizes apart, ``6·L·H·(Q_qk + Q_v)·t`` halved. ``N_matmul``
+  attention's q·k and value head sizes apart, ``6·L·H·(Q_qk + Q_v)·t`` halved; a sliding-window
+  layer counts the keys its window leaves (:func:`attended_keys`). ``N_matmul``
   excludes the input-embedding lookup but includes the LM head. Recompute is not counted
   (these are *model* FLOPs, the basis of MFU).
 * ``colossal`` — Colossal-AI's ``examples/language/performance_evaluator.py``:
@@ -133,14 +134,24 @@ def lora_param_count(cfg: ModelConfig) -> int:
     return sum(math.prod(shape) for shape, _ in adapter_shapes_and_axes(cfg.lora, table)["layers"].values())
 
 
+def attended_keys(window: int, seq_len: int) -> float:
+    """The keys one query attends to, averaged over a causal sequence of ``seq_len`` tokens, as the
+    ``6N+attn`` convention counts them: ``t/2`` for the whole prefix (``window`` 0 or >= ``t``), else the
+    mean of ``min(i, w)`` over the positions ``i = 1..t``, ``w − w(w − 1)/(2t)``."""
+    if not window or window >= seq_len:
+        return seq_len / 2
+    return window - window * (window - 1) / (2 * seq_len)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:
     """Training FLOPs per token in both conventions (module docstring); a mixture of experts counts its
     active parameters (:func:`param_count`). With LoRA the frozen weights' matmuls run forward and
     for the input gradient only (``4N``) and the adapters' all three (``6·N_lora``): the compiled
     step's matmul FLOPs exactly, on the tiny model (``tests/integration/test_lora.py``)."""
     n = param_count(cfg)
-    dq, dv = cfg.attention_dims  # q·k and p·v, forward and backward, causal: 3·L·t·h·(dq + dv) (6·L·t·h·q when equal)
-    attention = 3 * cfg.num_layers * seq_len * cfg.num_attention_heads * (dq + dv)
+    dq, dv = cfg.attention_dims  # q·k and p·v, forward and backward: 6·h·(dq + dv) per attended key
+    keys = sum(attended_keys(w, seq_len) for w in cfg.layer_windows)  # L·t/2 without sliding windows
+    attention = 6 * keys * cfg.num_attention_heads * (dq + dv)  # 6·L·t·h·q when dq = dv = q, no windows
     if cfg.lora.enabled:  # the frozen weights' matmuls: forward and input gradient only; the adapters' all three
         adapters = lora_param_count(cfg)
         return {"6N+attn": float(4 * n["matmul"] + 6 * adapters + attention),

@@ -47,6 +47,7 @@ def check_architecture(cfg: Config) -> None:
     _check_rope(m)
     _check_layer_kinds(cfg)
     _check_attention_options(cfg)
+    _check_sinks(cfg)
     if m.type == "deepseek":
         _check_mla(cfg)
         _check_router_groups(m)
@@ -132,6 +133,19 @@ def _check_layer_kinds(cfg: Config) -> None:
     if len(set(kinds)) > 1 and p.pipeline_parallel_size != 1:
         raise ConfigError("model.layer_types mixes sliding and full layers, which a pipeline stage's shared layer "
                           "does not run yet: set parallel.pipeline_parallel_size=1")
+
+
+def _check_sinks(cfg: Config) -> None:
+    """Attention sinks (GPT-OSS) with the kernels and sequence-parallel forms that have no sink logit."""
+    m, mode = cfg.model, cfg.parallel.sequence_parallelism_mode
+    if not m.attention_sinks:
+        return
+    if m.attention_impl != "xla":
+        raise ConfigError(f"model.attention_sinks=true: the {m.attention_impl} kernel has no sink logit here: set "
+                          "model.attention_impl=xla")
+    if mode in ("all_to_all", "ring_attn"):
+        raise ConfigError(f"model.attention_sinks=true: parallel.sequence_parallelism_mode={mode} has no sink logit "
+                          "here: use split_gather or none")
 
 
 def _check_mla(cfg: Config) -> None:

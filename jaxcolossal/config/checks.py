@@ -292,14 +292,14 @@ def _check_moe(cfg: Config) -> None:
                           + (" and model.first_k_dense=0" if m.first_k_dense else ""))
 
 
-LORA_FAMILIES = ("llama", "gemma")
-"""The families whose projections carry LLaMA's names and equations
-(:data:`jaxcolossal.models.layers.lora.WEIGHTS`)."""
+LORA_FAMILIES = ("llama", "gemma", "gpt_oss")
+"""The families whose projections carry LoRA's adapters: LLaMA's names and equations
+(:data:`jaxcolossal.models.layers.lora.WEIGHTS`); GPT-OSS on its attention, as every mixture of experts."""
 
 
 def _check_lora(cfg: Config) -> None:
-    """``model.lora``: known targets, a family with LoRA (:data:`LORA_FAMILIES`), and the features it
-    does not run with."""
+    """``model.lora``: known targets, a family with adapters (:data:`LORA_FAMILIES`), and the features it does not run
+    with."""
     lo, m, p, o = cfg.model.lora, cfg.model, cfg.parallel, cfg.offload
     named = [t.strip() for t in lo.targets.split(",") if t.strip()]
     unknown = [t for t in named if t not in LORA_TARGETS and named != ["all"]]
@@ -316,8 +316,8 @@ def _check_lora(cfg: Config) -> None:
                               "adapter's own rank replaces it)")
         return
     if m.type not in LORA_FAMILIES:
-        raise ConfigError(f"model.lora.rank={lo.rank}: LoRA is implemented for the {' and '.join(LORA_FAMILIES)} "
-                          f"families, not model.type={m.type!r}")
+        raise ConfigError(f"model.lora.rank={lo.rank}: LoRA is implemented for model.type {', '.join(LORA_FAMILIES)}, "
+                          f"not {m.type!r}")
     off = {"parallel.gradient_compression": p.gradient_compression != "none",
            "offload.offload_optim_frac / offload_param_frac": o.offload_optim_frac > 0 or o.offload_param_frac > 0,
            "offload.placement_policy=auto": o.placement_policy == "auto", "offload.nvme_path": bool(o.nvme_path)}

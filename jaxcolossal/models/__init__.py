@@ -12,7 +12,7 @@ writing Hugging Face folders is :mod:`jaxcolossal.models.hf_io`, PEFT adapters :
 import jax
 
 from jaxcolossal.config import ConfigError, ModelConfig
-from jaxcolossal.models import deepseek, gemma, gpt2, llama
+from jaxcolossal.models import deepseek, gemma, gpt2, gpt_oss, llama
 from jaxcolossal.models.family import Family, count_params, param_axes
 from jaxcolossal.models.gemma import GemmaForCausalLM
 from jaxcolossal.models.gpt2 import GPT2LMHeadModel
@@ -20,7 +20,8 @@ from jaxcolossal.models.layers import lora
 from jaxcolossal.models.layers.vocab import padded_vocab_size
 from jaxcolossal.models.llama import LlamaForCausalLM
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, deepseek.FAMILY, gemma.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, deepseek.FAMILY, gemma.FAMILY,
+                                                gpt_oss.FAMILY)}
 """``model.type`` -> its :class:`~jaxcolossal.models.family.Family`; adding a family is one line here."""
 
 

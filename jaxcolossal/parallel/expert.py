@@ -20,7 +20,10 @@ to dispatch, chosen by ``model.capacity_factor``:
   over ``ep`` and run as batched matmuls. With ``C ≥ T·k`` nothing is dropped and the result equals
   the dropless one.
 
-Both return the weighted sum of each token's experts and the number of slots dropped.
+Both return the weighted sum of each token's experts and the number of slots dropped. The experts
+are SwiGLU MLPs; as options (GPT-OSS) they carry biases (gate and up added per row by its expert,
+the down projection's once per kept slot after the ``tp`` sum) and the clamped SwiGLU of
+:func:`gated` (``model.swiglu_limit``).
 """
 
 from __future__ import annotations
@@ -38,16 +41,45 @@ BLOCK_ROWS = 64
 """The rows of one block of :func:`_experts_blocked` (each group padded to a multiple of it)."""
 
 
-def _experts_grouped(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, blocked: bool = False) -> jax.Array:
+SWIGLU_ALPHA = 1.702
+"""The sigmoid gain of GPT-OSS's clamped SwiGLU (transformers' ``GptOssConfig.swiglu_alpha``)."""
+
+
+def gated(g: jax.Array, u: jax.Array, limit: float = 0.0) -> jax.Array:
+    """The experts' gated activation of the gate and up projections ``g``, ``u`` (same shape): SwiGLU
+    ``silu(g) · u``, or with a ``limit`` > 0 GPT-OSS's clamped form (transformers'
+    ``GptOssExperts._apply_gate``): ``g`` clamped above at ``limit``, ``u`` to ``[−limit, limit]``,
+    ``g · sigmoid(1.702 · g) · (u + 1)``."""
+    if not limit:
+        return jax.nn.silu(g) * u
+    g = jnp.minimum(g, limit)
+    u = jnp.clip(u, -limit, limit)
+    return g * jax.nn.sigmoid(g * SWIGLU_ALPHA) * (u + 1)
+
+
+def _row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+    """int32 ``[m]``: each row's group for rows sorted by group (the last group for rows past them): the
+    group ends at or before the row, counted by a scatter and a cumulative sum (``jnp.searchsorted``
+    trips over the varying manual axes of a pipeline's ``shard_map``)."""
+    ends = jnp.zeros((m,), jnp.int32).at[jnp.cumsum(group_sizes)].add(1, mode="drop")
+    return jnp.minimum(jnp.cumsum(ends), group_sizes.shape[0] - 1)
+
+
+def _experts_grouped(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, blocked: bool = False, bg=None, bu=None,
+                     limit: float = 0.0) -> jax.Array:
     """SwiGLU of each row of ``xs [M, d]`` by its group's expert (rows sorted by group; rows past
     ``sum(group_sizes)`` come out zero): ``[M, d]``. ``blocked``: :func:`_experts_blocked` in place
     of ``jax.lax.ragged_dot`` (XLA:CPU lowers ``ragged_dot`` as a dense matmul of every row against
-    every group's weight, ``E``-fold the work)."""
+    every group's weight, ``E``-fold the work). ``bg``, ``bu``: the gate and up projections' biases
+    ``[E, f]`` (GPT-OSS); ``limit``: :func:`gated`'s."""
     if blocked:
-        return _experts_blocked(xs, group_sizes, wg, wu, wd)
+        return _experts_blocked(xs, group_sizes, wg, wu, wd, bg=bg, bu=bu, limit=limit)
     g = jax.lax.ragged_dot(xs, wg, group_sizes)
     u = jax.lax.ragged_dot(xs, wu, group_sizes)
-    return jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs.dtype), wd, group_sizes)
+    if bg is not None:  # rows past the groups get the last group's bias: the down matmul zeroes them anyway
+        rows = _row_groups(group_sizes, xs.shape[0])
+        g, u = g + bg[rows].astype(g.dtype), u + bu[rows].astype(u.dtype)
+    return jax.lax.ragged_dot(gated(g, u, limit).astype(xs.dtype), wd, group_sizes)
 
 
 def _block_layout(group_sizes: jax.Array, m: int, block: int) -> tuple[jax.Array, jax.Array, int]:
@@ -66,17 +98,20 @@ def _block_layout(group_sizes: jax.Array, m: int, block: int) -> tuple[jax.Array
     return dest, block_group, nb
 
 
-def _experts_blocked(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, block: int = BLOCK_ROWS) -> jax.Array:
+def _experts_blocked(xs: jax.Array, group_sizes: jax.Array, wg, wu, wd, block: int = BLOCK_ROWS, bg=None, bu=None,
+                     limit: float = 0.0) -> jax.Array:
     """:func:`_experts_grouped` as batched matmuls over blocks of rows (MegaBlocks' block-sparse
     form, Gale et al., 2023): each group's rows padded to whole blocks of ``block``, each block
     multiplied by its group's weights (gathered per block). ``(M + E·block)`` rows of work against
     ``ragged_dot``'s ``E·M`` on XLA:CPU. ``[M, d]``, rows past ``sum(group_sizes)`` zero."""
     m, d = xs.shape
-    dest, bg, nb = _block_layout(group_sizes, m, block)
+    dest, groups, nb = _block_layout(group_sizes, m, block)
     buf = jnp.zeros((nb * block, d), xs.dtype).at[dest].set(xs, mode="drop").reshape(nb, block, d)
-    g = jnp.einsum("nbd,ndf->nbf", buf, wg[bg])
-    u = jnp.einsum("nbd,ndf->nbf", buf, wu[bg])
-    out = jnp.einsum("nbf,nfd->nbd", (jax.nn.silu(g) * u).astype(xs.dtype), wd[bg]).reshape(nb * block, -1)
+    g = jnp.einsum("nbd,ndf->nbf", buf, wg[groups])
+    u = jnp.einsum("nbd,ndf->nbf", buf, wu[groups])
+    if bg is not None:
+        g, u = g + bg[groups][:, None].astype(g.dtype), u + bu[groups][:, None].astype(u.dtype)
+    out = jnp.einsum("nbf,nfd->nbd", gated(g, u, limit).astype(xs.dtype), wd[groups]).reshape(nb * block, -1)
     return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
 
 
@@ -89,15 +124,16 @@ def blocked_on(mesh) -> bool:
     return mesh is not None and platform(mesh) == "cpu"
 
 
-def _dropless_local(x, flat, k, wg, wu, wd, blocked: bool = False):
-    """Every slot through its expert on this device (``ep = 1``): ``[T·k, d]`` in slot order."""
+def _dropless_local(x, flat, k, wg, wu, wd, blocked: bool = False, **opts):
+    """Every slot through its expert on this device (``ep = 1``): ``[T·k, d]`` in slot order.
+    ``opts``: :func:`_experts_grouped`'s biases and limit."""
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.sum(jax.nn.one_hot(flat, wg.shape[0], dtype=jnp.int32), axis=0)
-    out = _experts_grouped(x[order // k], sizes, wg, wu, wd, blocked)
+    out = _experts_grouped(x[order // k], sizes, wg, wu, wd, blocked, **opts)
     return jnp.zeros_like(out).at[order].set(out)
 
 
-def _dropless_exchange(x, flat, k, wg, wu, wd, ep: int, blocked: bool = False):
+def _dropless_exchange(x, flat, k, wg, wu, wd, ep: int, blocked: bool = False, **opts):
     """:func:`_dropless_local` with the experts split over ``ep``: pack each destination's slots,
     ``all_to_all``, grouped matmuls on the local experts, ``all_to_all`` back. ``[T·k, d]``."""
     n_local = wg.shape[0]
@@ -113,16 +149,17 @@ def _dropless_exchange(x, flat, k, wg, wu, wd, ep: int, blocked: bool = False):
     recv_e = jax.lax.all_to_all(send_e, EP_AXIS, 0, 0).reshape(-1)   # n_local marks an empty place
     order_r = jnp.argsort(recv_e, stable=True)
     sizes = jnp.sum(jax.nn.one_hot(recv_e, n_local, dtype=jnp.int32), axis=0)
-    done = _experts_grouped(recv[order_r], sizes, wg, wu, wd, blocked)
+    done = _experts_grouped(recv[order_r], sizes, wg, wu, wd, blocked, **opts)
     back = jnp.zeros_like(done).at[order_r].set(done).reshape(ep, m, -1)
     ret = jax.lax.all_to_all(back, EP_AXIS, 0, 0)         # [ep (the device that ran it), m, d]
     out = ret[dest, pos]
     return jnp.zeros_like(out).at[order].set(out)
 
 
-def _capacity(x, flat, k, wg, wu, wd, ep: int, capacity_factor: float, num_experts: int):
+def _capacity(x, flat, k, wg, wu, wd, ep: int, capacity_factor: float, num_experts: int, bg=None, bu=None,
+              limit: float = 0.0):
     """GShard's dispatch: ``C`` places per expert, slots in token order, the rest dropped.
-    Returns ``([T·k, d] in slot order, dropped slots)``."""
+    Returns ``([T·k, d] in slot order, bool [T·k]: the slots kept)``."""
     m = flat.shape[0]
     cap = max(1, math.ceil(capacity_factor * m / num_experts))
     onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)
@@ -135,33 +172,42 @@ def _capacity(x, flat, k, wg, wu, wd, ep: int, capacity_factor: float, num_exper
         buf = buf[None]
     g = jnp.einsum("secd,edf->secf", buf, wg)
     u = jnp.einsum("secd,edf->secf", buf, wu)
-    done = jnp.einsum("secf,efd->secd", (jax.nn.silu(g) * u).astype(x.dtype), wd)
+    if bg is not None:
+        g, u = g + bg[None, :, None].astype(g.dtype), u + bu[None, :, None].astype(u.dtype)
+    done = jnp.einsum("secf,efd->secd", gated(g, u, limit).astype(x.dtype), wd)
     if ep > 1:
         done = jax.lax.all_to_all(done, EP_AXIS, 0, 0)
     done = done.reshape(num_experts, cap, -1)
     out = jnp.where(keep[:, None], done[flat, jnp.minimum(pos, cap - 1)], 0).astype(x.dtype)
-    return out, jnp.sum(~keep).astype(jnp.float32)
+    return out, keep
 
 
-def _local(x, top_i, top_w, wg, wu, wd, *, num_experts, capacity_factor, ep, tp, blocked=False):
-    """One device's part: ``(y [T, d], dropped slots [1])`` for its tokens ``x [T, d]``."""
+def _local(x, top_i, top_w, wg, wu, wd, *biases, num_experts, capacity_factor, ep, tp, blocked=False, limit=0.0):
+    """One device's part: ``(y [T, d], dropped slots [1])`` for its tokens ``x [T, d]``. ``biases``:
+    none, or the gate and up biases (this device's experts, ``[E/ep, f/tp]``) and the down bias of
+    every expert ``[E, d]``, added once per kept slot after the ``tp`` sum."""
     t, k = top_i.shape
     flat = top_i.reshape(-1)
-    dropped = jnp.zeros((), jnp.float32)
+    opts = dict(bg=biases[0], bu=biases[1], limit=limit) if biases else dict(limit=limit)
+    keep = jnp.ones(flat.shape, bool)
     if capacity_factor > 0:
-        out, dropped = _capacity(x, flat, k, wg, wu, wd, ep, capacity_factor, num_experts)
+        out, keep = _capacity(x, flat, k, wg, wu, wd, ep, capacity_factor, num_experts, **opts)
     elif ep > 1:
-        out = _dropless_exchange(x, flat, k, wg, wu, wd, ep, blocked)
+        out = _dropless_exchange(x, flat, k, wg, wu, wd, ep, blocked, **opts)
     else:
-        out = _dropless_local(x, flat, k, wg, wu, wd, blocked)
+        out = _dropless_local(x, flat, k, wg, wu, wd, blocked, **opts)
     y = jnp.einsum("tkd,tk->td", out.reshape(t, k, -1).astype(jnp.float32), top_w.astype(jnp.float32))
     if tp > 1:  # each tp rank ran its slice of every expert's intermediate dimension
         y = jax.lax.psum(y, TP_AXIS)
-    return y.astype(x.dtype), dropped[None]
+    if biases:  # the down projection's bias, weighted as its slot
+        kept_w = jnp.where(keep.reshape(t, k), top_w, 0).astype(jnp.float32)
+        y = y + jnp.einsum("tkd,tk->td", biases[2][top_i].astype(jnp.float32), kept_w)
+    return y.astype(x.dtype), jnp.sum(~keep).astype(jnp.float32)[None]
 
 
 def routed_experts(x: jax.Array, top_i: jax.Array, top_w: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array,
-                   capacity_factor: float, mesh=None, manual_ep: int | None = None) -> tuple[jax.Array, jax.Array]:
+                   capacity_factor: float, mesh=None, manual_ep: int | None = None, biases: tuple | None = None,
+                   swiglu_limit: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """The routed experts' output for each token.
 
     Args:
@@ -173,22 +219,30 @@ def routed_experts(x: jax.Array, top_i: jax.Array, top_w: jax.Array, wg: jax.Arr
         mesh: the run's mesh (``None``: one device, no collectives).
         manual_ep: inside a ``shard_map`` already manual over ``ep`` (a pipeline's): its size; the
             arguments are this device's and the all-to-alls run over it directly (tp 1).
+        biases: ``None``, or GPT-OSS's expert biases ``(gate [E, f], up [E, f], down [E, d])`` (``E``
+            on ``ep``, ``f`` on ``tp``; the down bias is gathered whole on every device).
+        swiglu_limit: GPT-OSS's clamped SwiGLU (:func:`gated`); 0: the plain SwiGLU.
 
     Returns:
         ``(y [T, d] in x's dtype, dropped)``: ``dropped`` fp32 scalar, the slots (of ``T·k``) no
         expert took (0 when dropless).
     """
+    biases = tuple(biases or ())
     if mesh is None:  # one device, or this device's part inside a manual shard_map
         ep = manual_ep or 1
-        y, dropped = _local(x, top_i, top_w, wg, wu, wd, num_experts=wg.shape[0] * ep,
-                            capacity_factor=capacity_factor, ep=ep, tp=1, blocked=blocked_on(None))
+        if biases and ep > 1:  # every expert's down bias, for the slots this device's tokens send out
+            biases = (*biases[:2], jax.lax.all_gather(biases[2], EP_AXIS, axis=0, tiled=True))
+        y, dropped = _local(x, top_i, top_w, wg, wu, wd, *biases, num_experts=wg.shape[0] * ep,
+                            capacity_factor=capacity_factor, ep=ep, tp=1, blocked=blocked_on(None), limit=swiglu_limit)
         return y, dropped[0]
     num_experts = wg.shape[0]
     shape = dict(mesh.shape)
     fn = partial(_local, num_experts=num_experts, capacity_factor=capacity_factor, ep=shape.get(EP_AXIS, 1),
-                 tp=shape.get(TP_AXIS, 1), blocked=blocked_on(mesh))
+                 tp=shape.get(TP_AXIS, 1), blocked=blocked_on(mesh), limit=swiglu_limit)
     rows = P(DATA_AXES, None)
     expert_in, expert_out = P(EP_AXIS, None, TP_AXIS), P(EP_AXIS, TP_AXIS, None)
-    y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(rows, rows, rows, expert_in, expert_in, expert_out),
-                               out_specs=(rows, P(DATA_AXES)), check_vma=False)(x, top_i, top_w, wg, wu, wd)
+    bias_specs = (P(EP_AXIS, TP_AXIS), P(EP_AXIS, TP_AXIS), P(None, None))[:len(biases)]
+    in_specs = (rows, rows, rows, expert_in, expert_in, expert_out, *bias_specs)
+    y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                               out_specs=(rows, P(DATA_AXES)), check_vma=False)(x, top_i, top_w, wg, wu, wd, *biases)
     return y, jnp.sum(dropped)

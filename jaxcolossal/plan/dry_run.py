@@ -162,11 +162,13 @@ def _zero_groups_note(cfg: Config, shape: dict) -> str:
 
 
 def _experts_line(cfg: Config, shape: dict, n: dict) -> str:
-    """A mixture of experts' shape, its active parameters and the experts each device holds ("" when dense)."""
+    """A mixture of experts' shape, its active parameters (Mixtral's count; without the input embedding,
+    GPT-OSS's model card's) and the experts each device holds ("" when dense)."""
     m = cfg.model
     if not m.moe:
         return ""
-    return (f"; {n['active']:,} ({n['active'] / 1e9:.2f} B) active per token\n"
+    lean = (n["active"] - n["embedding"]) / 1e9
+    return (f"; {n['active']:,} ({n['active'] / 1e9:.2f} B) active per token ({lean:.2f} B without the input embedding)\n"
             f"experts    {m.num_experts} of width {m.expert_size}, top-{m.num_experts_per_tok}, in {m.moe_layers} layers"
             + (f", {m.num_shared_experts} shared" if m.num_shared_experts else "")
             + (f" ({m.capacity_factor:g} capacity)" if m.capacity_factor else " (dropless)")

@@ -100,6 +100,19 @@ ZOO: dict[str, tuple[str, dict]] = {
                                                          "sliding_attention": {"rope_type": "default",
                                                                                "rope_theta": 10000.0}},
                                         tie_word_embeddings=True)),
+    # GPT-OSS-20B: sinks, q/k/v/o biases, sliding / full layers alternating (window 128 there, 4 here), yarn
+    # (factor 32, beta 32/1, untruncated) over theta 150000 with its 4096-token original context shrunk to 64
+    # so that the ramp moves into the frequencies 16 tokens turn, head_dim 64 with hidden 2880 / 64 heads (16
+    # for 4 here), a biased router over 32 experts top-4 (4 top-2 here), biased experts with the clamped SwiGLU;
+    # swiglu_limit 7 there, 0.5 here: with initializer 0.15 the gate and up values stay within ±2, so the
+    # real limit would never clamp (test_gpt_oss.py checks that both clamps bite)
+    "gpt-oss": ("GptOssConfig", dict(num_hidden_layers=4, head_dim=16, sliding_window=4,
+                                     layer_types=["sliding_attention", "full_attention"] * 2,
+                                     rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 64},
+                                     num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
+                                     swiglu_limit=0.5, initial_context_length=64, router_aux_loss_coef=0.9)),
 }
 """name -> (transformers config class, the keys beyond :data:`BASE`)."""
 

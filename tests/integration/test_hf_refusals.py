@@ -31,6 +31,11 @@ REFUSED = {  # case -> (config.json, the key the one-line refusal must name)
                                "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     "qwen3-moe-dense-layers": ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 32, "mlp_only_layers": [0]}, "mlp_only_layers"),
+    # the published gpt-oss-20b/120b checkpoints: MXFP4 experts (a bf16 copy reads)
+    "gpt-oss-mxfp4": ({**LLAMA, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_local_experts": 4,
+                       "num_experts_per_tok": 2, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert":
+                       ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}},
+                      "quantization_config={'quant_method': 'mxfp4'}"),
 }
 
 

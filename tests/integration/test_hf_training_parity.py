@@ -24,12 +24,13 @@ from jaxcolossal.config import config_from_dict  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf  # noqa: E402
 from jaxcolossal.train.optimizer import lr_schedule  # noqa: E402
 
-PARITY = ["llama3.2", "qwen3", "deepseek-v3", "gemma3", "gemma2"]
+PARITY = ["llama3.2", "qwen3", "deepseek-v3", "gemma3", "gemma2", "gpt-oss"]
 """The zoo entries trained against torch (Llama-3.2: rope llama3, tied; Qwen3: q/k norm, explicit head_dim;
 DeepSeek-V3: multi-head latent attention, group-limited sigmoid routing with the score-correction bias,
 which neither side trains: a buffer in transformers, a zero-gradient leaf here; Gemma 3: sandwich (1 + w)
 norms, GeGLU, scaled embeddings, local and global layers, q/k norms; Gemma 2: its attention and final-logit
-soft-caps in the trained loss)."""
+soft-caps in the trained loss; GPT-OSS: sinks, biases everywhere, alternating windows, a biased router and
+clamped experts, no load-balancing term: transformers' default loss has none)."""
 
 STEPS = 10
 TRAINING = {"batch_size": 4, "seq_len": 16, "learning_rate": 3e-3, "warmup_steps": 2, "max_steps": STEPS,

@@ -15,7 +15,7 @@ from jaxcolossal.models.llama import hf, model
 
 
 def test_every_registered_family_fills_the_interface():
-    assert sorted(FAMILIES) == ["deepseek", "gemma", "gpt2", "llama"]
+    assert sorted(FAMILIES) == ["deepseek", "gemma", "gpt2", "gpt_oss", "llama"]
     for name, fam in FAMILIES.items():
         assert fam.name == name
         for f in MODEL_FUNCTIONS + HF_FUNCTIONS:
@@ -42,5 +42,5 @@ def test_a_family_lacking_a_function_is_refused_by_name():
 
 def test_get_family_refuses_an_unknown_type():
     with pytest.raises(Exception,
-                       match=r"model.type='mistral': allowed values are \['deepseek', 'gemma', 'gpt2', 'llama'\]"):
+                       match=r"model.type='mistral': allowed values are \['deepseek', 'gemma', 'gpt2', 'gpt_oss', 'llama'\]"):
         get_family(dataclasses.replace(ModelConfig(), type="mistral"))

@@ -24,7 +24,8 @@ def attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = None, 
     (``parallel.sequence_parallelism_mode`` all_to_all / ring_attn), the sequence-parallel form of
     it (:func:`jaxcolossal.parallel.sequence.attend`; ring attention masks by ``positions`` int ``[b, t]``).
     ``options``: :func:`local_attention`'s ``window``, ``scale``, ``softcap``, ``sinks`` (the config
-    refuses ring attention with a window, and Ulysses with sinks).
+    refuses ring attention with a window, and Ulysses and ring attention with sinks:
+    config/architecture.py).
     """
     local = partial(local_attention, **options) if options else local_attention
     return sequence.attend(q, k, v, shard, local, impl, segment_ids, positions)

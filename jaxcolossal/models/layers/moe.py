@@ -1,8 +1,10 @@
-"""Mixture-of-experts MLP for the LLaMA and DeepSeek families (``model.num_experts > 0``): Mixtral
-(softmax router, top-2, renormalised), Qwen3-MoE (softmax, top-k, ``norm_topk_prob`` as its config
-says), DeepSeek-MoE's layout (fine-grained experts, shared experts, the first ``first_k_dense`` layers
-dense, sigmoid scores) and DeepSeek-V3's router (group-limited top-k, the score-correction bias that
-chooses but does not weight, ``routed_scaling_factor``: :func:`choose_experts`).
+"""Mixture-of-experts MLP for the LLaMA, DeepSeek and GPT-OSS families (``model.num_experts > 0``):
+Mixtral (softmax router, top-2, renormalised), Qwen3-MoE (softmax, top-k, ``norm_topk_prob`` as its
+config says), DeepSeek-MoE's layout (fine-grained experts, shared experts, the first ``first_k_dense``
+layers dense, sigmoid scores), DeepSeek-V3's router (group-limited top-k, the score-correction bias that
+chooses but does not weight, ``routed_scaling_factor``: :func:`choose_experts`) and GPT-OSS's options: a
+router bias (``model.router_bias``), biased experts (``model.expert_bias``) and the clamped SwiGLU
+(``model.swiglu_limit``).
 
 Params of one MoE layer, stacked over the ``L_moe`` MoE layers (``E`` experts of size ``f_e``,
 shared experts ``f_s = num_shared_experts · f_e``)::
@@ -12,6 +14,9 @@ shared experts ``f_s = num_shared_experts · f_e``)::
     moe_w_gate   [L, E, d, f_e]  (layers, expert, embed, mlp)       moe_w_up likewise
     moe_w_down   [L, E, f_e, d]  (layers, expert, mlp, embed)
     shared_w_gate/up [L, d, f_s], shared_w_down [L, f_s, d]          (as a dense MLP)
+    router_bias  [L, E]          (layers, None)                      model.router_bias
+    moe_gate_bias, moe_up_bias [L, E, f_e]  (layers, expert, mlp)    model.expert_bias
+    moe_down_bias [L, E, d]      (layers, expert, embed)             model.expert_bias
 
 The router runs on the whole batch (fp32 logits), so the load-balancing and z losses and the load
 statistics are those of the global batch; the experts run in :func:`jaxcolossal.parallel.expert.routed_experts`.
@@ -51,6 +56,12 @@ def layer_shapes_and_axes(cfg: ModelConfig) -> dict:
                     "shared_w_down": ((L, fs, d), ("layers", "mlp", "embed"))})
     if cfg.router_score_correction:  # DeepSeek-V3's e_score_correction_bias (zero at initialisation)
         out["router_score_bias"] = ((L, E), ("layers", None))
+    if cfg.router_bias:
+        out["router_bias"] = ((L, E), ("layers", None))
+    if cfg.expert_bias:
+        out.update({"moe_gate_bias": ((L, E, f), ("layers", "expert", "mlp")),
+                    "moe_up_bias": ((L, E, f), ("layers", "expert", "mlp")),
+                    "moe_down_bias": ((L, E, d), ("layers", "expert", "embed"))})
     return out
 
 
@@ -96,8 +107,13 @@ def choose_experts(scores: jax.Array, cfg: ModelConfig, score_bias: jax.Array | 
     return top_i, top_w
 
 
+EXPERT_BIASES = ("moe_gate_bias", "moe_up_bias", "moe_down_bias")
+"""The routed experts' bias leaves (``model.expert_bias``), in the order of
+:func:`jaxcolossal.parallel.expert.routed_experts`' ``biases``."""
+
+
 def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple = (),
-          score_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+          score_bias: jax.Array | None = None, b_router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
     """Each token's top-k experts and weights (:func:`choose_experts`), and the router's losses and load.
 
     Args:
@@ -105,6 +121,8 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple 
         data_axes: inside a ``shard_map`` manual over the data axes (a pipeline), those axes: the
             statistics are summed over them, so that they are the whole microbatch's.
         score_bias: fp32 ``[E]``, DeepSeek-V3's score-correction bias (chooses, does not weight).
+        b_router: ``[E]``, the router's bias (GPT-OSS), added to the logits; ``None``: none. GPT-OSS's
+            top-k of the logits then softmax over the chosen equals softmax, top-k, renormalised.
 
     Returns:
         ``(top_i int32 [T, k], top_w fp32 [T, k], stats)``; ``stats``: ``moe_aux_loss`` (this layer's
@@ -115,6 +133,8 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig, data_axes: tuple 
         the tokens of ``x``, not over the data shards, so that in a pipeline its gradient stays local).
     """
     logits = jnp.einsum("td,de->te", x, w_router, preferred_element_type=jnp.float32)
+    if b_router is not None:
+        logits = logits + b_router.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
     top_i, top_w = choose_experts(scores, cfg, score_bias)
 
@@ -161,9 +181,12 @@ def moe_mlp(h: jax.Array, lp: dict, cfg: ModelConfig, mesh=None, manual: tuple |
     instead, :func:`pooled_loss_gradient`)."""
     b, t, d = h.shape
     x = h.reshape(b * t, d)
-    top_i, top_w, stats = route(x, lp["router"], cfg, manual[1] if manual else (), lp.get("router_score_bias"))
+    top_i, top_w, stats = route(x, lp["router"], cfg, manual[1] if manual else (), lp.get("router_score_bias"),
+                                lp.get("router_bias"))
+    biases = tuple(lp[n] for n in EXPERT_BIASES) if cfg.expert_bias else None
     y, dropped = routed_experts(x, top_i, top_w, lp["moe_w_gate"], lp["moe_w_up"], lp["moe_w_down"],
-                                cfg.capacity_factor, mesh, manual_ep=manual[0] if manual else None)
+                                cfg.capacity_factor, mesh, manual_ep=manual[0] if manual else None, biases=biases,
+                                swiglu_limit=cfg.swiglu_limit)
     if manual:  # the per-layer router losses, 1/L each as finish averages them, for this shard's tokens
         losses = cfg.router_z_loss_coef * stats["moe_z_loss"]
         if cfg.router_aux_loss_form == "per_layer":
