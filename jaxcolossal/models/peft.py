@@ -41,9 +41,27 @@ def peft_config(lora: LoraConfig, base_model: str = "") -> dict:
             "inference_mode": True}
 
 
+FUSED = {"phi3": "Phi-3's fused qkv_proj and gate_up_proj"}
+"""Architectures whose Hugging Face modules fuse projections that the adapters keep apart: a PEFT adapter
+there is one low-rank pair per fused module, which separate q/k/v (gate/up) pairs are not."""
+
+
+def check_peft_format(cfg: ModelConfig, what: str) -> None:
+    """Refuse PEFT adapter files for an architecture of :data:`FUSED`, in one line naming the way out.
+
+    Raises: ConfigError."""
+    if cfg.hf_model_type in FUSED:
+        raise ConfigError(f"{what}: {FUSED[cfg.hf_model_type]} hold one PEFT adapter each, not one per projection as "
+                          "trained here: export the merged model (convert_hf.py --to-hf ... --merge-lora)")
+
+
 def save_adapters(path: str | os.PathLike, cfg: ModelConfig, adapters: Any, base_model: str = "") -> list[str]:
     """Write ``adapters`` (``{"layers": {name: [L, ...]}}``, any float dtype, host or device
-    arrays) as a PEFT folder at ``path``: fp32 tensors, PEFT's key names. Returns the files written."""
+    arrays) as a PEFT folder at ``path``: fp32 tensors, PEFT's key names. Returns the files written.
+
+    Raises:
+        ConfigError: an architecture whose modules fuse the adapted projections (:func:`check_peft_format`)."""
+    check_peft_format(cfg, "PEFT adapters")
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for target in cfg.lora.target_list:
@@ -103,8 +121,10 @@ def load_adapters(path: str | os.PathLike, cfg: ModelConfig) -> dict:
     folder's, :func:`read_adapter_config`).
 
     Raises:
-        ConfigError: a tensor missing or of the wrong shape (an adapter of another model).
+        ConfigError: a tensor missing or of the wrong shape (an adapter of another model), or an
+            architecture whose modules fuse the adapted projections (:func:`check_peft_format`).
     """
+    check_peft_format(cfg, f"model.lora.init_from={str(path)!r}")
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
         raise ConfigError(f"model.lora.init_from={str(path)!r}: no {ADAPTER_WEIGHTS} there")

@@ -8,6 +8,7 @@ The GRPO step is the Llama-3-8B one of test_grpo_compile.py on each shape: XLA a
 (the frozen reference in the state). Measured figures: docs/models.md.
 """
 
+import math
 import os
 
 import pytest
@@ -18,10 +19,22 @@ from jaxcolossal.memory.budget import need
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES = {  # config -> (target, devices): the fewest whole hosts that fit, as docs/models.md says
-    "llama3_1_8b": ("h100", 8), "llama3_3_70b": ("h200", 16), "qwen2_5_7b": ("h100", 8), "qwen3_8b": ("h100", 8),
-    "qwen3_32b": ("h200", 8), "mistral_nemo_12b": ("h100", 8), "phi4_mini": ("h100", 8),
+H100X8, H200X8 = ("h100", 8), ("h200", 8)
+SHAPES = {  # config -> {kind: (target, devices)}: the fewest whole hosts that fit, as docs/models.md says
+    "llama3_1_8b": {"pretrain": H100X8, "grpo": H100X8}, "llama3_3_70b": {"pretrain": ("h200", 16), "grpo": ("h200", 16)},
+    "qwen2_5_7b": {"pretrain": H100X8, "grpo": H100X8}, "qwen3_8b": {"pretrain": H100X8, "grpo": H100X8},
+    "qwen3_32b": {"pretrain": H200X8, "grpo": H200X8}, "mistral_nemo_12b": {"pretrain": H100X8, "grpo": H100X8},
+    "phi4_mini": {"pretrain": H100X8, "grpo": H100X8},
+    "gemma3_12b": {"pretrain": H100X8, "grpo": H100X8}, "gemma3_27b": {"pretrain": H100X8, "grpo": H200X8},
+    "gpt_oss_20b": {"pretrain": H100X8, "grpo": H100X8},
+    "gpt_oss_120b": {"pretrain": ("h200", 16), "grpo": ("h100", 32)},
 }
+
+
+def _fixed_axes(name: str) -> tuple[int, ...]:
+    """The config's tp, sp and pp sizes: the data-parallel size (``ep`` within it) is what the fleet leaves."""
+    p = load_config(os.path.join(ROOT, f"configs/bench/{name}.yaml")).parallel
+    return (p.tensor_parallel_size, p.sequence_parallel_size, p.pipeline_parallel_size)
 
 
 def grpo_overrides(devices: int) -> list[str]:
@@ -44,9 +57,11 @@ PLANNER_MISSES = {("phi4_mini", "grpo"): "the planner says 16.00 GiB, XLA:GPU 19
 def test_real_shape_compiles_fits_and_the_planner_is_within_10_percent(name, kind, request):
     if (name, kind) in PLANNER_MISSES:
         request.applymarker(pytest.mark.xfail(reason=PLANNER_MISSES[name, kind], strict=True))
-    device, n = SHAPES[name]
+    device, n = SHAPES[name][kind]
     gpu = target.get_target(device)
-    cfg = load_config(os.path.join(ROOT, f"configs/bench/{name}.yaml"), grpo_overrides(n) if kind == "grpo" else [])
+    layout = [f"parallel.data_parallel_size={n // math.prod(_fixed_axes(name))}"]
+    cfg = load_config(os.path.join(ROOT, f"configs/bench/{name}.yaml"),
+                      layout + (grpo_overrides(n) if kind == "grpo" else []))
     fc = fleet.compile_for(cfg, gpu, n, keep_hlo=False)
     predicted = need(cfg, n, backend="gpu")["total"]
     print(f"\n{name} {kind} on {device}x{n}: compiled peak {fc.peak / 2**30:.2f} GiB, planner {predicted / 2**30:.2f} "

@@ -4,6 +4,7 @@ line naming it, before any weight is read; never silently dropped (issue 50's re
 Each case is a real architecture's config with one such key set as the real model (or a variant of it)
 sets it; one of them goes through ``scripts/convert_hf.py --to-jax`` to show the command line's exit 2.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,8 +12,9 @@ import sys
 
 import pytest
 
-from jaxcolossal.config import ConfigError
+from jaxcolossal.config import ConfigError, LoraConfig
 from jaxcolossal.models.hf_io import config_from_hf
+from jaxcolossal.models.peft import load_adapters, save_adapters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32,
@@ -58,3 +60,14 @@ def test_the_command_line_refuses_with_exit_2_before_reading_weights(tmp_path):
     lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "rope_scaling.rope_type='proportional'" in lines[0], out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_peft_adapters_of_phi3s_fused_projections_are_refused_with_the_merged_export_named(tmp_path):
+    """Phi-3's qkv_proj / gate_up_proj hold one PEFT adapter each; the separate q, k, v adapters trained here
+    cannot be written as one, so the adapter export and ``model.lora.init_from`` are refused in one line."""
+    cfg = dataclasses.replace(config_from_hf({**LLAMA, "model_type": "phi3"}), lora=LoraConfig(rank=4))
+    for call in (lambda: save_adapters(tmp_path / "a", cfg, {"layers": {}}), lambda: load_adapters(tmp_path, cfg)):
+        with pytest.raises(ConfigError, match="fused qkv_proj and gate_up_proj .* --merge-lora") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "a").exists()
