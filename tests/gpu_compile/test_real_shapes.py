@@ -26,9 +26,10 @@ SHAPES = {  # config -> {kind: (target, devices)}: the fewest whole hosts that f
     "qwen3_32b": {"pretrain": H200X8, "grpo": H200X8}, "mistral_nemo_12b": {"pretrain": H100X8, "grpo": H100X8},
     "phi4_mini": {"pretrain": H100X8, "grpo": H100X8},
     "gemma3_12b": {"pretrain": H100X8, "grpo": H100X8}, "gemma3_27b": {"pretrain": H100X8, "grpo": H200X8},
-    "gpt_oss_20b": {"pretrain": H100X8, "grpo": H100X8},
-    "gpt_oss_120b": {"pretrain": ("h200", 16), "grpo": ("h100", 32)},
+    "gpt_oss_20b": {"pretrain": H100X8, "grpo": H200X8}, "gpt_oss_120b": {"pretrain": ("h200", 32)},
 }
+"""GPT-OSS-120B's GRPO step (8 rows of 1536 tokens a device) fits no fleet tried: 212.43 GiB a device on 32
+H200s (docs/models.md); DeepSeek-V3 (256 GPUs) is planned (--dry-run) but not compiled here."""
 
 
 def _fixed_axes(name: str) -> tuple[int, ...]:
@@ -45,15 +46,19 @@ def grpo_overrides(devices: int) -> list[str]:
             "posttrain.num_generations=8", "posttrain.beta=0.04"]
 
 
+_GPT_OSS = ("GPT-OSS: the planner misses XLA:GPU's buffers of its 64-head XLA attention (sinks rule out cuDNN) "
+            "at tp 1 and of its experts: ")
 PLANNER_MISSES = {("phi4_mini", "grpo"): "the planner says 16.00 GiB, XLA:GPU 19.16 GiB (-16.5%): at 8 rows × 1536 "
                   "tokens a device the XLA attention's fp32 probabilities [8, 8, 1536, 1536, 3] (1.69 GiB) are "
                   "held several times over by the while loop's double buffering; the SFT step at the same batch "
-                  "misses by -16% too"}
+                  "misses by -16% too",
+                  ("gpt_oss_20b", "pretrain"): _GPT_OSS + "53.32 GiB planned, 67.82 GiB compiled (-21.4%)",
+                  ("gpt_oss_20b", "grpo"): _GPT_OSS + "61.12 GiB planned, 116.19 GiB compiled (-47.4%)",
+                  ("gpt_oss_120b", "pretrain"): _GPT_OSS + "62.09 GiB planned, 108.59 GiB compiled (-42.8%)"}
 """Rows where the planner is known to be more than 10% off, with the measured figures (docs/models.md)."""
 
 
-@pytest.mark.parametrize("kind", ["pretrain", "grpo"])
-@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("name,kind", [(n, k) for n in sorted(SHAPES) for k in SHAPES[n]])
 def test_real_shape_compiles_fits_and_the_planner_is_within_10_percent(name, kind, request):
     if (name, kind) in PLANNER_MISSES:
         request.applymarker(pytest.mark.xfail(reason=PLANNER_MISSES[name, kind], strict=True))
