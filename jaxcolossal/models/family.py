@@ -18,6 +18,8 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from jaxcolossal.models.layers.vocab import init_vocab_padded
+
 
 @dataclass(frozen=True)
 class Family:
@@ -118,3 +120,25 @@ def param_axes(model: nnx.Module) -> dict:
 def count_params(params: Any) -> int:
     """Number of parameter elements (padded vocabulary rows included)."""
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def stacked_params(module: nnx.Module, cfg: Any, table: dict, key: jax.Array, init_leaf: Callable,
+                   min_keys: int = 0) -> None:
+    """Set a family module's ``nnx.Param`` attributes from its ``param_shapes_and_axes`` table:
+    ``embed_tokens``, the ``layers`` (and ``dense_layers``) stacks as ``nnx.Dict``, ``final_norm`` and,
+    when untied, ``lm_head``; each drawn by ``init_leaf(key, name, shape, cfg)`` with its own key split
+    from ``key`` (``max(min_keys, leaves)`` keys, in the table's order), its padded vocabulary rows zero
+    (:func:`jaxcolossal.models.layers.vocab.init_vocab_padded`), its logical ``axes`` as metadata."""
+    n_leaves = len(table["layers"]) + len(table.get("dense_layers", {})) + 3
+    keys = iter(jax.random.split(key, max(min_keys, n_leaves)))
+
+    def make(name, shape, axes):
+        return nnx.Param(init_vocab_padded(init_leaf, next(keys), name, shape, axes, cfg), axes=axes)
+
+    module.embed_tokens = make("embed_tokens", *table["embed_tokens"])
+    module.layers = nnx.Dict({n: make(n, *sa) for n, sa in table["layers"].items()})
+    if "dense_layers" in table:
+        module.dense_layers = nnx.Dict({n: make(n, *sa) for n, sa in table["dense_layers"].items()})
+    module.final_norm = make("final_norm", *table["final_norm"])
+    if "lm_head" in table:
+        module.lm_head = make("lm_head", *table["lm_head"])

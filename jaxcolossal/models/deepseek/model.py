@@ -51,12 +51,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcolossal.config import ModelConfig
+from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import moe, vocab
 from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
 from jaxcolossal.models.layers.linear import column_parallel, projection, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.norm import rms_norm
 from jaxcolossal.models.layers.rope import apply_rope, rope_tables, yarn_factor, yarn_mscale
-from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, init_vocab_padded, no_shard, padded_vocab_size
+from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, no_shard, padded_vocab_size
 from jaxcolossal.parallel.layer_scan import fetch_layer, scan_layers, tag
 
 LATENT_NORM_EPS = 1e-6
@@ -152,20 +153,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, tp: int = 1):
         self.cfg = cfg
         self.vocab = padded_vocab_size(cfg, tp)
-        table = param_shapes_and_axes(cfg, self.vocab)
-        n_leaves = len(table["layers"]) + len(table.get("dense_layers", {})) + 3
-        keys = iter(jax.random.split(rngs.params(), n_leaves))
-
-        def make(name, shape, axes):
-            return nnx.Param(init_vocab_padded(_init_leaf, next(keys), name, shape, axes, cfg), axes=axes)
-
-        self.embed_tokens = make("embed_tokens", *table["embed_tokens"])
-        self.layers = nnx.Dict({n: make(n, *sa) for n, sa in table["layers"].items()})
-        if "dense_layers" in table:
-            self.dense_layers = nnx.Dict({n: make(n, *sa) for n, sa in table["dense_layers"].items()})
-        self.final_norm = make("final_norm", *table["final_norm"])
-        if "lm_head" in table:
-            self.lm_head = make("lm_head", *table["lm_head"])
+        stacked_params(self, cfg, param_shapes_and_axes(cfg, self.vocab), rngs.params(), _init_leaf)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
