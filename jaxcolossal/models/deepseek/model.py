@@ -325,26 +325,9 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Sharder = 
 head_loss, _ = vocab.lm_loss(hidden_states, head_weight)
 
 
-def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
-                   vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                   positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """``(loss_sum, stats)``: the summed next-token cross-entropy (nats, fp32) of int ``tokens``/``targets
-    [b, t]`` (with ``mask [b, t]``: the masked-in tokens') plus the router losses at their coefficients
-    (0 as read from Hugging Face: transformers' DeepSeek-V3 loss has none), and the router statistics."""
-    h, stats = hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)
-    loss = head_loss(params, h, targets, cfg, shard, mask)
-    if cfg.moe:
-        n = tokens.size if mask is None else jnp.sum(mask.astype(jnp.float32))
-        loss = loss + moe.loss_terms(stats, cfg, n)
-    return loss, stats
-
-
-def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
-             vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
-             positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
-    """:func:`loss_and_stats`'s loss."""
-    return loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions,
-                          dropout_key)[0]
+loss_and_stats, loss_sum = moe.lm_loss_with_router(hidden_and_stats, head_loss)
+"""The summed LM loss with the router's losses, and the router statistics
+(:func:`jaxcolossal.models.layers.moe.lm_loss_with_router`)."""
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,

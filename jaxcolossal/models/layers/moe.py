@@ -27,10 +27,13 @@ The load-balancing loss combines the MoE layers as ``model.router_aux_loss_form`
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config import ModelConfig
+from jaxcolossal.models.layers.vocab import Sharder, no_shard
 from jaxcolossal.parallel.expert import routed_experts
 
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_slots", "expert_load", "router_prob")
@@ -270,3 +273,35 @@ def pooled_loss_gradient(stream: dict, cfg: ModelConfig) -> jax.Array:
     tokens = jnp.sum(stream["expert_load"]) / (cfg.num_experts_per_tok * max(cfg.moe_layers, 1))
     g = tokens * cfg.router_aux_loss_coef * pooled_aux_loss(stream["expert_load"], stream["router_prob"], cfg)
     return g - jax.lax.stop_gradient(g)
+
+
+def lm_loss_with_router(hidden_and_stats: Callable, head_loss: Callable) -> tuple[Callable, Callable]:
+    """A family's ``(loss_and_stats, loss_sum)`` for layers that may be mixtures of experts, from its
+    ``hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key) ->
+    (h [b, t, d], stats)`` and ``head_loss`` (:func:`jaxcolossal.models.layers.vocab.lm_loss`).
+
+    ``loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions,
+    dropout_key) -> (loss, stats)``: the summed next-token cross-entropy (nats, fp32 scalar) of int
+    ``tokens``/``targets [b, t]`` (with ``mask [b, t]``, of the masked-in tokens), plus with experts the
+    router losses at their coefficients (:func:`loss_terms`), and the router statistics (``{}`` for a
+    dense model). ``loss_sum``: its loss alone."""
+
+    def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig,
+                       shard: Sharder = no_shard, vocab_parallel: bool = False, mask: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                       dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        h, stats = hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)
+        loss = head_loss(params, h, targets, cfg, shard, mask)
+        if cfg.moe:
+            n = tokens.size if mask is None else jnp.sum(mask.astype(jnp.float32))
+            loss = loss + loss_terms(stats, cfg, n)
+        return loss, stats
+
+    def loss_sum(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfig, shard: Sharder = no_shard,
+                 vocab_parallel: bool = False, mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
+        return loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, segment_ids, positions,
+                              dropout_key)[0]
+
+    loss_and_stats.__doc__ = loss_sum.__doc__ = lm_loss_with_router.__doc__
+    return loss_and_stats, loss_sum
