@@ -12,7 +12,7 @@ Reads and writes LOCAL Hugging Face model directories (nothing is downloaded)::
   :mod:`jaxcolossal.models.llama` / :mod:`jaxcolossal.models.gpt2`, fp32 numpy, the vocabulary
   padded for ``tp`` with zero rows.
 * :func:`save_hf` ``(path, cfg, params, special_tokens=None)``: the inverse; the padding is
-  stripped, the result loads in ``transformers`` (``LlamaForCausalLM`` / ``GPT2LMHeadModel``) with
+  stripped, the result loads in ``transformers`` (as the architecture it was read from: docs/models.md) with
   no missing or unexpected keys; ``special_tokens`` (bos/eos/pad ids) go into ``config.json`` and
   ``generation_config.json``.
 * :func:`config_from_hf` / :func:`config_to_hf`: ``config.json`` dict <-> :class:`ModelConfig`;
@@ -84,8 +84,9 @@ def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
     (e.g. ``vocab_pad_multiple=64``, ``remat="full"``) are set on the result.
 
     Raises:
-        ConfigError: an unsupported architecture or feature (LLaMA: rope scaling, attention or
-            MLP biases, an activation other than silu, ``head_dim != hidden_size / heads``;
+        ConfigError: an unsupported architecture, or a key that changes the math and is not
+            implemented, named in one line by the family's reader (a RoPE type outside transformers'
+            six, non-zero dropout, another activation, MXFP4/FP8 quantisation, ...; docs/models.md;
             GPT-2: an activation other than the tanh GELU, unscaled or layer-scaled attention,
             cross-attention).
     """
@@ -255,7 +256,7 @@ def _pad_vocab(params: dict, cfg: ModelConfig, vocab: int) -> dict:
 
 
 def load_hf(path: str | os.PathLike, tp: int = 1, **overrides: Any) -> tuple[ModelConfig, dict]:
-    """Import a local Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` directory.
+    """Import a local Hugging Face directory of any registered family's architecture (docs/models.md).
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or a sharded
@@ -341,7 +342,7 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_si
 
     Args:
         path: output directory (created); earlier ``model*.safetensors`` files in it are removed.
-        cfg: the model config (``type`` llama or gpt2).
+        cfg: the model config (any registered ``type``).
         params: the params dict (jax or numpy arrays, any float dtype, fully addressable from
             this process, e.g. ``state.params`` or ``state.master``); written as float32.
             Vocabulary padding is removed: rows/columns beyond ``cfg.vocab_size`` are dropped.
