@@ -95,15 +95,16 @@ def _check_rope(m: ModelConfig) -> None:
 
 def _check_attention_options(cfg: Config) -> None:
     """Gemma's softmax scale (``query_pre_attn_scalar``) and attention soft-cap with the kernels and the
-    sequence-parallel modes that apply them: XLA's attention (and Ulysses', Megatron-SP's around it), not
-    the fused kernels nor ring attention's online softmax."""
+    sequence-parallel modes that apply them: XLA's attention (and Ulysses', Megatron-SP's around it), the flash
+    kernels (the scale, not the soft-cap); not cuDNN nor ring attention's online softmax."""
     m, p = cfg.model, cfg.parallel
     key = next((k for k in ("attn_logit_softcapping", "query_pre_attn_scalar") if getattr(m, k)), None)
     if key is None:
         return
-    if m.attention_impl != "xla":
-        raise ConfigError(f"model.{key}={getattr(m, key):g}: the {m.attention_impl} kernel has no softmax scale or "
-                          "soft-cap here: set model.attention_impl=xla")
+    if m.attention_impl == "cudnn" or (m.attention_impl == "flash" and key == "attn_logit_softcapping"):
+        raise ConfigError(f"model.{key}={getattr(m, key):g}: the {m.attention_impl} kernel has no "
+                          + ("soft-cap here: set model.attention_impl=xla" if key == "attn_logit_softcapping"
+                             else "softmax scale here: set model.attention_impl=xla or flash"))
     if p.sequence_parallelism_mode == "ring_attn":
         raise ConfigError(f"model.{key}={getattr(m, key):g}: ring attention's online softmax has no softmax scale or "
                           "soft-cap here: use parallel.sequence_parallelism_mode=all_to_all or split_gather")
@@ -124,9 +125,9 @@ def _check_layer_kinds(cfg: Config) -> None:
                               "window (in tokens)")
     if not any(m.layer_windows):
         return
-    if m.attention_impl != "xla":
-        raise ConfigError(f"model.sliding_window={m.sliding_window}: the {m.attention_impl} kernel has no sliding "
-                          "window here: set model.attention_impl=xla")
+    if m.attention_impl == "cudnn":
+        raise ConfigError(f"model.sliding_window={m.sliding_window}: the cudnn kernel has no sliding window here: set "
+                          "model.attention_impl=xla or flash")
     if p.sequence_parallelism_mode == "ring_attn":
         raise ConfigError(f"model.sliding_window={m.sliding_window}: ring attention has no sliding window here: use "
                           "parallel.sequence_parallelism_mode=all_to_all or split_gather")
@@ -140,9 +141,9 @@ def _check_sinks(cfg: Config) -> None:
     m, mode = cfg.model, cfg.parallel.sequence_parallelism_mode
     if not m.attention_sinks:
         return
-    if m.attention_impl != "xla":
-        raise ConfigError(f"model.attention_sinks=true: the {m.attention_impl} kernel has no sink logit here: set "
-                          "model.attention_impl=xla")
+    if m.attention_impl == "cudnn":
+        raise ConfigError("model.attention_sinks=true: the cudnn kernel has no sink logit here: set "
+                          "model.attention_impl=xla or flash")
     if mode in ("all_to_all", "ring_attn"):
         raise ConfigError(f"model.attention_sinks=true: parallel.sequence_parallelism_mode={mode} has no sink logit "
                           "here: use split_gather or none")

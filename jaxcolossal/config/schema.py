@@ -219,8 +219,10 @@ class ModelConfig:
     """The attention kernel: ``xla``, ``cudnn`` or ``flash``. ``xla``: an einsum with an fp32 softmax,
     runs everywhere. ``cudnn``: ``jax.nn.dot_product_attention``'s cuDNN kernel (GPUs, bf16/fp16); runs
     as ``xla`` inside a pipeline; not with ``data.packing_mask``. ``flash``: the Pallas flash-attention
-    kernels (Triton on GPUs, the Pallas interpreter elsewhere), memory linear in the sequence length;
-    not with pipeline parallelism. ``parallel.sequence_parallelism_mode=ring_attn`` needs ``xla``."""
+    kernels (Triton on GPUs, the Pallas interpreter elsewhere), memory linear in the sequence length,
+    with sliding windows, sinks and ``query_pre_attn_scalar`` (not the soft-cap, nor multi-head latent
+    attention); not with pipeline parallelism. ``parallel.sequence_parallelism_mode=ring_attn`` needs
+    ``xla``."""
     embedding_impl: Literal["gather", "one_hot"] = "gather"
     """How the input embedding looks tokens up with the vocabulary split over tp: ``gather`` or
     ``one_hot``. ``gather``: Megatron's masked gather, then one all-reduce over
@@ -270,7 +272,7 @@ class ModelConfig:
     """Sliding-window attention, in tokens, >= 0: a query attends to itself and the ``sliding_window −
     1`` tokens before it (Hugging Face's convention), on the layers ``layer_types`` marks sliding (all,
     when it is empty). 0: every layer attends to the whole causal prefix. Needs
-    ``model.attention_impl=xla`` and no ring attention (``parallel.sequence_parallelism_mode``)."""
+    ``model.attention_impl`` ``xla`` or ``flash`` and no ring attention (``parallel.sequence_parallelism_mode``)."""
     layer_types: str = ""
     """Each layer's attention, comma-separated, one per layer (a YAML list is accepted):
     ``sliding_attention`` or ``full_attention`` (Hugging Face's ``layer_types``: Gemma 2/3, GPT-OSS,
@@ -292,7 +294,7 @@ class ModelConfig:
     """Gemma 2's final soft-cap, >= 0: logits become ``c · tanh(logits / c)``; 0: none."""
     attention_sinks: bool = False
     """``true``: a learned logit per head joins each query's softmax and takes probability mass
-    without a value (GPT-OSS's sinks)."""
+    without a value (GPT-OSS's sinks). Needs ``model.attention_impl`` ``xla`` or ``flash``."""
     swiglu_limit: float = 0.0
     """GPT-OSS's clamped SwiGLU, >= 0: the gate is clamped above at the limit, the up projection to
     ``[−limit, limit]``; 0: the plain SwiGLU."""

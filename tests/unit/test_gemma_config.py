@@ -115,8 +115,11 @@ def _run(model: dict, parallel: dict):
                                         "sequence_parallelism_mode": "ring_attn"},
      "attn_logit_softcapping=50: ring attention's online softmax has no softmax scale or soft-cap"),
     ({"query_pre_attn_scalar": 256.0}, {"data_parallel_size": 8}, None),
-    ({"query_pre_attn_scalar": 256.0, "attention_impl": "flash"}, {"data_parallel_size": 8},
-     "query_pre_attn_scalar=256: the flash kernel has no softmax scale or soft-cap here"),
+    ({"query_pre_attn_scalar": 256.0, "attention_impl": "cudnn"}, {"data_parallel_size": 8},
+     "query_pre_attn_scalar=256: the cudnn kernel has no softmax scale here"),
+    ({"query_pre_attn_scalar": 256.0, "sliding_window": 4, "attention_impl": "flash"}, {"data_parallel_size": 8}, None),
+    ({"attn_logit_softcapping": 50.0, "attention_impl": "flash"}, {"data_parallel_size": 8},
+     "attn_logit_softcapping=50: the flash kernel has no soft-cap here"),
     ({"sliding_window": 4, "layer_types": "sliding_attention,full_attention,sliding_attention,full_attention"},
      {"data_parallel_size": 4, "pipeline_parallel_size": 2}, "mixes sliding and full layers"),
     ({"query_pre_attn_scalar": 256.0, "attn_logit_softcapping": 50.0, "sliding_window": 4},
@@ -124,8 +127,8 @@ def _run(model: dict, parallel: dict):
     ({"lora": {"rank": 4, "targets": "q,v,gate"}}, {"data_parallel_size": 8}, None),
 ])
 def test_what_runs_with_gemma(model, parallel, match):
-    """Ring attention and the fused kernels would drop the scale and caps: refused by name; Ulysses,
-    LoRA run; mixed local and global layers are refused in a pipeline."""
+    """Ring attention and cuDNN would drop the scale and caps, flash the soft-cap: refused by name; flash with
+    the scale and a window, Ulysses, LoRA run; mixed local and global layers are refused in a pipeline."""
     if match is None:
         _run(model, parallel)
         return

@@ -63,15 +63,15 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
     explicit einsum with an fp32 softmax that works everywhere. ``segment_ids`` (int ``[b, t]``,
     packed documents): a query attends only to keys of its own segment.
 
-    The options of the model families beyond LLaMA (``xla`` only; the config refuses them with the
-    kernels): ``window`` (int, static or a traced per-layer scalar; 0: none): a query attends to
-    itself and the ``window − 1`` keys before it (Mistral, Gemma, GPT-OSS); ``scale``: the softmax
+    The options of the model families beyond LLaMA (``xla``; ``flash`` takes all but ``softcap``; the config
+    refuses them with cuDNN): ``window`` (int, static or a traced per-layer scalar; 0: none): a query attends
+    to itself and the ``window − 1`` keys before it (Mistral, Gemma, GPT-OSS); ``scale``: the softmax
     scale of q·k (default ``dq^-1/2``); ``softcap``: Gemma 2's ``c·tanh(s/c)`` on the scaled scores;
     ``sinks`` fp32 ``[h]``: GPT-OSS's learned logit per head that joins the softmax with no value.
     """
     plain = scale is None and not softcap and sinks is None and isinstance(window, int) and window == 0
-    if impl == "flash" and plain:
-        return flash_attention(q, k, v, segment_ids, causal=True)
+    if impl == "flash" and not softcap:
+        return flash_attention(q, k, v, segment_ids, causal=True, scale=scale, window=window, sinks=sinks)
     if impl == "cudnn" and plain:
         if segment_ids is not None:
             raise ValueError("segment_ids (data.packing_mask) need model.attention_impl=xla")

@@ -18,7 +18,15 @@ Written for this project's layout after JAX's reference Triton kernel
 * ``segment_ids`` (packed documents): a query sees only keys of its own segment;
 * any length: the sequence is padded to whole blocks (padded keys are masked, padded queries
   sliced off) and the head dim to a power of two (zeros, which change no dot product);
-* causal or not.
+* causal or not;
+* a sliding window (Mistral, Gemma, GPT-OSS): a query sees itself and the ``window - 1`` keys before
+  it; the window is a runtime int32 (a per-layer constant of a layer scan), and the loops skip the
+  key/query blocks wholly outside it;
+* a softmax scale other than ``1/sqrt(d)`` (Gemma's ``query_pre_attn_scalar``);
+* attention sinks (GPT-OSS): one learned logit per head that joins the softmax with no value. The
+  forward starts each row's online softmax at the sink (``m = sink``, ``l = 1``), so the saved
+  log-sum-exp includes it and the dQ/dK/dV kernels are unchanged; the sink's own gradient is
+  ``-Σ_t exp(sink − lse_t) · Δ_t`` (``Δ_t = dO_t · O_t``), summed outside the kernels.
 
 On GPU the kernels lower through Triton; on any other backend they run with the Pallas
 interpreter (``interpret=True``), which is how the CPU tests compare them with
@@ -59,11 +67,15 @@ def reference_attention(q, k, v, segment_ids=None, causal: bool = True) -> jax.A
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _mask(qs, ks, q_seg, k_seg, causal: bool, kv_len: int, padded: bool):
-    """Valid entries of a ``[len(qs), len(ks)]`` block (positions ``qs``/``ks``)."""
+def _mask(qs, ks, q_seg, k_seg, causal: bool, kv_len: int, padded: bool, window=None):
+    """Valid entries of a ``[len(qs), len(ks)]`` block (positions ``qs``/``ks``); ``window``: a traced
+    int32 scalar (0: no window) or ``None``."""
     valid = None
     if causal:
         valid = qs[:, None] >= ks[None, :]
+    if window is not None:
+        near = (ks[None, :] > qs[:, None] - window) | (window == 0)
+        valid = near if valid is None else valid & near
     if q_seg is not None:
         same = q_seg[:, None] == k_seg[None, :]
         valid = same if valid is None else valid & same
@@ -73,12 +85,21 @@ def _mask(qs, ks, q_seg, k_seg, causal: bool, kv_len: int, padded: bool):
     return valid
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k, kv_len,
-                padded):
+def _first_block(start, window, block: int):
+    """The first block of ``block`` positions that holds a key within ``window`` of the position
+    ``start`` (0 without a window: ``window`` ``None`` or 0)."""
+    if window is None:
+        return 0
+    return jnp.where(window > 0, jax.lax.div(jnp.maximum(start - window + 1, 0), block), 0)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, win_ref, sink_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k,
+                kv_len, padded):
     qi = pl.program_id(0)
     q = q_ref[...]
     qs = qi * block_q + jnp.arange(block_q)
     q_seg = None if seg_ref is None else seg_ref[pl.ds(qi * block_q, block_q)]
+    window = None if win_ref is None else win_ref[0]
     T = k_ref.shape[0]
 
     def body(j, carry):
@@ -87,7 +108,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, 
         k, v = k_ref[sl, :], v_ref[sl, :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         valid = _mask(qs, j * block_k + jnp.arange(block_k), q_seg, None if seg_ref is None else seg_ref[sl],
-                      causal, kv_len, padded)
+                      causal, kv_len, padded, window)
         if valid is not None:
             s = jnp.where(valid, s, MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -98,24 +119,28 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, 
         return o, m_new, l
 
     upper = jax.lax.div((qi + 1) * block_q + block_k - 1, block_k) if causal else T // block_k
-    init = (jnp.zeros((block_q, q.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, upper, body, init)
+    if sink_ref is None:
+        m0, l0 = jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32)
+    else:  # the sink joins every row's softmax: its logit is the running max so far, its exp 1
+        m0, l0 = jnp.full((block_q,), sink_ref[0], jnp.float32), jnp.ones((block_q,), jnp.float32)
+    init = (jnp.zeros((block_q, q.shape[-1]), jnp.float32), m0, l0)
+    o, m, l = jax.lax.fori_loop(_first_block(qi * block_q, window, block_k), upper, body, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, scale, causal,
-                block, kv_len, padded):
+def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, win_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, scale,
+                causal, block, kv_len, padded):
     n = pl.program_id(2)
     T = q_ref.shape[0]
+    window = None if win_ref is None else win_ref[0]
 
     def seg(sl):  # the segment ids of a block (None without them)
         return None if seg_ref is None else seg_ref[sl]
 
     def scores(q, k, qs, ks, q_sl, k_sl):
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        valid = _mask(qs, ks, seg(q_sl), seg(k_sl), causal, kv_len, padded)
+        valid = _mask(qs, ks, seg(q_sl), seg(k_sl), causal, kv_len, padded, window)
         return s if valid is None else jnp.where(valid, s, MASK)
 
     # dK, dV of key block n: walk the query blocks (causal: from the diagonal on)
@@ -137,7 +162,10 @@ def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref
         return dk, dv
 
     zeros = jnp.zeros((block, k.shape[-1]), jnp.float32)
-    dk, dv = jax.lax.fori_loop(n if causal else 0, T // block, dkdv, (zeros, zeros))
+    last = T // block
+    if window is not None:  # the last query block that sees this key block: within the window of its last key
+        last = jnp.where(window > 0, jnp.minimum(last, jax.lax.div(n * block + block + window - 2, block) + 1), last)
+    dk, dv = jax.lax.fori_loop(n if causal else 0, last, dkdv, (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -155,7 +183,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref
         ds = p * (dp - delta[:, None]) * scale
         return dq + jnp.dot(ds.astype(kj.dtype), kj, preferred_element_type=jnp.float32)
 
-    dq = jax.lax.fori_loop(0, n + 1 if causal else T // block, dq_step, jnp.zeros((block, q.shape[-1]), jnp.float32))
+    dq = jax.lax.fori_loop(_first_block(n * block, window, block), n + 1 if causal else T // block, dq_step,
+                           jnp.zeros((block, q.shape[-1]), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -167,23 +196,26 @@ def _triton(interpret: bool, head_dim: int):
     return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _call_fwd(q, k, v, seg, *, causal, block_q, block_k, kv_len, scale, interpret):
+def _call_fwd(q, k, v, seg, win, sinks, *, causal, block_q, block_k, kv_len, scale, interpret):
     b, T, h, D = q.shape
     g = h // k.shape[2]
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, block_q=block_q, block_k=block_k,
                                kv_len=kv_len, padded=T != kv_len)
     kvspec = pl.BlockSpec((None, T, None, D), lambda i, bi, hi: (bi, 0, hi // g, 0))
     in_specs = [pl.BlockSpec((None, block_q, None, D), lambda i, bi, hi: (bi, i, hi, 0)), kvspec, kvspec,
-                None if seg is None else pl.BlockSpec((None, T), lambda i, bi, hi: (bi, 0))]
+                None if seg is None else pl.BlockSpec((None, T), lambda i, bi, hi: (bi, 0)),
+                None if win is None else pl.BlockSpec((1,), lambda i, bi, hi: (0,)),
+                None if sinks is None else pl.BlockSpec((1,), lambda i, bi, hi: (hi,))]
     return pl.pallas_call(
         kernel, grid=(T // block_q, b, h), in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, block_q, None, D), lambda i, bi, hi: (bi, i, hi, 0)),
                    pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, T), jnp.float32)],
-        interpret=interpret, compiler_params=_triton(interpret, D), name="flash_attention_fwd")(q, k, v, seg)
+        interpret=interpret, compiler_params=_triton(interpret, D), name="flash_attention_fwd")(q, k, v, seg, win, sinks)
 
 
-def _call_bwd(q, k, v, seg, o, lse, do, *, causal, block, kv_len, scale, interpret):
+def _call_bwd(q, k, v, seg, win, o, lse, do, *, causal, block, kv_len, scale, interpret):
+    """dQ, dK, dV (per kv head) and ``Δ = rowsum(dO · O)`` fp32 ``[b, h, T]``."""
     b, T, h, D = q.shape
     g = h // k.shape[2]
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -196,60 +228,47 @@ def _call_bwd(q, k, v, seg, o, lse, do, *, causal, block, kv_len, scale, interpr
     dq, dk, dv = pl.pallas_call(
         kernel, grid=(b, h, T // block),
         in_specs=[full, kvspec, kvspec, None if seg is None else pl.BlockSpec((None, T), lambda bi, hi, n: (bi, 0)),
-                  full, row, row],
+                  None if win is None else pl.BlockSpec((1,), lambda bi, hi, n: (0,)), full, row, row],
         out_specs=[blk, blk, blk],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, jnp.float32),
                    jax.ShapeDtypeStruct(q.shape, jnp.float32)],
         interpret=interpret, compiler_params=_triton(interpret, D), name="flash_attention_bwd")(
-            q, k, v, seg, do, lse, delta)
+            q, k, v, seg, win, do, lse, delta)
     # per query head -> per kv head: sum each group
     def group(a):
         return a.reshape(b, T, h // g, g, D).sum(axis=3).astype(k.dtype)
 
-    return dq, group(dk), group(dv)
+    return dq, group(dk), group(dv), delta
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _flash(q, k, v, seg, causal, block_q, block_k, kv_len, scale, interpret):
-    return _call_fwd(q, k, v, seg, causal=causal, block_q=block_q, block_k=block_k, kv_len=kv_len, scale=scale,
-                     interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _flash(q, k, v, seg, win, sinks, causal, block_q, block_k, kv_len, scale, interpret):
+    return _call_fwd(q, k, v, seg, win, sinks, causal=causal, block_q=block_q, block_k=block_k, kv_len=kv_len,
+                     scale=scale, interpret=interpret)[0]
 
 
-def _flash_fwd(q, k, v, seg, causal, block_q, block_k, kv_len, scale, interpret):
-    o, lse = _call_fwd(q, k, v, seg, causal=causal, block_q=block_q, block_k=block_k, kv_len=kv_len, scale=scale,
-                       interpret=interpret)
-    return o, (q, k, v, seg, o, lse)
+def _flash_fwd(q, k, v, seg, win, sinks, causal, block_q, block_k, kv_len, scale, interpret):
+    o, lse = _call_fwd(q, k, v, seg, win, sinks, causal=causal, block_q=block_q, block_k=block_k, kv_len=kv_len,
+                       scale=scale, interpret=interpret)
+    return o, (q, k, v, seg, win, sinks, o, lse)
 
 
 def _flash_bwd(causal, block_q, block_k, kv_len, scale, interpret, res, do):
-    q, k, v, seg, o, lse = res
+    q, k, v, seg, win, sinks, o, lse = res
     block = min(block_q, block_k)
-    dq, dk, dv = _call_bwd(q, k, v, seg, o, lse, do, causal=causal, block=block, kv_len=kv_len, scale=scale,
-                           interpret=interpret)
-    return dq, dk, dv, None
+    dq, dk, dv, delta = _call_bwd(q, k, v, seg, win, o, lse, do, causal=causal, block=block, kv_len=kv_len,
+                                  scale=scale, interpret=interpret)
+    dsinks = None
+    if sinks is not None:  # d sink_h = -Σ_{b,t} p_sink · Δ with p_sink = exp(sink_h − lse); padded rows have Δ = 0
+        dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta, axis=(0, 2)).astype(sinks.dtype)
+    return dq, dk, dv, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-                    causal: bool = True, block_q: int = 64, block_k: int = 64,
-                    interpret: bool | None = None) -> jax.Array:
-    """Flash attention (module doc). q ``[b, t, h, d]``, k/v ``[b, t, kv, d]`` (``kv`` divides
-    ``h``), optional int ``segment_ids [b, t]``; returns ``[b, t, h, d]`` in ``q.dtype``. Scores and
-    softmax in fp32, scaled by ``1/sqrt(d)``. Differentiable (Pallas backward kernel).
-
-    Args:
-        block_q, block_k: query / key block sizes (powers of two; capped at the padded length).
-            The backward uses the smaller for both.
-        interpret: run with the Pallas interpreter; default (``None``): decided when lowering
-            (``jax.lax.platform_dependent``): Triton for CUDA, the interpreter elsewhere, so a
-            program exported for CUDA from a CPU holds the Triton kernels.
-
-    Raises:
-        ValueError: shapes that do not fit (different head dims, ``kv`` not dividing ``h``, block
-            sizes not powers of two).
-    """
+def _checked(q, k, v, block_q: int, block_k: int, causal: bool, window) -> None:
+    """Raise ValueError for shapes or options the kernels do not take."""
     b, t, h, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d or h % k.shape[2]:
         raise ValueError(f"flash_attention: q {q.shape} and k/v {k.shape}/{v.shape} do not fit "
@@ -257,6 +276,35 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk < 1 or blk & (blk - 1):
             raise ValueError(f"flash_attention: {name}={blk} must be a power of two")
+    if not causal and not (isinstance(window, int) and window == 0):
+        raise ValueError("flash_attention: a sliding window needs causal=True")
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
+                    causal: bool = True, block_q: int = 64, block_k: int = 64,
+                    interpret: bool | None = None, *, scale: float | None = None, window=0,
+                    sinks: jax.Array | None = None) -> jax.Array:
+    """Flash attention (module doc). q ``[b, t, h, d]``, k/v ``[b, t, kv, d]`` (``kv`` divides
+    ``h``), optional int ``segment_ids [b, t]``; returns ``[b, t, h, d]`` in ``q.dtype``. Scores and
+    softmax in fp32. Differentiable (Pallas backward kernel; the sinks' gradient outside it).
+
+    Args:
+        block_q, block_k: query / key block sizes (powers of two; capped at the padded length).
+            The backward uses the smaller for both.
+        interpret: run with the Pallas interpreter; default (``None``): decided when lowering
+            (``jax.lax.platform_dependent``): Triton for CUDA, the interpreter elsewhere, so a
+            program exported for CUDA from a CPU holds the Triton kernels.
+        scale: the scale of q·k (default ``d^-1/2``).
+        window: a query attends to itself and the ``window − 1`` keys before it: an int or a traced
+            int32 scalar (a layer scan's per-layer constant); 0: no window. Causal only.
+        sinks: fp32 ``[h]``, a learned logit per head that joins the softmax with no value (GPT-OSS).
+
+    Raises:
+        ValueError: shapes that do not fit (different head dims, ``kv`` not dividing ``h``, block
+            sizes not powers of two), or a window without ``causal``.
+    """
+    _checked(q, k, v, block_q, block_k, causal, window)
+    b, t, h, d = q.shape
     cap = max(16, pl.next_power_of_2(t))
     block_q, block_k = min(block_q, cap), min(block_k, cap)
     blk = max(block_q, block_k)
@@ -269,11 +317,14 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     seg = None
     if segment_ids is not None:
         seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, T - t)), constant_values=-1)
-    args = (pad(q), pad(k), pad(v), seg)
+    win = None if isinstance(window, int) and window == 0 else jnp.reshape(jnp.asarray(window, jnp.int32), (1,))
+    sink = None if sinks is None else sinks.astype(jnp.float32)
+    args = (pad(q), pad(k), pad(v), seg, win, sink)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
     def run(interp):
         def call(*a):
-            return _flash(*a, causal, block_q, block_k, t, 1.0 / math.sqrt(d), interp)
+            return _flash(*a, causal, block_q, block_k, t, scale, interp)
         return call
 
     if interpret is None:  # chosen when lowering: Triton for CUDA, the interpreter for any other platform
