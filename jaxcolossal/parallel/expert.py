@@ -124,36 +124,74 @@ def blocked_on(mesh) -> bool:
     return mesh is not None and platform(mesh) == "cpu"
 
 
+@jax.custom_vjp
+def move(x: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Rows of ``x [M, ...]`` moved to new places: ``y[j] = x[src[j]]`` (zero where ``src[j]`` is out of
+    range), where ``dst`` is the inverse map (``dst[src[j]] = j``; out of range for a row that goes
+    nowhere). A gather forward, and a gather backward (``dx[i] = dy[dst[i]]``) in place of the
+    scatter-add that autodiff of a gather makes: XLA:GPU lowers a scatter into a zero buffer of the
+    operand's size (and, for 16-bit floats, a u32 one beside it) that it hoists out of the layer loop
+    and holds for the whole step. int32 ``src [N]``, ``dst [M]``; ``y [N, ...]``."""
+    return jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+
+
+def _move_fwd(x, src, dst):
+    return move(x, src, dst), (src, dst)
+
+
+def _move_bwd(res, g):
+    src, dst = res
+    return jnp.take(g, dst, axis=0, mode="fill", fill_value=0), None, None
+
+
+move.defvjp(_move_fwd, _move_bwd)
+
+
+def _inverse(perm: jax.Array) -> jax.Array:
+    """The inverse of the permutation ``perm`` int32 ``[M]``."""
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+
+
 def _dropless_local(x, flat, k, wg, wu, wd, blocked: bool = False, **opts):
     """Every slot through its expert on this device (``ep = 1``): ``[T·k, d]`` in slot order.
     ``opts``: :func:`_experts_grouped`'s biases and limit."""
-    order = jnp.argsort(flat, stable=True)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    inv = _inverse(order)
     sizes = jnp.sum(jax.nn.one_hot(flat, wg.shape[0], dtype=jnp.int32), axis=0)
-    out = _experts_grouped(x[order // k], sizes, wg, wu, wd, blocked, **opts)
-    return jnp.zeros_like(out).at[order].set(out)
+    out = _experts_grouped(move(jnp.repeat(x, k, axis=0), order, inv), sizes, wg, wu, wd, blocked, **opts)
+    return move(out, inv, order)
+
+
+def _exchange_places(flat: jax.Array, n_local: int, ep: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each slot goes in the ``[ep·m]`` send buffer (each destination's block of ``m`` places, its
+    slots sorted by expert): ``(to [m], back [ep·m], local_expert [ep·m])``: slot ``i``'s place, each
+    place's slot (``m``, out of range, for an empty place) and the local expert of each place
+    (``n_local`` for an empty place). int32 ``flat [m]``: each slot's expert."""
+    m = flat.shape[0]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    dest = (flat // n_local)[order]                       # sorted by expert, so by destination
+    counts = jnp.sum(jax.nn.one_hot(dest, ep, dtype=jnp.int32), axis=0)
+    pos = jnp.arange(m, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[dest]
+    to = jnp.zeros((m,), jnp.int32).at[order].set(dest * m + pos)
+    back = jnp.full((ep * m,), m, jnp.int32).at[to].set(jnp.arange(m, dtype=jnp.int32))
+    local = jnp.take(flat % n_local, back, mode="fill", fill_value=n_local)
+    return to, back, local
 
 
 def _dropless_exchange(x, flat, k, wg, wu, wd, ep: int, blocked: bool = False, **opts):
     """:func:`_dropless_local` with the experts split over ``ep``: pack each destination's slots,
     ``all_to_all``, grouped matmuls on the local experts, ``all_to_all`` back. ``[T·k, d]``."""
-    n_local = wg.shape[0]
-    m = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)
-    dest = (flat // n_local)[order]                       # sorted by expert, so by destination
-    starts = jnp.cumsum(jnp.sum(jax.nn.one_hot(dest, ep, dtype=jnp.int32), axis=0)) - \
-        jnp.sum(jax.nn.one_hot(dest, ep, dtype=jnp.int32), axis=0)
-    pos = jnp.arange(m) - starts[dest]                    # the slot's place in its destination's block
-    send = jnp.zeros((ep, m, x.shape[-1]), x.dtype).at[dest, pos].set(x[order // k])
-    send_e = jnp.full((ep, m), n_local, jnp.int32).at[dest, pos].set((flat % n_local)[order])
+    n_local, m = wg.shape[0], flat.shape[0]
+    to, back, local = _exchange_places(flat, n_local, ep)
+    send = move(jnp.repeat(x, k, axis=0), back, to).reshape(ep, m, -1)
     recv = jax.lax.all_to_all(send, EP_AXIS, 0, 0).reshape(ep * m, -1)
-    recv_e = jax.lax.all_to_all(send_e, EP_AXIS, 0, 0).reshape(-1)   # n_local marks an empty place
-    order_r = jnp.argsort(recv_e, stable=True)
+    recv_e = jax.lax.all_to_all(local.reshape(ep, m), EP_AXIS, 0, 0).reshape(-1)   # n_local marks an empty place
+    order_r = jnp.argsort(recv_e, stable=True).astype(jnp.int32)
+    inv_r = _inverse(order_r)
     sizes = jnp.sum(jax.nn.one_hot(recv_e, n_local, dtype=jnp.int32), axis=0)
-    done = _experts_grouped(recv[order_r], sizes, wg, wu, wd, blocked, **opts)
-    back = jnp.zeros_like(done).at[order_r].set(done).reshape(ep, m, -1)
-    ret = jax.lax.all_to_all(back, EP_AXIS, 0, 0)         # [ep (the device that ran it), m, d]
-    out = ret[dest, pos]
-    return jnp.zeros_like(out).at[order].set(out)
+    done = _experts_grouped(move(recv, order_r, inv_r), sizes, wg, wu, wd, blocked, **opts)
+    ret = jax.lax.all_to_all(move(done, inv_r, order_r).reshape(ep, m, -1), EP_AXIS, 0, 0)  # [ep (ran it), m, d]
+    return move(ret.reshape(ep * m, -1), to, back)
 
 
 def _capacity(x, flat, k, wg, wu, wd, ep: int, capacity_factor: float, num_experts: int, bg=None, bu=None,
