@@ -102,6 +102,12 @@ def test_grpo_resume_between_the_steps_of_a_rollout_is_bit_exact(tmp_path):
     (["posttrain.loss_type=sigmoid"], "posttrain.loss_type=sigmoid is not a GRPO loss"),
     (["posttrain.max_completion_length=13"], "leaves no room for a prompt in training.seq_len=12"),
     (["data.format=text"], "training.objective=grpo with data.format=text"),
+    (["posttrain.label_smoothing=0.1"], "posttrain.label_smoothing=0.1 is a DPO key, which a GRPO run "
+                                        "(training.objective=grpo) never reads: remove it"),
+    (["posttrain.reward_funcs=format,exact_match,format", "posttrain.reward_weights="], "lists format twice"),
+    (["training.seq_len=1024", "posttrain.max_completion_length=1000"],
+     "training.seq_len=1024 (a GRPO row: the prompt + posttrain.max_completion_length=1000 tokens) exceeds "
+     "model.max_position_embeddings=512"),
 ])
 def test_grpo_refusals_before_compiling(override, message):
     with pytest.raises(ConfigError) as e:
