@@ -123,8 +123,9 @@ def _values(name: str, vals: Any, n: int, where: str) -> list[float]:
                 raise TypeError
             out.append(np.nan if v is None else float(v))
         except (TypeError, ValueError):
-            raise RewardError(f"reward function {name} returned a {type(v).__name__} ({str(v)[:40]!r}) for completion "
-                              f"{i} at {where}: a reward is a float, or None where the function does not apply") from None
+            raise RewardError(f"reward function {name} returned a {type(v).__name__} ({str(v)[:40]!r}) for "
+                              f"completion {i} at {where}: a reward is a float, or None where the function does "
+                              "not apply") from None
     return out
 
 

@@ -309,8 +309,9 @@ class Rollouts:
         unscored = np.all(np.isnan(per_func), axis=1)
         if unscored.all():
             raise RewardError(f"every reward function ({', '.join(self.rewards.names)}) returned None or NaN for all "
-                              f"{len(unscored)} completions of step {step + 1}: a step without a reward trains nothing. "
-                              "Return a float for the completions a function can score (0.0 where none applies)")
+                              f"{len(unscored)} completions of step {step + 1}: a step without a reward trains "
+                              "nothing. Return a float for the completions a function can score (0.0 where none "
+                              "applies)")
         if unscored.any() and not self._warned_unscored:
             self._warned_unscored = True
             get_dist_logger().warning(f"step {step + 1}: {int(unscored.sum())} of {len(unscored)} completions have no "
@@ -388,6 +389,7 @@ class Rollouts:
         with warnings.catch_warnings():  # no held-out reward at all: NaN (a step without one stops the run)
             warnings.simplefilter("ignore", RuntimeWarning)
             out = {"val_reward": float(np.nanmean(self.rewards.total(per_func)))}
-            out.update({f"val_rewards/{n}": float(np.nanmean(per_func[:, j])) for j, n in enumerate(self.rewards.names)})
+            out.update({f"val_rewards/{n}": float(np.nanmean(per_func[:, j]))
+                        for j, n in enumerate(self.rewards.names)})
         return out | {f"val_{k}": v for k, v in self.rewards.metrics.items()}
 

@@ -76,8 +76,9 @@ def nones(completions, **kwargs):
 
 
 def grpo_cfg(corpus, **posttrain):
-    return config_from_dict({"model": {"vocab_size": 256, "num_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
-                                       "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64},
+    return config_from_dict({"model": {"vocab_size": 256, "num_layers": 1, "hidden_size": 32,
+                                       "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
+                                       "max_position_embeddings": 64},
                              "training": {"objective": "grpo", "batch_size": 4, "seq_len": 24, "max_steps": 10},
                              "data": {"format": "prompts", "corpus": str(corpus), "tokenizer": "byte"},
                              "posttrain": {"num_generations": 2, "max_completion_length": 8, **posttrain},
@@ -113,7 +114,8 @@ def test_every_field_of_a_row_and_the_step_reach_the_function_as_trl_passes_them
     kw = CALLS[-1]
     assert set(kw) == {"prompts", "completions", "completion_ids", "ground_truth", "answer", "level", "trainer_state",
                        "log_extra", "log_metric"}
-    assert kw["prompts"] == ["1+1=", "2+2="] and kw["completions"] == ["2", "5"] and kw["completion_ids"] == [[50], [53]]
+    assert kw["prompts"] == ["1+1=", "2+2="] and kw["completions"] == ["2", "5"]
+    assert kw["completion_ids"] == [[50], [53]]
     assert kw["ground_truth"] == ["2", "4"] and kw["level"] == [1, None]  # a row without a field: None, as datasets
     assert kw["trainer_state"].global_step == 0 and kw["trainer_state"].max_steps == 10
     assert ro.rewards.metrics == {"my_metric": 2.0} and ro.rewards.extra == {"why": ["x", "x"]}
