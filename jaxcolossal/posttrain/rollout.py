@@ -384,7 +384,8 @@ class Rollouts:
         completions, lengths = self._generate(state.model_params, tokens, mask, jax.random.key(0),
                                               Sampling(greedy=True))
         step = int(state.step)
-        per_func, _ = self._score(self.held, idx, completions, lengths, f"the held-out evaluation at step {step}",
+        where = f"the held-out evaluation {'before step 1' if step == 0 else f'after step {step}'}"
+        per_func, _ = self._score(self.held, idx, completions, lengths, where,
                                   TrainerState(step, self.cfg.training.max_steps))
         with warnings.catch_warnings():  # no held-out reward at all: NaN (a step without one stops the run)
             warnings.simplefilter("ignore", RuntimeWarning)
