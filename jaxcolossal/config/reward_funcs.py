@@ -24,7 +24,8 @@ from typing import Callable, Iterable
 
 from jaxcolossal.errors import ConfigError
 
-__all__ = ["BUILTIN_REWARDS", "REWARD_KEYWORDS", "import_reward", "reward_signature_problem", "reward_specs"]
+__all__ = ["BUILTIN_REWARDS", "REWARD_KEYWORDS", "import_reward", "reward_signature_problem", "reward_specs",
+           "shown_signature"]
 
 BUILTIN_REWARDS = ("exact_match", "format")
 """The reward functions ``posttrain.reward_funcs`` names without a module
@@ -72,11 +73,12 @@ def import_reward(spec: str) -> Callable:
         raise ConfigError(f"posttrain.reward_funcs: module {module!r} has no function {name!r}")
     problem = reward_signature_problem(fn)
     if problem:
-        raise ConfigError(f"posttrain.reward_funcs: {spec}{_shown_signature(fn)} {problem}")
+        raise ConfigError(f"posttrain.reward_funcs: {spec}{shown_signature(fn)} {problem}")
     return fn
 
 
-def _shown_signature(fn: Callable) -> str:
+def shown_signature(fn: Callable) -> str:
+    """``fn``'s parameters as written, e.g. ``(completions, solution, **kw)``; ``""`` without a signature."""
     try:
         return str(inspect.signature(fn))
     except (TypeError, ValueError):

@@ -35,7 +35,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.config.reward_funcs import BUILTIN_REWARDS, import_reward, reward_signature_problem, reward_specs
+from jaxcolossal.config.reward_funcs import (
+    BUILTIN_REWARDS,
+    import_reward,
+    reward_signature_problem,
+    reward_specs,
+    shown_signature,
+)
 from jaxcolossal.errors import RewardError
 
 __all__ = ["RewardSet", "TrainerState", "completion_text", "exact_match", "final_answer", "format_reward",
@@ -150,7 +156,7 @@ class RewardSet:
         for name, fn in zip(self.names, self.fns):
             problem = "" if name in BUILTIN_REWARDS else reward_signature_problem(fn, list(fields))
             if problem:
-                raise ConfigError(f"posttrain.reward_funcs: {name} {problem}")
+                raise ConfigError(f"posttrain.reward_funcs: {name}{shown_signature(fn)} {problem}")
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
               fields: dict[str, list], where: str, state: TrainerState | None = None) -> np.ndarray:

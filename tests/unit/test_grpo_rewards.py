@@ -147,8 +147,8 @@ def test_a_signature_that_cannot_be_called_is_refused_when_the_config_loads(tmp_
 
 
 @pytest.mark.parametrize("func, words", [
-    ("trl_reward_func", "needs 'ground_truth', which no prompt row of data.corpus has (the rows' other fields: "
-                        "answer)"),
+    ("trl_reward_func", "trl_reward_func(completions, ground_truth, **kwargs) needs 'ground_truth', which no "
+                        "prompt row of data.corpus has (the rows' other fields: answer)"),
     ("all_keywords_only", "does not take the keyword 'answer', a field of the prompt rows"),
 ])
 def test_a_function_the_rows_fields_do_not_fit_is_refused_when_the_data_is_read(tmp_path, func, words):
