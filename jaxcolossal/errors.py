@@ -15,6 +15,10 @@ kind                          exit  for
 :class:`TokenizerError`       3     a tokenizer file that cannot be loaded
 :class:`CheckpointError`      3     a checkpoint that cannot be written or restored
 :class:`StoppedError`         3     training stopped on purpose: NaN/inf under ``nonfinite_policy``
+:class:`RewardError`          2     a GRPO reward function that raised, returned the wrong count or
+                                    strings, or left a whole step without a reward; its one line
+                                    names the function and the step, the function's own traceback
+                                    follows it (``detail``)
 ============================  ====  ================================================================
 """
 
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 class UserError(Exception):
     """An error the user's input or run caused (not a bug). ``label`` starts its one line and
-    ``exit_code`` is what the command line returns."""
+    ``exit_code`` is what the command line returns; ``detail`` (``""`` for most kinds): lines printed
+    below that one line, e.g. the traceback of a user's own reward function."""
 
     label = "error"
     exit_code = 1
+    detail = ""
 
 
 class ConfigError(UserError, ValueError):
@@ -87,11 +93,28 @@ class StoppedError(UserError):
     exit_code = 3
 
 
+class RewardError(UserError):
+    """A GRPO reward function (``posttrain.reward_funcs``) failed during the run: it raised, returned
+    the wrong number of values or something that is not a number, or every function left every
+    completion of a step without a reward. The message names the function and the step; ``detail``
+    holds the function's own traceback (its frames only). The same function fails the same way at
+    every start, so its exit status is a config error's (never restarted by the launcher)."""
+
+    label = "reward error"
+    exit_code = 2
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+
 def exit_status(error: BaseException) -> tuple[str, int] | None:
-    """``(one line, exit code)`` for a user error; ``None`` for anything else (a bug: let it raise).
-    A missing config or corpus file (``FileNotFoundError``) counts as a data error."""
+    """``(text, exit code)`` for a user error: one line, then the error's ``detail`` lines when it has
+    any (a reward function's own traceback); ``None`` for anything else (a bug: let it raise). A
+    missing config or corpus file (``FileNotFoundError``) counts as a data error."""
     if isinstance(error, UserError):
-        return f"{error.label}: {error}", error.exit_code
+        line = f"{error.label}: {error}"
+        return (f"{line}\n{error.detail.rstrip()}" if error.detail else line), error.exit_code
     if isinstance(error, FileNotFoundError):
         return f"{DataError.label}: {error}", DataError.exit_code
     return None

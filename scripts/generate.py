@@ -83,30 +83,51 @@ def _eos_of(value, where: str) -> tuple[int, ...]:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def from_hf(args):
+def check_length(cfg, prompts: list[str], tok, max_new_tokens: int) -> None:
+    """Refuse, before the weights are read or anything compiles, a generation that runs past the
+    positions the model knows: the longest prompt's tokens + ``max_new_tokens`` above
+    ``model.max_position_embeddings`` (a ``dynamic`` RoPE scales past it and passes).
+
+    Raises:
+        ConfigError: one line naming both values and the ``--max-new-tokens`` that fits."""
+    longest = max(len(tok.encode_prompt(p)) for p in prompts)
+    limit = cfg.max_position_embeddings
+    if longest + max_new_tokens > limit and cfg.rope.type != "dynamic":
+        fix = (f"use --max-new-tokens {limit - longest} or fewer" if longest < limit
+               else "shorten the prompt")
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens runs to "
+                          f"{longest + max_new_tokens} positions, past the model's max_position_embeddings={limit}: "
+                          + fix)
+
+
+def from_hf(args, prompts: list[str]):
     """``(family, model cfg, params, tokenizer, eos ids)`` of ``--hf``'s folder: the eos ids that its
-    ``generation_config.json`` (else ``config.json``) names, as transformers' ``generate`` reads them."""
+    ``generation_config.json`` (else ``config.json``) names, as transformers' ``generate`` reads them.
+    The length is checked (:func:`check_length`) before the weights are read."""
     from jaxcolossal.data import get_tokenizer  # heavy: jax, after the devices are set up
     from jaxcolossal.models import get_family  # heavy: as above
-    from jaxcolossal.models.hf_io import load_hf, read_special_tokens  # heavy: as above
+    from jaxcolossal.models.hf_io import config_from_hf, load_hf, read_hf_config, read_special_tokens  # heavy: as above
     if not os.path.isfile(os.path.join(args.hf, "config.json")):
         raise ConfigError(f"--hf {args.hf!r}: no config.json there (a Hugging Face model folder is needed)")
     has_tok = any(os.path.isfile(os.path.join(args.hf, f)) for f in ("tokenizer.json", "tokenizer.model"))
     tok = get_tokenizer(args.tokenizer or (args.hf if has_tok else "byte"))
+    check_length(config_from_hf(read_hf_config(args.hf)), prompts, tok, args.max_new_tokens)
     cfg, params = load_hf(args.hf)
     eos = _eos_of(read_special_tokens(args.hf).get("eos_token_id"), f"--hf {args.hf}: eos_token_id")
     return get_family(cfg), cfg, params, tok, eos
 
 
-def from_checkpoint(args):
+def from_checkpoint(args, prompts: list[str]):
     """``(family, model cfg, params, tokenizer, eos ids)`` of the config's newest checkpoint (or
     ``model.init_from``), on the run's mesh: the tokenizer's eos, and the ids of the ``model.init_from``
-    folder's ``generation_config.json`` list when the run has one."""
+    folder's ``generation_config.json`` list when the run has one. The length is checked
+    (:func:`check_length`) before anything is restored."""
     from jaxcolossal.data import get_tokenizer  # heavy: jax, after the devices are set up
     from jaxcolossal.generate import run_eos_ids  # heavy: as above
     from jaxcolossal.train.loop import state_for_sampling  # heavy: orbax and tensorstore
     cfg = load_config(args.config, args.overrides)
     tok = get_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    check_length(cfg.model, prompts, tok, args.max_new_tokens)
     try:
         eos = run_eos_ids(tok, cfg.model.init_from or None)
     except ValueError as e:
@@ -124,7 +145,7 @@ def run(args) -> int:
     jc.simulate_devices(args.devices or 8)
     sampling = sampling_of(args)
     from jaxcolossal.generate import generate, printable  # heavy: jax, after the devices are set up
-    family, cfg, params, tok, eos = from_hf(args) if args.hf else from_checkpoint(args)
+    family, cfg, params, tok, eos = from_hf(args, prompts) if args.hf else from_checkpoint(args, prompts)
     cfg = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, tok.vocab_size))  # the tokenizer's ids only
     ids = [[int(i) for i in tok.encode_prompt(p)] for p in prompts]  # as AutoTokenizer(folder)(p): its BOS
     out = generate(family, cfg, params, ids, args.max_new_tokens, sampling, eos_id=None if args.ignore_eos else eos,

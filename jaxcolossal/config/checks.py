@@ -17,15 +17,18 @@ from jaxcolossal.config.derived import (
     pipeline_microbatches,
     posttrain_loss_type,
     prefetches_weights,
-    reward_specs,
     weight_gather_dtype,
 )
+from jaxcolossal.config.reward_funcs import reward_specs
 from jaxcolossal.config.schema import (
+    DPO_ONLY_KEYS,
+    GRPO_ONLY_KEYS,
     LORA_TARGETS,
     Config,
     LoraConfig,
     ModelConfig,
     ParallelConfig,
+    PosttrainConfig,
     parse_bytes,
     parse_step_range,
     yaml_list,
@@ -193,8 +196,10 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError(f"the head size (model.attention_head_dim, else hidden_size / num_attention_heads) = "
                           f"{m.head_dim} must be even for RoPE")
     if t.seq_len > m.max_position_embeddings and m.rope.type != "dynamic":
-        raise ConfigError(
-            f"training.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+        grpo = (f" (a GRPO row: the prompt + posttrain.max_completion_length={cfg.posttrain.max_completion_length} "
+                "tokens)" if t.objective == "grpo" else "")
+        raise ConfigError(f"training.seq_len={t.seq_len}{grpo} exceeds model.max_position_embeddings="
+                          f"{m.max_position_embeddings}")
     if t.micro_batch_size == 0 and t.batch_size % t.gradient_accumulation_steps:
         raise ConfigError(
             f"training.batch_size={t.batch_size} (global) is not divisible by "
@@ -349,11 +354,25 @@ def _check_posttrain(cfg: Config) -> None:
     if d.corpus == "stdlib":
         raise ConfigError(f"data.format={d.format} needs data.corpus: JSON-lines files of " + (
             "{'prompt', 'chosen', 'rejected'} pairs" if t.objective == "dpo" else "{'prompt', 'answer'} rows"))
+    _check_objective_keys(cfg)
     _check_loss_type(cfg)
     _check_reference(cfg)
     if t.objective == "grpo":
         _check_grpo(cfg)
     _check_posttrain_features(cfg)
+
+
+def _check_objective_keys(cfg: Config) -> None:
+    """A GRPO-only ``posttrain`` key (:data:`~jaxcolossal.config.schema.GRPO_ONLY_KEYS`) set away from
+    its default in a DPO run, or a DPO-only one in a GRPO run: the run would ignore it."""
+    objective = cfg.training.objective
+    other, keys = ("grpo", GRPO_ONLY_KEYS) if objective == "dpo" else ("dpo", DPO_ONLY_KEYS)
+    default = PosttrainConfig()
+    for key in keys:
+        value = getattr(cfg.posttrain, key)
+        if value != getattr(default, key):
+            raise ConfigError(f"posttrain.{key}={value!r} is a {other.upper()} key, which a {objective.upper()} run "
+                              f"(training.objective={objective}) never reads: remove it")
 
 
 def _check_loss_type(cfg: Config) -> None:

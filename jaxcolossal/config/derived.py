@@ -5,13 +5,11 @@ attention kernel)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Callable, Mapping
+from typing import Mapping
 
 import jax.numpy as jnp
 
 from jaxcolossal.config.schema import Config
-from jaxcolossal.errors import ConfigError
 
 
 def pipeline_microbatches(cfg: Config, pp: int) -> int:
@@ -131,53 +129,3 @@ def holds_reference(cfg: Config) -> bool:
     t, po = cfg.training, cfg.posttrain
     needs = t.objective == "dpo" or (t.objective == "grpo" and po.beta > 0)
     return needs and po.reference == "frozen"
-
-
-BUILTIN_REWARDS = ("exact_match", "format")
-"""The reward functions ``posttrain.reward_funcs`` names without a module
-(:mod:`jaxcolossal.posttrain.rewards`)."""
-
-
-def import_reward(spec: str) -> Callable:
-    """A user's reward function from ``module:function`` (imported now).
-
-    Raises:
-        ConfigError: not ``module:function``, a module that cannot be imported, or no callable of that name.
-    """
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ConfigError(f"posttrain.reward_funcs: {spec!r} is neither a built-in reward ("
-                          f"{', '.join(BUILTIN_REWARDS)}) nor module:function")
-    try:
-        fn = getattr(importlib.import_module(module), name, None)
-    except Exception as e:  # the user's module raised while importing: say which and why, in one line
-        raise ConfigError(f"posttrain.reward_funcs: cannot import {module!r} for {spec!r}: "
-                          f"{type(e).__name__}: {e}".splitlines()[0]) from None
-    if not callable(fn):
-        raise ConfigError(f"posttrain.reward_funcs: module {module!r} has no function {name!r}")
-    return fn
-
-
-def reward_specs(funcs: str, weights: str) -> list[tuple[str, float]]:
-    """``posttrain.reward_funcs``/``reward_weights`` as ``[(name or module:function, weight)]``; user
-    functions are imported (:func:`import_reward`) so that a missing one is refused now.
-
-    Raises:
-        ConfigError: no function, a weight count that differs, a weight that is not a number, or
-            :func:`import_reward`'s.
-    """
-    names = [f.strip() for f in funcs.split(",") if f.strip()]
-    if not names:
-        raise ConfigError("posttrain.reward_funcs is empty: name at least one, e.g. exact_match")
-    ws = [w.strip() for w in weights.split(",") if w.strip()] if weights.strip() else ["1"] * len(names)
-    if len(ws) != len(names):
-        raise ConfigError(f"posttrain.reward_weights has {len(ws)} weights for {len(names)} reward_funcs "
-                          f"({', '.join(names)}): give one each, or none")
-    try:
-        values = [float(w) for w in ws]
-    except ValueError:
-        raise ConfigError(f"posttrain.reward_weights={weights!r}: expected comma-separated numbers") from None
-    for n in names:
-        if n not in BUILTIN_REWARDS:
-            import_reward(n)
-    return list(zip(names, values))

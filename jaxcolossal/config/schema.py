@@ -866,8 +866,8 @@ class PosttrainConfig:
     completions; ``bnpo`` and ``dapo``, the mean over all the step's completion tokens; ``dr_grpo``,
     the sum over the step divided by ``completions × max_completion_length`` (a constant)."""
     label_smoothing: float = 0.0
-    """Conservative DPO's ε in ``[0, 0.5)`` (``sigmoid`` only): the share of pairs assumed mislabelled,
-    ``-(1-ε)·log σ(βΔ) - ε·log σ(-βΔ)``; 0 (the default) is plain DPO."""
+    """DPO: conservative DPO's ε in ``[0, 0.5)`` (``sigmoid`` only): the share of pairs assumed
+    mislabelled, ``-(1-ε)·log σ(βΔ) - ε·log σ(-βΔ)``; 0 (the default) is plain DPO."""
     reference: Literal["frozen", "lora_base"] = "frozen"
     """The reference policy: ``frozen``, a copy of the initial params in the compute dtype, sharded like
     the policy and saved with the checkpoints; ``lora_base`` (needs ``model.lora``), the base model
@@ -899,11 +899,15 @@ class PosttrainConfig:
     (``group``, the default), the whole batch's (``batch``), or not at all (``none``, Dr. GRPO); plus
     1e-4, as TRL does."""
     reward_funcs: str = "exact_match"
-    """GRPO: comma-separated reward functions, summed with ``reward_weights``. Built in:
-    ``exact_match`` (1 when the completion's final answer, the text after the last ``####`` or in the
-    last ``\\boxed{}``, else its last number, equals the row's ``answer``), ``format`` (1 when the
-    completion matches ``format_pattern``). A user's own: ``module:function``, called as TRL calls
-    one, ``fn(prompts=[str], completions=[str], completion_ids=[[int]], answer=[...]) -> [float]``."""
+    """GRPO: comma-separated reward functions, each listed once, summed with ``reward_weights``. Built
+    in: ``exact_match`` (1 when the completion's final answer, the text after the last ``####`` or in
+    the last ``\\boxed{}``, else its first line, equals the row's ``answer``; the prompt rows need an
+    ``answer``), ``format`` (1 when the completion matches ``format_pattern``). A user's own:
+    ``module:function`` (looked for on ``sys.path``, then in the current folder), called with keywords
+    as TRL 1.16 calls one: ``fn(prompts=..., completions=..., completion_ids=[[int]], <every other field
+    of the prompt rows>=[...], trainer_state=..., log_extra=..., log_metric=...) -> [float | None]``
+    (chat prompts: message lists in, completions ``[{"role": "assistant", "content": str}]``); its
+    signature is checked when the config loads."""
     reward_weights: str = ""
     """GRPO: comma-separated weights of ``reward_funcs``, one each; ``""`` (the default): 1 each."""
     format_pattern: str = r"^.*####\s*\S+"
@@ -911,7 +915,17 @@ class PosttrainConfig:
     (``re.search`` with ``re.DOTALL``)."""
     mask_truncated_completions: bool = False
     """GRPO: completions that hit ``max_completion_length`` without an end-of-text token are left out
-    of the loss (TRL's ``mask_truncated_completions``, DAPO's overlong filtering)."""
+    of the loss (TRL's ``mask_truncated_completions``, DAPO's overlong filtering). Needs an end-of-text
+    id (the tokenizer's or ``model.init_from``'s): without one every completion would be left out."""
+
+
+GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "top_k", "top_p", "epsilon",
+                  "epsilon_high", "num_iterations", "scale_rewards", "reward_funcs", "reward_weights",
+                  "format_pattern", "mask_truncated_completions")
+"""The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
+in a DPO run they are refused."""
+DPO_ONLY_KEYS = ("label_smoothing",)
+"""The ``posttrain`` keys only DPO reads (their docs start with "DPO:"); refused in a GRPO run when set."""
 
 
 @dataclass

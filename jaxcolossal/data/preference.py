@@ -166,6 +166,20 @@ class _Renderer:
         return row, m[1:], cut
 
 
+def _refuse_identical(out: dict, corpus: str, seq_len: int) -> None:
+    """Refuse pairs that are all ``chosen == rejected`` within ``seq_len`` (the same tokens and mask):
+    the DPO loss is then log 2 with a zero gradient at every step, so the run would train nothing.
+
+    Raises:
+        DataError: every pair's two rows are equal."""
+    same = sum(np.array_equal(c, r) and np.array_equal(cm, rm) for c, r, cm, rm in
+               zip(out["chosen"], out["rejected"], out["chosen_masks"], out["rejected_masks"]))
+    if same == len(out["chosen"]):
+        raise DataError(f"data.corpus={corpus!r}: in all {same} preference pairs the chosen response equals the "
+                        f"rejected one (within training.seq_len={seq_len} tokens), so DPO has nothing to learn; "
+                        "each pair needs a preferred and a different dispreferred response")
+
+
 def load_preferences(data_cfg, tokenizer, seq_len: int) -> PreferenceData:
     """Read ``data_cfg.corpus`` (JSON-lines globs) as preference pairs and render them (module doc).
 
@@ -175,7 +189,8 @@ def load_preferences(data_cfg, tokenizer, seq_len: int) -> PreferenceData:
     Raises:
         FileNotFoundError: no file matches.
         DataError: a line that does not parse or is not a pair (file and line named), a response
-            cut off entirely by ``seq_len`` (unless ``skip_long_examples``), or no pairs at all.
+            cut off entirely by ``seq_len`` (unless ``skip_long_examples``), no pairs at all, or
+            pairs whose chosen and rejected responses are all the same (:func:`_refuse_identical`).
     """
     r = _Renderer(tokenizer, seq_len)
     out = {"chosen": [], "rejected": [], "chosen_masks": [], "rejected_masks": []}
@@ -201,5 +216,6 @@ def load_preferences(data_cfg, tokenizer, seq_len: int) -> PreferenceData:
     if not out["chosen"]:
         raise DataError(f"data.corpus={data_cfg.corpus!r} holds no preference pairs"
                         + (f" ({len(skipped)} dropped by data.skip_long_examples)" if skipped else ""))
+    _refuse_identical(out, data_cfg.corpus, seq_len)
     return PreferenceData(**{k: np.stack(v) for k, v in out.items()}, truncated=truncated, files=len(files),
                           skipped=skipped)

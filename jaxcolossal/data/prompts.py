@@ -1,17 +1,23 @@
-"""Prompts for GRPO: JSON lines of a prompt and, optionally, the answer its reward checks against.
+"""Prompts for GRPO: JSON lines of a prompt and the fields its reward functions read (e.g. an ``answer``).
 
 ``training.objective=grpo`` with ``data.format=prompts`` reads ``data.corpus`` (JSON-lines globs), one
 prompt per line, as TRL's ``GRPOTrainer`` datasets hold them:
 
-* ``{"prompt": str, "answer": ...}``: the prompt's text is encoded as TRL's ``GRPOTrainer`` encodes
-  it, ``processing_class(text=prompt)``: with the special tokens the tokenizer adds to a prompt
+* ``{"prompt": str, ...}``: the prompt's text is encoded as TRL's ``GRPOTrainer`` encodes it,
+  ``processing_class(text=prompt)``: with the special tokens the tokenizer adds to a prompt
   (``encode_prompt``: LLaMA 3's ``<|begin_of_text|>`` first; no end-of-text id: the completion
-  continues it); ``answer`` (any JSON value, optional) is passed to the reward functions as their
-  ``answer`` argument (TRL passes a dataset's extra columns the same way).
+  continues it).
 * ``{"prompt": [messages], ...}``: chat messages, rendered with the tokenizer's chat template (or the
-  plain ``"<role>: <content>\\n"`` form) and its generation prompt, as ``data.format=chat`` renders them,
+  plain ``"<role>: <content>\\n"`` form) and its generation prompt, as ``data.format=chat`` renders it,
   and encoded without added special tokens (the template writes ``bos_token``): TRL's
   ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``.
+
+Every other field of a row (``answer``, ``solution``, any JSON value) is kept and passed to the reward
+functions as a keyword of that name, one value per completion, as TRL passes a dataset's extra columns
+(:mod:`jaxcolossal.posttrain.rewards`); a row without a field another row has gets ``None`` there, as
+a ``datasets`` table holds it. TRL drops the fields ``completion`` and ``completion_ids``, and so do
+we; a field named like one of the other keywords (``prompts``, ``completions``, ``trainer_state``,
+``log_extra``, ``log_metric``) is refused.
 
 A prompt longer than ``max_tokens`` (``training.seq_len + 1 - posttrain.max_completion_length``) is
 cut to its last ``max_tokens`` tokens and counted, or with ``data.skip_long_examples`` dropped. A
@@ -25,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxcolossal.config.reward_funcs import REWARD_KEYWORDS
 from jaxcolossal.errors import DataError
 
 from .chat import generation_prompt
@@ -33,15 +40,21 @@ from .corpus import held_out_cut, iter_json_lines, resolve_files
 __all__ = ["PromptData", "load_prompts", "prompt_batch"]
 
 
+DROPPED_FIELDS = ("prompt", "completion", "completion_ids")
+"""Fields of a prompt row that are not passed to the reward functions (TRL's ``_calculate_rewards``)."""
+
+
 @dataclass
 class PromptData:
-    """``N`` prompts: ``texts`` (as the reward functions see them), ``tokens`` (int lists, at most
-    ``max_tokens`` each), ``answers`` (the rows' ``answer``, ``None`` where absent); ``truncated``:
-    prompts cut to fit; ``files``: files read; ``skipped``: the ``file:line`` of prompts dropped."""
+    """``N`` prompts: ``texts`` (as rendered and encoded), ``tokens`` (int lists, at most
+    ``max_tokens`` each), ``prompts`` (each row's ``prompt`` as given: a string or chat messages, as the
+    reward functions see it), ``fields`` (each row's other fields, a dict); ``truncated``: prompts cut
+    to fit; ``files``: files read; ``skipped``: the ``file:line`` of prompts dropped."""
 
     texts: list[str]
     tokens: list[list[int]]
-    answers: list[Any]
+    prompts: list[Any] = field(default_factory=list)
+    fields: list[dict] = field(default_factory=list)
     truncated: int = 0
     files: int = 0
     skipped: list = field(default_factory=list)
@@ -49,14 +62,40 @@ class PromptData:
     def __len__(self) -> int:
         return len(self.texts)
 
+    @property
+    def columns(self) -> list[str]:
+        """Every field name of the rows besides the prompt, in first-seen order."""
+        return list(dict.fromkeys(k for f in self.fields for k in f))
+
+    def column(self, name: str, idx) -> list[Any]:
+        """Field ``name`` of rows ``idx`` (``None`` where a row lacks it)."""
+        return [self.fields[i].get(name) for i in idx]
+
+    def is_chat(self, i: int) -> bool:
+        """Whether row ``i``'s prompt is chat messages (its completions are then message lists)."""
+        return isinstance(self.prompts[i], list)
+
     def split(self, val_fraction: float) -> tuple["PromptData", "PromptData"]:
         """The last ``ceil(N · val_fraction)`` prompts (at least one when ``val_fraction > 0`` and
         N > 1) are held out; the rest train."""
         n, cut = len(self), held_out_cut(len(self), val_fraction)
 
         def part(s):
-            return PromptData(self.texts[s], self.tokens[s], self.answers[s], self.truncated, self.files)
+            return PromptData(self.texts[s], self.tokens[s], self.prompts[s], self.fields[s], self.truncated,
+                              self.files)
         return part(slice(0, cut)), part(slice(cut, n))
+
+
+def _fields(record: dict, where: str) -> dict:
+    """The row's fields passed to the reward functions (all but :data:`DROPPED_FIELDS`).
+
+    Raises:
+        DataError: a field named like one of the reward functions' own keywords."""
+    clash = [k for k in record if k in REWARD_KEYWORDS and k not in DROPPED_FIELDS]
+    if clash:
+        raise DataError(f"{where}: the field {clash[0]!r} has the name of a keyword every reward function is "
+                        f"called with ({', '.join(REWARD_KEYWORDS)}); rename it")
+    return {k: v for k, v in record.items() if k not in DROPPED_FIELDS}
 
 
 def _prompt_text(record: Any, where: str, tokenizer) -> tuple[str, list[int]]:
@@ -77,12 +116,13 @@ def load_prompts(data_cfg, tokenizer, max_tokens: int) -> PromptData:
     """Read every prompt of ``data_cfg.corpus`` (module docstring).
 
     Raises:
-        DataError: no files, a line without a prompt, or no prompt left after ``skip_long_examples``.
+        DataError: no files, a line without a prompt, a field named like a reward keyword
+            (:func:`_fields`), or no prompt left after ``skip_long_examples``.
     """
     files = resolve_files(data_cfg.corpus)
     if not files:
         raise DataError(f"data.corpus={data_cfg.corpus!r} matches no file")
-    out = PromptData([], [], [], files=len(files))
+    out = PromptData([], [], files=len(files))
     for path in files:
         for where, record in iter_json_lines(path):
             text, ids = _prompt_text(record, where, tokenizer)
@@ -95,7 +135,8 @@ def load_prompts(data_cfg, tokenizer, max_tokens: int) -> PromptData:
                 raise DataError(f"{where}: the prompt encodes to no token")
             out.texts.append(text)
             out.tokens.append(ids)
-            out.answers.append(record.get("answer"))
+            out.prompts.append(record["prompt"])
+            out.fields.append(_fields(record, where))
     if not out.texts:
         raise DataError(f"data.corpus={data_cfg.corpus!r}: no prompt of at most {max_tokens} tokens "
                         "(data.skip_long_examples dropped them all)")

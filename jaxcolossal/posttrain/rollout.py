@@ -41,11 +41,13 @@ from jax.sharding import NamedSharding
 from jaxcolossal.config import ConfigError
 from jaxcolossal.config.derived import grpo_prompt_length
 from jaxcolossal.data.prompts import PromptData, prompt_batch
+from jaxcolossal.errors import RewardError
 from jaxcolossal.generate import Sampling, make_generator, pad_prompts, run_eos_ids
 from jaxcolossal.models.layers.logprobs import token_logprobs
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
-from jaxcolossal.posttrain.rewards import RewardSet, make_rewards
+from jaxcolossal.posttrain.rewards import RewardSet, TrainerState, make_rewards
+from jaxcolossal.runtime.dist_logger import get_dist_logger
 
 __all__ = ["Rollouts", "completion_ids", "group_advantages", "rollout_token_logps", "row_layout", "truncated_rows"]
 
@@ -56,7 +58,9 @@ ROLLOUTS_KEPT = 2
 def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
     """TRL's ``sum_then_normalize`` advantages: ``(r - mean(group)) / (std + 1e-4)`` with the group's
     std (``group``), the batch's (``batch``) or none (``none``); Bessel-corrected, NaN-skipping
-    (unscorable rows are NaN and get advantage 0). Returns fp32 ``(advantages [n], std_is_zero [n])``."""
+    (unscorable rows are NaN and get advantage 0). Returns fp32 ``(advantages [n], no_signal [n])``:
+    ``no_signal`` where the std is 0 (TRL's ``is_std_zero``) or undefined (fewer than two scored
+    completions, which TRL counts as a signal: such a group's advantages are 0 all the same)."""
     grouped = rewards.reshape(-1, group)
     with warnings.catch_warnings():  # an all-NaN group (nothing scored) is NaN, then advantage 0
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -68,7 +72,7 @@ def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.nd
     adv = rewards - mean
     if scale != "none":
         adv = adv / (std + 1e-4)
-    return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0)
+    return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0) | np.isnan(std)
 
 
 def row_layout(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions: np.ndarray, lengths: np.ndarray,
@@ -156,12 +160,42 @@ class Rollouts:
             self.eos: tuple[int, ...] = run_eos_ids(tokenizer, cfg.model.init_from or None)
         except ValueError as e:
             raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
+        self._refuse_what_trains_nothing(prompts)
+        self._warned_unscored = False
         self.sampling = Sampling(temperature=po.temperature, top_k=po.top_k, top_p=po.top_p)
         self.dir = os.path.join(cfg.checkpoint.dir, "rollouts") if cfg.checkpoint.dir else ""
         self.current: _Rollout | None = None
         self.metrics: dict = {}
         self._generators: dict = {}
         self._logps = jax.jit(functools.partial(rollout_token_logps, plan))
+
+    def _refuse_what_trains_nothing(self, prompts: PromptData) -> None:
+        """Before anything compiles: a reward function that cannot take the rows' fields, ``exact_match``
+        on rows without an ``answer``, ``mask_truncated_completions`` without an end-of-text id.
+
+        Raises:
+            ConfigError: one line naming the key (or the function) and what works."""
+        cfg = self.cfg
+        self.rewards.check_fields(list(dict.fromkeys(prompts.columns + self.held.columns)))
+        self._check_answers(prompts, "prompt")
+        if self.held is not prompts:
+            self._check_answers(self.held, f"held-out prompt (data.val_fraction={cfg.data.val_fraction:g})")
+        if cfg.posttrain.mask_truncated_completions and not self.eos:
+            raise ConfigError(f"posttrain.mask_truncated_completions=true needs an end-of-text id, and data.tokenizer="
+                              f"{cfg.data.tokenizer} has none (nor has model.init_from's generation_config.json): "
+                              "every completion would count as truncated and none would train; set "
+                              "posttrain.mask_truncated_completions=false")
+
+    def _check_answers(self, data: PromptData, what: str) -> None:
+        """``exact_match`` scores a row by its ``answer``: refuse prompts none of which has one.
+
+        Raises:
+            ConfigError: ``exact_match`` listed and no row of ``data`` has an ``answer``."""
+        if "exact_match" in self.rewards.names and all(a is None for a in data.column("answer", range(len(data)))):
+            raise ConfigError(f"posttrain.reward_funcs={self.cfg.posttrain.reward_funcs}: exact_match compares a "
+                              f"completion with its row's 'answer', and no {what} row of data.corpus="
+                              f"{self.cfg.data.corpus!r} has one, so nothing would be scored; add an 'answer' to the "
+                              "rows, or name another reward function")
 
     # ------------------------------------------------------------------ the batch
     def batch(self, step: int, state: Any = None) -> dict:
@@ -196,8 +230,9 @@ class Rollouts:
         key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
         completions, lengths = self._generate(state.model_params, prompt_tokens, prompt_mask, key, self.sampling)
         t2 = time.perf_counter()
-        texts = [self.data.texts[i] for i in idx]
-        per_func, comp_texts = self._score(texts, completions, lengths, [self.data.answers[i] for i in idx])
+        per_func, comp_texts = self._score(self.data, idx, completions, lengths, f"step {step + 1}",
+                                           TrainerState(step, self.cfg.training.max_steps))
+        self._check_scored(per_func, step)
         total = self.rewards.total(per_func)
         adv, std_zero = group_advantages(total, self.G, self.cfg.posttrain.scale_rewards)
         t3 = time.perf_counter()
@@ -249,13 +284,39 @@ class Rollouts:
                 mesh=self.plan.mesh, param_specs=specs, fp8=self.cfg.precision.fp8)
         return self._generators[name]
 
-    def _score(self, prompts: list[str], completions: np.ndarray, lengths: np.ndarray,
-               answers: list) -> tuple[np.ndarray, list[str]]:
-        """Each reward function's values ``[B, F]`` and the completions' texts (every eos id dropped, ids
-        past the tokenizer's vocabulary skipped: :func:`completion_ids`)."""
+    def _score(self, data: PromptData, idx: np.ndarray, completions: np.ndarray, lengths: np.ndarray, where: str,
+               state: TrainerState) -> tuple[np.ndarray, list[str]]:
+        """Each reward function's values ``[B, F]`` for the completions of prompts ``idx`` of ``data``, and
+        the completions' texts (every eos id dropped, ids past the tokenizer's vocabulary skipped:
+        :func:`completion_ids`). The functions get the rows' prompts as given, the texts (a chat
+        prompt's as ``[{"role": "assistant", "content": text}]``) and every field of the rows.
+
+        Raises:
+            RewardError: as :meth:`RewardSet.score`, naming ``where``."""
         ids = completion_ids(completions, lengths, self.eos, self.tok.vocab_size)
         texts = [self.tok.decode(np.asarray(r, np.int32)) for r in ids]
-        return self.rewards.score(prompts, texts, ids, answers), texts
+        comps = [[{"role": "assistant", "content": t}] if data.is_chat(i) else t for t, i in zip(texts, idx)]
+        fields = {k: data.column(k, idx) for k in data.columns}
+        per_func = self.rewards.score([data.prompts[i] for i in idx], comps, ids, fields, where, state)
+        return per_func, texts
+
+    def _check_scored(self, per_func: np.ndarray, step: int) -> None:
+        """Stop on a step no function scored (it would train nothing, silently); warn once, as TRL warns,
+        when some completions have no reward.
+
+        Raises:
+            RewardError: every reward of the step is None or NaN."""
+        unscored = np.all(np.isnan(per_func), axis=1)
+        if unscored.all():
+            raise RewardError(f"every reward function ({', '.join(self.rewards.names)}) returned None or NaN for all "
+                              f"{len(unscored)} completions of step {step + 1}: a step without a reward trains "
+                              "nothing. Return a float for the completions a function can score (0.0 where none "
+                              "applies)")
+        if unscored.any() and not self._warned_unscored:
+            self._warned_unscored = True
+            get_dist_logger().warning(f"step {step + 1}: {int(unscored.sum())} of {len(unscored)} completions have no "
+                                      "reward (every function returned None or NaN): their advantage is 0, as in TRL "
+                                      "(said once per run)", ranks=[0])
 
     def _truncated(self, completions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Rows that ended at ``max_completion_length`` without an end-of-text id (:func:`truncated_rows`)."""
@@ -292,7 +353,7 @@ class Rollouts:
                 out[f"rewards/{name}/std"] = float(np.nanstd(per_func[:, j], ddof=1))
         out.update({"frac_reward_zero_std": float(np.mean(std_zero)), "completions/mean_length": float(lengths.mean()),
                     "completions/clipped_ratio": float(np.mean(truncated))})
-        return out
+        return out | self.rewards.metrics
 
     # ------------------------------------------------------------------ resume between the μ steps
     def _save(self, step: int, host: dict, metrics: dict) -> None:
@@ -322,9 +383,14 @@ class Rollouts:
         tokens, mask = self._prompts(self.held, idx)
         completions, lengths = self._generate(state.model_params, tokens, mask, jax.random.key(0),
                                               Sampling(greedy=True))
-        per_func, _ = self._score([self.held.texts[i] for i in idx], completions, lengths,
-                                  [self.held.answers[i] for i in idx])
-        out = {"val_reward": float(np.nanmean(self.rewards.total(per_func)))}
-        out.update({f"val_rewards/{n}": float(np.nanmean(per_func[:, j])) for j, n in enumerate(self.rewards.names)})
-        return out
+        step = int(state.step)
+        where = f"the held-out evaluation {'before step 1' if step == 0 else f'after step {step}'}"
+        per_func, _ = self._score(self.held, idx, completions, lengths, where,
+                                  TrainerState(step, self.cfg.training.max_steps))
+        with warnings.catch_warnings():  # no held-out reward at all: NaN (a step without one stops the run)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out = {"val_reward": float(np.nanmean(self.rewards.total(per_func)))}
+            out.update({f"val_rewards/{n}": float(np.nanmean(per_func[:, j]))
+                        for j, n in enumerate(self.rewards.names)})
+        return out | {f"val_{k}": v for k, v in self.rewards.metrics.items()}
 

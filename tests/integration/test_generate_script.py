@@ -102,6 +102,8 @@ def test_checkpoint_samples_from_a_prompts_file(tmp_path, capsys):
     (["--prompts-file", "/nonexistent.jsonl"], "does not exist"),
     (["--prompts-file", "BAD"], "BAD:2: needs a string field"),
     (["--hf", "/nonexistent", "--prompt", "a"], "no config.json"),
+    (["--prompt", "ab", "--max-new-tokens", "10000"], "--max-new-tokens 10000 after a prompt of 2 tokens runs to 10002 "
+     "positions, past the model's max_position_embeddings=512: use --max-new-tokens 510 or fewer"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, monkeypatch):
     monkeypatch.chdir(tmp_path)

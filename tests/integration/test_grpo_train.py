@@ -5,6 +5,8 @@ rollout; refusals come before anything compiles."""
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -102,6 +104,12 @@ def test_grpo_resume_between_the_steps_of_a_rollout_is_bit_exact(tmp_path):
     (["posttrain.loss_type=sigmoid"], "posttrain.loss_type=sigmoid is not a GRPO loss"),
     (["posttrain.max_completion_length=13"], "leaves no room for a prompt in training.seq_len=12"),
     (["data.format=text"], "training.objective=grpo with data.format=text"),
+    (["posttrain.label_smoothing=0.1"], "posttrain.label_smoothing=0.1 is a DPO key, which a GRPO run "
+                                        "(training.objective=grpo) never reads: remove it"),
+    (["posttrain.reward_funcs=format,exact_match,format", "posttrain.reward_weights="], "lists format twice"),
+    (["training.seq_len=1024", "posttrain.max_completion_length=1000"],
+     "training.seq_len=1024 (a GRPO row: the prompt + posttrain.max_completion_length=1000 tokens) exceeds "
+     "model.max_position_embeddings=512"),
 ])
 def test_grpo_refusals_before_compiling(override, message):
     with pytest.raises(ConfigError) as e:
@@ -154,3 +162,54 @@ def test_completions_end_at_any_eos_id_of_the_init_from_folder(tmp_path):
     ended = [any(t in eos for t in row) for row in free.tolist()]
     assert 0 < sum(ended) < 16 and min(ends) < C
     assert ro.metrics["completions/clipped_ratio"] == pytest.approx(1 - np.mean(ended))
+
+
+def trl_solution_reward(completions, solution, **kwargs):
+    """A TRL-style reward over a dataset column (``solution``), as TRL's docs write one."""
+    return [float(c.strip().startswith(s)) + 0.1 * any(ch.isdigit() for ch in c) for c, s in zip(completions, solution)]
+
+
+def trl_conversational_reward(completions, **kwargs):
+    """A TRL-style conversational reward: each completion is ``[{"role": "assistant", "content": ...}]``."""
+    return [float(any(ch.isdigit() for ch in completion[0]["content"])) for completion in completions]
+
+
+def test_trl_reward_functions_run_unchanged(tmp_path):
+    """Issue 54's acceptance: ``fn(completions, solution, **kw)`` over text prompts with a ``solution``
+    field, and a conversational reward over chat prompts, each through two real GRPO steps (rollout,
+    rewards, update) unchanged; the rows' fields and the chat messages reach them as TRL passes them."""
+    rows = [json.loads(line) for line in open(PROMPTS)][:32]
+    text, chat = tmp_path / "text.jsonl", tmp_path / "chat.jsonl"
+    text.write_text("".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in rows))
+    chat.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}], "id": i}) + "\n"
+                            for i, r in enumerate(rows)))
+    for corpus, fn in ((text, "trl_solution_reward"), (chat, "trl_conversational_reward")):
+        cfg = grpo_config(posttrain={"reward_funcs": f"{__name__}:{fn}", "reward_weights": "", "num_iterations": 1})
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corpus=str(corpus)))
+        _, out = run_grpo(cfg, jax.devices()[:1], steps=2)
+        assert all(m["nonfinite"] == 0 for _, m in out)
+        assert all(np.isfinite(m["reward"]) and f"rewards/{__name__}:{fn}/mean" in m for _, m in out), fn
+
+
+def test_a_failing_reward_module_in_the_current_folder_is_one_line_and_its_traceback(tmp_path):
+    """Through scripts/train.py started in the folder that holds the reward module (no PYTHONPATH): it is
+    imported, and its failure (at the held-out evaluation before step 1) is one ``reward error`` line naming
+    it and the step, exit 2,
+    with the module's own traceback below and none of ours."""
+    (tmp_path / "my_rewards.py").write_text("def fragile(completions, **kwargs):\n    total = 0\n"
+                                            "    return [len(c) / total for c in completions]\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = ROOT  # the package itself (as an install would put it), not the run's folder
+    r = subprocess.run([sys.executable, f"{ROOT}/scripts/train.py", "--config", f"{ROOT}/configs/llama_tiny.yaml",
+                        *GRPO_JOB, "posttrain.reward_funcs=my_rewards:fragile", "posttrain.reward_weights=",
+                        "posttrain.max_completion_length=1", "training.max_steps=2", "logging.progress_bar=false",
+                        f"logging.run_dir={tmp_path}/run"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr.splitlines()
+    first = [i for i, line in enumerate(err) if line.startswith("reward error: ")]
+    assert len(first) == 1, r.stderr[-3000:]
+    assert err[first[0]] == ("reward error: reward function my_rewards:fragile raised at the held-out evaluation "
+                             "before step 1: ZeroDivisionError: division by zero"), r.stderr[-3000:]
+    below = "\n".join(err[first[0] + 1:])
+    assert "my_rewards.py" in below and "in fragile" in below and "jaxcolossal" not in below, r.stderr[-3000:]

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcolossal.config import ConfigError, config_from_dict
+from jaxcolossal.config import ConfigError, config_from_dict, field_docs
+from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS
 from jaxcolossal.train.loop import evaluate_only
 from jaxcolossal.train.objective import dpo_loss
 
@@ -44,11 +45,22 @@ def _cfg(**over):
     ({"posttrain__reference": "lora_base"}, "needs LoRA"),
     ({"posttrain__loss_type": "ipo", "posttrain__label_smoothing": 0.1}, "IPO has no label smoothing"),
     ({"parallel__pipeline_parallel_size": 2}, "does not run with parallel.pipeline_parallel_size > 1"),
+    ({"posttrain__num_generations": 4}, "posttrain.num_generations=4 is a GRPO key, which a DPO run "
+                                        "(training.objective=dpo) never reads: remove it"),
+    ({"posttrain__reward_funcs": "format"}, "posttrain.reward_funcs='format' is a GRPO key"),
 ])
 def test_refusals(over, words):
     with pytest.raises(ConfigError) as e:
         _cfg(**over)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_objective_only_keys_are_the_ones_their_docs_mark():
+    """GRPO_ONLY_KEYS / DPO_ONLY_KEYS (refused in the other objective's run) are the posttrain keys whose
+    docs start with "GRPO" / "DPO:"."""
+    docs = {k.split(".", 1)[1]: d for k, d in field_docs().items() if k.startswith("posttrain.")}
+    assert sorted(GRPO_ONLY_KEYS) == sorted(k for k, d in docs.items() if d.startswith("GRPO"))
+    assert sorted(DPO_ONLY_KEYS) == sorted(k for k, d in docs.items() if d.startswith("DPO:"))
 
 
 def test_valid_dpo_config():

@@ -26,7 +26,7 @@ def test_exact_match_reads_the_final_answer(completion, answer):
 
 def test_weighted_sum_and_a_users_function():
     rs = make_rewards(f"exact_match,format,{__name__}:length_reward", "1,0.5,2", r"####")
-    per = rs.score(["1+1="] * 3, ["2", "#### 2", "3"], [[50], [35, 35], [51]], ["2", "2", None])
+    per = rs.score(["1+1="] * 3, ["2", "#### 2", "3"], [[50], [35, 35], [51]], {"answer": ["2", "2", None]}, "step 1")
     np.testing.assert_allclose(per, [[1, 0, 0.1], [1, 1, 0.6], [np.nan, 0, 0.1]], rtol=1e-6)
     np.testing.assert_allclose(rs.total(per), [1.2, 2.7, 0.2], rtol=1e-6)  # NaN skipped, as TRL's nansum
     with pytest.raises(ConfigError, match="has no function 'nope'"):

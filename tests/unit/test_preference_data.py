@@ -64,6 +64,17 @@ def test_bad_lines_name_file_and_line(tmp_path, line, words):
     assert f"{path}:3:" in msg and words in msg and "\n" not in msg
 
 
+def test_pairs_that_are_all_chosen_equals_rejected_are_refused(tmp_path):
+    """DPO's loss is then log 2 with a zero gradient at every step: nothing would train."""
+    cfg, path = _write(tmp_path, [{"prompt": "p", "chosen": "same", "rejected": "same"},
+                                  {"prompt": "q", "chosen": "c" * 30, "rejected": "c" * 29 + "d"}])
+    with pytest.raises(DataError) as e:  # the second pair differs only past seq_len
+        load_preferences(cfg, ByteTokenizer(), seq_len=16)
+    assert f"data.corpus={path!r}: in all 2 preference pairs the chosen response equals the rejected one" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert len(load_preferences(cfg, ByteTokenizer(), seq_len=40)) == 2  # one pair that differs is enough
+
+
 def test_response_cut_off_is_refused_or_skipped(tmp_path):
     cfg, path = _write(tmp_path, [{"prompt": "x" * 40, "chosen": "c", "rejected": "r"},
                                   {"prompt": "p", "chosen": "c", "rejected": "r"}])
