@@ -387,7 +387,8 @@ def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
     log = get_dist_logger()
     newest_local = agree_step(local.available(state)) if local is not None else None
     persistent = ckpt.latest_step()
-    if newest_local is not None and (persistent is None or newest_local > persistent):
+    tried = newest_local is not None and (persistent is None or newest_local > persistent)
+    if tried:
         restored = local.restore_newest(state, newer_than=persistent)  # each process logs the copy it read
         if restored is not None:
             state, copy = restored
@@ -402,7 +403,8 @@ def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
         log.info(f"training.resume=auto: no checkpoint in {ckpt.directory}, starting fresh", ranks=[0])
         return state, "none"
     log.info(f"resumed from step {int(state.step)} in {ckpt.directory} (persistent"
-             + (f"; newest emergency step every process holds: {newest_local})" if local is not None else ")"),
+             + ("; no newer emergency step is whole on every process)" if tried else
+                f"; newest emergency step every process holds: {newest_local})" if local is not None else ")"),
              ranks=[0])
     return state, "persistent"
 
