@@ -960,7 +960,11 @@ class CheckpointConfig:
     """The emergency checkpoints' folder (a fast local disk); ``""`` (the default):
     ``<tmp>/jaxcolossal-local/<name of dir>-<hash of dir's absolute path>`` (``<tmp>``: ``$TMPDIR`` or
     ``/tmp``). Process ``r`` writes ``rank<r>/`` and the replica ``rank<r+1 mod n>/replica_of_rank<r>/``,
-    so on several nodes it must be a path every process can write. ``~`` and ``$VAR`` are expanded."""
+    so on several nodes it must be a path every process can write. ``~`` and ``$VAR`` are expanded. A
+    folder that cannot be created is refused before anything compiles; a write that fails during the
+    run is logged and training goes on. Each copy's ``shards.bin`` carries a checksum, verified at
+    restore: a damaged copy is passed over for the replica, then an older step, then the persistent
+    checkpoint."""
 
 
 @dataclass

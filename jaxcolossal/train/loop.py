@@ -80,7 +80,7 @@ from jaxcolossal.runtime.goodput import (
 )
 from jaxcolossal.runtime.launch import collective_timeout
 from jaxcolossal.runtime.watchdog import HangWatchdog
-from jaxcolossal.train.emergency import LocalCheckpoints, agree_step, any_local_steps, local_dir
+from jaxcolossal.train.emergency import LocalCheckpoints, agree_step, any_local_steps, default_local_dir, local_dir
 from jaxcolossal.train.guard import (
     NonFiniteError,
     NonFiniteGuard,
@@ -197,15 +197,17 @@ def _lora_line(plan: TrainPlan, got: dict, n: int, b: dict) -> str:
 # ----------------------------------------------------------------------------- preflight
 
 
-OUTPUT_DIR_EXAMPLES = {"checkpoint.dir": "checkpoints/run1", "logging.run_dir": "runs/default"}
+OUTPUT_DIR_EXAMPLES = {"checkpoint.dir": "checkpoints/run1", "logging.run_dir": "runs/default",
+                       "checkpoint.local_dir": "checkpoints/local"}
 """A value that works for each output folder key, for its refusal (relative: under the working directory)."""
 
 
-def check_output_dir(key: str, path: str) -> None:
+def check_output_dir(key: str, path: str, example: str | None = None) -> None:
     """Refuse a folder the run would write (``key``, e.g. ``checkpoint.dir``) when it cannot be
     created: a file in its way, or a nearest existing folder where nothing can be created
     (permissions, a read-only or virtual file system such as ``/proc``). Checked by creating and
     at once removing an empty probe folder in the nearest existing one: nothing is left behind.
+    ``example``: the value the refusal suggests (default: :data:`OUTPUT_DIR_EXAMPLES`'s for ``key``).
 
     Raises:
         ConfigError: ``checkpoint.dir='a.jsonl/ck': cannot create it: a.jsonl is a file; ...``.
@@ -214,7 +216,7 @@ def check_output_dir(key: str, path: str) -> None:
     while not os.path.exists(head) and os.path.dirname(head) != head:  # the nearest part that exists
         head = os.path.dirname(head)
     shown = head if os.path.isabs(path) else os.path.relpath(head)
-    fix = f"set {key} to a folder that can be created, e.g. {key}={OUTPUT_DIR_EXAMPLES.get(key, 'out')}"
+    fix = f"set {key} to a folder that can be created, e.g. {key}={example or OUTPUT_DIR_EXAMPLES.get(key, 'out')}"
     if not os.path.isdir(head):
         raise ConfigError(f"{key}={path!r}: cannot create it: {shown} is a file; {fix}")
     try:
@@ -229,8 +231,9 @@ def preflight(cfg: Config, eval_only: bool = False) -> None:
     (:func:`evaluate_only`): the ``training.resume`` checks are left out (it never trains or saves).
 
     Raises:
-        ConfigError: one line naming the key: ``checkpoint.dir`` or (on process 0, which writes it)
-            ``logging.run_dir`` that cannot be created (:func:`check_output_dir`);
+        ConfigError: one line naming the key: ``checkpoint.dir``, ``checkpoint.local_dir`` (with
+            ``checkpoint.local_every``; every process writes there) or (on process 0, which writes
+            it) ``logging.run_dir`` that cannot be created (:func:`check_output_dir`);
             ``model.init_from`` missing or not matching;
             ``model.vocab_size`` below the tokenizer's ids; ``training.resume=true`` with a
             ``checkpoint.dir`` that holds no step; a fresh run into a ``checkpoint.dir`` that
@@ -243,6 +246,9 @@ def preflight(cfg: Config, eval_only: bool = False) -> None:
         mx.import_wandb()
     if c.dir:
         check_output_dir("checkpoint.dir", c.dir)
+    if c.dir and c.local_every and not eval_only:  # every process writes its own folder and a peer's replica
+        check_output_dir("checkpoint.local_dir", local_dir(cfg),
+                          example=default_local_dir(c.dir) if c.local_dir else None)
     if jax.process_index() == 0:  # the only process that writes the run folder (_start)
         check_output_dir("logging.run_dir", cfg.logging.run_dir)
     if m.init_from:
@@ -381,11 +387,14 @@ def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
     log = get_dist_logger()
     newest_local = agree_step(local.available(state)) if local is not None else None
     persistent = ckpt.latest_step()
-    if newest_local is not None and (persistent is None or newest_local > persistent):
-        state, path = local.restore(newest_local, state)
-        log.info(f"resumed from step {newest_local} of the emergency (local) checkpoints in {local.directory} "
-                 f"(newest persistent step: {persistent}; process 0 read {path})", ranks=[0])
-        return state, "local"
+    tried = newest_local is not None and (persistent is None or newest_local > persistent)
+    if tried:
+        restored = local.restore_newest(state, newer_than=persistent)  # each process logs the copy it read
+        if restored is not None:
+            state, copy = restored
+            log.info(f"resumed from step {copy.step} of the emergency (local) checkpoints in {local.directory} "
+                     f"(newest persistent step: {persistent}; process 0 read {copy.path})", ranks=[0])
+            return state, "local"
     try:
         state = ckpt.restore(state)
     except FileNotFoundError:
@@ -394,7 +403,8 @@ def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
         log.info(f"training.resume=auto: no checkpoint in {ckpt.directory}, starting fresh", ranks=[0])
         return state, "none"
     log.info(f"resumed from step {int(state.step)} in {ckpt.directory} (persistent"
-             + (f"; newest emergency step every process holds: {newest_local})" if local is not None else ")"),
+             + ("; no newer emergency step is whole on every process)" if tried else
+                f"; newest emergency step every process holds: {newest_local})" if local is not None else ")"),
              ranks=[0])
     return state, "persistent"
 
@@ -1132,9 +1142,11 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
         log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} "
                  "(nats/token)", ranks=[0])
     with rec.phase("checkpoint_save"):
-        if run.local is not None:
-            run.local.close()
-        _save(run, state, val_loss=out["val_loss_end"], final=True)
+        try:
+            if run.local is not None:
+                run.local.close()
+        finally:  # whatever the emergency copies did, the final persistent checkpoint is written
+            _save(run, state, val_loss=out["val_loss_end"], final=True)
         if run.ckpt:
             run.ckpt.close()
         if run.local is not None:  # the final persistent step is the newest: the emergency copies are stale
