@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
 import re
 import signal
@@ -628,6 +629,8 @@ def _checked_args(argv: Sequence[str] | None) -> argparse.Namespace:
         _refuse(f"--timeout must be >= 1 second, got {a.timeout}")
     if a.max_restarts < 0:
         _refuse(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    if not math.isfinite(a.kill_grace) or a.kill_grace < 0:
+        _refuse(f"--kill-grace must be a number of seconds >= 0 (e.g. --kill-grace 5), got {a.kill_grace:g}")
     if a.nnodes > 1 and (a.max_restarts or a.low < a.high):
         _refuse("--max-restarts and --nproc MIN:MAX are for one machine (--nnodes 1); across machines restart "
                 "with SLURM --requeue, a Kubernetes JobSet or torchrun's elastic agent (docs/fault_tolerance.md)")
