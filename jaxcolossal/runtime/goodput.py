@@ -212,12 +212,52 @@ def summary_lines(s: dict) -> list[str]:
     return lines
 
 
-def stragglers(times: list[float], factor: float) -> list[int]:
+def stragglers(times: list[float], factor: float, floor_s: float = 0.0) -> list[int]:
     """The ranks whose time (``times[rank]``, seconds, e.g. a step's) exceeds ``factor`` × the
-    median of the other ranks' times (none with fewer than 2 ranks)."""
+    median of the other ranks' times, and that median by more than ``floor_s`` seconds (none with
+    fewer than 2 ranks)."""
     out = []
     for r, t in enumerate(times):
         others = times[:r] + times[r + 1:]
-        if others and t > factor * statistics.median(others) and t > 0:
-            out.append(r)
+        if others and t > 0:
+            med = statistics.median(others)
+            if t > factor * med and t - med > floor_s:
+                out.append(r)
     return out
+
+
+class StragglerTracker:
+    """Which ranks to warn about, from the per-rank times gathered at each logged step (a "check").
+
+    A rank is flagged at a check when its time is above ``factor`` × the other ranks' median **and**
+    above that median by more than the floor, ``max(min_share × the step time, min_s)`` (so a 1 ms
+    difference in data loading on a 600 ms step is not a straggler); it is warned about when it was
+    flagged at ``checks`` consecutive checks, once per such run of checks (flagged again after a check
+    where it was not: warned again after ``checks`` more).
+
+    Args:
+        factor: ``fault_tolerance.straggler_factor``, >= 1.
+        min_share: ``fault_tolerance.straggler_min_share``, the floor's share of the step time, in [0, 1].
+        min_s: ``fault_tolerance.straggler_min_s``, the floor in seconds, >= 0.
+        checks: ``fault_tolerance.straggler_checks``, consecutive checks before a warning, >= 1.
+    """
+
+    def __init__(self, factor: float = 1.5, min_share: float = 0.05, min_s: float = 0.01, checks: int = 3):
+        self.factor, self.min_share, self.min_s, self.checks = float(factor), float(min_share), float(min_s), int(checks)
+        self.streak: dict[tuple[str, int], int] = {}
+
+    def floor(self, step_s: float) -> float:
+        """Seconds a rank must be above the others' median by: ``max(min_share × step_s, min_s)``."""
+        return max(self.min_share * max(step_s, 0.0), self.min_s)
+
+    def update(self, what: str, times: list[float], step_s: float) -> list[int]:
+        """One check of ``what`` (``"step time"``, ``"data-loading time"``): ``times[rank]`` in seconds,
+        ``step_s`` the job's step time in seconds. Returns the ranks to warn about now."""
+        flagged = set(stragglers(times, self.factor, self.floor(step_s)))
+        warn = []
+        for r in range(len(times)):
+            n = self.streak.get((what, r), 0) + 1 if r in flagged else 0
+            self.streak[(what, r)] = n
+            if n == self.checks:
+                warn.append(r)
+        return warn

@@ -5,7 +5,15 @@ import json
 import pytest
 
 from jaxcolossal.runtime.faults import HANG_EXIT_CODE, restart_count
-from jaxcolossal.runtime.goodput import CATEGORIES, GoodputRecorder, read_records, stragglers, summarize, summary_lines
+from jaxcolossal.runtime.goodput import (
+    CATEGORIES,
+    GoodputRecorder,
+    StragglerTracker,
+    read_records,
+    stragglers,
+    summarize,
+    summary_lines,
+)
 from jaxcolossal.runtime.watchdog import HangWatchdog, hang_limit
 
 
@@ -113,6 +121,33 @@ def test_straggler_rule_names_the_rank_above_factor_times_the_others_median():
     assert stragglers([1.0, 1.4, 1.0], 1.5) == []
     assert stragglers([0.5, 1.0], 1.5) == [1]
     assert stragglers([1.0], 1.5) == []
+    assert stragglers([0.002, 0.0035], 1.5, floor_s=0.03) == []   # 1.5 ms above: under a 30 ms floor
+
+
+def test_no_straggler_warning_for_1_ms_of_data_loading_on_a_600_ms_step():
+    # issue 54 item 16: 2 processes, data loading 2-3.5 ms alternating between them on a 600 ms step:
+    # the old rule (factor x the other's time, at every check) named one of them at most checks
+    t = StragglerTracker(factor=1.5, min_share=0.05, min_s=0.01, checks=3)
+    warned = []
+    for check in range(40):
+        data = [0.002, 0.0035] if check % 2 else [0.0035, 0.002]
+        steps = [0.600, 0.601] if check % 3 else [0.601, 0.600]
+        warned += t.update("data-loading time", data, 0.6) + t.update("step time", steps, 0.6)
+    assert warned == []
+    old = sum(bool(stragglers([0.002, 0.0035] if c % 2 else [0.0035, 0.002], 1.5)) for c in range(40))
+    assert old == 40  # what the issue saw: a warning at every logged step
+
+
+def test_a_persistent_straggler_is_named_once_after_straggler_checks_in_a_row():
+    t = StragglerTracker(factor=1.5, min_share=0.05, min_s=0.01, checks=3)
+    slow = [0.01, 0.01, 0.20, 0.01]          # rank 2 waits 200 ms for data on a 600 ms step (floor 30 ms)
+    assert t.floor(0.6) == pytest.approx(0.03) and t.floor(0.05) == 0.01
+    assert [t.update("data-loading time", slow, 0.6) for _ in range(6)] == [[], [], [2], [], [], []]
+    assert t.update("data-loading time", [0.01] * 4, 0.6) == []           # recovered: the run of checks ends
+    assert [t.update("data-loading time", slow, 0.6) for _ in range(3)] == [[], [], [2]]
+    # the step-time and data-loading rules count apart; 1 check in a row is the old behaviour, with a floor
+    assert StragglerTracker(1.5, 0.05, 0.01, checks=1).update("step time", [1.0, 1.0, 1.6, 1.0], 1.0) == [2]
+    assert StragglerTracker(1.5, 0.05, 0.7, checks=1).update("step time", [1.0, 1.0, 1.6, 1.0], 1.0) == []
 
 
 def test_restart_count_reads_the_first_variable_set():
