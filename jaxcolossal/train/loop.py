@@ -69,7 +69,7 @@ from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape
 from jaxcolossal.posttrain.rollout import Rollouts
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.dist_logger import get_dist_logger
-from jaxcolossal.runtime.faults import restart_count
+from jaxcolossal.runtime.faults import job_start, restart_count
 from jaxcolossal.runtime.goodput import (
     GoodputRecorder,
     process_start_time,
@@ -78,6 +78,7 @@ from jaxcolossal.runtime.goodput import (
     summarize,
     summary_lines,
 )
+from jaxcolossal.runtime.heartbeat import Heartbeat
 from jaxcolossal.runtime.launch import collective_timeout
 from jaxcolossal.runtime.watchdog import HangWatchdog
 from jaxcolossal.train.emergency import LocalCheckpoints, agree_step, any_local_steps, local_dir
@@ -1084,22 +1085,26 @@ _TRAINED_IN_THIS_PROCESS = [False]
 process's start (imports included), a later one's from its call."""
 
 
-def goodput_recorder(cfg: Config) -> GoodputRecorder:
+def goodput_recorder(cfg: Config, heartbeat: Heartbeat | None = None) -> GoodputRecorder:
     """The run's goodput timeline (:mod:`jaxcolossal.runtime.goodput`): process 0 appends it to
     ``<logging.run_dir>/goodput.jsonl`` with ``fault_tolerance.goodput``; the other processes keep it in
     memory (their data-waiting time is gathered for the straggler check). The attempt number is
-    :func:`restart_count` (0: a new job in the file)."""
+    :func:`restart_count` (0: a new job in the file), the job's start ``$JAXCOLOSSAL_JOB_START``; the
+    ``heartbeat`` is told the step restored and each step finished (the launcher's steps lost)."""
     path = os.path.join(cfg.logging.run_dir, "goodput.jsonl") \
         if cfg.fault_tolerance.goodput and jax.process_index() == 0 else None
     start = time.time() if _TRAINED_IN_THIS_PROCESS[0] else process_start_time()
     _TRAINED_IN_THIS_PROCESS[0] = True
-    return GoodputRecorder(path, restart_count(os.environ), start=start)
+    return GoodputRecorder(path, restart_count(os.environ), start=start, heartbeat=heartbeat,
+                           job_start=job_start(os.environ))
 
 
 def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     ft = cfg.fault_tolerance
-    hang = HangWatchdog(ft.hang_timeout_s, ft.hang_factor, process_index=jax.process_index())
-    run = _start(cfg, stop, goodput_recorder(cfg))
+    # the heartbeat ($JAXCOLOSSAL_HEARTBEAT_DIR, the launcher's log folder): which process stopped, the steps lost
+    beat = Heartbeat.from_env(os.environ, jax.process_index(), jax.process_count(), restart_count(os.environ))
+    hang = HangWatchdog(ft.hang_timeout_s, ft.hang_factor, process_index=jax.process_index(), heartbeat=beat)
+    run = _start(cfg, stop, goodput_recorder(cfg, beat))
     run.hang = hang
     out = None
     try:

@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 from mh import REPO, TINY, TRAIN, Result, clean_env, free_port, launcher, run
 
-FAILING_SLOT = str(REPO / "tests" / "multihost" / "failing_slot.py")
+MULTIHOST = REPO / "tests" / "multihost"
+FAILING_SLOT = str(MULTIHOST / "failing_slot.py")
+STALL = str(MULTIHOST / "stall_worker.py")
 FAST_CPU = "--xla_backend_optimization_level=0"  # the suite's LLVM level (tests/conftest.py): the programs are tiny
 SHRINK_RTOL = 1e-5
 """Losses of the shrunk run (2 x 2 devices, gradient accumulation 2) against the uninterrupted one (8
@@ -39,18 +41,25 @@ def _script(tmp_path, name, body):
 # ------------------------------------------------------------------ quick: no JAX
 @pytest.mark.timeout(60)
 def test_a_failed_rank_restarts_the_group_with_its_restart_count_and_slot(tmp_path):
-    prog = _script(tmp_path, "flaky.py", """
-        import json, os, sys
+    # rank 0 writes its heartbeat as the training loop does (the step restored, the last step finished):
+    # the launcher's steps lost come from it
+    prog = _script(tmp_path, "flaky.py", f"""
+        import json, os, sys, time
+        sys.path.insert(0, {str(MULTIHOST)!r})
+        import runtime_only
+        from jaxcolossal.runtime.heartbeat import Heartbeat, heartbeat_path, read_heartbeat
         keys = ["RANK", "WORLD_SIZE", "JAXCOLOSSAL_RESTART_COUNT", "JAXCOLOSSAL_SLOT", "JAXCOLOSSAL_PLANNED_DEVICES"]
-        sys.stdout.write("ENV " + json.dumps({k: os.environ.get(k) for k in keys} | {"pid": os.getpid()}) + "\\n")
+        sys.stdout.write("ENV " + json.dumps({{k: os.environ.get(k) for k in keys}} | {{"pid": os.getpid()}}) + "\\n")
         restart = int(os.environ["JAXCOLOSSAL_RESTART_COUNT"])
-        sys.stdout.write(f"step {3 + 4 * restart}/10\\n")
+        beat = Heartbeat.from_env(os.environ, int(os.environ["RANK"]), 2, restart)
+        beat.resumed(2 * restart)
+        beat.step_done(3 + 4 * restart)
         if restart == 0:
-            sys.stdout.write("resumed from step 0\\n")
             if os.environ["RANK"] == "1":
+                while (read_heartbeat(heartbeat_path(os.environ["JAXCOLOSSAL_HEARTBEAT_DIR"], 0)) or {{}}).get("step") != 3:
+                    time.sleep(0.01)
                 sys.exit(3)
-            import time; time.sleep(30)
-        sys.stdout.write("resumed from step 2\\n")
+            time.sleep(30)
     """)
     logs = tmp_path / "logs"
     res = run(launcher(2, prog, log_dir=logs, extra=("--platform", "cpu", "--max-restarts", "2", "--kill-grace", "1")),
@@ -58,9 +67,9 @@ def test_a_failed_rank_restarts_the_group_with_its_restart_count_and_slot(tmp_pa
     assert res.returncode == 0, res.describe()
     assert "restart 1/2: rank 1 (slot 1) exited with status 3" in res.stderr, res.describe()
     assert "starting 2 process(es) again (attempt 2)" in res.stderr
-    # the summary: rank 0's last logged step when it failed, where the next start resumed, the steps lost
+    # the summary: rank 0's last finished step when it failed, where the next start resumed, the steps lost
     assert re.search(r"restart 1: rank 1 \(slot 1\) exited with status 3 after [\d.]+ s at step 3 \(rank 0's last "
-                     r"logged step\); start 2 resumed from step 2 \(1 step\(s\) lost\)", res.stderr), res.describe()
+                     r"finished step\); start 2 resumed from step 2 \(1 step\(s\) lost\)", res.stderr), res.describe()
     for r in range(2):
         text = (logs / f"rank{r}.log").read_text()
         envs = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("ENV ")]
@@ -142,6 +151,54 @@ def test_shrink_drops_a_slot_failing_twice_and_restarts_on_a_divisor_of_max(tmp_
     assert re.fullmatch(r"jaxcolossal\.run: slot 0 failed first in 2 starts in a row and was dropped; 3 slot\(s\) "
                         r"remain, and no count n with 3 <= n <= 3 divides 4; giving up; logs in .*",
                         res.stderr.strip().splitlines()[-1]), res.describe()
+
+
+def _stall(tmp_path: Path, nproc: str, restarts: int, stop: str = "2:6", steps: int = 12) -> tuple[Result, Path]:
+    """The launcher over :mod:`stall_worker` (no JAX): the process in slot ``stop``'s S stops itself (SIGSTOP)
+    before its step K at every start; the others' hang watchdogs (1.5 s) fire while they wait for it."""
+    logs = tmp_path / "logs"
+    (tmp_path / "barrier").mkdir()
+    res = run(launcher(nproc, STALL, log_dir=logs, extra=("--platform", "cpu", "--max-restarts", str(restarts),
+                                                         "--kill-grace", "0.5")),
+              clean_env(STALL_DIR=str(tmp_path / "barrier"), STALL_SLOT=stop, STALL_STEPS=str(steps)), timeout=60)
+    return res, logs
+
+
+BLAMED = (r"rank 2 \(slot 2\) stopped: no heartbeat for [\d.]+ s \(its watchdog thread beats every 0.15 s: stopped, or "
+          r"stuck holding the interpreter\); last step 5 \(last known phase: [^)]*\); rank [013] hung \(exit 75\) after "
+          r"[\d.]+ s waiting for it")
+
+
+@pytest.mark.timeout(90)
+def test_a_sigstopped_rank_is_blamed_not_the_healthy_rank_whose_watchdog_fired(tmp_path):
+    # issue 54 item 14: slot 2 of 4 stops before step 6; ranks 0, 1 and 3 wait for it in the barrier and
+    # their hang watchdogs exit 75. The first of them to exit was blamed (rank 1 in one run, rank 3 in
+    # another). Two starts, each blamed on rank 2 from the heartbeats; then the restarts are used up.
+    res, logs = _stall(tmp_path, "4", restarts=1)
+    assert res.returncode == 1, res.describe()
+    assert re.search(r"restart 1/1: " + BLAMED + r" at step \d+ \(rank 0's last finished step\); starting 4",
+                     res.stderr), res.describe()
+    last = res.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"jaxcolossal\.run: rank 2 \(slot 2\) failed first in 2 start\(s\) in a row \(last: stopped: "
+                        r"no heartbeat for .*; giving up after --max-restarts 1; logs in .*", last), last
+    # the watchdog that fired names the process that stopped in its own line
+    fired = [r for r in (0, 1, 3) if "jaxcolossal hang watchdog: process" in (logs / f"rank{r}.log").read_text()]
+    assert fired, res.describe()
+    for r in fired:
+        assert re.search(r"Process 2 is the one that stopped: no heartbeat for [\d.]+ s",
+                         (logs / f"rank{r}.log").read_text()), (logs / f"rank{r}.log").read_text()[-3000:]
+    print(f"blamed rank 2 in 2 of 2 starts; watchdogs fired on ranks {fired}; {res.seconds:.1f} s")
+
+
+@pytest.mark.timeout(90)
+def test_shrink_drops_the_slot_that_stopped_not_the_watchdog_that_fired(tmp_path):
+    # with --nproc 2:4 the slot blamed twice is dropped: the one that stopped, not a healthy one
+    res, logs = _stall(tmp_path, "2:4", restarts=2)
+    assert res.returncode == 0, res.describe()
+    assert len(re.findall(r"restart \d/2: " + BLAMED, res.stderr)) == 2, res.describe()
+    assert "slot 2 failed first in 2 starts in a row: dropped; shrinking to 2 process(es) on slots [0, 1]" in res.stderr
+    assert "DONE rank 0 of 2, slot 0" in res.stdout and "DONE rank 1 of 2, slot 1" in (logs / "rank1.log").read_text()
+    print(f"slot 2 dropped after 2 starts, the job finished on slots 0 and 1 in {res.seconds:.1f} s")
 
 
 # ------------------------------------------------------------------ real training runs
