@@ -36,10 +36,14 @@ the processes as ``JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, the collective timeout of
 Restarts (``--max-restarts K``, as torchrun's; docs/fault_tolerance.md): when a process fails (a
 non-zero status, a signal, or the hang watchdog's status 75), every process is stopped as above and
 the whole group is started again, at most K times; each restart is printed with its cause, the rank
-and slot that failed, the attempt and rank 0's last logged step. Every process gets
+and slot that failed, the attempt and rank 0's last finished step, and at the end with where the next
+start resumed and the steps lost (:func:`jaxcolossal.runtime.faults.steps_lost`, the figure goodput
+reports too). Every process gets
 ``JAXCOLOSSAL_RESTART_COUNT`` (0 on the first start; added to the count of an engine that restarts the
 launcher itself, e.g. a JobSet or ``sbatch --requeue``), ``JAXCOLOSSAL_SLOT`` (its slot, stable across
-restarts) and, from the first restart on, ``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX``
+restarts), ``JAXCOLOSSAL_HEARTBEAT_DIR`` (the log folder: :mod:`jaxcolossal.runtime.heartbeat`),
+``JAXCOLOSSAL_JOB_START`` (when the job started) and, from the first restart on,
+``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX``
 slots: a shrunk run keeps its global batch, :func:`jaxcolossal.config.keep_global_batch`); the training loop
 then resumes from the newest checkpoint (``training.resume=false`` is taken as ``auto``). Status 2
 (a config error, the same at every start), a clean exit that the others do not follow and a signal
@@ -48,8 +52,14 @@ launcher exits with 1. ``<log-dir>/rank<r>.pid`` holds each process's pid (rewri
 ``<log-dir>/rank<r>.log`` is appended to at each restart, after a line
 ``===== jaxcolossal.run attempt A (restart R): rank r of n, slot s =====``.
 
-Shrink (``--nproc MIN:MAX``, with ``--max-restarts``): MAX processes start. A slot whose process is the
-first to fail in :data:`DROP_AFTER` (2) attempts in a row is dropped, and the group restarts on
+Blame: the process a start is blamed on is the first to end, except when that one is a watchdog's
+(the hang watchdog's 75, the no-progress one's 124: it waited for a peer); then it is the process the
+heartbeats in ``<log-dir>/rank<r>.heartbeat`` name (:func:`jaxcolossal.runtime.heartbeat.suspect`: a
+running process whose heartbeat went stale, e.g. one stopped with SIGSTOP, else the one whose last
+step is behind), and the restart line says both.
+
+Shrink (``--nproc MIN:MAX``, with ``--max-restarts``): MAX processes start. A slot whose process a start
+is blamed on in :data:`DROP_AFTER` (2) attempts in a row is dropped, and the group restarts on
 the largest count n with MIN <= n <= the slots left that divides MAX
 (:func:`jaxcolossal.runtime.faults.shrink_size`: 4 -> 2, 8 -> 4), each process keeping its
 ``--devices-per-proc``; ``RANK`` is renumbered 0..n-1 over the slots kept (``LOCAL_RANK`` is the
@@ -100,8 +110,8 @@ _DEFAULT_TIMEOUT = 300
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _PREFIX = "jaxcolossal.run"
 DROP_AFTER = 2
-"""With ``--nproc MIN:MAX``: a slot whose process is the first to fail in this many attempts in a row
-is dropped and the group shrinks."""
+"""With ``--nproc MIN:MAX``: a slot whose process a start is blamed on (the first to fail, or the one
+the heartbeats name after a hang) in this many attempts in a row is dropped and the group shrinks."""
 
 
 # ------------------------------------------------------------------------ environment
@@ -651,7 +661,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="collective timeout in seconds, passed as JAXCOLOSSAL_COLLECTIVE_TIMEOUT "
                          "(default: that variable, else 300)")
     ap.add_argument("--kill-grace", type=float, default=5.0, dest="kill_grace",
-                    help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)")
+                    help="seconds between SIGTERM and SIGKILL when stopping processes, >= 0 (default 5)")
     ap.add_argument("--log-dir", default=None, dest="log_dir",
                     help="folder for rank<r>.log (default: a new temporary folder)")
     ap.add_argument("-m", "--module", action="store_true",
