@@ -394,6 +394,9 @@ def test_shrink_from_4_to_2_processes_keeps_the_global_batch(tmp_path):
     assert ("the job was configured for 8 devices and runs on 4: data-parallel size 4 -> 2; "
             "training.gradient_accumulation_steps 1 -> 2 keeps the global batch of 16 sequences") in res.stderr
     assert "on 4 cpu device(s), 2 process(es)" in res.stderr, res.describe()
+    # issue 54 item 15: the two starts that ended before goodput's recorder began are counted
+    assert re.search(r"goodput [\d.]+% of [\d.]+ s wall over 3 start\(s\) \(2 of them ended before their goodput "
+                     r"record began; their time is in restart\)", res.stderr), res.describe()
     a, b = last_losses(tmp_path / "ref"), last_losses(tmp_path / "run")
     assert sorted(b) == list(range(1, 9))
     x, y = np.array([a[s] for s in range(1, 9)]), np.array([b[s] for s in range(1, 9)])
