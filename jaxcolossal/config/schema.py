@@ -980,8 +980,19 @@ class FaultToleranceConfig:
     hang_factor: float = 10.0
     """The hang limit's multiple of the median step time (of the latest 50 steps), > 0."""
     straggler_factor: float = 1.5
-    """A rank whose step time (or data-loading time) is above this multiple of the other ranks'
-    median is named in the log at each ``logging.log_every`` step, >= 1."""
+    """A rank whose step time (or data-loading time) per step is above this multiple of the other
+    ranks' median, and above it by more than the floor (``straggler_min_share``, ``straggler_min_s``),
+    at ``straggler_checks`` logged steps in a row, is named in a warning; >= 1. The times are gathered
+    at each ``logging.log_every`` step."""
+    straggler_min_share: float = 0.05
+    """The straggler floor's share of the step time: a rank is a straggler only when it is above the
+    others' median by more than ``max(straggler_min_share × the step time, straggler_min_s)``; in
+    [0, 1]."""
+    straggler_min_s: float = 0.01
+    """The straggler floor in seconds (see ``straggler_min_share``), >= 0."""
+    straggler_checks: int = 3
+    """How many logged steps in a row a rank must be a straggler before it is named (once per such
+    run of logged steps), >= 1."""
     goodput: bool = True
     """Record the run's time by category in ``<logging.run_dir>/goodput.jsonl`` (process 0; the
     attempts of a restarted job append to it) and report the goodput at the end of the run."""

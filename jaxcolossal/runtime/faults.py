@@ -12,16 +12,17 @@ launcher (:mod:`jaxcolossal.runtime.run`), the training loop and the tests share
   requeued SLURM job (``SLURM_RESTART_COUNT``).
 * :func:`parse_nproc` and :func:`shrink_size`: ``--nproc MIN:MAX`` and the process count a shrunk
   group restarts on.
+* :func:`steps_lost`: the one definition of the steps a failure loses, for the launcher and goodput.
 """
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "HANG_EXIT_CODE", "NO_PROGRESS_EXIT_CODE", "CONFIG_ERROR_EXIT_CODE", "RESTART_COUNT_ENV", "SLOT_ENV",
     "PLANNED_DEVICES_ENV", "RESTART_COUNT_VARS", "restart_count", "planned_devices", "describe_exit",
-    "parse_nproc", "shrink_size",
+    "parse_nproc", "shrink_size", "JOB_START_ENV", "job_start", "steps_lost",
 ]
 
 HANG_EXIT_CODE = 75
@@ -51,6 +52,12 @@ PLANNED_DEVICES_ENV = "JAXCOLOSSAL_PLANNED_DEVICES"
 ``python -m jaxcolossal.run`` on every start, or by hand (e.g. a SLURM job requeued on fewer nodes).
 When it differs from the devices a run has, the run keeps the global batch by raising the gradient
 accumulation (:func:`jaxcolossal.config.keep_global_batch`)."""
+
+JOB_START_ENV = "JAXCOLOSSAL_JOB_START"
+"""Set by ``python -m jaxcolossal.run`` in every process of every start: when the launcher started the
+job (seconds since the epoch), unless the variable is set already or the launcher is itself a restart
+of an outer engine's (then it does not know). Goodput counts the time from it, so a start that failed
+before its goodput record began is counted too (:func:`jaxcolossal.runtime.goodput.summarize`)."""
 
 RESTART_COUNT_VARS = (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 """Where :func:`restart_count` looks, first found wins: our launcher, torchrun's elastic agent,
@@ -96,6 +103,50 @@ def planned_devices(env: Mapping[str, str]) -> int | None:
     if value < 1:
         raise ValueError(f"environment variable {PLANNED_DEVICES_ENV} must be >= 1, got {raw!r}")
     return value
+
+
+def job_start(env: Mapping[str, str]) -> float | None:
+    """``$JAXCOLOSSAL_JOB_START`` (:data:`JOB_START_ENV`) in seconds since the epoch, ``None`` when unset.
+
+    Raises:
+        ValueError: it is set but is not a positive number (the message names it).
+    """
+    raw = env.get(JOB_START_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"environment variable {JOB_START_ENV} must be a time in seconds since the epoch, "
+                         f"got {raw!r}")
+    return value
+
+
+def steps_lost(starts: Sequence[tuple[int | None, int | None]]) -> list[int | None]:
+    """The steps each restart lost: the one definition, for the launcher's restart lines and goodput's.
+
+    A failure loses the steps done since the checkpoint the next start restores (the newest committed
+    one): they are computed again. ``starts`` holds, for each start of the job in order, what process 0
+    recorded: ``(resumed_from, last_done)``, the step it restored (0: fresh) and the last step it
+    finished (the restored one before its first step), each ``None`` when the start ended before it got
+    there (e.g. a process that failed at import).
+
+    Returns one entry per start: ``None`` for the first start and for a start that did not restore;
+    else ``max(0, last_done - resumed_from)`` with ``last_done`` of the newest earlier start that
+    restored (0 when none did: no step was done). The job's steps lost is the sum of the entries: a step lost twice (in two failures) counts
+    twice, as it is computed three times.
+    """
+    out: list[int | None] = []
+    last_done: int | None = None
+    for i, (resumed, done) in enumerate(starts):
+        if resumed is None:
+            out.append(None)
+            continue
+        out.append(None if i == 0 else 0 if last_done is None else max(0, last_done - resumed))
+        last_done = done if done is not None else resumed
+    return out
 
 
 def describe_exit(returncode: int) -> str:

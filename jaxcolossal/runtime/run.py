@@ -36,10 +36,14 @@ the processes as ``JAXCOLOSSAL_COLLECTIVE_TIMEOUT``, the collective timeout of
 Restarts (``--max-restarts K``, as torchrun's; docs/fault_tolerance.md): when a process fails (a
 non-zero status, a signal, or the hang watchdog's status 75), every process is stopped as above and
 the whole group is started again, at most K times; each restart is printed with its cause, the rank
-and slot that failed, the attempt and rank 0's last logged step. Every process gets
+and slot that failed, the attempt and rank 0's last finished step, and at the end with where the next
+start resumed and the steps lost (:func:`jaxcolossal.runtime.faults.steps_lost`, the figure goodput
+reports too). Every process gets
 ``JAXCOLOSSAL_RESTART_COUNT`` (0 on the first start; added to the count of an engine that restarts the
 launcher itself, e.g. a JobSet or ``sbatch --requeue``), ``JAXCOLOSSAL_SLOT`` (its slot, stable across
-restarts) and, from the first restart on, ``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX``
+restarts), ``JAXCOLOSSAL_HEARTBEAT_DIR`` (the log folder: :mod:`jaxcolossal.runtime.heartbeat`),
+``JAXCOLOSSAL_JOB_START`` (when the job started) and, from the first restart on,
+``JAXCOLOSSAL_PLANNED_DEVICES`` (the devices of all ``MAX``
 slots: a shrunk run keeps its global batch, :func:`jaxcolossal.config.keep_global_batch`); the training loop
 then resumes from the newest checkpoint (``training.resume=false`` is taken as ``auto``). Status 2
 (a config error, the same at every start), a clean exit that the others do not follow and a signal
@@ -48,8 +52,14 @@ launcher exits with 1. ``<log-dir>/rank<r>.pid`` holds each process's pid (rewri
 ``<log-dir>/rank<r>.log`` is appended to at each restart, after a line
 ``===== jaxcolossal.run attempt A (restart R): rank r of n, slot s =====``.
 
-Shrink (``--nproc MIN:MAX``, with ``--max-restarts``): MAX processes start. A slot whose process is the
-first to fail in :data:`DROP_AFTER` (2) attempts in a row is dropped, and the group restarts on
+Blame: the process a start is blamed on is the first to end, except when that one is a watchdog's
+(the hang watchdog's 75, the no-progress one's 124: it waited for a peer); then it is the process the
+heartbeats in ``<log-dir>/rank<r>.heartbeat`` name (:func:`jaxcolossal.runtime.heartbeat.suspect`: a
+running process whose heartbeat went stale, e.g. one stopped with SIGSTOP, else the one whose last
+step is behind), and the restart line says both.
+
+Shrink (``--nproc MIN:MAX``, with ``--max-restarts``): MAX processes start. A slot whose process a start
+is blamed on in :data:`DROP_AFTER` (2) attempts in a row is dropped, and the group restarts on
 the largest count n with MIN <= n <= the slots left that divides MAX
 (:func:`jaxcolossal.runtime.faults.shrink_size`: 4 -> 2, 8 -> 4), each process keeping its
 ``--devices-per-proc``; ``RANK`` is renumbered 0..n-1 over the slots kept (``LOCAL_RANK`` is the
@@ -62,6 +72,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
 import re
 import signal
@@ -76,6 +87,9 @@ from typing import IO, Callable, Mapping, Sequence
 
 from jaxcolossal.runtime.faults import (
     CONFIG_ERROR_EXIT_CODE,
+    HANG_EXIT_CODE,
+    JOB_START_ENV,
+    NO_PROGRESS_EXIT_CODE,
     PLANNED_DEVICES_ENV,
     RESTART_COUNT_ENV,
     SLOT_ENV,
@@ -83,7 +97,9 @@ from jaxcolossal.runtime.faults import (
     parse_nproc,
     restart_count,
     shrink_size,
+    steps_lost,
 )
+from jaxcolossal.runtime.heartbeat import HEARTBEAT_DIR_ENV, heartbeat_path, read_heartbeat, suspect
 
 __all__ = ["main", "build_env", "free_port", "run_processes", "run_with_restarts", "DEFAULT_TOTAL_DEVICES",
            "DROP_AFTER"]
@@ -94,8 +110,8 @@ _DEFAULT_TIMEOUT = 300
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _PREFIX = "jaxcolossal.run"
 DROP_AFTER = 2
-"""With ``--nproc MIN:MAX``: a slot whose process is the first to fail in this many attempts in a row
-is dropped and the group shrinks."""
+"""With ``--nproc MIN:MAX``: a slot whose process a start is blamed on (the first to fail, or the one
+the heartbeats name after a hang) in this many attempts in a row is dropped and the group shrinks."""
 
 
 # ------------------------------------------------------------------------ environment
@@ -187,6 +203,32 @@ class _Outcome:
     status: int
     failed: _Proc | None = None
     restartable: bool = False
+    blamed: _Proc | None = None
+    """The process the heartbeats blame when the first to fail was a watchdog waiting for it (a hang)."""
+    why: str = ""
+    """Why the heartbeats blame it, in words."""
+    rank0: dict | None = None
+    """Rank 0's last heartbeat of this start (the step it restored, its last step), when it wrote one."""
+
+    @property
+    def culprit(self) -> _Proc | None:
+        """The process the start is blamed on: the one the heartbeats name, else the first to fail."""
+        return self.blamed or self.failed
+
+    def what(self) -> str:
+        """What the culprit did: ``killed by SIGKILL after 41.3 s``, or for a blamed process ``stopped: no
+        heartbeat for 4.5 s ...; rank 1 hung (exit 75) after 20.1 s waiting for it``."""
+        first = self.failed
+        ended = f"{describe_exit(first.popen.returncode)} after {_uptime(first):.1f} s"
+        if self.blamed is None:
+            return ended
+        if self.blamed is first:
+            return f"{ended} ({self.why})"
+        return f"stopped: {self.why}; rank {first.rank} {ended} waiting for it"
+
+    def cause(self) -> str:
+        """``rank 2 (slot 2) `` and :meth:`what`."""
+        return f"rank {self.culprit.rank} (slot {self.culprit.slot}) {self.what()}"
 
 
 _QUIET = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks "
@@ -315,6 +357,7 @@ def _attempt(cmd: Sequence[str], envs: Sequence[Mapping[str, str]], ranks: Seque
     ``header`` line (``{rank}`` and ``{slot}`` filled in) at the top of its part of the log, and the
     logs appended to instead of truncated."""
     os.makedirs(log_dir, exist_ok=True)
+    _clear_heartbeats(log_dir)
     procs: list[_Proc] = []
     slots = list(slots) if slots is not None else [None] * len(ranks)
     with _caught_signals() as stop_signal:
@@ -327,10 +370,33 @@ def _attempt(cmd: Sequence[str], envs: Sequence[Mapping[str, str]], ranks: Seque
             while True:
                 outcome = _check(procs, stop_signal, stream_rank, exit_timeout, kill_grace, first_clean_exit)
                 if outcome is not None:
+                    outcome.rank0 = read_heartbeat(heartbeat_path(log_dir, 0)) if 0 in ranks else None
                     return outcome
                 time.sleep(poll)
         finally:
             _clean_up(procs)
+
+
+def _clear_heartbeats(log_dir: str) -> None:
+    """Remove the heartbeat files of an earlier start (``rank<r>.heartbeat``, :mod:`jaxcolossal.runtime.heartbeat`):
+    what the folder holds afterwards is this start's."""
+    for name in os.listdir(log_dir):
+        if re.fullmatch(r"rank\d+\.heartbeat(\.\d+\.tmp)?", name):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(log_dir, name))
+
+
+def _blame(procs: Sequence[_Proc], first: _Proc) -> tuple[_Proc | None, str]:
+    """When the first process to fail is a watchdog's (the hang watchdog's 75, the no-progress one's 124: it
+    waited for a peer), the process every rank's heartbeat blames (:func:`suspect`: a running process
+    whose heartbeat went stale, else the one whose last step is behind) and why; else ``(None, "")``."""
+    if first.popen.returncode not in (HANG_EXIT_CODE, NO_PROGRESS_EXIT_CODE):
+        return None, ""
+    by_rank = {p.rank: p for p in procs}
+    beats = {p.rank: rec for p in procs
+             if (rec := read_heartbeat(heartbeat_path(os.path.dirname(p.log_path), p.rank))) is not None}
+    found = suspect(beats, time.time(), alive=lambda r: by_rank[r].ended is None)
+    return (None, "") if found is None else (by_rank[found[0]], found[1])
 
 
 @contextlib.contextmanager
@@ -396,15 +462,19 @@ def _check(procs: list[_Proc], stop_signal: list[int], stream_rank: int | None, 
         return _Outcome(128 + stop_signal[0])
     if failed:
         first = min(failed, key=lambda p: (p.ended, p.rank))  # the others may only be reacting to it
+        blamed, why = _blame(procs, first)  # before the others are stopped: their heartbeats still beat
         code = first.popen.returncode
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        _say(f"rank {first.rank} {what} after {_uptime(first):.1f} s; "
+        culprit = "" if blamed is None else \
+            f"; the heartbeats blame rank {blamed.rank}{'' if blamed.slot is None else f' (slot {blamed.slot})'}: {why}"
+        _say(f"rank {first.rank} {what} after {_uptime(first):.1f} s{culprit}; "
              f"stopping the other {len(running)} process(es)")
         _stop_all(procs, kill_grace)
         if first.rank != stream_rank:
             tail = _tail(first.log_path)
             _say(f"last lines of {first.log_path}:\n{tail}" if tail else f"log: {first.log_path}")
-        return _Outcome(_exit_status(code), first, restartable=code != CONFIG_ERROR_EXIT_CODE)
+        return _Outcome(_exit_status(code), first, restartable=code != CONFIG_ERROR_EXIT_CODE, blamed=blamed,
+                        why=why)
     if not running:
         return _Outcome(0)
     if len(running) < len(procs):  # some ended with 0, the rest still runs
@@ -433,30 +503,9 @@ def _clean_up(procs: list[_Proc]) -> None:
 
 
 # ------------------------------------------------------------------------ restarts
-_STEP_LINE = re.compile(rb"\bstep (\d+)/\d+")
-_RESUMED_LINE = re.compile(rb"resumed from step (\d+)")
-_FRESH_LINE = re.compile(rb"no checkpoint in .*, starting fresh")
-
-
-def _log_progress(path: str, offset: int) -> tuple[int | None, int | None]:
-    """``(last step, resumed from)`` in rank 0's log from byte ``offset`` on (one start's part): the
-    training loop's last ``step N/M`` line and its ``resumed from step S`` (0 for a fresh start), each
-    ``None`` when absent."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return None, None
-    steps = _STEP_LINE.findall(data)
-    resumed = _RESUMED_LINE.search(data)
-    start = int(resumed.group(1)) if resumed else (0 if _FRESH_LINE.search(data) else None)
-    return (int(steps[-1]) if steps else None), start
-
-
 @dataclass
 class _Restarts:
-    """The restart loop's state: the slots still healthy, the failure streak and what each start lost."""
+    """The restart loop's state: the slots still healthy, the failure streak and what each start did."""
 
     low: int
     high: int
@@ -466,16 +515,33 @@ class _Restarts:
     count: int = 0
     streak: tuple[int | None, int] = (None, 0)
     history: list[str] = field(default_factory=list)
-    """One line per restart: its cause and rank 0's last logged step (the steps lost added later)."""
-    failed_at: int | None = None
-    """Rank 0's last logged step in the start that failed last."""
+    """One line per restart: its cause and rank 0's last finished step (the steps lost added at the end)."""
+    starts: list[tuple[int | None, int | None]] = field(default_factory=list)
+    """Per start, from rank 0's heartbeat: the step it restored and its last finished step
+    (:func:`jaxcolossal.runtime.faults.steps_lost`'s input; ``None`` where it did not get there)."""
     reason: str = ""
     """Why the job gave up (one line), when it did."""
 
     def record_failure(self, slot: int) -> int:
-        """Count ``slot``'s failure; returns its failures in a row (as the first process to fail)."""
+        """Count ``slot``'s failure; returns its failures in a row (as the process the start is blamed on)."""
         self.streak = (slot, self.streak[1] + 1 if self.streak[0] == slot else 1)
         return self.streak[1]
+
+    def summary(self) -> list[str]:
+        """The history lines, each with where the next start resumed and the steps lost
+        (:func:`steps_lost`: the same figure as goodput's)."""
+        lost = steps_lost(self.starts)
+        out = []
+        for i, line in enumerate(self.history):
+            nxt = i + 1  # the start after restart i + 1
+            if nxt >= len(self.starts):
+                out.append(line)
+            elif lost[nxt] is None:
+                out.append(f"{line}; start {nxt + 1} ended before it restored a step")
+            else:
+                out.append(f"{line}; start {nxt + 1} resumed from step {self.starts[nxt][0]} "
+                           f"({lost[nxt]} step(s) lost)")
+        return out
 
 
 def run_with_restarts(
@@ -493,7 +559,7 @@ def run_with_restarts(
     Args:
       cmd: the command every process runs.
       make_envs: ``(slots, restart count) -> environments``, one per slot, in rank order.
-      log_dir: folder of ``rank<r>.log`` and ``rank<r>.pid``.
+      log_dir: folder of ``rank<r>.log``, ``rank<r>.pid`` and the heartbeats ``rank<r>.heartbeat``.
       nproc: ``(MIN, MAX)``; ``MIN == MAX`` never shrinks.
       max_restarts: restarts allowed (0: the first failure ends the job with its status).
       exit_timeout, kill_grace: as in :func:`run_processes`.
@@ -505,22 +571,17 @@ def run_with_restarts(
     """
     low, high = nproc
     st = _Restarts(low, high, max_restarts, healthy=list(range(high)), active=list(range(high)))
-    rank0_log = os.path.join(log_dir, "rank0.log")
     while True:
-        offset = os.path.getsize(rank0_log) if st.count and os.path.exists(rank0_log) else 0
         header = (f"===== {_PREFIX} attempt {st.count + 1} (restart {st.count}): rank {{rank}} of {len(st.active)}, "
                   f"slot {{slot}} =====") if max_restarts or low < high else None
         outcome = _attempt(cmd, make_envs(st.active, st.count), list(range(len(st.active))), log_dir,
                            stream_rank=0, exit_timeout=exit_timeout, kill_grace=kill_grace, slots=st.active,
                            header=header, append=st.count > 0)
-        last_step, resumed = _log_progress(rank0_log, offset)
-        if st.history and resumed is not None:
-            lost = f" ({st.failed_at - resumed} step(s) lost)" if st.failed_at is not None else ""
-            st.history[-1] += f"; start {st.count + 1} resumed from step {resumed}{lost}"
-        st.failed_at = last_step
-        status = _next_start(st, outcome, last_step)
+        beat = outcome.rank0 or {}
+        st.starts.append((beat.get("resumed_from"), beat.get("step")))
+        status = _next_start(st, outcome, beat.get("step"))
         if status is not None:
-            for line in st.history:
+            for line in st.summary():
                 _say(line)
             if st.reason:  # the last line: why the job ended
                 sys.stderr.write(f"{_PREFIX}: {st.reason}; logs in {log_dir}\n")
@@ -531,19 +592,18 @@ def run_with_restarts(
 
 def _next_start(st: _Restarts, outcome: _Outcome, last_step: int | None) -> int | None:
     """After a start ended: the job's status when it is over, else ``None`` with ``st`` set up for the
-    next start (the failing slot counted, dropped and the group shrunk when :data:`DROP_AFTER` is reached)."""
+    next start (the slot the start is blamed on counted, dropped and the group shrunk when
+    :data:`DROP_AFTER` is reached)."""
     if outcome.status == 0 or outcome.failed is None:
         return outcome.status
-    p = outcome.failed
-    cause = f"rank {p.rank} (slot {p.slot}) {describe_exit(p.popen.returncode)} after {_uptime(p):.1f} s"
+    p, cause = outcome.culprit, outcome.cause()
     if not outcome.restartable:
         st.reason = f"{cause}: a config error is the same at every start; not restarting"
         return outcome.status
     times = st.record_failure(p.slot)
     if st.count >= st.max_restarts:
         st.reason = (f"rank {p.rank} (slot {p.slot}) failed first in {times} start(s) in a row (last: "
-                     f"{describe_exit(p.popen.returncode)} after {_uptime(p):.1f} s); giving up after "
-                     f"--max-restarts {st.max_restarts}")
+                     f"{outcome.what()}); giving up after --max-restarts {st.max_restarts}")
         return 1
     if st.low < st.high and times >= DROP_AFTER:
         st.healthy.remove(p.slot)
@@ -557,7 +617,7 @@ def _next_start(st: _Restarts, outcome: _Outcome, last_step: int | None) -> int 
              f"on slots {st.healthy[:n]}")
         st.active, st.streak = st.healthy[:n], (None, 0)
     st.count += 1
-    at = f" at step {last_step} (rank 0's last logged step)" if last_step is not None else ""
+    at = f" at step {last_step} (rank 0's last finished step)" if last_step is not None else ""
     st.history.append(f"restart {st.count}: {cause}{at}")
     _say(f"restart {st.count}/{st.max_restarts}: {cause}{at}; starting {len(st.active)} process(es) again "
          f"(attempt {st.count + 1})")
@@ -601,7 +661,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="collective timeout in seconds, passed as JAXCOLOSSAL_COLLECTIVE_TIMEOUT "
                          "(default: that variable, else 300)")
     ap.add_argument("--kill-grace", type=float, default=5.0, dest="kill_grace",
-                    help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)")
+                    help="seconds between SIGTERM and SIGKILL when stopping processes, >= 0 (default 5)")
     ap.add_argument("--log-dir", default=None, dest="log_dir",
                     help="folder for rank<r>.log (default: a new temporary folder)")
     ap.add_argument("-m", "--module", action="store_true",
@@ -628,6 +688,8 @@ def _checked_args(argv: Sequence[str] | None) -> argparse.Namespace:
         _refuse(f"--timeout must be >= 1 second, got {a.timeout}")
     if a.max_restarts < 0:
         _refuse(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    if not math.isfinite(a.kill_grace) or a.kill_grace < 0:
+        _refuse(f"--kill-grace must be a number of seconds >= 0 (e.g. --kill-grace 5), got {a.kill_grace:g}")
     if a.nnodes > 1 and (a.max_restarts or a.low < a.high):
         _refuse("--max-restarts and --nproc MIN:MAX are for one machine (--nnodes 1); across machines restart "
                 "with SLURM --requeue, a Kubernetes JobSet or torchrun's elastic agent (docs/fault_tolerance.md)")
@@ -656,17 +718,22 @@ def _devices_per_proc(a: argparse.Namespace) -> int | None:
     return devices
 
 
-def _env_factory(a: argparse.Namespace, timeout: int | None, port: int) -> Callable[[Sequence[int], int], list]:
+def _env_factory(a: argparse.Namespace, timeout: int | None, port: int,
+                 log_dir: str) -> Callable[[Sequence[int], int], list]:
     """``(slots, restart count) -> environments`` of one start: :func:`build_env` for ranks 0..n-1 over the
     slots kept (``LOCAL_RANK`` the slot), plus the restart count (the launcher's own restarts added to
     the count of an engine that restarts the launcher itself, :func:`restart_count` of its environment),
-    the slot and the planned devices. A new free coordinator port at each restart unless
-    ``--master-port`` was given."""
+    the slot, the planned devices, the heartbeat folder (``log_dir``) and the job's start (now, unless
+    set already or this launcher is an outer engine's restart). A new free coordinator port at each
+    restart unless ``--master-port`` was given."""
     planned = a.nnodes * a.nproc * (a.devices if a.platform == "cpu" else 1)
     try:  # under an engine that restarts this launcher (a JobSet, sbatch --requeue): its count comes first
         outer = restart_count(os.environ)
     except ValueError as e:
         _refuse(str(e))
+    common = {HEARTBEAT_DIR_ENV: os.path.abspath(log_dir)}
+    if outer == 0 and not os.environ.get(JOB_START_ENV, "").strip():
+        common[JOB_START_ENV] = repr(time.time())
 
     def make(slots: Sequence[int], restart: int) -> list[dict[str, str]]:
         p = port if restart == 0 or a.master_port else free_port(a.master_addr)
@@ -676,7 +743,7 @@ def _env_factory(a: argparse.Namespace, timeout: int | None, port: int) -> Calla
             env = build_env(os.environ, rank=a.node_rank * n + i, local_rank=slot, world_size=a.nnodes * n,
                             local_world_size=n, node_rank=a.node_rank, master_addr=a.master_addr, master_port=p,
                             platform=a.platform, devices_per_proc=a.devices, timeout=timeout)
-            env.update({RESTART_COUNT_ENV: str(outer + restart), SLOT_ENV: str(slot)})
+            env.update({RESTART_COUNT_ENV: str(outer + restart), SLOT_ENV: str(slot), **common})
             if restart:  # a fresh run never changes its config (JAXCOLOSSAL_PLANNED_DEVICES: keep the global batch)
                 env[PLANNED_DEVICES_ENV] = str(planned)
             envs.append(env)
@@ -697,9 +764,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     port = a.master_port or free_port(a.master_addr)
     world = a.nnodes * a.nproc
     ranks = [a.node_rank * a.nproc + i for i in range(a.nproc)]
-    make_envs = _env_factory(a, pass_timeout, port)
     cmd = [sys.executable, "-m", a.program, *a.args] if a.module else [sys.executable, a.program, *a.args]
     log_dir = a.log_dir or tempfile.mkdtemp(prefix="jaxcolossal-run-")
+    make_envs = _env_factory(a, pass_timeout, port, log_dir)
     per = f"{a.devices} CPU device(s) each" if a.platform == "cpu" else "one GPU each"
     restarts = f"; up to {a.max_restarts} restart(s)" if a.max_restarts else ""
     shrink = f", shrinking to no fewer than {a.low}" if a.low < a.high else ""

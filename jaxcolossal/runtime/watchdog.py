@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 
 from jaxcolossal.runtime.faults import HANG_EXIT_CODE
+from jaxcolossal.runtime.heartbeat import Heartbeat, suspect
 
 STEP_WINDOW = 50
 """How many of the latest step times the median is taken over."""
@@ -53,12 +54,15 @@ class HangWatchdog:
         clock: seconds, monotonic (tests pass a fake one).
         on_fire: called with the message instead of dumping stacks and exiting (tests).
         poll_s: how often the thread looks (default ``min(1, timeout_s / 10)``).
+        heartbeat: this process's heartbeat; the thread beats it at each poll, and the line names the
+            process every process's heartbeat blames (default: none).
     """
 
     def __init__(self, timeout_s: float | None, factor: float = 10.0, *, process_index: int = 0,
                  clock: Callable[[], float] = time.monotonic, on_fire: Callable[[str], None] | None = None,
-                 poll_s: float | None = None):
+                 poll_s: float | None = None, heartbeat: Heartbeat | None = None):
         self.timeout_s = float(timeout_s) if timeout_s else None
+        self.heartbeat = heartbeat if heartbeat is not None else Heartbeat(None)
         self.factor, self.process_index, self.clock, self.on_fire = float(factor), process_index, clock, on_fire
         self.poll_s = poll_s if poll_s is not None else min(1.0, (self.timeout_s or 10.0) / 10)
         self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)
@@ -87,6 +91,7 @@ class HangWatchdog:
             self._stop.set()
             self._thread.join()
             self._thread = None
+            self.heartbeat.quiet()
 
     def phase(self, where: str) -> None:
         """Name what the process does now (``"in step 17's train_step dispatch"``); not progress."""
@@ -125,9 +130,22 @@ class HangWatchdog:
         return (f"jaxcolossal hang watchdog: process {self.process_index}: no step finished for {idle:.1f} s "
                 f"(limit {self.limit():.1f} s = max(fault_tolerance.hang_timeout_s={self.timeout_s:g}, "
                 f"hang_factor={self.factor:g} x median step time {med:.3f} s)); last step finished: "
-                f"{self.last_step}; last known phase: {self.where}. A collective is probably waiting for a "
-                f"process that is stopped, hung or gone. Python stacks of every thread follow; exiting with "
-                f"code {HANG_EXIT_CODE}.")
+                f"{self.last_step}; last known phase: {self.where}. {self.blame()} Python stacks of every thread "
+                f"follow; exiting with code {HANG_EXIT_CODE}.")
+
+    def blame(self) -> str:
+        """Which process the heartbeats blame, in a sentence (:func:`suspect`); the guess without them."""
+        guess = "A collective is probably waiting for a process that is stopped, hung or gone."
+        if not self.heartbeat.enabled:
+            return guess
+        beats = self.heartbeat.peers()
+        found = suspect(beats, self.heartbeat.clock())
+        if found is None:
+            return (f"{guess} The heartbeats of processes {sorted(beats)} in {self.heartbeat.folder} do not "
+                    f"say which.")
+        r, why = found
+        who = "This process" if r == self.process_index else f"Process {r}"
+        return f"{who} is the one that stopped: {why}."
 
     def check(self) -> bool:
         """Fire when overdue (what the thread does each poll); returns whether it fired."""
@@ -142,7 +160,9 @@ class HangWatchdog:
         return True  # pragma: no cover - _dump_and_exit does not return
 
     def _run(self) -> None:
+        self.heartbeat.beat(self.poll_s, self.where)
         while not self._stop.wait(self.poll_s):
+            self.heartbeat.beat(self.poll_s, self.where)
             if self.check():
                 return
 

@@ -69,15 +69,16 @@ from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape
 from jaxcolossal.posttrain.rollout import Rollouts
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.dist_logger import get_dist_logger
-from jaxcolossal.runtime.faults import restart_count
+from jaxcolossal.runtime.faults import job_start, restart_count
 from jaxcolossal.runtime.goodput import (
     GoodputRecorder,
     process_start_time,
+    StragglerTracker,
     read_records,
-    stragglers,
     summarize,
     summary_lines,
 )
+from jaxcolossal.runtime.heartbeat import Heartbeat
 from jaxcolossal.runtime.launch import collective_timeout
 from jaxcolossal.runtime.watchdog import HangWatchdog
 from jaxcolossal.train.emergency import LocalCheckpoints, agree_step, any_local_steps, default_local_dir, local_dir
@@ -318,6 +319,8 @@ class Run:
     """The hang watchdog (:func:`train` sets it); off by default."""
     data_mark: float = 0.0
     """The data-waiting seconds at the last logged step (per-rank times, :func:`_rank_times`)."""
+    stragglers: StragglerTracker | None = None
+    """The straggler rule's state across logged steps (:func:`_rank_times` makes it from the config)."""
 
     def full(self, state: Any) -> Any:
         """``state`` whole: with the NVMe tier, its leaves read back from their files (for a save)."""
@@ -828,7 +831,8 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
 def _rank_times(run: Run, done: int, step_s: float) -> dict:
     """Every process's step time and data-waiting time per step since the last logged step (a gather
     over the processes; ``{}`` with one), as ``rank_step_time_s`` / ``rank_data_s`` lists in seconds;
-    a rank above ``fault_tolerance.straggler_factor`` × the others' median is named in a warning."""
+    a rank that :class:`StragglerTracker` flags (``fault_tolerance.straggler_*``: above the factor × the
+    others' median and the floor, at that many logged steps in a row) is named in a warning."""
     data_total = run.goodput.totals["data_waiting"]
     data_s = (data_total - run.data_mark) / max(run.cfg.logging.log_every, 1)
     run.data_mark = data_total
@@ -837,14 +841,20 @@ def _rank_times(run: Run, done: int, step_s: float) -> dict:
     rows = np.asarray(multihost_utils.process_allgather(np.array([step_s, data_s], np.float64)))
     out = {"rank_step_time_s": [round(float(x), 6) for x in rows[:, 0]],
            "rank_data_s": [round(float(x), 6) for x in rows[:, 1]]}
-    factor = run.cfg.fault_tolerance.straggler_factor
+    ft = run.cfg.fault_tolerance
+    if run.stragglers is None:
+        run.stragglers = StragglerTracker(ft.straggler_factor, ft.straggler_min_share, ft.straggler_min_s,
+                                          ft.straggler_checks)
+    job_step_s = float(np.median(rows[:, 0]))
     for what, key in (("step time", "rank_step_time_s"), ("data-loading time", "rank_data_s")):
-        for r in stragglers(out[key], factor):
-            others = out[key][:r] + out[key][r + 1:]
+        for r in run.stragglers.update(what, out[key], job_step_s):
+            others = float(np.median(out[key][:r] + out[key][r + 1:]))
             get_dist_logger().warning(
-                f"straggler at step {done}: process {r}'s {what} {out[key][r]:.4f} s is above "
-                f"fault_tolerance.straggler_factor={factor:g} x the other processes' median "
-                f"{float(np.median(others)):.4f} s", ranks=[0])
+                f"straggler at step {done}: process {r}'s {what} {out[key][r]:.4f} s per step is above "
+                f"fault_tolerance.straggler_factor={ft.straggler_factor:g} x the other processes' median "
+                f"{others:.4f} s, by more than {run.stragglers.floor(job_step_s):.4f} s (straggler_min_share="
+                f"{ft.straggler_min_share:g} of the {job_step_s:.3f} s step, at least straggler_min_s="
+                f"{ft.straggler_min_s:g} s), at {ft.straggler_checks} logged steps in a row", ranks=[0])
     return out
 
 
@@ -1085,22 +1095,26 @@ _TRAINED_IN_THIS_PROCESS = [False]
 process's start (imports included), a later one's from its call."""
 
 
-def goodput_recorder(cfg: Config) -> GoodputRecorder:
+def goodput_recorder(cfg: Config, heartbeat: Heartbeat | None = None) -> GoodputRecorder:
     """The run's goodput timeline (:mod:`jaxcolossal.runtime.goodput`): process 0 appends it to
     ``<logging.run_dir>/goodput.jsonl`` with ``fault_tolerance.goodput``; the other processes keep it in
     memory (their data-waiting time is gathered for the straggler check). The attempt number is
-    :func:`restart_count` (0: a new job in the file)."""
+    :func:`restart_count` (0: a new job in the file), the job's start ``$JAXCOLOSSAL_JOB_START``; the
+    ``heartbeat`` is told the step restored and each step finished (the launcher's steps lost)."""
     path = os.path.join(cfg.logging.run_dir, "goodput.jsonl") \
         if cfg.fault_tolerance.goodput and jax.process_index() == 0 else None
     start = time.time() if _TRAINED_IN_THIS_PROCESS[0] else process_start_time()
     _TRAINED_IN_THIS_PROCESS[0] = True
-    return GoodputRecorder(path, restart_count(os.environ), start=start)
+    return GoodputRecorder(path, restart_count(os.environ), start=start, heartbeat=heartbeat,
+                           job_start=job_start(os.environ))
 
 
 def _train(cfg: Config, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     ft = cfg.fault_tolerance
-    hang = HangWatchdog(ft.hang_timeout_s, ft.hang_factor, process_index=jax.process_index())
-    run = _start(cfg, stop, goodput_recorder(cfg))
+    # the heartbeat ($JAXCOLOSSAL_HEARTBEAT_DIR, the launcher's log folder): which process stopped, the steps lost
+    beat = Heartbeat.from_env(os.environ, jax.process_index(), jax.process_count(), restart_count(os.environ))
+    hang = HangWatchdog(ft.hang_timeout_s, ft.hang_factor, process_index=jax.process_index(), heartbeat=beat)
+    run = _start(cfg, stop, goodput_recorder(cfg, beat))
     run.hang = hang
     out = None
     try:

@@ -101,6 +101,9 @@ def test_sigstopped_rank_is_caught_by_the_others_hang_watchdog(tmp_path):
     text = (logs / "rank0.log").read_text()
     assert p.returncode == HANG_EXIT_CODE, err[-4000:] + text[-4000:]
     assert "jaxcolossal hang watchdog: process 0: no step finished for" in text, text[-4000:]
+    # issue 54 item 14: the line names the process that stopped, from the heartbeats in the log folder
+    assert re.search(r"Process 1 is the one that stopped: no heartbeat for [\d.]+ s", text), text[-4000:]
+    assert "the heartbeats blame rank 1: no heartbeat for" in err, err[-4000:]
     assert "Thread 0x" in text and "most recent call first" in text  # faulthandler's stacks of every thread
     idle = float(re.search(r"no step finished for ([\d.]+) s", text).group(1))
     phase = re.search(r"last known phase: ([^.]+)\.", text).group(1)

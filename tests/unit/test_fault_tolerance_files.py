@@ -1,9 +1,12 @@
 """The multi-node templates of docs/fault_tolerance.md: the SLURM requeue script (bash syntax, and its
 requeue decision run with stand-ins for srun and scontrol) and the Kubernetes JobSet manifest (valid YAML
-that restarts the group and passes the restart count on)."""
+that restarts the group and passes the restart count on, ends the set on a config error, mounts a
+memory-backed /dev/shm and names the image the repository's Dockerfile builds)."""
 import os
+import re
 import stat
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from jaxcolossal.runtime.faults import CONFIG_ERROR_EXIT_CODE, RESTART_COUNT_ENV
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "scripts" / "slurm" / "train_requeue.sbatch"
 JOBSET = ROOT / "examples" / "kubernetes" / "jobset.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
 
 
 def test_the_sbatch_template_is_bash_and_requeues():
@@ -72,3 +76,50 @@ def test_the_jobset_manifest_restarts_the_group_and_passes_the_restart_count():
     for needed in ("python -m jaxcolossal.run", '--node-rank "$JOB_COMPLETION_INDEX"', "scripts/train.py",
                    "training.resume=auto", "checkpoint.dir="):
         assert needed in cmd, needed
+
+
+def _jobset():
+    (js,) = yaml.safe_load_all(JOBSET.read_text())
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    return js, job, job["template"]["spec"]
+
+
+def test_the_jobset_ends_on_a_config_error_instead_of_restarting_it():
+    # issue 54 item 17: the Job's podFailurePolicy fails the Job on status 2, but JobSet's default for a
+    # failed Job is RestartJobSet: without a FailJobSet rule the config error was restarted maxRestarts times
+    js, job, _ = _jobset()
+    (fail_job,) = [r for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    assert fail_job["onExitCodes"] == {"containerName": "trainer", "operator": "In",
+                                       "values": [CONFIG_ERROR_EXIT_CODE]}
+    rules = js["spec"]["failurePolicy"]["rules"]
+    assert rules[0]["action"] == "FailJobSet" and rules[0]["onJobFailureReasons"] == ["PodFailurePolicy"]
+    assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rules[0]["name"])  # JobSet's rule-name pattern
+    assert not rules[0].get("targetReplicatedJobs")  # every replicated job
+    # every other failure (backoffLimit 0: one failed pod) still restarts the group: no rule catches all reasons
+    assert all(r.get("onJobFailureReasons") for r in rules)
+
+
+def test_the_jobset_mounts_a_memory_backed_dev_shm_for_nccls_processes():
+    _, _, pod = _jobset()
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert re.fullmatch(r"\d+Gi", volume["emptyDir"]["sizeLimit"]) and int(volume["emptyDir"]["sizeLimit"][:-2]) >= 8
+    assert "--nproc 8" in " ".join(container["args"]) and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_the_jobset_image_is_the_one_the_repositorys_dockerfile_builds():
+    _, _, pod = _jobset()
+    (container,) = pod["containers"]
+    text, docker = JOBSET.read_text(), DOCKERFILE.read_text()
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert container["image"].endswith(f"/jaxcolossal:{version}") and "example/" not in container["image"]
+    assert f"docker build -t <your registry>/jaxcolossal:{version} ." in text  # the manifest says how to build it
+    # the image holds the repository where the pod runs it, jax's CUDA wheels and the project installed
+    assert re.search(r"^WORKDIR " + re.escape(container["workingDir"]) + "$", docker, re.M)
+    assert re.search(r"^FROM ", docker, re.M) and 'jax[cuda12]' in docker and "pip install" in docker
+    assert re.search(r"^COPY \. \.$", docker, re.M) and (ROOT / ".dockerignore").exists()
+    for path in ("scripts/train.py", "configs/bench/llama2_7b.yaml"):  # what the pod's command runs
+        assert (ROOT / path).exists() and path in " ".join(container["args"])
+    assert "Dockerfile" in (ROOT / "docs" / "fault_tolerance.md").read_text()

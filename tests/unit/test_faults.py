@@ -77,6 +77,11 @@ def test_describe_exit():
     (["--nproc", "2", "--max-restarts", "-1", "x.py"], "--max-restarts must be >= 0, got -1"),
     (["--nproc", "2", "--nnodes", "2", "--master-port", "29500", "--max-restarts", "1", "x.py"],
      "--max-restarts and --nproc MIN:MAX are for one machine (--nnodes 1)"),
+    # issue 54 item 10: a negative or non-finite grace was accepted (and SIGKILL came at once)
+    (["--nproc", "2", "--kill-grace", "-1", "x.py"],
+     "--kill-grace must be a number of seconds >= 0 (e.g. --kill-grace 5), got -1"),
+    (["--nproc", "2", "--kill-grace", "nan", "x.py"],
+     "--kill-grace must be a number of seconds >= 0 (e.g. --kill-grace 5), got nan"),
 ])
 def test_launcher_refuses_bad_restart_arguments_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
