@@ -252,13 +252,14 @@ def step_peak(cfg: Config, mesh_shape: Mapping[str, int], state: float, grads: f
         "head": the head's residuals, "fp32_grads_live": whether the fp32 gradient buffer is
         live in the backward (not in a low-precision step without accumulation or pipeline, which
         makes it afterwards; then the phase's parts add up to activations + grads), and the
-        parts: "residuals", "layer", "grads_compute", "accumulator", "zero3", "stash",
+        parts: "residuals", "layer", "experts", "grads_compute", "accumulator", "zero3", "stash",
         "cpu_fp32", "tick"}`` (:data:`HEAD_PARTS`: the parts of the head's phase).
     """
     s = _peak_shape(cfg, mesh_shape, backend)
     r = residuals(cfg, mesh_shape, s.b, max(1, s.stage // s.v), shapes=s.shapes)  # a tick runs one chunk
     parts = {"residuals": _kept_residuals(s, r),
-             "layer": _layer_working_set(s, r), "cpu_fp32": _cpu_copies(cfg, s, r), "zero3": _prefetch_buffers(s),
+             "layer": _layer_working_set(s, r), "experts": _gpu_experts(cfg, s, mesh_shape),
+             "cpu_fp32": _cpu_copies(cfg, s, r), "zero3": _prefetch_buffers(s),
              **_schedule_buffers(cfg, s, r, grads, mesh_shape)}
     # the fp32 buffer is live in the backward pass except in a low-precision step without
     # accumulation or pipeline, where it is made from the compute-dtype gradients afterwards
@@ -296,6 +297,8 @@ class _PeakShape:
     split_head: bool  # the LM head's backward is a phase of its own
     overlap: bool = False   # parallel.overlap: XLA:GPU's collective pipeliner
     zero3: bool = False     # ZeRO-3 over a data group > 1: the layers' weights gathered in the scan
+    expert_el: float = 0.0  # the part of layer_el in the experts' weights (split over ep, reduced over n / ep)
+    ep: int = 1
 
     @property
     def cpu_lowp(self) -> bool:
@@ -307,8 +310,12 @@ class _PeakShape:
 
     @property
     def grads_compute(self) -> float:
-        """The microbatch's (chunk's) gradients in the compute dtype (the data shard's 1/N when layerwise)."""
-        return self.chunk_el * self.item / (self.n if self.layerwise else 1)
+        """The microbatch's (chunk's) gradients in the compute dtype (when layerwise, the data shard's 1/N;
+        the experts' ``1/(N/ep)``: each ``ep`` rank reduces its own experts over the rest of the data group)."""
+        if not self.layerwise:
+            return self.chunk_el * self.item
+        experts = self.expert_el * self.stage / self.v
+        return ((self.chunk_el - experts) / self.n + experts / max(1, self.n // self.ep)) * self.item
 
 
 def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _PeakShape:
@@ -326,7 +333,19 @@ def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _Pe
                       lockstep=lockstep, kept=micro * v + pp - 1 if pp > 1 and not lockstep else 1,
                       layer_el=_elements(shapes["layers"]) / m.num_layers, layerwise=reduces_layerwise(cfg),
                       prefetch=prefetches_weights(cfg), split_head=pp == 1 or lockstep,
-                      overlap=cfg.parallel.overlap, zero3=p.zero_stage == 3 and n > 1)
+                      overlap=cfg.parallel.overlap, zero3=p.zero_stage == 3 and n > 1,
+                      expert_el=_expert_elements(cfg, mesh_shape, shapes) / m.num_layers, ep=mesh_shape.get("ep", 1))
+
+
+def _expert_elements(cfg: Config, mesh_shape: Mapping[str, int], shapes: Any) -> float:
+    """The elements of the stacked layers' expert weights (logical axis ``expert``) in ``shapes``
+    (:func:`_compute_shapes`'s, per device); 0 without experts."""
+    if not cfg.model.moe:
+        return 0.0
+    _, _, axes = param_layout(cfg.model, mesh_shape["tp"])
+    leaves = jax.tree.leaves(shapes["layers"], is_leaf=is_shape)
+    names = jax.tree.leaves(axes["layers"], is_leaf=lambda x: isinstance(x, tuple))
+    return float(sum(math.prod(sh) for sh, ax in zip(leaves, names) if "expert" in ax))
 
 
 def _kept_residuals(s: _PeakShape, r: dict) -> float:
@@ -357,7 +376,9 @@ def _update_compute_grads(s: _PeakShape) -> float:
         return 0.0
     if s.backend == "gpu" and not s.layerwise and s.pp == 1 and s.micro == 1:
         return 0.0
-    return s.grads_compute
+    # the experts' whole 16-bit gradients (held through the backward, :attr:`_PeakShape.grads_compute`)
+    # are converted leaf by leaf as well: their 1/N share stands for what is left of them
+    return s.chunk_el * s.item / (s.n if s.layerwise else 1)
 
 
 def _layer_working_set(s: _PeakShape, r: dict) -> float:
@@ -380,6 +401,28 @@ def _layer_working_set(s: _PeakShape, r: dict) -> float:
     grad_item = 4 if s.prefetch else s.item
     transient = 2 * 4 * s.layer_el if s.backend == "cpu" else grad_item * s.layer_el * (1 + 1 / s.n)
     return max(working, transient)
+
+
+GPU_EXPERT_COPIES = 5
+"""How many ``[E/ep, M, max(d, f/tp)]`` buffers XLA:GPU holds at a dropless MoE layer's backward peak (read
+from the buffer assignment of GPT-OSS-20B's step on 8 H100s, ep 8: five ``bf16[4, 131072, 2880]``)."""
+
+
+def _gpu_experts(cfg: Config, s: _PeakShape, mesh_shape: Mapping[str, int]) -> float:
+    """XLA:GPU's buffers of a dropless mixture of experts beside a layer's backward working set. XLA
+    lowers ``jax.lax.ragged_dot`` densely: each operand is masked once per local expert, ``[E/ep, M,
+    K]``, and ``M`` is every row the device may receive, ``ep·T·k`` with the exchange's room for all
+    of them (``T·k`` with ep 1; ``T`` the microbatch's tokens on the device, ``k`` the experts per
+    token). :data:`GPU_EXPERT_COPIES` of them, the widest of the hidden and the tp-local expert
+    size. 0 on XLA:CPU (blocked grouped matmuls, counted by the trace), without experts, and with a
+    capacity factor (batched matmuls over ``[E, C, d]``, counted by the trace)."""
+    m = cfg.model
+    if s.backend != "gpu" or not m.moe or m.capacity_factor > 0:
+        return 0.0
+    ep, tp, sp = (mesh_shape.get(a, 1) for a in ("ep", "tp", "sp"))
+    rows = ep * s.b * max(1, cfg.training.seq_len // sp) * m.num_experts_per_tok
+    width = max(m.hidden_size, m.expert_size // tp)
+    return GPU_EXPERT_COPIES * (m.num_experts // ep) * rows * width * s.item
 
 
 def _gpu_layerwise(s: _PeakShape) -> float:
@@ -453,6 +496,7 @@ def _schedule_buffers(cfg: Config, s: _PeakShape, r: dict, grads: float, mesh_sh
 
 
 PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals", "layer": "one layer's backward",
+              "experts": "XLA:GPU's dense grouped matmuls of the experts",
               "grads_compute": "compute-dtype gradients in flight", "accumulator": "the microbatch's fp32 gradients",
               "zero3": "ZeRO-3 prefetch buffers", "stash": "pipeline stash",
               "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals", "tick": "GPipe's tick copy and chunk gradients",

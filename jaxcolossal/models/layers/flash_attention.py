@@ -211,7 +211,8 @@ def _call_fwd(q, k, v, seg, win, sinks, *, causal, block_q, block_k, kv_len, sca
         out_specs=[pl.BlockSpec((None, block_q, None, D), lambda i, bi, hi: (bi, i, hi, 0)),
                    pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, T), jnp.float32)],
-        interpret=interpret, compiler_params=_triton(interpret, D), name="flash_attention_fwd")(q, k, v, seg, win, sinks)
+        interpret=interpret, compiler_params=_triton(interpret, D),
+        name="flash_attention_fwd")(q, k, v, seg, win, sinks)
 
 
 def _call_bwd(q, k, v, seg, win, o, lse, do, *, causal, block, kv_len, scale, interpret):
@@ -259,7 +260,7 @@ def _flash_bwd(causal, block_q, block_k, kv_len, scale, interpret, res, do):
     dq, dk, dv, delta = _call_bwd(q, k, v, seg, win, o, lse, do, causal=causal, block=block, kv_len=kv_len,
                                   scale=scale, interpret=interpret)
     dsinks = None
-    if sinks is not None:  # d sink_h = -Σ_{b,t} p_sink · Δ with p_sink = exp(sink_h − lse); padded rows have Δ = 0
+    if sinks is not None:  # d sink_h = -Σ_{b,t} p_sink · Δ, p_sink = exp(sink_h − lse); padded rows: Δ = 0
         dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta, axis=(0, 2)).astype(sinks.dtype)
     return dq, dk, dv, None, None, dsinks
 
