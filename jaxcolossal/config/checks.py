@@ -293,6 +293,22 @@ LLaMA's names and equations; a mixture of experts (GPT-OSS, Mixtral) on its atte
 multi-head latent attention (:attr:`jaxcolossal.config.ModelConfig.lora_target_choices`)."""
 
 
+def _check_lora_targets(m: ModelConfig) -> None:
+    """Every named ``model.lora.targets`` is a projection of the model (:attr:`ModelConfig.lora_target_choices`).
+
+    Raises: ConfigError naming the absent ones and the allowed ones."""
+    absent = [t for t in m.lora.target_list if t not in m.lora_target_choices]
+    if not absent:
+        return
+    what = ("multi-head latent attention" + (" with a q latent" if m.q_lora_rank else " without a q latent")
+            if m.type == "deepseek" else "a mixture of experts (LoRA adapts its attention)" if m.moe
+            else "a LLaMA-like model")
+    raise ConfigError(f"model.lora.targets={m.lora.targets!r}: {', '.join(absent)} "
+                      f"{'is not a projection' if len(absent) == 1 else 'are not projections'} of "
+                      f"model.type={m.type} ({what}): allowed: comma-separated {', '.join(m.lora_target_choices)}, "
+                      "or all" + (" (the default q,v is LLaMA's)" if m.lora.targets == LoraConfig().targets else ""))
+
+
 def _check_lora(cfg: Config) -> None:
     """``model.lora``: known targets, a family with adapters (:data:`LORA_FAMILIES`), and the features it does not run
     with."""
@@ -314,15 +330,8 @@ def _check_lora(cfg: Config) -> None:
     if m.type not in LORA_FAMILIES:
         raise ConfigError(f"model.lora.rank={lo.rank}: LoRA is implemented for model.type {', '.join(LORA_FAMILIES)}, "
                           f"not {m.type!r}")
-    absent = [t for t in lo.target_list if t not in m.lora_target_choices] if named != ["all"] else []
-    if absent:
-        what = ("multi-head latent attention" + (" with a q latent" if m.q_lora_rank else " without a q latent")
-                if m.type == "deepseek" else "a mixture of experts (LoRA adapts its attention)" if m.moe
-                else "a LLaMA-like model")
-        raise ConfigError(f"model.lora.targets={lo.targets!r}: {', '.join(absent)} {'is' if len(absent) == 1 else 'are'}"
-                          f" not a projection of model.type={m.type} ({what}): allowed: comma-separated "
-                          f"{', '.join(m.lora_target_choices)}, or all"
-                          + (" (the default q,v is LLaMA's)" if lo.targets == LoraConfig().targets else ""))
+    if named != ["all"]:
+        _check_lora_targets(m)
     off = {"parallel.gradient_compression": p.gradient_compression != "none",
            "offload.offload_optim_frac / offload_param_frac": o.offload_optim_frac > 0 or o.offload_param_frac > 0,
            "offload.placement_policy=auto": o.placement_policy == "auto", "offload.nvme_path": bool(o.nvme_path)}
