@@ -38,6 +38,12 @@ value dims, f intermediate, v padded vocab)::
 
 The latent is not split over ``tp`` (the ``latent`` axis is replicated): each tp rank expands its
 heads from the whole latent, as transformers' tensor-parallel plan does.
+
+LoRA (``model.lora``, :mod:`jaxcolossal.models.layers.lora`) adapts MLA's projections in both stacks:
+``wq_a``, ``wq_b`` (or ``wq``), ``wo``, and the fused modules of Hugging Face with one A each,
+``kv_a_proj_with_mqa`` over ``wkv_a`` and ``wk_rope`` (added before the latent's norm and RoPE) and
+``kv_b_proj`` over ``wk_b`` and ``wv_b``. The cached decode path merges a layer's adapters into its
+weights before absorbing them (:func:`_cached_stack`).
 """
 
 from __future__ import annotations
