@@ -11,6 +11,7 @@ Hugging Face PEFT on the zoo's tiny models saved by transformers (tests/integrat
   to the PEFT model's ``generate`` and to our merged model's;
 * a LoRA training step on tp 2 x fsdp 4 (ZeRO-3) equals one device's, on a mixture of experts with a
   dense first layer;
+* LoRA's dropout reaches both stacks in training;
 * targets the family does not have are refused in one line.
 """
 import dataclasses
@@ -168,6 +169,22 @@ def test_lora_tp2_fsdp4_zero3_equals_one_device():
     assert_params_match(jax.device_get(s8.params), jax.device_get(s1.params))
     assert "tp" in str(s8.params["layers"]["wk_b_lora_b"].sharding.spec)  # B of kv_b_proj: its heads on tp
     assert "fsdp" in str(s8.frozen["dense_layers"]["wkv_a"].sharding.spec)  # ZeRO-3 shards the frozen base
+
+
+def test_dropout_drops_the_adapters_input_in_both_stacks():
+    """``model.lora.dropout``: a training forward (a dropout key) differs from the evaluation forward once B is
+    non-zero, draws one key per layer of each stack, and dropping nothing (dropout 0) changes nothing."""
+    cfg = config_from_dict({"model": {**MOE_MODEL, "lora": {"rank": 4, "targets": "all", "dropout": 0.3}},
+                            "training": TRAINING}).model
+    family, adapters = get_family(cfg), jax.tree.map(jnp.asarray, _random_adapters(cfg))
+    base, x, key = family.init_params(cfg, jax.random.key(0)), jnp.asarray(tokens(b=2, t=8)), jax.random.key(3)
+    for group in ("dense_layers", "layers"):  # the adapters of one stack only: its dropout shows
+        p = merge(base, {group: adapters[group]})
+        plain = family.hidden_states(p, x, cfg)
+        dropped = family.hidden_states(p, x, cfg, dropout_key=key)
+        assert float(jnp.abs(dropped - plain).max()) > 1e-3 * float(jnp.abs(plain).max()), group
+    no_drop = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, dropout=0.0))
+    np.testing.assert_array_equal(family.hidden_states(p, x, no_drop, dropout_key=key), plain)
 
 
 @pytest.mark.parametrize("overrides,match", [
