@@ -121,9 +121,9 @@ def read_adapter_config(path: str | os.PathLike) -> LoraConfig:
     modules = [modules] if isinstance(modules, str) else modules
     unknown = [m for m in modules if m.rsplit(".", 1)[-1] not in _MODULE_TO_TARGET]
     if bad or unknown:
+        unknown_line = f"target module(s) {unknown} are not projections adapted here ({sorted(_MODULE_TO_TARGET)})"
         raise ConfigError(f"model.lora.init_from={str(path)!r}: " + "; ".join(
-            [f"{k}={pc[k]!r} is not supported" for k in bad] + [f"target module(s) {unknown} are not projections "
-                                                                 f"adapted here ({sorted(_MODULE_TO_TARGET)})"] * bool(unknown)))
+            [f"{k}={pc[k]!r} is not supported" for k in bad] + [unknown_line] * bool(unknown)))
     targets = sorted({_MODULE_TO_TARGET[m.rsplit(".", 1)[-1]] for m in modules}, key=list(HF_MODULES).index)
     return LoraConfig(rank=int(pc["r"]), alpha=float(pc.get("lora_alpha", 8)), dropout=float(pc.get("lora_dropout", 0.0)),
                       targets=",".join(targets), init_from=str(path))

@@ -43,8 +43,9 @@ def _lora(parallel, targets="all", precision=None):
     (["model.lora.rank=8", "model.lora.alpha=0"], r"model.lora.alpha=0.0: must be > 0"),
     (["model.lora.rank=8", "model.type=gpt2"],
      "LoRA is implemented for model.type llama, gemma, gpt_oss, deepseek, not .gpt2."),
-    (["model.lora.rank=8", "model.lora.targets=q,kv_b"], "kv_b is not a projection of model.type=llama .a LLaMA-like "
-                                                         "model.: allowed: comma-separated q, k, v, o, gate, up, down, or all"),
+    (["model.lora.rank=8", "model.lora.targets=q,kv_b"],
+     "kv_b is not a projection of model.type=llama .a LLaMA-like model.: allowed: comma-separated q, k, v, o, gate, "
+     "up, down, or all"),
     (["model.lora.rank=8", "model.lora.dropout=0.1", "parallel.pipeline_parallel_size=2"],
      "the pipeline carries no dropout keys yet"),
 ])
