@@ -9,6 +9,8 @@ Hugging Face PEFT on the zoo's tiny models saved by transformers (tests/integrat
 * adapters that PEFT itself creates and saves (``get_peft_model``) load into ours with equal logits;
 * batched greedy generation with the adapters (the cached decode path, merged per layer) is token-equal
   to the PEFT model's ``generate`` and to our merged model's;
+* a LoRA run's checkpoint exports (``convert_hf.py --to-hf``) the adapters PEFT loads and, merged, a
+  transformers model with the PEFT model's logits;
 * a LoRA training step on tp 2 x fsdp 4 (ZeRO-3) equals one device's, on a mixture of experts with a
   dense first layer;
 * LoRA's dropout reaches both stacks in training;
@@ -16,6 +18,7 @@ Hugging Face PEFT on the zoo's tiny models saved by transformers (tests/integrat
 """
 import dataclasses
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -27,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from hf_zoo import VOCAB, build, logits  # noqa: E402
+from safetensors import numpy as safetensors_numpy  # noqa: E402
 from test_hf_architectures import REL, rel_err, tokens  # noqa: E402
 from tiny import assert_params_match, run_steps  # noqa: E402
 
@@ -36,6 +40,7 @@ from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf, save_hf  # noqa: E402
 from jaxcolossal.models.layers.lora import adapter_shapes_and_axes, merge, merged_weights  # noqa: E402
 from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters  # noqa: E402
+from jaxcolossal.train.loop import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LORA = LoraConfig(rank=4, alpha=8.0, targets="all")
@@ -169,6 +174,38 @@ def test_lora_tp2_fsdp4_zero3_equals_one_device():
     assert_params_match(jax.device_get(s8.params), jax.device_get(s1.params))
     assert "tp" in str(s8.params["layers"]["wk_b_lora_b"].sharding.spec)  # B of kv_b_proj: its heads on tp
     assert "fsdp" in str(s8.frozen["dense_layers"]["wkv_a"].sharding.spec)  # ZeRO-3 shards the frozen base
+
+
+def test_a_lora_run_exports_peft_adapters_and_the_merged_model(tmp_path):
+    """``model.init_from`` of the zoo's DeepSeek-V3 with ``model.lora.targets=all``, 2 steps with a checkpoint:
+    ``convert_hf.py --to-hf`` writes the trained adapters (both stacks, from the checkpoint) as PEFT files that
+    ``peft`` loads, equal to those the run wrote itself, and ``--merge-lora`` a full model with the PEFT
+    model's logits."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import convert_hf  # heavy: from scripts/, put on sys.path by this test only
+
+    hf = tmp_path / "hf"
+    build("deepseek-v3", vocab_size=256).save_pretrained(hf)
+    assert convert_hf.main(["--to-jax", str(hf), str(tmp_path / "out")]) == 0
+    train(load_config(str(tmp_path / "out" / "model.yaml"), [
+        f"model.init_from={hf}", "model.lora.rank=4", "model.lora.targets=all", "data.corpus=stdlib",
+        "data.tokenizer=byte", "data.max_corpus_bytes=100000", f"data.cache_dir={tmp_path}/cache",
+        "training.seq_len=16", "training.batch_size=8", "training.max_steps=2", "training.learning_rate=1e-2",
+        "training.warmup_steps=1", "training.eval_every=0", "training.sample_tokens=0", "logging.progress_bar=false",
+        f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"]))
+    assert convert_hf.main(["--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "peft")]) == 0
+    assert convert_hf.main(["--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    ours, run = (safetensors_numpy.load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("peft", "run/adapter"))
+    assert sorted(ours) == sorted(run) and len(ours) == 3 * 5 * 2  # 3 layers (1 dense), 5 modules, A and B
+    jax.tree.map(np.testing.assert_array_equal, ours, run)
+
+    x = tokens()
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(hf), attn_implementation="eager")
+    tuned = logits(peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval(), x)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager")
+    scale = np.abs(tuned).max()
+    assert np.abs(logits(merged.eval(), x) - tuned).max() < REL * scale
+    assert np.abs(logits(build("deepseek-v3", vocab_size=256), x) - tuned).max() > 1e-4 * scale  # trained adapters
 
 
 def test_dropout_drops_the_adapters_input_in_both_stacks():
