@@ -235,22 +235,17 @@ def lora_b_to_hf(name: str, parts: dict, cfg: ModelConfig) -> np.ndarray:
 def _attention_from_hf(g: Callable, cfg: ModelConfig, i: int) -> dict:
     """Layer ``i``'s norms and MLA weights (module doc), the rotary rows de-interleaved."""
     a, d, h = f"model.layers.{i}.self_attn.", cfg.hidden_size, cfg.num_attention_heads
-    v = cfg.v_head_dim
-
-    def heads(w):
-        return _heads_from_hf(w, cfg)
-
     out = {"attn_norm": g(f"model.layers.{i}.input_layernorm.weight"),
            "mlp_norm": g(f"model.layers.{i}.post_attention_layernorm.weight")}
     if cfg.q_lora_rank:
         out.update(wq_a=g(a + "q_a_proj.weight").T, q_norm=g(a + "q_a_layernorm.weight"),
-                   wq_b=heads(g(a + "q_b_proj.weight")))
+                   wq_b=_heads_from_hf(g(a + "q_b_proj.weight"), cfg))
     else:
-        out["wq"] = heads(g(a + "q_proj.weight"))
+        out["wq"] = _heads_from_hf(g(a + "q_proj.weight"), cfg)
     wkv_a, wk_rope = _kv_a_from_hf(g(a + "kv_a_proj_with_mqa.weight"), cfg)
     wk_b, wv_b = _kv_b_from_hf(g(a + "kv_b_proj.weight"), cfg)
     out.update(wkv_a=wkv_a, wk_rope=wk_rope, kv_norm=g(a + "kv_a_layernorm.weight"), wk_b=wk_b, wv_b=wv_b,
-               wo=g(a + "o_proj.weight").T.reshape(h, v, d))
+               wo=g(a + "o_proj.weight").T.reshape(h, cfg.v_head_dim, d))
     return out
 
 
@@ -321,15 +316,12 @@ def _layer_to_hf(lp: dict, cfg: ModelConfig, i: int, j: int) -> dict:
     """Layer ``i`` (index ``j`` of its stack ``lp``) under Hugging Face's names, the rotary rows interleaved."""
     p, a, d = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", cfg.hidden_size
 
-    def heads(w):  # [in, h, q] -> [h*q, in], the rotary rows interleaved again
-        return _heads_to_hf(w, cfg)
-
     out = {p + "input_layernorm.weight": lp["attn_norm"][j], p + "post_attention_layernorm.weight": lp["mlp_norm"][j]}
     if "wq_a" in lp:
         out.update({a + "q_a_proj.weight": lp["wq_a"][j].T, a + "q_a_layernorm.weight": lp["q_norm"][j],
-                    a + "q_b_proj.weight": heads(lp["wq_b"][j])})
+                    a + "q_b_proj.weight": _heads_to_hf(lp["wq_b"][j], cfg)})
     else:
-        out[a + "q_proj.weight"] = heads(lp["wq"][j])
+        out[a + "q_proj.weight"] = _heads_to_hf(lp["wq"][j], cfg)
     out.update({a + "kv_a_proj_with_mqa.weight": _kv_a_to_hf(lp["wkv_a"][j], lp["wk_rope"][j], cfg),
                 a + "kv_a_layernorm.weight": lp["kv_norm"][j],
                 a + "kv_b_proj.weight": _kv_b_to_hf(lp["wk_b"][j], lp["wv_b"][j]),
