@@ -350,9 +350,9 @@ class CheckpointManager:
         with ocp.PyTreeCheckpointer() as ckptr:
             out = ckptr.restore(self._state_dir(step), args=ocp.args.PyTreeRestore(item=item, restore_args=as_numpy,
                                                                   partial_restore=True))
-        if "frozen" in out:  # LoRA: the trained adapters' layer leaves beside the frozen base's
+        if "frozen" in out:  # LoRA: the trained adapters' layer leaves beside the frozen base's, every layer stack
             frozen = out["frozen"]
-            return {**frozen, "layers": {**frozen["layers"], **out[key]["layers"]}}, step
+            return {**frozen, **{g: {**frozen[g], **leaves} for g, leaves in out[key].items()}}, step
         return out[key], step
 
     def wait(self) -> None:

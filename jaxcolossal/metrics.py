@@ -130,8 +130,9 @@ def lora_param_count(cfg: ModelConfig) -> int:
     """The parameters of ``cfg.lora``'s adapters (0 when LoRA is off)."""
     if not cfg.lora.enabled:
         return 0
-    table = get_family(cfg).param_shapes_and_axes(cfg, cfg.vocab_size)["layers"]
-    return sum(math.prod(shape) for shape, _ in adapter_shapes_and_axes(cfg.lora, table)["layers"].values())
+    table = get_family(cfg).param_shapes_and_axes(cfg, cfg.vocab_size)
+    return sum(math.prod(shape) for group in adapter_shapes_and_axes(cfg.lora, table, cfg.lora_targets).values()
+               for shape, _ in group.values())
 
 
 def attended_keys(window: int, seq_len: int) -> float:

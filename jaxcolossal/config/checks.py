@@ -291,16 +291,28 @@ def _check_moe(cfg: Config) -> None:
             default = "none and 1" if key.startswith("parallel.sequence") else "its default"
             raise ConfigError(f"model.num_experts={m.num_experts}: a mixture of experts does not run with {key} yet "
                               f"(set it to {default})")
-    mlp = [t for t in m.lora.target_list if t not in ("q", "k", "v", "o")] if m.lora.enabled else []
-    if mlp or (m.lora.enabled and m.first_k_dense):
-        raise ConfigError(f"model.lora.targets={m.lora.targets!r}: with a mixture of experts LoRA adapts the attention "
-                          "projections of the MoE layers only: set model.lora.targets to some of q,k,v,o"
-                          + (" and model.first_k_dense=0" if m.first_k_dense else ""))
 
 
-LORA_FAMILIES = ("llama", "gemma", "gpt_oss")
-"""The families whose projections carry LoRA's adapters: LLaMA's names and equations
-(:data:`jaxcolossal.models.layers.lora.WEIGHTS`); GPT-OSS on its attention, as every mixture of experts."""
+LORA_FAMILIES = ("llama", "gemma", "gpt_oss", "deepseek")
+"""The families whose projections carry LoRA's adapters (:data:`jaxcolossal.models.layers.lora.WEIGHTS`):
+LLaMA's names and equations; a mixture of experts (GPT-OSS, Mixtral) on its attention; DeepSeek on its
+multi-head latent attention (:attr:`jaxcolossal.config.ModelConfig.lora_target_choices`)."""
+
+
+def _check_lora_targets(m: ModelConfig) -> None:
+    """Every named ``model.lora.targets`` is a projection of the model (:attr:`ModelConfig.lora_target_choices`).
+
+    Raises: ConfigError naming the absent ones and the allowed ones."""
+    absent = [t for t in m.lora.target_list if t not in m.lora_target_choices]
+    if not absent:
+        return
+    what = ("multi-head latent attention" + (" with a q latent" if m.q_lora_rank else " without a q latent")
+            if m.type == "deepseek" else "a mixture of experts (LoRA adapts its attention)" if m.moe
+            else "a LLaMA-like model")
+    raise ConfigError(f"model.lora.targets={m.lora.targets!r}: {', '.join(absent)} "
+                      f"{'is not a projection' if len(absent) == 1 else 'are not projections'} of "
+                      f"model.type={m.type} ({what}): allowed: comma-separated {', '.join(m.lora_target_choices)}, "
+                      "or all" + (" (the default q,v is LLaMA's)" if m.lora.targets == LoraConfig().targets else ""))
 
 
 def _check_lora(cfg: Config) -> None:
@@ -324,6 +336,8 @@ def _check_lora(cfg: Config) -> None:
     if m.type not in LORA_FAMILIES:
         raise ConfigError(f"model.lora.rank={lo.rank}: LoRA is implemented for model.type {', '.join(LORA_FAMILIES)}, "
                           f"not {m.type!r}")
+    if named != ["all"]:
+        _check_lora_targets(m)
     off = {"parallel.gradient_compression": p.gradient_compression != "none",
            "offload.offload_optim_frac / offload_param_frac": o.offload_optim_frac > 0 or o.offload_param_frac > 0,
            "offload.placement_policy=auto": o.placement_policy == "auto", "offload.nvme_path": bool(o.nvme_path)}

@@ -18,8 +18,10 @@ from typing import Any, ClassVar, Literal
 
 from jaxcolossal.errors import ConfigError
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-"""The projections a LoRA adapter can sit on (PEFT's ``q_proj`` ... ``down_proj``)."""
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b")
+"""The projections a LoRA adapter can sit on (PEFT's ``q_proj`` ... ``down_proj``; multi-head latent
+attention's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``). A family has some of
+them: :attr:`ModelConfig.lora_target_choices`."""
 
 
 @dataclass
@@ -29,14 +31,16 @@ class LoraConfig:
     ``A [rank, in]`` and ``B [out, rank]`` (B starts at zero, so the model starts unchanged). The
     base weights are frozen in the compute dtype; only the adapters are trained, so the fp32
     master copy, the gradients and the optimizer state (and ZeRO's sharding of them) cover only
-    them. The llama family only (``model.type=llama``)."""
+    them. The ``llama``, ``gemma``, ``gpt_oss`` and ``deepseek`` families
+    (:attr:`ModelConfig.lora_target_choices` lists the projections each has)."""
 
     rank: int = 0
     """The adapters' rank ``r``, an integer >= 0; 0 (the default) turns LoRA off, and then the other
     ``model.lora`` keys must keep their defaults. LoRA does not run with
     ``parallel.gradient_compression`` or an offloaded state (``offload.offload_optim_frac``,
     ``offload_param_frac``, ``placement_policy=auto``, ``nvme_path``) yet; with a mixture of experts
-    (``model.num_experts``) it adapts the attention projections only (targets among ``q, k, v, o``)."""
+    (``model.num_experts``) it adapts the attention projections only (targets among ``q, k, v, o``;
+    DeepSeek's among its multi-head latent attention's, ``model.lora.targets``)."""
     alpha: float = 16.0
     """The adapters' scale numerator, a float > 0: their product is multiplied by ``alpha / rank``
     (PEFT's ``lora_alpha``). ``model.lora.init_from`` replaces it with the adapter's own."""
@@ -46,9 +50,14 @@ class LoraConfig:
     yet with pipeline parallelism, nor with ZeRO-3's prefetching layer scan (``parallel.overlap``
     with ``model.remat=full``) or its low-precision weight gathers (``parallel.communication_dtype``)."""
     targets: str = "q,v"
-    """The projections that get adapters: comma-separated, any of ``q, k, v, o, gate, up, down``, or
-    ``all`` (every one); the default ``q,v`` is PEFT's for LLaMA. ``model.lora.init_from``
-    replaces it with the adapter's own."""
+    """The projections that get adapters: comma-separated, or ``all`` (every one the family has); the
+    default ``q,v`` is PEFT's for LLaMA. LLaMA-like families (``llama``, ``gemma``, ``gpt_oss``): any
+    of ``q, k, v, o, gate, up, down`` (with a mixture of experts ``q, k, v, o`` only). DeepSeek's
+    multi-head latent attention (``model.type=deepseek``, every layer, dense or MoE): ``q_a``
+    (``q_a_proj``), ``q_b`` (``q_b_proj``) or, without a q latent (``model.q_lora_rank=0``), ``q``
+    (``q_proj``); ``kv_a`` (``kv_a_proj_with_mqa``: one adapter over the latent and the rotary key),
+    ``kv_b`` (``kv_b_proj``: one over the keys and the values), ``o`` (``o_proj``); ``all`` is those.
+    ``model.lora.init_from`` replaces it with the adapter's own."""
     init_from: str = ""
     """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) to continue
     training from; its rank, alpha, dropout and targets replace these (``model.lora.rank`` must
@@ -61,7 +70,8 @@ class LoraConfig:
 
     @property
     def target_list(self) -> tuple[str, ...]:
-        """``targets`` as a tuple in :data:`LORA_TARGETS` order (``all``: every one)."""
+        """``targets`` as a tuple in :data:`LORA_TARGETS` order (``all``: every one of
+        :data:`LORA_TARGETS`; :attr:`ModelConfig.lora_targets` is ``all`` for one family)."""
         named = {t.strip() for t in self.targets.split(",") if t.strip()}
         if named == {"all"}:
             return LORA_TARGETS
@@ -409,6 +419,23 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int, ...]:
         """Each layer's attention window in tokens (0: the whole causal prefix)."""
         return tuple(self.sliding_window if k == "sliding_attention" else 0 for k in self.layer_kinds)
+
+    @property
+    def lora_target_choices(self) -> tuple[str, ...]:
+        """The LoRA targets this model has (:data:`LORA_TARGETS` order): multi-head latent attention's
+        (``type=deepseek``: ``q_a, q_b`` or, without a q latent, ``q``; ``kv_a, kv_b, o``), a mixture of
+        experts' attention (``q, k, v, o``), else every LLaMA projection."""
+        if self.type == "deepseek":
+            named = ("o", "q_a", "q_b") if self.q_lora_rank else ("q", "o")
+            return tuple(t for t in LORA_TARGETS if t in named + ("kv_a", "kv_b"))
+        return ("q", "k", "v", "o") if self.moe else ("q", "k", "v", "o", "gate", "up", "down")
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """``lora.targets`` resolved for this model: the named ones (:data:`LORA_TARGETS` order), or
+        for ``all`` every one of :attr:`lora_target_choices`."""
+        every = {t.strip() for t in self.lora.targets.split(",") if t.strip()} == {"all"}
+        return self.lora_target_choices if every else self.lora.target_list
 
     @property
     def attention_scale(self) -> float:

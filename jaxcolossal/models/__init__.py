@@ -54,10 +54,11 @@ def param_layout(cfg: ModelConfig, tp: int = 1) -> tuple[int, dict, dict]:
 
 
 def adapter_layout(cfg: ModelConfig, shapes: dict, axes: dict) -> tuple[dict, dict]:
-    """``(shapes, logical axes)`` of ``cfg.model.lora``'s adapters (:mod:`jaxcolossal.models.layers.lora`)
-    for the base model's :func:`param_layout` trees."""
-    return _split_pairs(lora.adapter_shapes_and_axes(cfg.lora, {n: (shapes["layers"][n], axes["layers"][n])
-                                                                for n in shapes["layers"]}))
+    """``(shapes, logical axes)`` of ``cfg.lora``'s adapters (:mod:`jaxcolossal.models.layers.lora`) for the
+    base model's :func:`param_layout` trees (``cfg``: the model config), on every stacked-layer group
+    (``{group: {name: shape}}``, groups of :data:`jaxcolossal.models.layers.lora.STACKS`)."""
+    table = {g: {n: (shapes[g][n], axes[g][n]) for n in shapes[g]} for g in lora.STACKS if g in shapes}
+    return _split_pairs(lora.adapter_shapes_and_axes(cfg.lora, table, cfg.lora_targets))
 
 
 __all__ = ["adapter_layout", "param_layout", "Family", "LlamaForCausalLM", "GPT2LMHeadModel", "GemmaForCausalLM",

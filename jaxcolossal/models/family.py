@@ -47,6 +47,10 @@ class Family:
     * ``params_from_hf(get, has, cfg) -> (params, used keys)``; ``params_to_hf(params, cfg) -> dict``.
     * ``embedding``: the name of the vocabulary-padded input embedding (``embed_tokens``, ``wte``).
     * ``init_from_keys``: the model keys, beyond the shared sizes, that ``model.init_from`` checks.
+    * ``lora_b_from_hf(name, b [out_features, rank], cfg) -> {weight: [rank, *out]}`` and
+      ``lora_b_to_hf(name, parts, cfg) -> [out_features, rank]``: one layer's PEFT LoRA B of the module
+      adapting weight ``name``, where its output rows are not the weight's flattened outputs (permuted or
+      fused rows, :mod:`jaxcolossal.models.peft`); ``None`` (the default): they are.
 
     KV-cached decoding (:mod:`jaxcolossal.generate`), ``None`` for a family without it (every registered
     family has it):
@@ -79,6 +83,8 @@ class Family:
     init_cache: Callable | None = None
     cache_axes: Callable | None = None
     forward_cached: Callable | None = None
+    lora_b_from_hf: Callable | None = None
+    lora_b_to_hf: Callable | None = None
 
 
 MODEL_FUNCTIONS = ("padded_vocab_size", "param_shapes_and_axes", "init_params", "hidden_states", "head_weight",
@@ -91,10 +97,14 @@ DECODE_FUNCTIONS = ("init_cache", "cache_axes", "forward_cached")
 HF_FUNCTIONS = ("config_from_hf", "config_to_hf", "params_from_hf", "params_to_hf")
 """The :class:`Family` fields that a family's ``hf`` module defines under the same names."""
 
+HF_LORA_FUNCTIONS = ("lora_b_from_hf", "lora_b_to_hf")
+"""The optional :class:`Family` fields of PEFT's LoRA layout, from the family's ``hf`` module when it has them."""
+
 
 def family_from(name: str, model: ModuleType, hf: ModuleType, module: type, embedding: str) -> Family:
     """The :class:`Family` of a family folder: its ``model`` module's :data:`MODEL_FUNCTIONS`, its ``hf``
-    module's :data:`HF_FUNCTIONS` with ``ARCHITECTURES`` and ``INIT_FROM_KEYS``, the NNX ``module``
+    module's :data:`HF_FUNCTIONS` with ``ARCHITECTURES`` and ``INIT_FROM_KEYS`` (and :data:`HF_LORA_FUNCTIONS`
+    where it has them), the NNX ``module``
     class and the name of its vocabulary-padded ``embedding``.
 
     Raises:
@@ -107,7 +117,8 @@ def family_from(name: str, model: ModuleType, hf: ModuleType, module: type, embe
     return Family(name=name, module=module, **{f: getattr(model, f) for f in MODEL_FUNCTIONS},
                   hf_architectures=hf.ARCHITECTURES, **{f: getattr(hf, f) for f in HF_FUNCTIONS},
                   embedding=embedding, init_from_keys=hf.INIT_FROM_KEYS,
-                  **{f: getattr(model, f, None) for f in DECODE_FUNCTIONS})
+                  **{f: getattr(model, f, None) for f in DECODE_FUNCTIONS},
+                  **{f: getattr(hf, f, None) for f in HF_LORA_FUNCTIONS})
 
 
 def param_axes(model: nnx.Module) -> dict:

@@ -95,7 +95,7 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
         + _zero_groups_note(cfg, shape),
         f"per-device model state: params {gib(params)}, grads {gib(grads)}, optimizer {gib(opt)}, "
         f"total {gib(params + grads + opt)}"
-        + (f"\nLoRA       rank {lora.rank} on {', '.join(lora.target_list)}: "
+        + (f"\nLoRA       rank {lora.rank} on {', '.join(cfg.model.lora_targets)}: "
            f"{sum(math.prod(x) for x in jax.tree.leaves(a_shapes, is_leaf=is_shape)):,} trained parameters; the "
            f"base frozen in {cfg.precision.mode} ({gib(frozen)} of the params)" if lora.enabled else ""),
         f"batch      {t.batch_size} sequences × {t.seq_len} tokens per step, "

@@ -614,7 +614,8 @@ def _initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
         log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from} ({init_from_inherits(cfg)})",
                  ranks=[0])
     if lora.enabled:
-        log.info(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_list)}: the base weights are "
+        on = ", ".join(cfg.model.lora_targets)
+        log.info(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {on}: the base weights are "
                  "frozen" + (f"; adapters from {lora.init_from}" if lora.init_from else ""), ranks=[0])
     return state
 

@@ -73,7 +73,7 @@ YAML_REFUSED = [(["model.attention_impl=flash"], "model.attention_impl=flash"),
                 (["model.topk_group=1", "model.num_experts_per_tok=3"], "model.topk_group=1"),
                 (["model.kv_lora_rank=0"], "model.kv_lora_rank=0"),
                 (["model.qk_norm=true"], "model.qk_norm=True"),
-                (["model.lora.rank=4"], "model.lora.rank=4")]
+                (["model.lora.rank=4", "model.lora.targets=q_a,k"], "model.lora.targets='q_a,k'")]
 
 
 @pytest.mark.parametrize("overrides,named", YAML_REFUSED, ids=[n for _, n in YAML_REFUSED])

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 from hf_zoo import ZOO, build  # noqa: E402
 from tiny import setup  # noqa: E402
 
-from jaxcolossal.config import ConfigError, config_from_dict  # noqa: E402
+from jaxcolossal.config import config_from_dict  # noqa: E402
 from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.data.prompts import load_prompts  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf  # noqa: E402
@@ -34,7 +34,8 @@ def saved(request, tmp_path_factory):
 def post_config(path, objective: str, lora: bool = False):
     cfg_m, _ = load_hf(path)
     model = {k: v for k, v in dataclasses.asdict(cfg_m).items() if k != "lora"}
-    model.update(init_from=str(path), lora={"rank": 4, "targets": "q,v"} if lora else {})
+    targets = "all" if cfg_m.type == "deepseek" else "q,v"  # DeepSeek: every projection of its latent attention
+    model.update(init_from=str(path), lora={"rank": 4, "targets": targets} if lora else {})
     post = {"beta": 0.1, "reference": "lora_base"} if lora else {"beta": 0.1}
     data = {"format": "preference", "corpus": "unused.jsonl"}
     if objective == "grpo":
@@ -71,18 +72,9 @@ def run_dpo(cfg):
     return metrics
 
 
-NO_LORA = {"deepseek": "LoRA is implemented for model.type llama, gemma, gpt_oss, not 'deepseek'"}
-"""Families whose LoRA is refused (docs/models.md), with the one line that says so."""
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["dpo", "lora_dpo"])
 def test_dpo_three_steps(saved, lora):
     name, path = saved
-    family = load_hf(path)[0].type
-    if lora and family in NO_LORA:
-        with pytest.raises(ConfigError, match=NO_LORA[family]):
-            post_config(path, "dpo", lora)
-        return
     metrics = run_dpo(post_config(path, "dpo", lora))
     assert all(np.isfinite(v) for m in metrics for v in m.values()), metrics
     assert abs(metrics[0]["loss"] - np.log(2)) < 1e-5  # policy == reference before the first update

@@ -19,7 +19,8 @@ from jaxcolossal.config import ConfigError, LoraConfig, gib, load_config
 from jaxcolossal.metrics import flops_per_token
 from jaxcolossal.models import llama
 from jaxcolossal.models.hf_io import load_hf, save_hf, save_shared
-from jaxcolossal.models.layers.lora import adapter_shapes_and_axes, merge, merged_weights
+from jaxcolossal.models.layers.lora import (DROPOUT_KEY, adapter_shapes_and_axes, merge, merged_weights,
+                                            with_dropout_keys)
 from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan.dry_run import dry_run
@@ -40,7 +41,11 @@ def _lora(parallel, targets="all", precision=None):
     (["model.lora.rank=-1"], r"model.lora.rank=-1: must be >= 0"),
     (["model.lora.targets=q,k"], "model.lora.rank=0 turns LoRA off, but model.lora.targets is set"),
     (["model.lora.rank=8", "model.lora.alpha=0"], r"model.lora.alpha=0.0: must be > 0"),
-    (["model.lora.rank=8", "model.type=gpt2"], "LoRA is implemented for model.type llama, gemma, gpt_oss, not .gpt2."),
+    (["model.lora.rank=8", "model.type=gpt2"],
+     "LoRA is implemented for model.type llama, gemma, gpt_oss, deepseek, not .gpt2."),
+    (["model.lora.rank=8", "model.lora.targets=q,kv_b"],
+     "kv_b is not a projection of model.type=llama .a LLaMA-like model.: allowed: comma-separated q, k, v, o, gate, "
+     "up, down, or all"),
     (["model.lora.rank=8", "model.lora.dropout=0.1", "parallel.pipeline_parallel_size=2"],
      "the pipeline carries no dropout keys yet"),
 ])
@@ -254,6 +259,29 @@ def test_lora_in_a_pipeline_equals_one_device(parallel):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert (np.abs(a - b) > 1e-6 + 1e-5 * np.abs(b)).mean() <= 1e-2
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_lora_on_a_mixture_with_dense_first_layers_adapts_both_stacks():
+    """A LLaMA-family mixture of experts whose first layer is dense (``dense_layers``): ``all`` is the attention
+    of both stacks; random adapters give the logits of their merged weights, and those of the dense stack
+    count (without them the logits differ); a training forward with dropout draws keys for both stacks."""
+    cfg = tiny_config(model={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                             "first_k_dense": 1, "lora": {"rank": 4, "targets": "all", "dropout": 0.1}}).model
+    assert cfg.lora_targets == ("q", "k", "v", "o")
+    table = adapter_shapes_and_axes(cfg.lora, llama.param_shapes_and_axes(cfg, cfg.vocab_size), cfg.lora_targets)
+    assert sorted(table) == ["dense_layers", "layers"] and table["dense_layers"]["wq_lora_a"][0][0] == 1
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    adapters = {g: {n: 0.1 * jax.random.normal(next(keys), sa[0]) for n, sa in t.items()} for g, t in table.items()}
+    base, x = llama.init_params(cfg, jax.random.key(0)), jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)))
+    adapted = llama.forward(merge(base, adapters), x, cfg)
+    np.testing.assert_allclose(llama.forward(merged_weights(merge(base, adapters), cfg.lora), x, cfg), adapted,
+                               atol=1e-5 * float(jnp.abs(adapted).max()), rtol=0)
+    without_dense = llama.forward(merge(base, {"layers": adapters["layers"]}), x, cfg)
+    assert float(jnp.abs(without_dense - adapted).max()) > 1e-3 * float(jnp.abs(adapted).max())
+    keyed = with_dropout_keys(merge(base, adapters), cfg.lora, jax.random.key(2))
+    assert [keyed[g][DROPOUT_KEY].shape for g in ("dense_layers", "layers")] == [(1,), (1,)]
+    dropped = llama.hidden_states(merge(base, adapters), x, cfg, dropout_key=jax.random.key(2))
+    assert dropped.shape == (2, 16, cfg.hidden_size) and bool(jnp.isfinite(dropped).all())
 
 
 @pytest.mark.parametrize("targets", ["all", "q,v"])

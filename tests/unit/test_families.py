@@ -1,7 +1,8 @@
 """The model-family interface: every registered family fills every field of
 :class:`jaxcolossal.models.family.Family`, and a family folder that lacks a function of the
 interface is refused by name when its record is built. The KV-cached decode path is optional
-(:data:`~jaxcolossal.models.family.DECODE_FUNCTIONS`); every registered family has it."""
+(:data:`~jaxcolossal.models.family.DECODE_FUNCTIONS`); every registered family has it. So are a PEFT
+adapter's B-row conversions (:data:`~jaxcolossal.models.family.HF_LORA_FUNCTIONS`), which DeepSeek has."""
 
 import dataclasses
 import types
@@ -10,7 +11,8 @@ import pytest
 
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models import FAMILIES, get_family
-from jaxcolossal.models.family import DECODE_FUNCTIONS, HF_FUNCTIONS, MODEL_FUNCTIONS, Family, family_from
+from jaxcolossal.models.family import (DECODE_FUNCTIONS, HF_FUNCTIONS, HF_LORA_FUNCTIONS, MODEL_FUNCTIONS, Family,
+                                      family_from)
 from jaxcolossal.models.llama import hf, model
 
 
@@ -23,8 +25,10 @@ def test_every_registered_family_fills_the_interface():
         assert fam.hf_architectures and all(isinstance(a, str) for a in fam.hf_architectures.values())
     assert {f.name for f in dataclasses.fields(Family)} == {
         "name", "module", "hf_architectures", "embedding", "init_from_keys", *MODEL_FUNCTIONS, *HF_FUNCTIONS,
-        *DECODE_FUNCTIONS}
+        *DECODE_FUNCTIONS, *HF_LORA_FUNCTIONS}
     assert all(callable(getattr(fam, f)) for fam in FAMILIES.values() for f in DECODE_FUNCTIONS)
+    # PEFT's LoRA B rows: DeepSeek's are permuted and fused; the others' are the weights' flattened outputs
+    assert [n for n, fam in FAMILIES.items() if fam.lora_b_from_hf and fam.lora_b_to_hf] == ["deepseek"]
     partial = types.ModuleType("jaxcolossal.models.mistral.model")
     for f in MODEL_FUNCTIONS:
         setattr(partial, f, getattr(model, f))

@@ -165,27 +165,87 @@ def _deinterleave(r: int) -> np.ndarray:
     return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
 
 
+def _heads_from_hf(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """A query projection's ``[h*q, in]`` (``q_b_proj``, ``q_proj``, or a LoRA B ``[h*q, r]``) as ``[in, h,
+    q]``, the rotary rows of each head de-interleaved."""
+    nope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    perm = np.concatenate([np.arange(nope), nope + _deinterleave(r)])
+    return w.reshape(cfg.num_attention_heads, nope + r, -1)[:, perm].transpose(2, 0, 1)
+
+
+def _heads_to_hf(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """The inverse of :func:`_heads_from_hf`: ``[in, h, q]`` -> ``[h*q, in]``, the rotary rows interleaved."""
+    nope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    back = np.argsort(np.concatenate([np.arange(nope), nope + _deinterleave(r)]))
+    return w.transpose(1, 2, 0)[:, back].reshape(cfg.num_attention_heads * (nope + r), -1)
+
+
+def _kv_a_from_hf(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``kv_a_proj_with_mqa``'s ``[r_kv + r, in]`` (or its LoRA B ``[r_kv + r, rank]``) as the latent's
+    ``[in, r_kv]`` and the rotary key's ``[in, r]``, de-interleaved."""
+    rkv = cfg.kv_lora_rank
+    return w[:rkv].T, w[rkv:][_deinterleave(cfg.qk_rope_head_dim)].T
+
+
+def _kv_a_to_hf(latent: np.ndarray, k_rope: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """The inverse of :func:`_kv_a_from_hf`: ``[in, r_kv]`` and ``[in, r]`` -> ``[r_kv + r, in]``."""
+    return np.concatenate([latent.T, k_rope.T[np.argsort(_deinterleave(cfg.qk_rope_head_dim))]])
+
+
+def _kv_b_from_hf(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``kv_b_proj``'s ``[h*(nope+v), in]`` (or its LoRA B) as the keys' ``[in, h, nope]`` and the values'
+    ``[in, h, v]``."""
+    nope = cfg.qk_nope_head_dim
+    w = w.reshape(cfg.num_attention_heads, nope + cfg.v_head_dim, -1)
+    return w[:, :nope].transpose(2, 0, 1), w[:, nope:].transpose(2, 0, 1)
+
+
+def _kv_b_to_hf(k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_kv_b_from_hf`: ``[in, h, nope]`` and ``[in, h, v]`` -> ``[h*(nope+v), in]``."""
+    kv = np.concatenate([k, v], axis=-1)  # [in, h, nope + v]
+    return kv.transpose(1, 2, 0).reshape(-1, kv.shape[0])
+
+
+def lora_b_from_hf(name: str, b: np.ndarray, cfg: ModelConfig) -> dict:
+    """One layer's LoRA B of the Hugging Face module whose adapter sits on weight ``name``
+    (:data:`jaxcolossal.models.layers.lora.WEIGHTS`), PEFT's ``[out_features, rank]``, as this family's B
+    parts ``{weight: [rank, *out]}``: the query heads' rotary rows de-interleaved, ``kv_a_proj_with_mqa``'s
+    rows split into ``wkv_a`` and ``wk_rope``, ``kv_b_proj``'s into ``wk_b`` and ``wv_b`` (as the weights:
+    the module doc)."""
+    if name in ("wq", "wq_b"):
+        return {name: _heads_from_hf(b, cfg)}
+    if name == "wkv_a":
+        return dict(zip(("wkv_a", "wk_rope"), _kv_a_from_hf(b, cfg)))
+    if name == "wk_b":
+        return dict(zip(("wk_b", "wv_b"), _kv_b_from_hf(b, cfg)))
+    return {name: b.T}  # q_a_proj, o_proj: one output dimension
+
+
+def lora_b_to_hf(name: str, parts: dict, cfg: ModelConfig) -> np.ndarray:
+    """The inverse of :func:`lora_b_from_hf`: B parts ``{weight: [rank, *out]}`` -> ``[out_features, rank]``."""
+    if name in ("wq", "wq_b"):
+        return _heads_to_hf(parts[name], cfg)
+    if name == "wkv_a":
+        return _kv_a_to_hf(parts["wkv_a"], parts["wk_rope"], cfg)
+    if name == "wk_b":
+        return _kv_b_to_hf(parts["wk_b"], parts["wv_b"])
+    return parts[name].T
+
+
 def _attention_from_hf(g: Callable, cfg: ModelConfig, i: int) -> dict:
     """Layer ``i``'s norms and MLA weights (module doc), the rotary rows de-interleaved."""
     a, d, h = f"model.layers.{i}.self_attn.", cfg.hidden_size, cfg.num_attention_heads
-    nope, r, v, rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    perm = np.concatenate([np.arange(nope), nope + _deinterleave(r)])
-
-    def heads(w):  # [h*q, in] -> [in, h, q], the rotary rows of each head de-interleaved
-        return w.reshape(h, nope + r, -1)[:, perm].transpose(2, 0, 1)
-
     out = {"attn_norm": g(f"model.layers.{i}.input_layernorm.weight"),
            "mlp_norm": g(f"model.layers.{i}.post_attention_layernorm.weight")}
     if cfg.q_lora_rank:
         out.update(wq_a=g(a + "q_a_proj.weight").T, q_norm=g(a + "q_a_layernorm.weight"),
-                   wq_b=heads(g(a + "q_b_proj.weight")))
+                   wq_b=_heads_from_hf(g(a + "q_b_proj.weight"), cfg))
     else:
-        out["wq"] = heads(g(a + "q_proj.weight"))
-    kv_a = g(a + "kv_a_proj_with_mqa.weight")
-    kv_b = g(a + "kv_b_proj.weight").reshape(h, nope + v, rkv)
-    out.update(wkv_a=kv_a[:rkv].T, wk_rope=kv_a[rkv:][_deinterleave(r)].T, kv_norm=g(a + "kv_a_layernorm.weight"),
-               wk_b=kv_b[:, :nope].transpose(2, 0, 1), wv_b=kv_b[:, nope:].transpose(2, 0, 1),
-               wo=g(a + "o_proj.weight").T.reshape(h, v, d))
+        out["wq"] = _heads_from_hf(g(a + "q_proj.weight"), cfg)
+    wkv_a, wk_rope = _kv_a_from_hf(g(a + "kv_a_proj_with_mqa.weight"), cfg)
+    wk_b, wv_b = _kv_b_from_hf(g(a + "kv_b_proj.weight"), cfg)
+    out.update(wkv_a=wkv_a, wk_rope=wk_rope, kv_norm=g(a + "kv_a_layernorm.weight"), wk_b=wk_b, wv_b=wv_b,
+               wo=g(a + "o_proj.weight").T.reshape(h, cfg.v_head_dim, d))
     return out
 
 
@@ -254,24 +314,17 @@ def params_from_hf(get: Callable, has: Callable, cfg: ModelConfig) -> tuple[dict
 
 def _layer_to_hf(lp: dict, cfg: ModelConfig, i: int, j: int) -> dict:
     """Layer ``i`` (index ``j`` of its stack ``lp``) under Hugging Face's names, the rotary rows interleaved."""
-    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-    h, d, nope, r = cfg.num_attention_heads, cfg.hidden_size, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    back = np.argsort(np.concatenate([np.arange(nope), nope + _deinterleave(r)]))
-
-    def heads(w):  # [in, h, q] -> [h*q, in], the rotary rows interleaved again
-        return w.transpose(1, 2, 0)[:, back].reshape(h * (nope + r), -1)
+    p, a, d = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", cfg.hidden_size
 
     out = {p + "input_layernorm.weight": lp["attn_norm"][j], p + "post_attention_layernorm.weight": lp["mlp_norm"][j]}
     if "wq_a" in lp:
         out.update({a + "q_a_proj.weight": lp["wq_a"][j].T, a + "q_a_layernorm.weight": lp["q_norm"][j],
-                    a + "q_b_proj.weight": heads(lp["wq_b"][j])})
+                    a + "q_b_proj.weight": _heads_to_hf(lp["wq_b"][j], cfg)})
     else:
-        out[a + "q_proj.weight"] = heads(lp["wq"][j])
-    k_rope = lp["wk_rope"][j].T[np.argsort(_deinterleave(r))]
-    kv_b = np.concatenate([lp["wk_b"][j], lp["wv_b"][j]], axis=-1)  # [r_kv, h, nope + v]
-    out.update({a + "kv_a_proj_with_mqa.weight": np.concatenate([lp["wkv_a"][j].T, k_rope]),
+        out[a + "q_proj.weight"] = _heads_to_hf(lp["wq"][j], cfg)
+    out.update({a + "kv_a_proj_with_mqa.weight": _kv_a_to_hf(lp["wkv_a"][j], lp["wk_rope"][j], cfg),
                 a + "kv_a_layernorm.weight": lp["kv_norm"][j],
-                a + "kv_b_proj.weight": kv_b.transpose(1, 2, 0).reshape(-1, cfg.kv_lora_rank),
+                a + "kv_b_proj.weight": _kv_b_to_hf(lp["wk_b"][j], lp["wv_b"][j]),
                 a + "o_proj.weight": lp["wo"][j].reshape(-1, d).T})
     return {**out, **_mlp_to_hf(lp, cfg, i, j)}
 

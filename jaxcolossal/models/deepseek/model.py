@@ -38,6 +38,12 @@ value dims, f intermediate, v padded vocab)::
 
 The latent is not split over ``tp`` (the ``latent`` axis is replicated): each tp rank expands its
 heads from the whole latent, as transformers' tensor-parallel plan does.
+
+LoRA (``model.lora``, :mod:`jaxcolossal.models.layers.lora`) adapts MLA's projections in both stacks:
+``wq_a``, ``wq_b`` (or ``wq``), ``wo``, and the fused modules of Hugging Face with one A each,
+``kv_a_proj_with_mqa`` over ``wkv_a`` and ``wk_rope`` (added before the latent's norm and RoPE) and
+``kv_b_proj`` over ``wk_b`` and ``wv_b``. The cached decode path merges a layer's adapters into its
+weights before absorbing them (:func:`_cached_stack`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from jaxcolossal.config import ModelConfig
 from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import moe, vocab
 from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
+from jaxcolossal.models.layers.lora import (DROPOUT_KEY, EQUATIONS, adapt, adapt_fused, merged_layer,
+                                            with_dropout_keys)
 from jaxcolossal.models.layers.linear import column_parallel, projection, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.norm import rms_norm
 from jaxcolossal.models.layers.rope import apply_rope, rope_tables, yarn_factor, yarn_mscale
@@ -170,43 +178,58 @@ def init_params(cfg: ModelConfig, key: jax.Array, tp: int = 1) -> dict:
 
 def project_q(h: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharder = no_shard) -> jax.Array:
     """The queries of the normed input ``h [b, t, d]``: through the q latent (``q_lora_rank``) or
-    directly, their last ``qk_rope_head_dim`` dimensions rotated -> ``[b, t, h, q]`` (compute dtype)."""
+    directly (each projection with its LoRA adapter where ``lp`` holds one), their last
+    ``qk_rope_head_dim`` dimensions rotated -> ``[b, t, h, q]`` (compute dtype)."""
     column = partial(column_parallel, shard, tp_overlaps(shard, h.shape[1]))
+    lora = partial(adapt, lp=lp, lora=cfg.lora, dropout_key=lp.get(DROPOUT_KEY))
     if "wq_a" in lp:
-        c = rms_norm(projection(shard)("btd,dr->btr", h, lp["wq_a"]), lp["q_norm"], LATENT_NORM_EPS)
+        c = lora(EQUATIONS["wq_a"], h, projection(shard)("btd,dr->btr", h, lp["wq_a"]), name="wq_a")
+        c = rms_norm(c, lp["q_norm"], LATENT_NORM_EPS)
         (q,) = column(c, [("btr,rhq->bthq", lp["wq_b"], "h")])
+        q = lora(EQUATIONS["wq_b"], c, q, name="wq_b")
     else:
         (q,) = column(h, [("btd,dhq->bthq", lp["wq"], "h")])
+        q = lora(EQUATIONS["wq"], h, q, name="wq")
     q = shard(q, ("batch", "seq", "heads", "head_dim"))
     nope = cfg.qk_nope_head_dim
     return jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], axis=-1)
 
 
-def project_latent(h: jax.Array, lp: dict, cos, sin, shard: Sharder = no_shard) -> tuple[jax.Array, jax.Array]:
+def project_latent(h: jax.Array, lp: dict, cfg: ModelConfig, cos, sin,
+                   shard: Sharder = no_shard) -> tuple[jax.Array, jax.Array]:
     """What the KV cache holds of the normed input ``h [b, t, d]``: the normed latent ``[b, t, r_kv]``
-    (``kv_a_layernorm``, before ``kv_b_proj``) and the rotated shared key ``[b, t, r]``."""
+    (``kv_a_layernorm``, before ``kv_b_proj``) and the rotated shared key ``[b, t, r]``; with LoRA on
+    ``kv_a_proj_with_mqa``, its one adapter added to both before the norm and RoPE, as PEFT adds it to
+    the fused output."""
     proj = projection(shard)
-    c = rms_norm(proj("btd,dr->btr", h, lp["wkv_a"]), lp["kv_norm"], LATENT_NORM_EPS)
-    k_rope = apply_rope(proj("btd,dr->btr", h, lp["wk_rope"])[:, :, None, :], cos, sin)[:, :, 0, :]
+    c, k_rope = proj("btd,dr->btr", h, lp["wkv_a"]), proj("btd,dr->btr", h, lp["wk_rope"])
+    c, k_rope = adapt_fused(h, (c, k_rope), lp, "wkv_a", cfg.lora, lp.get(DROPOUT_KEY))
+    c = rms_norm(c, lp["kv_norm"], LATENT_NORM_EPS)
+    k_rope = apply_rope(k_rope[:, :, None, :], cos, sin)[:, :, 0, :]
     return shard(c, ("batch", "seq", "latent")), shard(k_rope, ("batch", "seq", "head_dim"))
 
 
-def expand_kv(c: jax.Array, k_rope: jax.Array, lp: dict, shard: Sharder = no_shard) -> tuple[jax.Array, jax.Array]:
+def expand_kv(c: jax.Array, k_rope: jax.Array, lp: dict, cfg: ModelConfig,
+              shard: Sharder = no_shard) -> tuple[jax.Array, jax.Array]:
     """Per-head keys ``[b, t, h, q]`` (the latent's ``kv_b_proj`` nope part, then the shared rotary key)
-    and values ``[b, t, h, v]`` of a latent ``c [b, t, r_kv]`` and ``k_rope [b, t, r]``."""
+    and values ``[b, t, h, v]`` of a latent ``c [b, t, r_kv]`` and ``k_rope [b, t, r]`` (with LoRA on
+    ``kv_b_proj``, its one adapter over both)."""
     column = partial(column_parallel, shard, tp_overlaps(shard, c.shape[1]))
     k_nope, v = column(c, [("btr,rhk->bthk", lp["wk_b"], "h"), ("btr,rhv->bthv", lp["wv_b"], "h")])
+    k_nope, v = adapt_fused(c, (k_nope, v), lp, "wk_b", cfg.lora, lp.get(DROPOUT_KEY))
     k_nope = shard(k_nope, ("batch", "seq", "heads", "head_dim"))
     shared = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1])).astype(k_nope.dtype)
     k = shard(jnp.concatenate([k_nope, shared], axis=-1), ("batch", "seq", "heads", "head_dim"))
     return k, shard(v, ("batch", "seq", "heads", "head_dim"))
 
 
-def attention_output(x: jax.Array, a: jax.Array, lp: dict, shard: Sharder = no_shard) -> jax.Array:
-    """The output projection of the attended values ``a [b, t, h, v]`` added to the residual ``x [b, t, d]``."""
+def attention_output(x: jax.Array, a: jax.Array, lp: dict, cfg: ModelConfig, shard: Sharder = no_shard) -> jax.Array:
+    """The output projection (and its LoRA adapter) of the attended values ``a [b, t, h, v]`` added to
+    the residual ``x [b, t, d]``."""
     row = partial(row_parallel, shard, tp_overlaps(shard, x.shape[1]))
     a = shard(a, ("batch", "seq", "heads", "head_dim"))
-    o = tag(row("bthv,hvd->btd", a, lp["wo"], "h"), "out_proj")
+    o = adapt(EQUATIONS["wo"], a, row("bthv,hvd->btd", a, lp["wo"], "h"), lp, "wo", cfg.lora, lp.get(DROPOUT_KEY))
+    o = tag(o, "out_proj")
     return shard(x + o, ("batch", "seq", "embed"))
 
 
@@ -217,11 +240,11 @@ def attention_block(x: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: S
     :func:`softmax_scale`; ``dv`` may differ from ``dq``)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q = tag(project_q(h, lp, cfg, cos, sin, shard), "query_proj")
-    c, k_rope = project_latent(h, lp, cos, sin, shard)
-    k, v = expand_kv(c, k_rope, lp, shard)
+    c, k_rope = project_latent(h, lp, cfg, cos, sin, shard)
+    k, v = expand_kv(c, k_rope, lp, cfg, shard)
     k, v = tag(k, "key_proj"), tag(v, "value_proj")
     a = attention(q, k, v, cfg.attention_impl, segment_ids, shard, positions, scale=softmax_scale(cfg))
-    return attention_output(x, a, lp, shard)
+    return attention_output(x, a, lp, cfg, shard)
 
 
 # ----------------------------------------------------------------------------- the MLPs and the layers
@@ -272,8 +295,9 @@ def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: S
                      vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
                      positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> tuple:
     """:func:`hidden_states` and the MoE layers' statistics (:func:`jaxcolossal.models.layers.moe.finish`;
-    ``{}`` for a dense model). ``dropout_key`` is accepted for the interface and unused (LoRA, whose
-    dropout it drives, is refused for this family)."""
+    ``{}`` for a dense model). ``dropout_key``: LoRA's dropout in a training step (``model.lora.dropout``;
+    one key per layer of each stack)."""
+    params = with_dropout_keys(params, cfg.lora, dropout_key)
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
     cos, sin = _rope(tokens.shape[1], cfg, positions)
@@ -300,7 +324,8 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: Shar
                   vocab_parallel: bool = False, segment_ids: jax.Array | None = None,
                   positions: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states ``[b, t, d]`` in the params' dtype for int ``tokens [b, t]`` (packed rows:
-    ``segment_ids`` and ``positions`` int ``[b, t]``, RoPE restarting at each document)."""
+    ``segment_ids`` and ``positions`` int ``[b, t]``, RoPE restarting at each document; ``dropout_key``:
+    LoRA's dropout in a training step)."""
     return hidden_and_stats(params, tokens, cfg, shard, vocab_parallel, segment_ids, positions, dropout_key)[0]
 
 
@@ -402,7 +427,7 @@ def cached_mla(h: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharde
     values [b, t, h, v], lat, kr)``."""
     proj = projection(shard)
     q = project_q(h, lp, cfg, cos, sin, shard)
-    c, k_rope = project_latent(h, lp, cos, sin, shard)
+    c, k_rope = project_latent(h, lp, cfg, cos, sin, shard)
     lat = shard(jax.lax.dynamic_update_slice_in_dim(lat, c.astype(lat.dtype), index, axis=1), CACHE_AXES["latent"][1:])
     kr = shard(jax.lax.dynamic_update_slice_in_dim(kr, k_rope.astype(kr.dtype), index, axis=1), CACHE_AXES["k_rope"][1:])
     nope = cfg.qk_nope_head_dim
@@ -417,13 +442,15 @@ def cached_mla(h: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharde
 
 def _cached_stack(x: jax.Array, layers: dict, cache: dict, cfg: ModelConfig, cos, sin, shard: Sharder,
                   index: jax.Array, kv_valid: jax.Array, experts: bool) -> tuple[jax.Array, dict]:
-    """One stack of layers over ``x [b, t, d]`` as a ``lax.scan`` over (layer params, layer cache).
+    """One stack of layers over ``x [b, t, d]`` as a ``lax.scan`` over (layer params, layer cache); a
+    layer's LoRA adapters are merged into its weights first (:func:`cached_mla` rearranges them).
     Returns ``(x, the stack's updated cache)``."""
     def body(h, xs):
         lp, lat, kr = xs
+        lp = merged_layer(lp, cfg.lora)
         a, lat, kr = cached_mla(rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), lp, cfg, cos, sin, shard, lat, kr,
                                 index, kv_valid)
-        h = attention_output(h, a, lp, shard)
+        h = attention_output(h, a, lp, cfg, shard)
         if experts:
             y, _ = moe.moe_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, getattr(shard, "mesh", None))
             h = shard(h + y, ("batch", "seq", "embed"))

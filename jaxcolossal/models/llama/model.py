@@ -45,7 +45,7 @@ from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import moe, vocab
 from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
-from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
+from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt, with_dropout_keys
 from jaxcolossal.models.layers.norm import rms_norm
 from jaxcolossal.models.layers.rope import apply_rope, rope_tables
 from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, no_shard, padded_vocab_size
@@ -287,9 +287,8 @@ def hidden_and_stats(params: dict, tokens: jax.Array, cfg: ModelConfig, shard: S
     """:func:`hidden_states` and the MoE layers' statistics (:data:`jaxcolossal.models.layers.moe.STATS`
     summed over the layers, the router losses the microbatch's: :func:`jaxcolossal.models.layers.moe.finish`;
     ``{}`` for a dense model)."""
+    params = with_dropout_keys(params, cfg.lora, dropout_key)  # LoRA's dropout: one key per layer, every stack
     layers = params["layers"]
-    if dropout_key is not None and cfg.lora.dropout > 0:
-        layers = {**layers, DROPOUT_KEY: jax.random.split(dropout_key, cfg.num_layers)}
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, vocab_parallel, cfg.embedding_impl),
               ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg, positions)
