@@ -146,11 +146,13 @@ def _zero_dim(spec: P) -> int | None:
 def _vary(x: jax.Array, axes: tuple) -> jax.Array:
     """``pcast`` ``x`` to varying over those of ``axes`` (of size > 1) it is not varying over yet.
 
-    Size-1 axes are left alone, so nothing needs a (trivial, but not free) psum over them.
+    Size-1 axes are left alone, so nothing needs a (trivial, but not free) psum over them, except
+    ``ep``: the experts' weights come in split over it (their ``shard_map`` spec names it), so what they
+    compute varies over it even at size 1, and a layer's output must match its input's type.
     """
     sizes = jax.sharding.get_abstract_mesh().shape
     have = jax.typeof(x).manual_axis_type.varying
-    missing = tuple(a for a in axes if a not in have and sizes[a] > 1)
+    missing = tuple(a for a in axes if a not in have and (sizes[a] > 1 or a == EP_AXIS))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -238,8 +240,10 @@ class _Layout:
         return _vary(x, self.manual_axes)
 
     def psum(self, x: jax.Array, axes: tuple) -> jax.Array:
-        """``psum`` over those of ``axes`` of size > 1 (XLA keeps a trivial all-reduce as a copy)."""
-        axes = tuple(a for a in axes if self.plan.mesh_shape[a] > 1)
+        """``psum`` over those of ``axes`` of size > 1 (XLA keeps a trivial all-reduce as a copy), and over
+        a size-1 ``ep`` that ``x`` varies over (a mixture of experts at ep 1: :func:`_vary`)."""
+        varying = jax.typeof(x).manual_axis_type.varying
+        axes = tuple(a for a in axes if self.plan.mesh_shape[a] > 1 or (a == EP_AXIS and a in varying))
         return jax.lax.psum(x, axes) if axes else x
 
     def gather(self, x: jax.Array, spec: P) -> jax.Array:

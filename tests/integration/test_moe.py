@@ -300,7 +300,8 @@ def test_mixtral_from_hugging_face_trains_and_exports(tmp_path):
 @pytest.mark.parametrize("parallel, form", [
     ({"pipeline_schedule": "1f1b", "zero_stage": 1}, "per_layer"),
     ({"pipeline_schedule": "interleaved", "num_model_chunks": 2, "zero_stage": 2}, "pooled"),
-], ids=["1f1b_zero1_per_layer", "interleaved_zero2_pooled"])
+    ({"pipeline_schedule": "1f1b", "zero_stage": 1, "expert_parallel_size": 1}, "pooled"),
+], ids=["1f1b_zero1_per_layer", "interleaved_zero2_pooled", "1f1b_ep1"])
 def test_expert_parallel_in_a_pipeline_equals_the_same_microbatches_without_one(parallel, form):
     """ep 2 × pp 2 (fsdp 2), 4 microbatches, the load-balancing and z losses on, against the same
     data group and microbatches without a pipeline (4 devices, accumulation 4: the router losses
@@ -311,13 +312,14 @@ def test_expert_parallel_in_a_pipeline_equals_the_same_microbatches_without_one(
     below the other's by the router losses (here 0.02-0.03 nats)."""
     model = {**MOE, "num_layers": 4, "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001,
              "router_aux_loss_form": form}
-    ref = tiny_config({"data_parallel_size": 4, "expert_parallel_size": 2, "zero_stage": 1}, model=model,
+    ep = parallel.get("expert_parallel_size", 2)  # ep 1: the experts whole on every device of a stage
+    ref = tiny_config({"data_parallel_size": 4, "expert_parallel_size": ep, "zero_stage": 1}, model=model,
                       training={"gradient_accumulation_steps": 4})
     s1, m1, _ = run_steps(ref, jax.devices()[:4], steps=3)
     par = {"data_parallel_size": 4, "expert_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 4,
            **parallel}
     s8, m8, plan = run_steps(tiny_config(par, model=model), steps=3)
-    assert plan.mesh_shape["pp"] == 2 and plan.mesh_shape["ep"] == 2
+    assert plan.mesh_shape["pp"] == 2 and plan.mesh_shape["ep"] == ep
     np.testing.assert_allclose([m["grad_norm"] for m in m8], [m["grad_norm"] for m in m1], rtol=1e-5)
     assert all(0.01 < a["loss"] - b["loss"] < 0.05 for a, b in zip(m1, m8))
     for a, b in zip(jax.tree.leaves(jax.device_get(s8.params)), jax.tree.leaves(jax.device_get(s1.params))):
