@@ -1212,15 +1212,24 @@ def _nothing_to_evaluate(cfg: Config, what: str = "--eval-only: nothing to evalu
                       "to a run's checkpoints or model.init_from=HF_DIR (a Hugging Face folder)")
 
 
-def _restored_state(cfg: Config, plan: TrainPlan) -> tuple[Any, str]:
+POLICY_FIELDS = ("step", "params", "frozen")
+"""The state's fields that sampling and evaluation read (:func:`_restored_state`): a post-training
+run's saved ``reference.*`` and every optimizer state stay unread, whatever ``training.objective``."""
+
+
+def _restored_state(cfg: Config, plan: TrainPlan, reference: bool = False) -> tuple[Any, str]:
     """``(state, source)``: the newest step in ``checkpoint.dir`` that restores, else ``model.init_from``'s
-    Hugging Face weights, and a phrase naming which. Raises as :func:`evaluate_only`."""
+    Hugging Face weights, and a phrase naming which. Only the policy is read (:data:`POLICY_FIELDS`;
+    ``reference``: DPO's frozen reference too), so a DPO or GRPO checkpoint restores under an SFT
+    config and the other way round. Raises as :func:`evaluate_only`."""
     state = _initial_state(cfg, plan, build_optimizer(cfg.training, plan))
+    if not reference:
+        state = state.replace(reference=None)
     source = f"the Hugging Face weights in {cfg.model.init_from}"
     if cfg.checkpoint.dir and step_dirs(cfg.checkpoint.dir):
         ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.max_to_keep, config=cfg.to_dict())
         try:
-            state = ckpt.restore(state)
+            state = ckpt.restore(state, only=POLICY_FIELDS + (("reference",) if reference else ()))
         finally:
             ckpt.close()
         source = f"checkpoint step {int(state.step)} in {ckpt.directory}"
@@ -1245,41 +1254,37 @@ def state_for_sampling(cfg: Config) -> tuple[TrainPlan, Any, str]:
 
 
 def evaluate_only(cfg: Config) -> dict:
-    """``scripts/train.py --eval-only``: the validation loss of the state a run of ``cfg`` would
+    """``scripts/train.py --eval-only``: the held-out evaluation of the state a run of ``cfg`` would
     start from, by the loop's own evaluation (:func:`_evaluate`, the one ``training.eval_every``
     runs) over the same fixed batches (``training.eval_batches`` of the validation split, with the
-    same data keys, mesh and sharding). The state: the newest step in ``checkpoint.dir`` that
-    restores (as ``training.resume=true`` restores it, whatever ``training.resume`` says), else
+    same data keys, mesh and sharding). The state: the policy of the newest step in ``checkpoint.dir``
+    that restores (as ``training.resume=true`` restores it, whatever ``training.resume`` says; a DPO
+    or GRPO run's frozen reference is read only where DPO's evaluation needs it), else
     ``model.init_from``'s Hugging Face weights. Never trains, never saves a checkpoint.
 
-    Prints ``validation loss X.XXXX nats/token, perplexity Y at step N (<source>)`` (process 0),
-    appends ``{"step": N, "val_loss": ..., "eval_only": true}`` to ``<run_dir>/metrics.jsonl`` and
-    returns ``{"step", "val_loss" (nats/token), "perplexity", "source"}``.
+    Prints one line (process 0), :func:`eval_line`'s ``<what> at step N (<source>)``: SFT's
+    ``validation loss X.XXXX nats/token, perplexity Y``, DPO's held-out pairs' loss and
+    ``rewards/accuracies``, GRPO's held-out ``reward`` of greedy completions. Appends ``{"step": N,
+    "val_loss": ..., "eval_only": true}`` (with DPO's ``val_rewards/*``, GRPO's ``val_reward``) to
+    ``<run_dir>/metrics.jsonl``; returns ``{"step", "val_loss", "perplexity" (SFT), "source"}``.
 
     Raises:
         ConfigError: before anything compiles: nothing to evaluate (no checkpoint in
-            ``checkpoint.dir`` and no ``model.init_from``), ``training.objective`` dpo or grpo, or any
-            :func:`preflight` refusal.
-        CheckpointMismatchError: the checkpoint is of another model size, optimizer or precision.
+            ``checkpoint.dir`` and no ``model.init_from``), or any :func:`preflight` refusal.
+        CheckpointMismatchError: the checkpoint is of another model size.
         CheckpointNotFoundError: ``checkpoint.dir`` holds steps, none of which restores.
     """
-    if cfg.training.objective == "dpo":
-        raise ConfigError("--eval-only with training.objective=dpo is not supported yet: it restores the params "
-                          "without DPO's reference; the training run's evaluations report the held-out pairs' "
-                          "val_rewards/accuracies")
-    if cfg.training.objective == "grpo":
-        raise ConfigError("--eval-only with training.objective=grpo is not supported yet; the training run's "
-                          "evaluations report the held-out prompts' val_reward (greedy completions)")
     preflight(cfg, eval_only=True)
     _nothing_to_evaluate(cfg)
-    run_id = new_run_id()  # its own train.log separator and TensorBoard folder, as a training run's
+    run_id, objective = new_run_id(), cfg.training.objective  # its own train.log separator and TensorBoard folder
     with _quiet_console():
         mesh, plan = _mesh_and_plan(cfg, run_id)
-        _, evals, _ = _data(cfg, mesh)
-        state, source = _restored_state(cfg, plan)
+        loader, evals, _ = _data(cfg, mesh, plan)
+        state, source = _restored_state(cfg, plan, reference=objective == "dpo" and cfg.posttrain.reference == "frozen")
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=jax.process_index() == 0)
-        run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=None, evals=evals, compiled=None,
-                  eval_step=make_eval_step(plan), compile_s=0.0, compiled_peak=0, metrics=metrics)
+        run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=loader, evals=evals, compiled=None,
+                  eval_step=make_dpo_eval_step(plan) if objective == "dpo" else make_eval_step(plan), compile_s=0.0,
+                  compiled_peak=0, metrics=metrics)
         ok = False
         try:
             step, val = int(state.step), _evaluate(run, state)
@@ -1287,7 +1292,20 @@ def evaluate_only(cfg: Config) -> dict:
             ok = True
         finally:
             metrics.close(exit_code=0 if ok else 1)
-    ppl = math.exp(val) if val < 700 else math.inf  # exp overflows a float past ~709
+    out = {"step": step, "val_loss": val, "source": source}
+    if objective == "sft":
+        out["perplexity"] = math.exp(val) if val < 700 else math.inf  # exp overflows a float past ~709
     if run.is_main:
-        print(f"validation loss {val:.4f} nats/token, perplexity {ppl:.2f} at step {step} ({source})")
-    return {"step": step, "val_loss": val, "perplexity": ppl, "source": source}
+        print(f"{eval_line(cfg, val, out.get('perplexity'))} at step {step} ({source})")
+    return out
+
+
+def eval_line(cfg: Config, val: float, perplexity: float | None = None) -> str:
+    """What a held-out evaluation's value ``val`` (:func:`_evaluate`'s) is, in words: SFT's
+    ``validation loss X nats/token`` (with ``perplexity``), DPO's ``held-out DPO loss X per pair``,
+    GRPO's ``held-out reward (greedy) X`` (``val`` is minus the reward)."""
+    if cfg.training.objective == "dpo":
+        return f"held-out DPO loss {val:.4f} per pair"
+    if cfg.training.objective == "grpo":
+        return f"held-out reward (greedy) {-val:.4f}"
+    return f"validation loss {val:.4f} nats/token" + ("" if perplexity is None else f", perplexity {perplexity:.2f}")
