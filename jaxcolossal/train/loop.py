@@ -823,10 +823,22 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
                "peak_memory_source": "runtime" if peak else "compiled estimate", **ranks})
     moe = {} if "expert_load" not in m else {  # a mixture of experts: its busiest expert's share, the dropped slots
         "top_expert": f"{max(m['expert_load']):.0%}", "dropped": f"{m['moe_dropped_share']:.1%}"}
-    bar.set_postfix(**bar_fields(m, perf), **moe)
+    extra = {**mx.posttrain_columns(m), **moe}  # DPO's and GRPO's TRL columns (reward, kl, rewards/margins, ...)
+    bar.set_postfix(**bar_fields(m, perf), **extra)
     # the bar on a terminal, this line in train.log; elsewhere (a file, a pipe) the line is the log's only record
-    get_dist_logger().info(step_line(done, t.max_steps, m, perf, moe), ranks=[0], file_only=not bar.disable)
+    get_dist_logger().info(step_line(done, t.max_steps, m, perf, extra), ranks=[0], file_only=not bar.disable)
+    if cfg.posttrain.log_completions and getattr(run.loader, "shown", None):
+        _log_completions(run, done)
     return perf
+
+
+def _log_completions(run: Run, done: int) -> None:
+    """``posttrain.log_completions``: the newest rollout's first completions with their rewards, on the
+    console (process 0) and as W&B's ``completions`` table, once per rollout."""
+    rows = run.loader.take_shown()
+    get_dist_logger().info(mx.completions_text(rows), ranks=[0])
+    if run.metrics is not None:
+        run.metrics.table(done, "completions", rows)
 
 
 def _rank_times(run: Run, done: int, step_s: float) -> dict:
@@ -896,7 +908,7 @@ def _evaluate_phase(run: Run, state: Any, done: int) -> float:
         v = _evaluate(run, state)
     run.hang.progress(f"after the evaluation at step {done}")
     run.write({"step": done, "val_loss": v})
-    get_dist_logger().info(f"step {done}: validation loss {v:.4f}", ranks=[0])
+    get_dist_logger().info(f"step {done}: {eval_line(run.cfg, v)}", ranks=[0])
     return v
 
 
@@ -1138,7 +1150,7 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     run.hang.start()  # armed by the first step; the start-up is the collective-timeout watchdog's
     with rec.phase("evaluation"):
         val_start = _evaluate(run, run.state)
-    log.info(f"validation loss at step {int(run.state.step)}: {val_start:.4f} nats/token", ranks=[0])
+    log.info(f"{eval_line(run.cfg, val_start)} at step {int(run.state.step)}", ranks=[0])
     run.write({"step": int(run.state.step), "val_loss": val_start})
     stop.start_training(after=f"the evaluation at step {int(run.state.step)}")
     state, perf = _steps(run, watchdog, stop)
@@ -1154,8 +1166,8 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
             out["val_loss_end"] = val_end = _evaluate(run, state)
         watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
         run.write({"step": int(state.step), "val_loss": val_end})
-        log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} "
-                 "(nats/token)", ranks=[0])
+        log.info(f"{eval_line(run.cfg, val_start)} at start -> {eval_line(run.cfg, val_end, value_only=True)} at "
+                 f"step {int(state.step)}", ranks=[0])
     with rec.phase("checkpoint_save"):
         try:
             if run.local is not None:
@@ -1300,12 +1312,14 @@ def evaluate_only(cfg: Config) -> dict:
     return out
 
 
-def eval_line(cfg: Config, val: float, perplexity: float | None = None) -> str:
+def eval_line(cfg: Config, val: float, perplexity: float | None = None, value_only: bool = False) -> str:
     """What a held-out evaluation's value ``val`` (:func:`_evaluate`'s) is, in words: SFT's
     ``validation loss X nats/token`` (with ``perplexity``), DPO's ``held-out DPO loss X per pair``,
-    GRPO's ``held-out reward (greedy) X`` (``val`` is minus the reward)."""
-    if cfg.training.objective == "dpo":
-        return f"held-out DPO loss {val:.4f} per pair"
-    if cfg.training.objective == "grpo":
-        return f"held-out reward (greedy) {-val:.4f}"
-    return f"validation loss {val:.4f} nats/token" + ("" if perplexity is None else f", perplexity {perplexity:.2f}")
+    GRPO's ``held-out reward (greedy) X`` (``val`` is minus the reward). ``value_only``: the number
+    with its unit (``X nats/token``, ``X per pair``, ``X``)."""
+    name, value, unit = {"dpo": ("held-out DPO loss", val, " per pair"),
+                         "grpo": ("held-out reward (greedy)", -val, "")}.get(
+        cfg.training.objective, ("validation loss", val, " nats/token"))
+    if value_only:
+        return f"{value:.4f}{unit}"
+    return f"{name} {value:.4f}{unit}" + ("" if perplexity is None else f", perplexity {perplexity:.2f}")
