@@ -396,7 +396,8 @@ def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
         if restored is not None:
             state, copy = restored
             log.info(f"resumed from step {copy.step} of the emergency (local) checkpoints in {local.directory} "
-                     f"(newest persistent step: {persistent}; process 0 read {copy.path})", ranks=[0])
+                     f"({'no persistent step' if persistent is None else f'newest persistent step {persistent}'} "
+                     f"in {ckpt.directory}; process 0 read {copy.path})", ranks=[0])
             return state, "local"
     try:
         state = ckpt.restore(state)
@@ -635,6 +636,8 @@ def _start_notes(cfg: Config, plan: TrainPlan) -> None:
     settings (fine-tuning at the pre-training rate, compression, Adam's freeze), the placement."""
     log, t = get_dist_logger(), cfg.training
     log.info(optimization_line(cfg), ranks=[0])
+    for line in output_lines(cfg):
+        log.info(line, ranks=[0])
     if warning := fine_tuning_warning(cfg):
         log.warning(warning, ranks=[0])
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
@@ -643,6 +646,31 @@ def _start_notes(cfg: Config, plan: TrainPlan) -> None:
     _warn_about_freeze(cfg)
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
+
+
+def output_lines(cfg: Config) -> list[str]:
+    """Where a run's output goes, as the start-up says it: the run folder with its ``metrics.jsonl``
+    and ``train.log`` (absolute paths), the checkpoints (``checkpoint.dir`` and when, or that nothing
+    is saved), the emergency checkpoints (``checkpoint.local_every``) and the hang watchdog
+    (``fault_tolerance.hang_timeout_s``) when they are on."""
+    lg, c, ft = cfg.logging, cfg.checkpoint, cfg.fault_tolerance
+    run_dir = os.path.abspath(lg.run_dir)
+    out = [f"run folder {run_dir}: metrics in {os.path.join(run_dir, 'metrics.jsonl')}, log in "
+           f"{os.path.join(run_dir, 'train.log')}" + (", TensorBoard in tensorboard/" if lg.tensorboard else "")]
+    if c.dir:
+        when = (f"every {c.save_every} steps, " if c.save_every else "") + \
+               ("at each evaluation and " if cfg.training.eval_every else "") + "at the end"
+        out.append(f"checkpoints to {os.path.abspath(c.dir)} ({when})")
+    else:
+        out.append("no checkpoint is saved (checkpoint.dir is empty): set checkpoint.dir=checkpoints/NAME to keep "
+                   "the trained model")
+    if c.local_every:
+        out.append(f"emergency checkpoints on: every {c.local_every} steps in {local_dir(cfg)} (checkpoint.local_every)")
+    if ft.hang_timeout_s > 0:
+        out.append(f"hang watchdog on: a process with no finished step for max({ft.hang_timeout_s:g} s, "
+                   f"{ft.hang_factor:g} x the median step time) exits with code 75 "
+                   "(fault_tolerance.hang_timeout_s=0 turns it off)")
+    return out
 
 
 def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoader) -> tuple[Any, float, int]:
@@ -783,6 +811,8 @@ def _save(run: Run, state: Any, val_loss: float | None = None, final: bool = Fal
         if step in run.ckpt.all_steps():
             return
     run.ckpt.save(step, run.full(state), val_loss=val_loss, force=final)
+    get_dist_logger().info(f"checkpoint of step {step}: saving to {os.path.join(run.ckpt.directory, str(step))}"
+                           + ("" if final else " (in the background)"), ranks=[0])
 
 
 class _StepClock:

@@ -1,10 +1,12 @@
-"""What a post-training run's console says (issue 54, items 11 and 18): TRL's columns, the held-out
+"""What a post-training run's console says (issue 54, items 11, 12 and 18): TRL's columns, the held-out
 evaluation named for what it is, ``posttrain.log_completions``' block and W&B table, and the names
-TensorBoard and W&B file the records under."""
+TensorBoard and W&B file the records under; where the output goes, said at start-up."""
+
+import os
 
 from jaxcolossal import metrics as mx
 from jaxcolossal.config import config_from_dict
-from jaxcolossal.train.loop import eval_line, step_line
+from jaxcolossal.train.loop import eval_line, output_lines, step_line
 
 PERF = {"tokens_per_s": 1000.0, "tflops_6n": 1e-6}
 
@@ -57,3 +59,18 @@ def test_log_completions_prints_them_with_their_rewards_and_tables_them(tmp_path
     w.table(4, "completions", rows)
     w.close()
     assert sink.tables == [(4, "completions", rows)]
+
+
+def test_the_start_up_says_where_the_output_goes():
+    cfg = config_from_dict({"logging": {"run_dir": "runs/x"}, "fault_tolerance": {"hang_timeout_s": 0}})
+    here = os.path.abspath("runs/x")
+    assert output_lines(cfg) == [
+        f"run folder {here}: metrics in {here}/metrics.jsonl, log in {here}/train.log",
+        "no checkpoint is saved (checkpoint.dir is empty): set checkpoint.dir=checkpoints/NAME to keep the trained "
+        "model"]
+    cfg = config_from_dict({"checkpoint": {"dir": "ck", "save_every": 10, "local_every": 5, "local_dir": "/l"},
+                            "training": {"eval_every": 0}})
+    lines = output_lines(cfg)
+    assert lines[1] == f"checkpoints to {os.path.abspath('ck')} (every 10 steps, at the end)"
+    assert lines[2] == "emergency checkpoints on: every 5 steps in /l (checkpoint.local_every)"
+    assert lines[3].startswith("hang watchdog on: a process with no finished step for max(180 s, 10 x the median")
