@@ -497,10 +497,27 @@ def _prompt_data(cfg: Config, plan: TrainPlan) -> Rollouts:
         f"{width} tokens (training.seq_len + 1 - posttrain.max_completion_length)"
         + (f"; {len(data.skipped)} dropped by data.skip_long_examples" if data.skipped else ""), ranks=[0])
     po = cfg.posttrain
+    if hint := prompt_length_hint(cfg, max((len(x) for x in data.tokens), default=0)):
+        get_dist_logger().warning(hint, ranks=[0])
     get_dist_logger().info(f"GRPO: {t.batch_size // po.num_generations} prompts x {po.num_generations} completions "
                            f"of up to {po.max_completion_length} tokens per rollout, {po.num_iterations} step(s) "
                            f"per rollout; rewards {po.reward_funcs}", ranks=[0])
     return Rollouts(cfg, plan, train_part, tok, plan.batch_sharding, held=val_part)
+
+
+def prompt_length_hint(cfg: Config, longest: int) -> str | None:
+    """GRPO's hint when ``training.seq_len`` pads the prompts to at least twice the ``longest`` one's
+    tokens (``--config OUT/model.yaml`` gives seq_len 512 to 5-token prompts): the seq_len the data
+    needs, the longest prompt + ``max_completion_length`` - 1 (a row holds the prompt and the
+    completion but the completion's last token); None otherwise."""
+    t, po = cfg.training, cfg.posttrain
+    width = grpo_prompt_length(cfg)
+    if not longest or width < 2 * longest:
+        return None
+    return (f"GRPO pads every prompt to {width} tokens (training.seq_len={t.seq_len} + 1 - "
+            f"posttrain.max_completion_length={po.max_completion_length}) and the longest is {longest}: "
+            f"training.seq_len={longest + po.max_completion_length - 1} fits this data (the longest prompt + "
+            "max_completion_length - 1), and every step's rollout and update shrink with it")
 
 
 def _warn_about_freeze(cfg: Config) -> None:
@@ -530,6 +547,19 @@ def optimization_line(cfg: Config) -> str:
             f"{t.learning_rate * t.min_learning_rate_ratio:g} at step {t.max_steps}; weight decay {t.weight_decay:g}; "
             f"seq_len {t.seq_len} tokens; global batch {t.batch_size} sequences = {t.batch_size * t.seq_len} tokens; "
             f"{t.max_steps} steps")
+
+
+def warmup_warning(cfg: Config) -> str | None:
+    """The warning for ``training.warmup_steps`` >= ``max_steps``: the learning rate never reaches its
+    peak (the warmup is not capped, so that a run stopped early and resumed with a larger ``max_steps``
+    keeps its schedule); None otherwise."""
+    t = cfg.training
+    if t.warmup_steps < t.max_steps or t.max_steps < 1:
+        return None
+    last = float(lr_schedule(t)(t.max_steps - 1))
+    return (f"training.warmup_steps={t.warmup_steps} >= training.max_steps={t.max_steps}: the learning rate never "
+            f"reaches training.learning_rate={t.learning_rate:g} (the last step runs at {last:.3e}); set "
+            f"training.warmup_steps={max(t.max_steps // 10, 0)} (or anything below {t.max_steps})")
 
 
 def fine_tuning_warning(cfg: Config) -> str | None:
@@ -638,8 +668,9 @@ def _start_notes(cfg: Config, plan: TrainPlan) -> None:
     log.info(optimization_line(cfg), ranks=[0])
     for line in output_lines(cfg):
         log.info(line, ranks=[0])
-    if warning := fine_tuning_warning(cfg):
-        log.warning(warning, ranks=[0])
+    for warning in (fine_tuning_warning(cfg), warmup_warning(cfg)):
+        if warning:
+            log.warning(warning, ranks=[0])
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
         log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
                     f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])

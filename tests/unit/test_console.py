@@ -74,3 +74,22 @@ def test_the_start_up_says_where_the_output_goes():
     assert lines[1] == f"checkpoints to {os.path.abspath('ck')} (every 10 steps, at the end)"
     assert lines[2] == "emergency checkpoints on: every 5 steps in /l (checkpoint.local_every)"
     assert lines[3].startswith("hang watchdog on: a process with no finished step for max(180 s, 10 x the median")
+
+
+def test_post_training_with_sft_shaped_defaults_is_told_what_fits():
+    """Issue 54 item 13: seq_len 512 for 5-token GRPO prompts names the seq_len the data needs; a warm-up
+    at or past max_steps is named with the rate the last step gets and a value that works."""
+    from jaxcolossal.train.loop import prompt_length_hint, warmup_warning
+    cfg = config_from_dict({"training": {"objective": "grpo", "seq_len": 512, "batch_size": 16},
+                            "data": {"format": "prompts", "corpus": "p.jsonl"},
+                            "posttrain": {"num_generations": 4, "max_completion_length": 64}})
+    assert prompt_length_hint(cfg, 5) == (
+        "GRPO pads every prompt to 449 tokens (training.seq_len=512 + 1 - posttrain.max_completion_length=64) and "
+        "the longest is 5: training.seq_len=68 fits this data (the longest prompt + max_completion_length - 1), and "
+        "every step's rollout and update shrink with it")
+    assert prompt_length_hint(cfg, 300) is None
+    warn = warmup_warning(config_from_dict({"training": {"warmup_steps": 30, "max_steps": 2, "learning_rate": 3e-3}}))
+    assert warn == ("training.warmup_steps=30 >= training.max_steps=2: the learning rate never reaches "
+                    "training.learning_rate=0.003 (the last step runs at 2.000e-04); set training.warmup_steps=0 "
+                    "(or anything below 2)"), warn
+    assert warmup_warning(config_from_dict({"training": {"warmup_steps": 10, "max_steps": 100}})) is None
