@@ -271,9 +271,13 @@ def completions_text(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def scalars(rec: Mapping[str, Any]) -> dict[str, float]:
     """The scalars of one record, by the name TensorBoard and W&B show: every int or float field but
-    ``step`` (not a bool, a list or a string), ``val_loss`` as ``eval/val_loss``, the others as
+    ``step`` (not a bool, a list or a string); the goodput summary's (a record with ``event``
+    ``"goodput"``) as ``goodput/<name>``, the held-out evaluations' (``val_loss``, DPO's
+    ``val_rewards/accuracies``, GRPO's ``val_reward``, ...) as ``eval/<name>``, the others as
     ``train/<name>``."""
-    return {("eval/val_loss" if k == "val_loss" else f"train/{k}"): float(v) for k, v in rec.items()
+    def section(k: str) -> str:
+        return "goodput" if rec.get("event") == "goodput" else "eval" if k.startswith("val_") else "train"
+    return {f"{section(k)}/{k}": float(v) for k, v in rec.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -374,9 +378,9 @@ class MetricsWriter:
     (:meth:`for_run` adds W&B's).
 
     Every numeric field of a record with a ``step`` becomes a scalar at that step in each sink, under
-    the same name (:func:`scalars`): ``val_loss`` as ``eval/val_loss``, the others as
-    ``train/<name>`` (``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``tflops_6n``, ``mfu``,
-    ``peak_memory_bytes``, ``loss_scale``, ...). Only process 0 writes (the caller passes
+    the same name (:func:`scalars`): the held-out evaluations' ``val_*`` as ``eval/val_*``, the goodput
+    summary's as ``goodput/<name>``, the others as ``train/<name>`` (``loss``, ``grad_norm``, ``lr``,
+    ``tokens_per_s``, ``tflops_6n``, ``mfu``, ``peak_memory_bytes``, ``loss_scale``, ...). Only process 0 writes (the caller passes
     ``enabled=False`` elsewhere; no sink is opened then).
 
     Raises:

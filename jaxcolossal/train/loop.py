@@ -142,9 +142,10 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
         lines.append(_lora_line(plan, got, n, b))
         out["full_finetune_optimizer"] = _full_optimizer_bytes(plan, n, b)
     lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
-    if getattr(state, "reference", None) is not None:  # DPO's frozen reference copy, device 0's shards
+    if getattr(state, "reference", None) is not None:  # DPO's or GRPO's frozen reference copy, device 0's shards
         ref = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.reference))
-        lines.append(f"  {'reference':<10} {ref / 2**20:10.3f} MiB   (DPO's frozen reference copy, sharded like params)")
+        whose = "GRPO's (beta > 0)" if plan.cfg.training.objective == "grpo" else "DPO's"
+        lines.append(f"  {'reference':<10} {ref / 2**20:10.3f} MiB   ({whose} frozen reference copy, sharded like params)")
         out["reference"] = ref
     if state.residual is not None:  # gradient compression's state, read from the arrays on device 0
         dev0 = jax.devices()[0]

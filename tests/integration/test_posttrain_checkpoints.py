@@ -54,7 +54,8 @@ def test_a_post_trained_checkpoint_samples_and_evaluates(tmp_path, capsys, job, 
         block = log.split("completions of the rollout of step 1:")[1].splitlines()[1:5]
         assert all(" -> " in r and "format " in r and "exact_match " in r and "advantage " in r for r in block), block
     sft = SMALL_MAIN_JOB + extra + where  # the main job's SFT config on the post-trained checkpoint
-    capsys.readouterr()
+    whose = "DPO's" if kind == "dpo" else "GRPO's (beta > 0)"  # item 18: the memory table names the objective
+    assert f"({whose} frozen reference copy, sharded like params)" in capsys.readouterr().out
     for keys in (sft, post):
         assert script.main(["--prompt", "12+", "--max-new-tokens", "3", "--greedy", "--devices", "8", *keys]) == 0
         assert "sampling from checkpoint step 2" in capsys.readouterr().err

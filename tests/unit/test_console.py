@@ -4,9 +4,16 @@ TensorBoard and W&B file the records under; where the output goes, said at start
 
 import os
 
+import jax
+from tiny import tiny_config
+
 from jaxcolossal import metrics as mx
 from jaxcolossal.config import config_from_dict
-from jaxcolossal.train.loop import eval_line, output_lines, step_line
+from jaxcolossal.parallel.mesh import make_mesh
+from jaxcolossal.train.loop import eval_line, output_lines, prompt_length_hint, step_line, warmup_warning
+from jaxcolossal.train.optimizer import build_optimizer
+from jaxcolossal.train.state import make_plan
+from jaxcolossal.train.step import make_train_step
 
 PERF = {"tokens_per_s": 1000.0, "tflops_6n": 1e-6}
 
@@ -79,7 +86,6 @@ def test_the_start_up_says_where_the_output_goes():
 def test_post_training_with_sft_shaped_defaults_is_told_what_fits():
     """Issue 54 item 13: seq_len 512 for 5-token GRPO prompts names the seq_len the data needs; a warm-up
     at or past max_steps is named with the rate the last step gets and a value that works."""
-    from jaxcolossal.train.loop import prompt_length_hint, warmup_warning
     cfg = config_from_dict({"training": {"objective": "grpo", "seq_len": 512, "batch_size": 16},
                             "data": {"format": "prompts", "corpus": "p.jsonl"},
                             "posttrain": {"num_generations": 4, "max_completion_length": 64}})
@@ -93,3 +99,20 @@ def test_post_training_with_sft_shaped_defaults_is_told_what_fits():
                     "training.learning_rate=0.003 (the last step runs at 2.000e-04); set training.warmup_steps=0 "
                     "(or anything below 2)"), warn
     assert warmup_warning(config_from_dict({"training": {"warmup_steps": 10, "max_steps": 100}})) is None
+
+
+def test_held_out_and_goodput_scalars_have_their_own_sections():
+    """Issue 54 item 18: TensorBoard and W&B get held-out metrics under eval/, goodput's under goodput/."""
+    assert mx.scalars({"step": 4, "val_loss": -0.5, "val_reward": 0.5, "val_rewards/exact_match": 0.25}) == {
+        "eval/val_loss": -0.5, "eval/val_reward": 0.5, "eval/val_rewards/exact_match": 0.25}
+    assert mx.scalars({"step": 4, "loss": 0.1, "reward": 0.5, "eval_only": True}) == {"train/loss": 0.1,
+                                                                                     "train/reward": 0.5}
+    assert mx.scalars({"step": 9, "event": "goodput", "goodput": 0.4, "steps_lost": 2, "goodput_compilation_s": 8.0}) == {
+        "goodput/goodput": 0.4, "goodput/steps_lost": 2.0, "goodput/goodput_compilation_s": 8.0}
+
+
+def test_the_train_step_is_named_in_traces():
+    """Issue 54 item 18: the profiler's trace and the HLO name the step jit(train_step), not
+    jit(<unnamed function>)."""
+    plan = make_plan(tiny_config(), make_mesh(tiny_config().parallel, jax.devices()[:1]))
+    assert make_train_step(plan, build_optimizer(plan.cfg.training, plan)).__name__ == "train_step"
