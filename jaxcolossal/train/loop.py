@@ -1212,7 +1212,8 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     run.hang.start()  # armed by the first step; the start-up is the collective-timeout watchdog's
     with rec.phase("evaluation"):
         val_start = _evaluate(run, run.state)
-    log.info(f"{eval_line(run.cfg, val_start)} at step {int(run.state.step)}", ranks=[0])
+    name, value = eval_parts(run.cfg, val_start)
+    log.info(f"{name} at step {int(run.state.step)}: {value}", ranks=[0])
     run.write({"step": int(run.state.step), "val_loss": val_start})
     stop.start_training(after=f"the evaluation at step {int(run.state.step)}")
     state, perf = _steps(run, watchdog, stop)
@@ -1228,8 +1229,8 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
             out["val_loss_end"] = val_end = _evaluate(run, state)
         watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
         run.write({"step": int(state.step), "val_loss": val_end})
-        log.info(f"{eval_line(run.cfg, val_start)} at start -> {eval_line(run.cfg, val_end, value_only=True)} at "
-                 f"step {int(state.step)}", ranks=[0])
+        (name, start), (_, end) = eval_parts(run.cfg, val_start), eval_parts(run.cfg, val_end)
+        log.info(f"{name}: {start} at start -> {end} at step {int(state.step)}", ranks=[0])
     with rec.phase("checkpoint_save"):
         try:
             if run.local is not None:
@@ -1374,14 +1375,18 @@ def evaluate_only(cfg: Config) -> dict:
     return out
 
 
-def eval_line(cfg: Config, val: float, perplexity: float | None = None, value_only: bool = False) -> str:
-    """What a held-out evaluation's value ``val`` (:func:`_evaluate`'s) is, in words: SFT's
-    ``validation loss X nats/token`` (with ``perplexity``), DPO's ``held-out DPO loss X per pair``,
-    GRPO's ``held-out reward (greedy) X`` (``val`` is minus the reward). ``value_only``: the number
-    with its unit (``X nats/token``, ``X per pair``, ``X``)."""
+def eval_parts(cfg: Config, val: float) -> tuple[str, str]:
+    """``(name, value with its unit)`` of a held-out evaluation's value ``val`` (:func:`_evaluate`'s):
+    SFT's ``("validation loss", "X nats/token")``, DPO's ``("held-out DPO loss", "X per pair")``, GRPO's
+    ``("held-out reward (greedy)", "X")`` (``val`` is minus the reward)."""
     name, value, unit = {"dpo": ("held-out DPO loss", val, " per pair"),
                          "grpo": ("held-out reward (greedy)", -val, "")}.get(
         cfg.training.objective, ("validation loss", val, " nats/token"))
-    if value_only:
-        return f"{value:.4f}{unit}"
-    return f"{name} {value:.4f}{unit}" + ("" if perplexity is None else f", perplexity {perplexity:.2f}")
+    return name, f"{value:.4f}{unit}"
+
+
+def eval_line(cfg: Config, val: float, perplexity: float | None = None) -> str:
+    """:func:`eval_parts` as one phrase, ``validation loss X nats/token`` (with ``perplexity``),
+    ``held-out DPO loss X per pair``, ``held-out reward (greedy) X``."""
+    name, value = eval_parts(cfg, val)
+    return f"{name} {value}" + ("" if perplexity is None else f", perplexity {perplexity:.2f}")

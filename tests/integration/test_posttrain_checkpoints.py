@@ -28,8 +28,9 @@ def _logged(run_dir, key):
     return {r["step"]: r[key] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if key in r}
 
 
-CONSOLE = {"dpo": ("rewards/accuracies ", "rewards/margins ", "held-out DPO loss 0.6931 per pair at step 0"),
-           "grpo": ("reward ", "reward_std ", "kl ", "completion_length ", "held-out reward (greedy) ")}
+CONSOLE = {"dpo": ("rewards/accuracies ", "rewards/margins ", "held-out DPO loss at step 0: 0.6931 per pair",
+                   "held-out DPO loss: 0.6931 per pair at start -> "),
+           "grpo": ("reward ", "reward_std ", "kl ", "completion_length ", "held-out reward (greedy) at step 0: ")}
 
 
 @pytest.mark.parametrize("job, extra, printed", [

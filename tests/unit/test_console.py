@@ -10,7 +10,7 @@ from tiny import tiny_config
 from jaxcolossal import metrics as mx
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.parallel.mesh import make_mesh
-from jaxcolossal.train.loop import eval_line, output_lines, prompt_length_hint, step_line, warmup_warning
+from jaxcolossal.train.loop import eval_line, eval_parts, output_lines, prompt_length_hint, step_line, warmup_warning
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import make_plan
 from jaxcolossal.train.step import make_train_step
@@ -37,7 +37,8 @@ def test_the_held_out_evaluation_is_named_for_what_it_is():
     assert eval_line(_cfg("sft"), 2.5, perplexity=12.18) == "validation loss 2.5000 nats/token, perplexity 12.18"
     assert eval_line(_cfg("dpo"), 0.6851) == "held-out DPO loss 0.6851 per pair"
     assert eval_line(_cfg("grpo"), -0.7031) == "held-out reward (greedy) 0.7031"  # not "validation loss -0.7031"
-    assert eval_line(_cfg("grpo"), -0.7031, value_only=True) == "0.7031"
+    assert eval_parts(_cfg("grpo"), -0.7031) == ("held-out reward (greedy)", "0.7031")
+    assert eval_parts(_cfg("sft"), 2.5) == ("validation loss", "2.5000 nats/token")  # the SFT lines as before
 
 
 class _Table:

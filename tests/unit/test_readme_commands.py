@@ -14,6 +14,7 @@ from jaxcolossal.config import load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import grpo_arithmetic  # noqa: E402
 import readme_commands as rc  # noqa: E402
 
 COMMANDS = rc.readme_commands()
@@ -102,7 +103,6 @@ def test_the_rules():
 def test_the_post_training_examples_keep_their_models(monkeypatch, tmp_path):
     """Issue 54 item 6: configs/dpo_tiny.yaml and the GRPO stage of scripts/grpo_arithmetic.py save a
     checkpoint (a rerun starts over); a README row on a config with a checkpoint folder writes its own."""
-    import grpo_arithmetic
     for name in ("dpo_tiny", "grpo_arith"):
         c = load_config(os.path.join(ROOT, f"configs/{name}.yaml")).checkpoint
         assert c.dir and c.overwrite, (name, c)
