@@ -244,16 +244,26 @@ class CheckpointManager:
             raise CheckpointError(f"step {step} holds no 'state' item")
         return meta["state"]
 
-    def _restore_state(self, step: int, abstract: Any) -> Any:
+    def _restore_state(self, step: int, abstract: Any, only: tuple[str, ...] | None = None) -> Any:
+        if only is not None:  # a part of the state: the saved arrays of the other fields are never read
+            item = {f: getattr(abstract, f) for f in only if getattr(abstract, f) is not None}
+            with ocp.PyTreeCheckpointer() as c:
+                out = c.restore(self._state_dir(step), args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+            return {f: jax.tree.unflatten(jax.tree.structure(v), jax.tree.leaves(out[f])) for f, v in item.items()}
         if self._state_dir(step).endswith(LEGACY_ITEM):
             with ocp.StandardCheckpointer() as c:
                 return c.restore(self._state_dir(step), abstract)
         return self._mngr.restore(int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
-    def _check_layout(self, step: int, target: Any) -> None:
-        """Raise :class:`CheckpointMismatchError` when ``step``'s saved tree differs from ``target``;
-        any other failure to read the metadata propagates (the step is damaged)."""
+    def _check_layout(self, step: int, target: Any, only: tuple[str, ...] | None = None) -> None:
+        """Raise :class:`CheckpointMismatchError` when ``step``'s saved tree differs from ``target``
+        (in the top-level fields ``only``, when given); any other failure to read the metadata
+        propagates (the step is damaged)."""
         saved, want = _saved_layout(self._state_metadata(step)), _target_layout(target)
+        if only is not None:
+            saved = {k: v for k, v in saved.items() if k.split(".")[0] in only}
+            want = {k: v for k, v in want.items() if k.split(".")[0] in only}
         diff = [f"{k}: saved {saved.get(k, '(absent)')}, now {want.get(k, '(absent)')}"
                 for k in sorted(dict.fromkeys([*saved, *want]), key=lambda k: (not k.startswith("params"), k))
                 if saved.get(k) != want.get(k)]
@@ -295,9 +305,14 @@ class CheckpointManager:
         self._mngr.reload()
         return steps
 
-    def restore(self, target: Any, step: int | None = None) -> Any:
+    def restore(self, target: Any, step: int | None = None, only: tuple[str, ...] | None = None) -> Any:
         """Restore ``step`` — by default the newest step that restores cleanly — into the
         shapes, dtypes and shardings of ``target`` (a state or :func:`abstract_like` tree).
+
+        ``only``: the top-level fields of ``target`` (a ``TrainState``) to read, e.g. ``("step",
+        "params", "frozen")`` to sample from or evaluate the policy of a post-training run; the other
+        fields keep ``target``'s values and their saved arrays (a DPO or GRPO run's frozen
+        ``reference.*``, the optimizer state) are neither compared nor read.
 
         Without ``step``, a step that cannot be read (truncated files, an empty or foreign folder)
         is skipped with one warning through the run's logger (the step and :func:`damage_reason`;
@@ -309,14 +324,17 @@ class CheckpointManager:
             CheckpointNotFoundError: no checkpoint in the directory, or none restores (a ``FileNotFoundError``).
         """
         abstract = abstract_like(target)
+
+        def read(s: int) -> Any:
+            self._check_layout(s, abstract, only)
+            got = self._restore_state(s, abstract, only)
+            return got if only is None else target.replace(**got)
         if step is not None:
-            self._check_layout(step, abstract)
-            return self._restore_state(step, abstract)
+            return read(step)
         self._mngr.reload()
         for s in reversed(step_dirs(self.directory)):
             try:
-                self._check_layout(s, abstract)
-                return self._restore_state(s, abstract)
+                return read(s)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # a corrupt, truncated or foreign step: move it aside, try the previous one

@@ -243,11 +243,41 @@ def json_line(record: Mapping[str, Any]) -> str:
     return json.dumps(out, allow_nan=False)
 
 
+POSTTRAIN_COLUMNS = (("reward", "reward", 4), ("reward_std", "reward_std", 4), ("kl", "kl", 4),
+                     ("completions/mean_length", "completion_length", 1),
+                     ("rewards/accuracies", "rewards/accuracies", 3), ("rewards/margins", "rewards/margins", 4))
+"""``(metric, console name, decimals)``: the columns TRL's console shows for a post-training run, GRPO's
+``reward``, ``reward_std``, ``kl``, ``completion_length`` and DPO's ``rewards/accuracies``,
+``rewards/margins``."""
+
+
+def posttrain_columns(m: Mapping[str, Any]) -> dict[str, str]:
+    """The :data:`POSTTRAIN_COLUMNS` that step metrics ``m`` hold, by their console name, formatted
+    (``{"reward": "0.5000", "completion_length": "3.2"}``); ``{}`` for an SFT step."""
+    return {name: f"{m[k]:.{d}f}" for k, name, d in POSTTRAIN_COLUMNS
+            if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)}
+
+
+def completions_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``posttrain.log_completions``'s console block: one line per row of
+    :meth:`jaxcolossal.posttrain.rollout.Rollouts.take_shown` (its prompt and completion as Python
+    literals, then its rewards and advantage to 4 decimals)."""
+    lines = [f"completions of the rollout of step {rows[0]['step']}:"]
+    for r in rows:
+        values = ", ".join(f"{k} {v:.4f}" for k, v in r.items() if k not in ("step", "prompt", "completion"))
+        lines.append(f"  {r['prompt']!r} -> {r['completion']!r}: {values}")
+    return "\n".join(lines)
+
+
 def scalars(rec: Mapping[str, Any]) -> dict[str, float]:
     """The scalars of one record, by the name TensorBoard and W&B show: every int or float field but
-    ``step`` (not a bool, a list or a string), ``val_loss`` as ``eval/val_loss``, the others as
+    ``step`` (not a bool, a list or a string); the goodput summary's (a record with ``event``
+    ``"goodput"``) as ``goodput/<name>``, the held-out evaluations' (``val_loss``, DPO's
+    ``val_rewards/accuracies``, GRPO's ``val_reward``, ...) as ``eval/<name>``, the others as
     ``train/<name>``."""
-    return {("eval/val_loss" if k == "val_loss" else f"train/{k}"): float(v) for k, v in rec.items()
+    def section(k: str) -> str:
+        return "goodput" if rec.get("event") == "goodput" else "eval" if k.startswith("val_") else "train"
+    return {f"{section(k)}/{k}": float(v) for k, v in rec.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -316,7 +346,7 @@ class WandbSink:
 
     def __init__(self, run_dir: str, run_id: str, project: str = "", name: str = "", mode: str = "auto",
                  config: Mapping[str, Any] | None = None):
-        wandb = import_wandb()
+        self.wandb = wandb = import_wandb()
         try:
             self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "jaxcolossal",
                                   name=name or run_id, id=run_id, dir=run_dir,
@@ -330,6 +360,12 @@ class WandbSink:
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self.run.log(dict(values), step=step)
 
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``rows`` (dicts with the same keys) as a ``wandb.Table`` named ``name`` at ``step``."""
+        columns = list(rows[0])
+        self.run.log({name: self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])},
+                     step=step)
+
     def close(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
 
@@ -342,9 +378,9 @@ class MetricsWriter:
     (:meth:`for_run` adds W&B's).
 
     Every numeric field of a record with a ``step`` becomes a scalar at that step in each sink, under
-    the same name (:func:`scalars`): ``val_loss`` as ``eval/val_loss``, the others as
-    ``train/<name>`` (``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``tflops_6n``, ``mfu``,
-    ``peak_memory_bytes``, ``loss_scale``, ...). Only process 0 writes (the caller passes
+    the same name (:func:`scalars`): the held-out evaluations' ``val_*`` as ``eval/val_*``, the goodput
+    summary's as ``goodput/<name>``, the others as ``train/<name>`` (``loss``, ``grad_norm``, ``lr``,
+    ``tokens_per_s``, ``tflops_6n``, ``mfu``, ``peak_memory_bytes``, ``loss_scale``, ...). Only process 0 writes (the caller passes
     ``enabled=False`` elsewhere; no sink is opened then).
 
     Raises:
@@ -381,6 +417,13 @@ class MetricsWriter:
             values = scalars(rec)
             for sink in self.sinks:
                 sink.log(int(rec["step"]), values)
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``rows`` (dicts with the same keys) as a table named ``name`` at ``step`` in the sinks that
+        show tables (W&B's); a no-op without rows or such a sink."""
+        for sink in self.sinks:
+            if rows and hasattr(sink, "table"):
+                sink.table(step, name, rows)
 
     def close(self, exit_code: int = 0) -> None:
         """Flush and close the sinks (idempotent); ``exit_code`` != 0 marks a failed run (W&B)."""

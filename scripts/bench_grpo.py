@@ -31,7 +31,7 @@ from jaxcolossal.train.step import make_train_step
 
 
 def _setup(config: str, overrides: list[str]):
-    cfg = load_config(config, ["model.init_from=", *overrides])
+    cfg = load_config(config, ["model.init_from=", "checkpoint.dir=", *overrides])
     validate(cfg, jax.device_count())
     _, plan = loop._mesh_and_plan(cfg, "bench")
     tx = build_optimizer(cfg.training, plan)

@@ -9,7 +9,9 @@ Runs, each as its own process (the commands docs/posttraining.md gives):
 1. ``scripts/train.py --config configs/arith_sft.yaml`` (``a+b=c`` lines, ``a, b < 20``);
 2. ``scripts/convert_hf.py --to-hf`` of its checkpoint (the GRPO run's ``model.init_from``);
 3. ``scripts/train.py --config configs/grpo_arith.yaml`` (8 prompts × 8 completions per step, the
-   exact-match reward; held-out greedy reward every ``training.eval_every`` steps).
+   exact-match reward; held-out greedy reward every ``training.eval_every`` steps), its checkpoints in
+   ``<out>/grpo/ckpt`` (sample from them with ``scripts/generate.py --config configs/grpo_arith.yaml
+   checkpoint.dir=<out>/grpo/ckpt --prompt "3+4="``).
 
 Then prints the held-out reward (greedy completions of the 20 held-out sums) at each evaluation and
 the training reward (sampled at temperature 1) averaged over each 10 steps, from the run's
@@ -57,10 +59,13 @@ def main(argv=None) -> int:
     if os.path.exists(os.path.join(ROOT, grpo, "metrics.jsonl")):
         os.remove(os.path.join(ROOT, grpo, "metrics.jsonl"))
     _run(["scripts/train.py", "--config", "configs/grpo_arith.yaml", f"model.init_from={sft}/hf",
-          f"training.max_steps={a.grpo_steps}", f"logging.run_dir={grpo}", "logging.log_every=1", *a.overrides])
+          f"training.max_steps={a.grpo_steps}", f"logging.run_dir={grpo}", f"checkpoint.dir={grpo}/ckpt",
+          "checkpoint.overwrite=true", "logging.log_every=1", *a.overrides])
     held, means = reward_curve(os.path.join(ROOT, grpo, "metrics.jsonl"))
     print("held-out reward (greedy): " + ", ".join(f"step {s} {v:.3f}" for s, v in held))
     print("training reward (sampled, 10-step means): " + ", ".join(f"{v:.3f}" for _, v in means))
+    print(f"the post-trained model: {grpo}/ckpt (scripts/generate.py --config configs/grpo_arith.yaml "
+          f"checkpoint.dir={grpo}/ckpt --prompt 3+4=)")
     return 0
 
 

@@ -12,8 +12,9 @@ runs as ``python scripts/convert_hf.py --to-hf X Y``). Each runs with bash from 
 
 * a training run (``scripts/train.py`` without ``--dry-run`` or ``--compile-for``, also under
   ``python -m jaxcolossal.run``) gets SMALL_RUN's overrides (its sample shortened, never turned on)
-  and a ``logging.run_dir`` of its own appended; its ``checkpoint.dir`` (not with ``--eval-only``,
-  which reads the fixture's), and an ``offload.nvme_path`` under /tmp, move into a folder of its own;
+  and a ``logging.run_dir`` of its own appended; its ``checkpoint.dir`` (the command's, else its config
+  file's; not with ``--eval-only``, which reads the fixture's), and an ``offload.nvme_path`` under
+  /tmp, move into a folder of its own;
 * the placeholders of FIXTURES (``HF_DIR``, ``N``, ``data/*.jsonl``, ``checkpoints/tiny``, ...)
   become fixtures made first in a temporary folder: a tiny LLaMA saved by ``transformers`` next to a
   tokenizer trained by scripts/train_tokenizer.py, JSON lines, chat JSON lines and parquet files of
@@ -140,17 +141,28 @@ def substitute(cmd: str, resolve) -> str:
     return placeholder_pattern().sub(lambda m: resolve(m.group(1)), cmd)
 
 
+def config_setting(cmd: str, key: str) -> str | None:
+    """``key`` (``section.name``) as a train.py command sets it: its last override, else its config
+    file's, as text (None: neither sets it, or the config is a placeholder's)."""
+    words = shlex.split(cmd)
+    overrides = [w.split("=", 1)[1] for w in words if w.startswith(key + "=")]
+    if overrides:
+        return overrides[-1]
+    section, name = key.split(".", 1)
+    try:
+        with open(os.path.join(ROOT, words[words.index("--config") + 1] if "--config" in words else TRAIN_CONFIG)) as f:
+            value = yaml.safe_load(f)[section][name]
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+    return None if value is None else str(value)
+
+
 def sample_tokens_set(cmd: str) -> int | None:
     """``training.sample_tokens`` as a train.py command sets it: its last override, else its config
     file's (None: neither sets it, or the config is a placeholder's)."""
-    words = shlex.split(cmd)
-    overrides = [w.split("=", 1)[1] for w in words if w.startswith("training.sample_tokens=")]
     try:
-        if overrides:
-            return int(overrides[-1])
-        with open(os.path.join(ROOT, words[words.index("--config") + 1] if "--config" in words else TRAIN_CONFIG)) as f:
-            return int(yaml.safe_load(f)["training"]["sample_tokens"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return int(config_setting(cmd, "training.sample_tokens"))
+    except (TypeError, ValueError):
         return None
 
 
@@ -159,6 +171,8 @@ def as_run(cmd: str, workdir: str, resolve) -> str:
     if is_training(cmd):
         if "--eval-only" not in cmd.split():  # --eval-only reads the checkpoint the row names (the fixture)
             cmd = re.sub(r"(checkpoint\.dir=)\S+", lambda m: m.group(1) + os.path.join(workdir, "checkpoint"), cmd)
+            if "checkpoint.dir=" not in cmd and config_setting(cmd, "checkpoint.dir"):  # the config file's folder
+                cmd += f" checkpoint.dir={os.path.join(workdir, 'checkpoint')}"
         cmd = re.sub(r"(offload\.nvme_path=)/tmp/\S*", lambda m: m.group(1) + os.path.join(workdir, "nvme"), cmd)
         small = [o for o in SMALL_RUN if not (o.startswith("training.sample_tokens=") and sample_tokens_set(cmd) == 0)]
         cmd = " ".join([cmd] + small + [f"logging.run_dir={os.path.join(workdir, 'run')}"])

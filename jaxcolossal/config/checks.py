@@ -423,7 +423,7 @@ def _check_grpo(cfg: Config) -> None:
     if t.batch_size % po.num_generations:
         raise ConfigError(f"training.batch_size={t.batch_size} completions per step is not a multiple of "
                           f"posttrain.num_generations={po.num_generations} (the completions of one prompt); e.g. "
-                          f"training.batch_size={max(1, t.batch_size // po.num_generations) * po.num_generations}")
+                          + _grpo_batch_hint(cfg))
     if grpo_prompt_length(cfg) < 1:
         raise ConfigError(f"posttrain.max_completion_length={po.max_completion_length} leaves no room for a prompt "
                           f"in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and completion)")
@@ -432,6 +432,21 @@ def _check_grpo(cfg: Config) -> None:
         re.compile(po.format_pattern)
     except re.error as e:
         raise ConfigError(f"posttrain.format_pattern={po.format_pattern!r}: not a regular expression ({e})") from None
+
+
+def _grpo_batch_hint(cfg: Config) -> str:
+    """A ``training.batch_size`` that holds whole groups of ``posttrain.num_generations`` and passes the
+    data-parallel checks too: the nearest multiple of ``num_generations`` and of
+    ``gradient_accumulation_steps`` × the data-parallel size (when ``parallel.data_parallel_size`` is
+    set), else of the power of two the given batch splits by (so it splits wherever the given one does)."""
+    t, g, dp = cfg.training, cfg.posttrain.num_generations, cfg.parallel.data_parallel_size
+    acc = max(t.gradient_accumulation_steps, 1)
+    split = dp if dp > 0 else (t.batch_size // acc) & -(t.batch_size // acc) or 1  # the lowest set bit
+    unit = math.lcm(g, acc * split)
+    value = max(unit, round(t.batch_size / unit) * unit)
+    why = (f"gradient_accumulation_steps × data_parallel_size = {acc * split}" if dp > 0 else
+           f"{acc * split}, which {t.batch_size} splits by over the data-parallel group")
+    return f"training.batch_size={value} (a multiple of num_generations={g} and of {why})"
 
 
 def _check_posttrain_features(cfg: Config) -> None:

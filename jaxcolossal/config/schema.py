@@ -944,11 +944,15 @@ class PosttrainConfig:
     """GRPO: completions that hit ``max_completion_length`` without an end-of-text token are left out
     of the loss (TRL's ``mask_truncated_completions``, DAPO's overlong filtering). Needs an end-of-text
     id (the tokenizer's or ``model.init_from``'s): without one every completion would be left out."""
+    log_completions: bool = False
+    """GRPO: at each logged step (``logging.log_every``), print the first completions of the newest
+    rollout (4: the first group's) with their prompt, each reward function's value, the weighted reward
+    and the advantage; with ``logging.wandb`` also a W&B table ``completions`` (TRL's ``log_completions``)."""
 
 
 GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "top_k", "top_p", "epsilon",
                   "epsilon_high", "num_iterations", "scale_rewards", "reward_funcs", "reward_weights",
-                  "format_pattern", "mask_truncated_completions")
+                  "format_pattern", "mask_truncated_completions", "log_completions")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing",)

@@ -137,9 +137,13 @@ def load_prompts(data_cfg, tokenizer, max_tokens: int) -> PromptData:
             out.tokens.append(ids)
             out.prompts.append(record["prompt"])
             out.fields.append(_fields(record, where))
-    if not out.texts:
+    if not out.texts and out.skipped:
         raise DataError(f"data.corpus={data_cfg.corpus!r}: no prompt of at most {max_tokens} tokens "
-                        "(data.skip_long_examples dropped them all)")
+                        f"(data.skip_long_examples dropped all {len(out.skipped)}); raise training.seq_len or set "
+                        "data.skip_long_examples=false to keep their last tokens")
+    if not out.texts:
+        raise DataError(f"data.corpus={data_cfg.corpus!r}: the file(s) ({', '.join(files[:3])}"
+                        f"{', ...' if len(files) > 3 else ''}) hold no prompt row: add JSON lines with a 'prompt'")
     return out
 
 

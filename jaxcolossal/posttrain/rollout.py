@@ -53,6 +53,8 @@ __all__ = ["Rollouts", "completion_ids", "group_advantages", "rollout_token_logp
 
 ROLLOUTS_KEPT = 2
 """Rollout batches kept in ``<checkpoint.dir>/rollouts`` (the newest ones)."""
+COMPLETIONS_SHOWN = 4
+"""Completions of a rollout that ``posttrain.log_completions`` shows (the first ones: the first group's)."""
 
 
 def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
@@ -140,6 +142,8 @@ class Rollouts:
     """GRPO's batches (module docstring): ``batch(step, state)`` the train step's batch of ``step``
     from the policy in ``state``; ``batch(step)`` without a state a batch of zeros of the same
     shapes (to compile the step). ``metrics``: the last rollout's, merged into the step's log.
+    ``shown``: with ``posttrain.log_completions``, the first :data:`COMPLETIONS_SHOWN` completions of
+    the last rollout sampled here (:meth:`take_shown`), else ``[]``.
 
     Raises (``batch``):
         FileNotFoundError: a resume between the μ steps of a rollout whose batch was not saved
@@ -166,6 +170,7 @@ class Rollouts:
         self.dir = os.path.join(cfg.checkpoint.dir, "rollouts") if cfg.checkpoint.dir else ""
         self.current: _Rollout | None = None
         self.metrics: dict = {}
+        self.shown: list[dict] = []
         self._generators: dict = {}
         self._logps = jax.jit(functools.partial(rollout_token_logps, plan))
 
@@ -235,6 +240,8 @@ class Rollouts:
         self._check_scored(per_func, step)
         total = self.rewards.total(per_func)
         adv, std_zero = group_advantages(total, self.G, self.cfg.posttrain.scale_rewards)
+        if self.cfg.posttrain.log_completions:
+            self.shown = self._shown(step, idx, comp_texts, per_func, total, adv)
         t3 = time.perf_counter()
         truncated = self._truncated(completions, lengths)
         host = row_layout(prompt_tokens, prompt_mask, completions, lengths,
@@ -247,6 +254,23 @@ class Rollouts:
                         "time/logps_s": t4 - t3, "rollout_tokens_per_s": float(lengths.sum()) / max(t2 - t1, 1e-9)})
         self._save(step, host, metrics)
         return _Rollout(step, host, metrics)
+
+    def _shown(self, step: int, idx, texts: list[str], per_func: np.ndarray, total: np.ndarray,
+               adv: np.ndarray) -> list[dict]:
+        """TRL's ``log_completions`` rows of the first :data:`COMPLETIONS_SHOWN` completions: ``step``
+        (the optimizer step it trains, from 1), ``prompt``, ``completion``, each function's reward by its
+        name, ``reward`` (the weighted sum) and ``advantage`` (NaN: no reward)."""
+        rows = []
+        for r in range(min(COMPLETIONS_SHOWN, len(texts))):
+            funcs = {n: float(per_func[r, j]) for j, n in enumerate(self.rewards.names)}
+            rows.append({"step": step + 1, "prompt": self.data.prompts[idx[r]], "completion": texts[r], **funcs,
+                         "reward": float(total[r]), "advantage": float(adv[r])})
+        return rows
+
+    def take_shown(self) -> list[dict]:
+        """The rows of :attr:`shown`, once: a rollout's completions are shown at one logged step."""
+        rows, self.shown = self.shown, []
+        return rows
 
     def _prompts(self, data: PromptData, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Left-padded prompt tokens and mask ``[B, P]``, every row ``P`` wide."""

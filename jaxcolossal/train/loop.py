@@ -142,9 +142,10 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
         lines.append(_lora_line(plan, got, n, b))
         out["full_finetune_optimizer"] = _full_optimizer_bytes(plan, n, b)
     lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
-    if getattr(state, "reference", None) is not None:  # DPO's frozen reference copy, device 0's shards
+    if getattr(state, "reference", None) is not None:  # DPO's or GRPO's frozen reference copy, device 0's shards
         ref = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.reference))
-        lines.append(f"  {'reference':<10} {ref / 2**20:10.3f} MiB   (DPO's frozen reference copy, sharded like params)")
+        whose = "GRPO's (beta > 0)" if plan.cfg.training.objective == "grpo" else "DPO's"
+        lines.append(f"  {'reference':<10} {ref / 2**20:10.3f} MiB   ({whose} frozen reference copy, sharded like params)")
         out["reference"] = ref
     if state.residual is not None:  # gradient compression's state, read from the arrays on device 0
         dev0 = jax.devices()[0]
@@ -396,7 +397,8 @@ def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
         if restored is not None:
             state, copy = restored
             log.info(f"resumed from step {copy.step} of the emergency (local) checkpoints in {local.directory} "
-                     f"(newest persistent step: {persistent}; process 0 read {copy.path})", ranks=[0])
+                     f"({'no persistent step' if persistent is None else f'newest persistent step {persistent}'} "
+                     f"in {ckpt.directory}; process 0 read {copy.path})", ranks=[0])
             return state, "local"
     try:
         state = ckpt.restore(state)
@@ -496,10 +498,27 @@ def _prompt_data(cfg: Config, plan: TrainPlan) -> Rollouts:
         f"{width} tokens (training.seq_len + 1 - posttrain.max_completion_length)"
         + (f"; {len(data.skipped)} dropped by data.skip_long_examples" if data.skipped else ""), ranks=[0])
     po = cfg.posttrain
+    if hint := prompt_length_hint(cfg, max((len(x) for x in data.tokens), default=0)):
+        get_dist_logger().warning(hint, ranks=[0])
     get_dist_logger().info(f"GRPO: {t.batch_size // po.num_generations} prompts x {po.num_generations} completions "
                            f"of up to {po.max_completion_length} tokens per rollout, {po.num_iterations} step(s) "
                            f"per rollout; rewards {po.reward_funcs}", ranks=[0])
     return Rollouts(cfg, plan, train_part, tok, plan.batch_sharding, held=val_part)
+
+
+def prompt_length_hint(cfg: Config, longest: int) -> str | None:
+    """GRPO's hint when ``training.seq_len`` pads the prompts to at least twice the ``longest`` one's
+    tokens (``--config OUT/model.yaml`` gives seq_len 512 to 5-token prompts): the seq_len the data
+    needs, the longest prompt + ``max_completion_length`` - 1 (a row holds the prompt and the
+    completion but the completion's last token); None otherwise."""
+    t, po = cfg.training, cfg.posttrain
+    width = grpo_prompt_length(cfg)
+    if not longest or width < 2 * longest:
+        return None
+    return (f"GRPO pads every prompt to {width} tokens (training.seq_len={t.seq_len} + 1 - "
+            f"posttrain.max_completion_length={po.max_completion_length}) and the longest is {longest}: "
+            f"training.seq_len={longest + po.max_completion_length - 1} fits this data (the longest prompt + "
+            "max_completion_length - 1), and every step's rollout and update shrink with it")
 
 
 def _warn_about_freeze(cfg: Config) -> None:
@@ -529,6 +548,19 @@ def optimization_line(cfg: Config) -> str:
             f"{t.learning_rate * t.min_learning_rate_ratio:g} at step {t.max_steps}; weight decay {t.weight_decay:g}; "
             f"seq_len {t.seq_len} tokens; global batch {t.batch_size} sequences = {t.batch_size * t.seq_len} tokens; "
             f"{t.max_steps} steps")
+
+
+def warmup_warning(cfg: Config) -> str | None:
+    """The warning for ``training.warmup_steps`` >= ``max_steps``: the learning rate never reaches its
+    peak (the warmup is not capped, so that a run stopped early and resumed with a larger ``max_steps``
+    keeps its schedule); None otherwise."""
+    t = cfg.training
+    if t.warmup_steps < t.max_steps or t.max_steps < 1:
+        return None
+    last = float(lr_schedule(t)(t.max_steps - 1))
+    return (f"training.warmup_steps={t.warmup_steps} >= training.max_steps={t.max_steps}: the learning rate never "
+            f"reaches training.learning_rate={t.learning_rate:g} (the last step runs at {last:.3e}); set "
+            f"training.warmup_steps={max(t.max_steps // 10, 0)} (or anything below {t.max_steps})")
 
 
 def fine_tuning_warning(cfg: Config) -> str | None:
@@ -635,14 +667,42 @@ def _start_notes(cfg: Config, plan: TrainPlan) -> None:
     settings (fine-tuning at the pre-training rate, compression, Adam's freeze), the placement."""
     log, t = get_dist_logger(), cfg.training
     log.info(optimization_line(cfg), ranks=[0])
-    if warning := fine_tuning_warning(cfg):
-        log.warning(warning, ranks=[0])
+    for line in output_lines(cfg):
+        log.info(line, ranks=[0])
+    for warning in (fine_tuning_warning(cfg), warmup_warning(cfg)):
+        if warning:
+            log.warning(warning, ranks=[0])
     if 0 < t.max_steps <= cfg.parallel.compression_warmup_steps and cfg.parallel.gradient_compression != "none":
         log.warning(f"parallel.compression_warmup_steps={cfg.parallel.compression_warmup_steps} >= "
                     f"training.max_steps={t.max_steps}: no step of this run is compressed", ranks=[0])
     _warn_about_freeze(cfg)
     if plan.placement_report:
         log.info(plan.placement_report, ranks=[0])
+
+
+def output_lines(cfg: Config) -> list[str]:
+    """Where a run's output goes, as the start-up says it: the run folder with its ``metrics.jsonl``
+    and ``train.log`` (absolute paths), the checkpoints (``checkpoint.dir`` and when, or that nothing
+    is saved), the emergency checkpoints (``checkpoint.local_every``) and the hang watchdog
+    (``fault_tolerance.hang_timeout_s``) when they are on."""
+    lg, c, ft = cfg.logging, cfg.checkpoint, cfg.fault_tolerance
+    run_dir = os.path.abspath(lg.run_dir)
+    out = [f"run folder {run_dir}: metrics in {os.path.join(run_dir, 'metrics.jsonl')}, log in "
+           f"{os.path.join(run_dir, 'train.log')}" + (", TensorBoard in tensorboard/" if lg.tensorboard else "")]
+    if c.dir:
+        when = (f"every {c.save_every} steps, " if c.save_every else "") + \
+               ("at each evaluation and " if cfg.training.eval_every else "") + "at the end"
+        out.append(f"checkpoints to {os.path.abspath(c.dir)} ({when})")
+    else:
+        out.append("no checkpoint is saved (checkpoint.dir is empty): set checkpoint.dir=checkpoints/NAME to keep "
+                   "the trained model")
+    if c.local_every:
+        out.append(f"emergency checkpoints on: every {c.local_every} steps in {local_dir(cfg)} (checkpoint.local_every)")
+    if ft.hang_timeout_s > 0:
+        out.append(f"hang watchdog on: a process with no finished step for max({ft.hang_timeout_s:g} s, "
+                   f"{ft.hang_factor:g} x the median step time) exits with code 75 "
+                   "(fault_tolerance.hang_timeout_s=0 turns it off)")
+    return out
 
 
 def _compile(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: DataLoader) -> tuple[Any, float, int]:
@@ -783,6 +843,8 @@ def _save(run: Run, state: Any, val_loss: float | None = None, final: bool = Fal
         if step in run.ckpt.all_steps():
             return
     run.ckpt.save(step, run.full(state), val_loss=val_loss, force=final)
+    get_dist_logger().info(f"checkpoint of step {step}: saving to {os.path.join(run.ckpt.directory, str(step))}"
+                           + ("" if final else " (in the background)"), ranks=[0])
 
 
 class _StepClock:
@@ -823,10 +885,22 @@ def _log_step(run: Run, done: int, m: dict, clock: _StepClock, bar) -> dict:
                "peak_memory_source": "runtime" if peak else "compiled estimate", **ranks})
     moe = {} if "expert_load" not in m else {  # a mixture of experts: its busiest expert's share, the dropped slots
         "top_expert": f"{max(m['expert_load']):.0%}", "dropped": f"{m['moe_dropped_share']:.1%}"}
-    bar.set_postfix(**bar_fields(m, perf), **moe)
+    extra = {**mx.posttrain_columns(m), **moe}  # DPO's and GRPO's TRL columns (reward, kl, rewards/margins, ...)
+    bar.set_postfix(**bar_fields(m, perf), **extra)
     # the bar on a terminal, this line in train.log; elsewhere (a file, a pipe) the line is the log's only record
-    get_dist_logger().info(step_line(done, t.max_steps, m, perf, moe), ranks=[0], file_only=not bar.disable)
+    get_dist_logger().info(step_line(done, t.max_steps, m, perf, extra), ranks=[0], file_only=not bar.disable)
+    if cfg.posttrain.log_completions and getattr(run.loader, "shown", None):
+        _log_completions(run, done)
     return perf
+
+
+def _log_completions(run: Run, done: int) -> None:
+    """``posttrain.log_completions``: the newest rollout's first completions with their rewards, on the
+    console (process 0) and as W&B's ``completions`` table, once per rollout."""
+    rows = run.loader.take_shown()
+    get_dist_logger().info(mx.completions_text(rows), ranks=[0])
+    if run.metrics is not None:
+        run.metrics.table(done, "completions", rows)
 
 
 def _rank_times(run: Run, done: int, step_s: float) -> dict:
@@ -896,7 +970,7 @@ def _evaluate_phase(run: Run, state: Any, done: int) -> float:
         v = _evaluate(run, state)
     run.hang.progress(f"after the evaluation at step {done}")
     run.write({"step": done, "val_loss": v})
-    get_dist_logger().info(f"step {done}: validation loss {v:.4f}", ranks=[0])
+    get_dist_logger().info(f"step {done}: {eval_line(run.cfg, v)}", ranks=[0])
     return v
 
 
@@ -1138,7 +1212,8 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
     run.hang.start()  # armed by the first step; the start-up is the collective-timeout watchdog's
     with rec.phase("evaluation"):
         val_start = _evaluate(run, run.state)
-    log.info(f"validation loss at step {int(run.state.step)}: {val_start:.4f} nats/token", ranks=[0])
+    name, value = eval_parts(run.cfg, val_start)
+    log.info(f"{name} at step {int(run.state.step)}: {value}", ranks=[0])
     run.write({"step": int(run.state.step), "val_loss": val_start})
     stop.start_training(after=f"the evaluation at step {int(run.state.step)}")
     state, perf = _steps(run, watchdog, stop)
@@ -1154,8 +1229,8 @@ def _run(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> dict:
             out["val_loss_end"] = val_end = _evaluate(run, state)
         watchdog.stop()  # past the last collective of the loop; orbax's own barriers time out the final save
         run.write({"step": int(state.step), "val_loss": val_end})
-        log.info(f"validation loss: {val_start:.4f} at start -> {val_end:.4f} at step {int(state.step)} "
-                 "(nats/token)", ranks=[0])
+        (name, start), (_, end) = eval_parts(run.cfg, val_start), eval_parts(run.cfg, val_end)
+        log.info(f"{name}: {start} at start -> {end} at step {int(state.step)}", ranks=[0])
     with rec.phase("checkpoint_save"):
         try:
             if run.local is not None:
@@ -1212,15 +1287,24 @@ def _nothing_to_evaluate(cfg: Config, what: str = "--eval-only: nothing to evalu
                       "to a run's checkpoints or model.init_from=HF_DIR (a Hugging Face folder)")
 
 
-def _restored_state(cfg: Config, plan: TrainPlan) -> tuple[Any, str]:
+POLICY_FIELDS = ("step", "params", "frozen")
+"""The state's fields that sampling and evaluation read (:func:`_restored_state`): a post-training
+run's saved ``reference.*`` and every optimizer state stay unread, whatever ``training.objective``."""
+
+
+def _restored_state(cfg: Config, plan: TrainPlan, reference: bool = False) -> tuple[Any, str]:
     """``(state, source)``: the newest step in ``checkpoint.dir`` that restores, else ``model.init_from``'s
-    Hugging Face weights, and a phrase naming which. Raises as :func:`evaluate_only`."""
+    Hugging Face weights, and a phrase naming which. Only the policy is read (:data:`POLICY_FIELDS`;
+    ``reference``: DPO's frozen reference too), so a DPO or GRPO checkpoint restores under an SFT
+    config and the other way round. Raises as :func:`evaluate_only`."""
     state = _initial_state(cfg, plan, build_optimizer(cfg.training, plan))
+    if not reference:
+        state = state.replace(reference=None)
     source = f"the Hugging Face weights in {cfg.model.init_from}"
     if cfg.checkpoint.dir and step_dirs(cfg.checkpoint.dir):
         ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.max_to_keep, config=cfg.to_dict())
         try:
-            state = ckpt.restore(state)
+            state = ckpt.restore(state, only=POLICY_FIELDS + (("reference",) if reference else ()))
         finally:
             ckpt.close()
         source = f"checkpoint step {int(state.step)} in {ckpt.directory}"
@@ -1245,41 +1329,37 @@ def state_for_sampling(cfg: Config) -> tuple[TrainPlan, Any, str]:
 
 
 def evaluate_only(cfg: Config) -> dict:
-    """``scripts/train.py --eval-only``: the validation loss of the state a run of ``cfg`` would
+    """``scripts/train.py --eval-only``: the held-out evaluation of the state a run of ``cfg`` would
     start from, by the loop's own evaluation (:func:`_evaluate`, the one ``training.eval_every``
     runs) over the same fixed batches (``training.eval_batches`` of the validation split, with the
-    same data keys, mesh and sharding). The state: the newest step in ``checkpoint.dir`` that
-    restores (as ``training.resume=true`` restores it, whatever ``training.resume`` says), else
+    same data keys, mesh and sharding). The state: the policy of the newest step in ``checkpoint.dir``
+    that restores (as ``training.resume=true`` restores it, whatever ``training.resume`` says; a DPO
+    or GRPO run's frozen reference is read only where DPO's evaluation needs it), else
     ``model.init_from``'s Hugging Face weights. Never trains, never saves a checkpoint.
 
-    Prints ``validation loss X.XXXX nats/token, perplexity Y at step N (<source>)`` (process 0),
-    appends ``{"step": N, "val_loss": ..., "eval_only": true}`` to ``<run_dir>/metrics.jsonl`` and
-    returns ``{"step", "val_loss" (nats/token), "perplexity", "source"}``.
+    Prints one line (process 0), :func:`eval_line`'s ``<what> at step N (<source>)``: SFT's
+    ``validation loss X.XXXX nats/token, perplexity Y``, DPO's held-out pairs' loss and
+    ``rewards/accuracies``, GRPO's held-out ``reward`` of greedy completions. Appends ``{"step": N,
+    "val_loss": ..., "eval_only": true}`` (with DPO's ``val_rewards/*``, GRPO's ``val_reward``) to
+    ``<run_dir>/metrics.jsonl``; returns ``{"step", "val_loss", "perplexity" (SFT), "source"}``.
 
     Raises:
         ConfigError: before anything compiles: nothing to evaluate (no checkpoint in
-            ``checkpoint.dir`` and no ``model.init_from``), ``training.objective`` dpo or grpo, or any
-            :func:`preflight` refusal.
-        CheckpointMismatchError: the checkpoint is of another model size, optimizer or precision.
+            ``checkpoint.dir`` and no ``model.init_from``), or any :func:`preflight` refusal.
+        CheckpointMismatchError: the checkpoint is of another model size.
         CheckpointNotFoundError: ``checkpoint.dir`` holds steps, none of which restores.
     """
-    if cfg.training.objective == "dpo":
-        raise ConfigError("--eval-only with training.objective=dpo is not supported yet: it restores the params "
-                          "without DPO's reference; the training run's evaluations report the held-out pairs' "
-                          "val_rewards/accuracies")
-    if cfg.training.objective == "grpo":
-        raise ConfigError("--eval-only with training.objective=grpo is not supported yet; the training run's "
-                          "evaluations report the held-out prompts' val_reward (greedy completions)")
     preflight(cfg, eval_only=True)
     _nothing_to_evaluate(cfg)
-    run_id = new_run_id()  # its own train.log separator and TensorBoard folder, as a training run's
+    run_id, objective = new_run_id(), cfg.training.objective  # its own train.log separator and TensorBoard folder
     with _quiet_console():
         mesh, plan = _mesh_and_plan(cfg, run_id)
-        _, evals, _ = _data(cfg, mesh)
-        state, source = _restored_state(cfg, plan)
+        loader, evals, _ = _data(cfg, mesh, plan)
+        state, source = _restored_state(cfg, plan, reference=objective == "dpo" and cfg.posttrain.reference == "frozen")
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=jax.process_index() == 0)
-        run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=None, evals=evals, compiled=None,
-                  eval_step=make_eval_step(plan), compile_s=0.0, compiled_peak=0, metrics=metrics)
+        run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=loader, evals=evals, compiled=None,
+                  eval_step=make_dpo_eval_step(plan) if objective == "dpo" else make_eval_step(plan), compile_s=0.0,
+                  compiled_peak=0, metrics=metrics)
         ok = False
         try:
             step, val = int(state.step), _evaluate(run, state)
@@ -1287,7 +1367,26 @@ def evaluate_only(cfg: Config) -> dict:
             ok = True
         finally:
             metrics.close(exit_code=0 if ok else 1)
-    ppl = math.exp(val) if val < 700 else math.inf  # exp overflows a float past ~709
+    out = {"step": step, "val_loss": val, "source": source}
+    if objective == "sft":
+        out["perplexity"] = math.exp(val) if val < 700 else math.inf  # exp overflows a float past ~709
     if run.is_main:
-        print(f"validation loss {val:.4f} nats/token, perplexity {ppl:.2f} at step {step} ({source})")
-    return {"step": step, "val_loss": val, "perplexity": ppl, "source": source}
+        print(f"{eval_line(cfg, val, out.get('perplexity'))} at step {step} ({source})")
+    return out
+
+
+def eval_parts(cfg: Config, val: float) -> tuple[str, str]:
+    """``(name, value with its unit)`` of a held-out evaluation's value ``val`` (:func:`_evaluate`'s):
+    SFT's ``("validation loss", "X nats/token")``, DPO's ``("held-out DPO loss", "X per pair")``, GRPO's
+    ``("held-out reward (greedy)", "X")`` (``val`` is minus the reward)."""
+    name, value, unit = {"dpo": ("held-out DPO loss", val, " per pair"),
+                         "grpo": ("held-out reward (greedy)", -val, "")}.get(
+        cfg.training.objective, ("validation loss", val, " nats/token"))
+    return name, f"{value:.4f}{unit}"
+
+
+def eval_line(cfg: Config, val: float, perplexity: float | None = None) -> str:
+    """:func:`eval_parts` as one phrase, ``validation loss X nats/token`` (with ``perplexity``),
+    ``held-out DPO loss X per pair``, ``held-out reward (greedy) X``."""
+    name, value = eval_parts(cfg, val)
+    return f"{name} {value}" + ("" if perplexity is None else f", perplexity {perplexity:.2f}")

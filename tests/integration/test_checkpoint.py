@@ -145,3 +145,27 @@ def test_steps_written_before_the_config_item_still_restore(tmp_path):
     assert step == 1 and cm.saved_config(1) == {}
     np.testing.assert_array_equal(params["layers"]["wq"], jax.device_get(state.params["layers"]["wq"]))
     cm.close()
+
+
+def test_only_the_policy_is_read_from_a_checkpoint_holding_a_reference(tmp_path):
+    """Issue 54 item 5: a DPO or GRPO step holds ``reference.*``; sampling and evaluation read the policy
+    (``only=``) under any config, where a whole-state restore refuses the arrays the target lacks."""
+    state = init_state(*_plan_and_tx(), key=jax.random.key(0))
+    saved = state.replace(step=state.step + 3, reference=jax.tree.map(lambda x: x * 2, state.params),
+                          params=jax.tree.map(lambda x: x + 1, state.params))
+    cm = CheckpointManager(str(tmp_path), max_to_keep=2)
+    cm.save(3, saved)
+    cm.wait()
+    with pytest.raises(CheckpointError, match="reference.embed_tokens: saved"):
+        cm.restore(state)  # the whole state: the saved reference does not fit a target without one
+    got = cm.restore(state, only=("step", "params", "frozen"))
+    cm.close()
+    assert int(got.step) == 3 and got.reference is None
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(got.params), jax.device_get(saved.params))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(got.opt_state), jax.device_get(state.opt_state))
+    assert jax.tree.structure(got) == jax.tree.structure(state)
+
+
+def _plan_and_tx():
+    plan = make_plan(tiny_config(), make_mesh(tiny_config().parallel, jax.devices()[:1]))
+    return plan, build_optimizer(plan.cfg.training, plan)

@@ -70,6 +70,12 @@ def test_local_checkpoint_restores_bit_exact_and_is_preferred(tmp_path, monkeypa
     assert g["attempts"] == 1  # the restart count was not set: a new job in goodput.jsonl
     text = open(tmp_path / "b" / "run" / "train.log").read()
     assert "resumed from step 2 of the emergency (local) checkpoints" in text
+    # issue 54 item 12: what is on and where it goes, said at start; each save; the resume line's persistent step
+    assert f"(no persistent step in {tmp_path / 'b' / 'ckpt'}; process 0 read" in text, text[-3000:]
+    assert f"emergency checkpoints on: every 2 steps in {local} (checkpoint.local_every)" in text
+    assert "hang watchdog on: a process with no finished step for max(180 s, 10 x the median step time)" in text
+    assert f"run folder {tmp_path / 'b' / 'run'}: metrics in {tmp_path / 'b' / 'run' / 'metrics.jsonl'}" in text
+    assert f"checkpoint of step 5: saving to {tmp_path / 'b' / 'ckpt' / '5'}" in text
 
 
 def test_lost_local_folder_comes_back_from_the_replica(tmp_path, monkeypatch):

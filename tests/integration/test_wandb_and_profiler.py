@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 import pytest
 
+from jaxcolossal import metrics as mx
 from jaxcolossal.config import load_config
 from jaxcolossal.train.loop import train
 
@@ -124,6 +125,9 @@ def test_profile_trace_of_steps_3_to_5_opens_in_xprof(run_dir):
     steps = sorted(e["name"] for e in events if str(e.get("name", "")).startswith("train "))
     assert steps == ["train 3", "train 4", "train 5"]  # the chosen steps and no other
     assert any("Execute" in str(e.get("name", "")) for e in events)  # the steps' XLA executions are in it
+    names = {str(e.get("name", "")) for e in events}
+    assert any("train_step" in n for n in names) and not any("unnamed" in n for n in names), \
+        sorted(n for n in names if "jit" in n)  # issue 54 item 18: the step is named in the trace
     overview, _ = raw_to_tool_data.xspace_to_tool_data([xplane], "overview_page", {})
     assert overview
 
@@ -140,3 +144,16 @@ def test_wandb_without_the_package_is_refused_before_compiling(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: logging.wandb=true needs the wandb package: pip install wandb"), last
     assert "Traceback" not in out.stderr and "compiled" not in out.stderr + out.stdout
+
+
+def test_log_completions_goes_to_wandb_as_a_table(tmp_path, monkeypatch):
+    """Issue 54 item 11: posttrain.log_completions' rows become the offline W&B run's ``completions`` table."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rows = [{"step": 1, "prompt": "1+2=", "completion": "3", "exact_match": 1.0, "reward": 1.0, "advantage": 0.5}]
+    w = mx.MetricsWriter(str(tmp_path), sinks=[mx.WandbSink(str(tmp_path), "completions-table", mode="offline")])
+    w.table(1, "completions", rows)
+    w.close()
+    (table,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "media" / "table" / "completions_*.json"))
+    got = json.load(open(table))
+    assert got["columns"] == list(rows[0]) and got["data"] == [list(rows[0].values())], got

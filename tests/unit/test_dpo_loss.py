@@ -6,7 +6,6 @@ import pytest
 
 from jaxcolossal.config import ConfigError, config_from_dict, field_docs
 from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS
-from jaxcolossal.train.loop import evaluate_only
 from jaxcolossal.train.objective import dpo_loss
 
 
@@ -66,8 +65,3 @@ def test_the_objective_only_keys_are_the_ones_their_docs_mark():
 def test_valid_dpo_config():
     cfg = _cfg(posttrain__beta=0.5, posttrain__loss_type="ipo")
     assert cfg.training.objective == "dpo" and cfg.posttrain.beta == 0.5
-
-
-def test_eval_only_is_refused_with_dpo():
-    with pytest.raises(ConfigError, match="--eval-only with training.objective=dpo is not supported yet"):
-        evaluate_only(_cfg())

@@ -14,6 +14,7 @@ from jaxcolossal.config import load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import grpo_arithmetic  # noqa: E402
 import readme_commands as rc  # noqa: E402
 
 COMMANDS = rc.readme_commands()
@@ -97,3 +98,20 @@ def test_the_rules():
     assert "training.sample_tokens=" not in rc.as_run("python scripts/train.py --config configs/llama_tiny_long.yaml",
                                                       "/w", dummy)
     assert "training.sample_tokens=8" in rc.as_run("python scripts/train.py training.sample_tokens=100", "/w", dummy)
+
+
+def test_the_post_training_examples_keep_their_models(monkeypatch, tmp_path):
+    """Issue 54 item 6: configs/dpo_tiny.yaml and the GRPO stage of scripts/grpo_arithmetic.py save a
+    checkpoint (a rerun starts over); a README row on a config with a checkpoint folder writes its own."""
+    for name in ("dpo_tiny", "grpo_arith"):
+        c = load_config(os.path.join(ROOT, f"configs/{name}.yaml")).checkpoint
+        assert c.dir and c.overwrite, (name, c)
+    run = rc.as_run("python scripts/train.py --config configs/dpo_tiny.yaml", "/w", lambda name: name)
+    assert "checkpoint.dir=/w/checkpoint" in run and run.count("checkpoint.dir=") == 1
+    assert "checkpoint.dir=" not in rc.as_run("python scripts/train.py", "/w", lambda name: name)  # "": none
+    calls = []
+    monkeypatch.setattr(grpo_arithmetic, "_run", calls.append)
+    monkeypatch.setattr(grpo_arithmetic, "reward_curve", lambda path: ([], []))
+    assert grpo_arithmetic.main(["--out", str(tmp_path)]) == 0
+    grpo = calls[-1]
+    assert "configs/grpo_arith.yaml" in grpo and f"checkpoint.dir={tmp_path}/grpo/ckpt" in grpo, grpo
