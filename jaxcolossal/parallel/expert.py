@@ -203,7 +203,11 @@ def _capacity(x, flat, k, wg, wu, wd, ep: int, capacity_factor: float, num_exper
     onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)
     pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)   # the slot's place at its expert
     keep = pos < cap
-    buf = jnp.zeros((num_experts, cap, x.shape[-1]), x.dtype).at[flat, pos].set(x[jnp.arange(m) // k], mode="drop")
+    # each kept slot's place in the [E·cap] buffer (E·cap, out of range, for a dropped one) and each
+    # place's slot (m for an empty place): rows moved by gathers both ways (:func:`move`)
+    to = jnp.where(keep, flat * cap + pos, num_experts * cap).astype(jnp.int32)
+    back = jnp.full((num_experts * cap,), m, jnp.int32).at[to].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+    buf = move(jnp.repeat(x, k, axis=0), back, to).reshape(num_experts, cap, -1)
     if ep > 1:
         buf = jax.lax.all_to_all(buf.reshape(ep, num_experts // ep, cap, -1), EP_AXIS, 0, 0)
     else:
@@ -215,8 +219,7 @@ def _capacity(x, flat, k, wg, wu, wd, ep: int, capacity_factor: float, num_exper
     done = jnp.einsum("secf,efd->secd", gated(g, u, limit).astype(x.dtype), wd)
     if ep > 1:
         done = jax.lax.all_to_all(done, EP_AXIS, 0, 0)
-    done = done.reshape(num_experts, cap, -1)
-    out = jnp.where(keep[:, None], done[flat, jnp.minimum(pos, cap - 1)], 0).astype(x.dtype)
+    out = move(done.reshape(num_experts * cap, -1), to, back).astype(x.dtype)
     return out, keep
 
 
