@@ -164,7 +164,8 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     outside the layers, the embedding's and the LM head's; ``largest``: a layer's largest single
     residual without checkpointing, for the microbatch; ``saved_16bit_layers``: the layers' part of
     ``saved`` in bf16/fp16; ``const``: the part of ``head`` made from the shapes alone, the causal
-    mask and the rotary tables).
+    mask and the rotary tables; ``probs``: a layer's fp32 ``[.., t, t]`` attention probabilities
+    for the microbatch, 0 where the attention keeps none: the flash kernels, cuDNN).
 
     Raises:
         ConfigError: from the family (e.g. GPT-2 with grouped-query attention).
@@ -201,7 +202,8 @@ def residuals(cfg: Config, mesh_shape: Mapping[str, int], batch: int, layers: in
     return {"saved": head + layers * per_layer * batch, "head": head, "layer": none_layer * batch,
             "layer_16bit": low_none * batch,
             "largest": at(2, "none", part=2) * batch, "saved_16bit_layers": layers * low_layer * batch,
-            "probs_saved": layers * at(2, remat, part=3) * batch, "const": at(0, remat, part=4)}
+            "probs_saved": layers * at(2, remat, part=3) * batch, "probs": at(2, "none", part=3) * batch,
+            "const": at(0, remat, part=4)}
 
 
 def _rest(traced, batch: int, seq: int, m: ModelConfig) -> int:
@@ -340,9 +342,10 @@ def _peak_shape(cfg: Config, mesh_shape: Mapping[str, int], backend: str) -> _Pe
 def _expert_elements(cfg: Config, mesh_shape: Mapping[str, int], shapes: Any) -> float:
     """The elements of the stacked layers' expert weights (logical axis ``expert``) in ``shapes``
     (:func:`_compute_shapes`'s, per device), whose whole 16-bit gradients the backward holds; 0 without
-    experts, and with a capacity factor, whose compiled steps have not shown them (Mixtral's shape, 2
-    layers, capacity 1.25: counting them puts the plan 22% over XLA:GPU's peak, against 15%)."""
-    if not cfg.model.moe or cfg.model.capacity_factor > 0:
+    experts, and with a capacity factor in one microbatch, whose compiled steps have not shown them
+    (Mixtral's shape, 2 layers, capacity 1.25: counting them puts the plan 22% over XLA:GPU's peak,
+    against 15%); with accumulation they are held (DeepSeek-V3's GRPO step, 8 microbatches: 4.8 GiB)."""
+    if not cfg.model.moe or (cfg.model.capacity_factor > 0 and cfg.training.gradient_accumulation_steps == 1):
         return 0.0
     _, _, axes = param_layout(cfg.model, mesh_shape["tp"])
     leaves = jax.tree.leaves(shapes["layers"], is_leaf=is_shape)
@@ -386,14 +389,16 @@ def _update_compute_grads(s: _PeakShape) -> float:
 def _layer_working_set(s: _PeakShape, r: dict) -> float:
     """One layer's backward working set: its residuals without checkpointing (recomputed under
     ``remat=full``) and buffers of its largest activation, the cotangents of the op whose backward
-    runs: two on XLA:CPU (attention's dP and dS beside P); one on XLA:GPU, where the fused attention
-    keeps no P, and where, in low precision, only the 16-bit residuals count (the fp32 upcasts of the
-    norms are fused into their consumers). Under ZeRO-2/3's layer-wise reduction the end of a layer's
+    runs: two on XLA:CPU (attention's dP and dS beside P); one on XLA:GPU, where in low precision only
+    the 16-bit residuals count (the fp32 upcasts of the norms are fused into their consumers), and
+    with XLA's attention one more fp32 ``[b, h, t, t]`` (``probs``): the recomputed scores' matmul
+    output beside the probabilities and their 16-bit copies (read from the buffers of the GRPO steps
+    of Llama-3.1-8B, two fp32 and one bf16 such buffers at the peak, and Phi-4-mini, three and two). Under ZeRO-2/3's layer-wise reduction the end of a layer's
     backward also holds its whole weight gradient: on XLA:CPU beside the reduction's result while
     most of the working set is dead, so the larger of the two counts (twice the fp32 gradient, an
     all-reduce); on XLA:GPU see :func:`_gpu_layerwise`."""
     if s.backend == "gpu":
-        working = (r["layer_16bit"] if s.lowp else r["layer"]) + r["largest"]
+        working = (r["layer_16bit"] if s.lowp else r["layer"]) + r["largest"] + r["probs"]
     else:
         working = r["layer"] + 2 * r["largest"]
     if not s.layerwise:
@@ -477,9 +482,12 @@ def _schedule_buffers(cfg: Config, s: _PeakShape, r: dict, grads: float, mesh_sh
     their stash of ``2·v·p − 1`` stage inputs; without a pipeline, the compute-dtype gradients in
     low precision, or in fp32 with accumulation the microbatch's gradients beside the accumulator."""
     out = {"tick": 0.0, "grads_compute": 0.0, "stash": 0.0, "accumulator": 0.0, "hoisted": 0.0}
-    if s.backend == "gpu" and s.overlap and s.pp == 1 and s.micro > 1 and s.layerwise and cfg.model.remat != "full":
-        # the collective pipeliner peels the microbatch loop of ZeRO-2/3's per-microbatch reduction, and
-        # the zero-initialised stacks of the layers' saved residuals are hoisted out of it: a second copy
+    if s.backend == "gpu" and s.pp == 1 and s.micro > 1 and (
+            cfg.model.remat == "full" or (s.overlap and s.layerwise)):
+        # the zero-initialised stacks of the layers' saved residuals are hoisted out of the microbatch
+        # loop, a second copy: under remat=full at any stage (DeepSeek-V3's GRPO step, ZeRO-1, 8
+        # microbatches: 9.5 GiB), and where the collective pipeliner peels the loop of ZeRO-2/3's
+        # per-microbatch reduction
         out["hoisted"] = r["saved"] - r["head"]
     if s.pp > 1 and not s.lockstep:
         out["tick"] = r["saved"] - r["head"] + (r["saved_16bit_layers"] if s.cpu_lowp else 0.0) \
@@ -502,7 +510,7 @@ PART_NAMES = {"residuals": "saved residuals", "head": "the LM head's residuals",
               "grads_compute": "compute-dtype gradients in flight", "accumulator": "the microbatch's fp32 gradients",
               "zero3": "ZeRO-3 prefetch buffers", "stash": "pipeline stash",
               "cpu_fp32": "XLA:CPU's fp32 copies of weights and residuals", "tick": "GPipe's tick copy and chunk gradients",
-              "hoisted": "a second copy of the saved residuals' stacks (XLA:GPU, accumulation under ZeRO-2/3)"}
+              "hoisted": "a second copy of the saved residuals' stacks (XLA:GPU, accumulation under remat=full or ZeRO-2/3)"}
 
 
 HEAD_PARTS = ("residuals", "head", "cpu_fp32", "zero3", "accumulator", "stash")  # what :func:`step_peak` sums in the head's phase

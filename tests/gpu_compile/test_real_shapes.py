@@ -54,14 +54,7 @@ def grpo_overrides(devices: int, flash: bool = False) -> list[str]:
             "posttrain.num_generations=8", "posttrain.beta=0.04"]
 
 
-PLANNER_MISSES = {("phi4_mini", "grpo"): "the planner says 16.00 GiB, XLA:GPU 19.16 GiB (-16.5%): at the peak (a layer's "
-                  "backward, 8 rows × 1536 tokens a device) XLA:GPU holds the XLA attention's fp32 scores twice (two "
-                  "gemm outputs f32[64, 1536, 4608]), its fp32 probabilities and two bf16 copies of them, 6.75 GiB, "
-                  "and a hoisted bf16[3072, 200064] buffer for the tied embedding's gradient (1.17 GiB)",
-                  ("deepseek_v3", "grpo"): "the planner says 88.06 GiB, XLA:GPU 110.02 GiB (-20.0%): the layer "
-                  "scan's zero-initialised residual stack hoisted out of the microbatch loop (9.5 GiB; the planner "
-                  "counts it under ZeRO-2/3 with remat other than full), the experts' whole 16-bit gradients with "
-                  "a capacity factor (4.8 GiB) and the XLA attention's fp32 copies"}
+PLANNER_MISSES: dict = {}
 """Rows where the planner is known to be more than 10% off, with the measured figures (docs/models.md)."""
 
 
