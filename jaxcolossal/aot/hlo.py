@@ -216,10 +216,11 @@ def walk_executions(hlo_text: str):
     yield from walk(entry, 1, ())
 
 
-def _per_step(hlo_text: str, count) -> dict:
+def _per_step(hlo_text: str, count, start: str | None = None) -> dict:
     """``{key: amount per step}``: ``count(computation, line) -> {key: amount}`` summed over every instruction
     reachable from ENTRY, loop bodies multiplied by their ``known_trip_count`` (once without one),
-    and for a ``conditional`` the costliest branch per key (a static upper bound: one branch runs)."""
+    and for a ``conditional`` the costliest branch per key (a static upper bound: one branch runs).
+    ``start``: count from this computation instead of ENTRY (one execution of it)."""
     comps, entry = computations(hlo_text)
 
     def total(name: str, stack: tuple) -> dict:
@@ -246,17 +247,18 @@ def _per_step(hlo_text: str, count) -> dict:
                     out[key] = out.get(key, 0) + v
         return out
 
-    return total(entry, ())
+    return total(start or entry, ())
 
 
-def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[str, int]]:
+def collective_totals(hlo_text: str, min_elements: int = 64, start: str | None = None) -> dict[str, dict[str, int]]:
     """Per-step totals by collective kind, loops multiplied out by their known trip counts.
 
     Returns ``{kind: {"count": executions per step, "elements": result elements moved per step,
     "bytes": result bytes per step, "sent": bytes each device sends per step}}`` (``sent``:
     :attr:`Collective.sent`, rounded), ignoring collectives smaller than ``min_elements``
     (scalars such as the loss). A loop without a known trip count counts once; a ``conditional``
-    counts its costliest branch (per figure).
+    counts its costliest branch (per figure). ``start``: one execution of that computation instead
+    of the program (:func:`decode_loop_collectives`).
     """
     def count(name: str, line: str) -> dict:
         for kind in COLLECTIVES:
@@ -268,11 +270,29 @@ def collective_totals(hlo_text: str, min_elements: int = 64) -> dict[str, dict[s
         return {}
 
     totals: dict[str, dict[str, int]] = {}
-    for (kind, key), v in _per_step(hlo_text, count).items():
+    for (kind, key), v in _per_step(hlo_text, count, start).items():
         totals.setdefault(kind, {"count": 0, "elements": 0, "bytes": 0, "sent": 0.0})[key] = v
     for t in totals.values():
         t["sent"] = round(t["sent"])
     return totals
+
+
+def decode_loop_collectives(hlo_text: str, min_elements: int = 64) -> dict[str, dict[str, int]]:
+    """The collectives of one iteration of a sampler's decode loop: each ``while`` loop of the ENTRY
+    computation without a known trip count (a ``lax.while_loop`` that stops at the end-of-text ids),
+    its body counted once as :func:`collective_totals` counts (the nested layer scan multiplied out by
+    its trip count), summed over such loops; ``{}`` when the program has none."""
+    comps, entry = computations(hlo_text)
+    out: dict[str, dict[str, int]] = {}
+    for line in comps[entry]:
+        if " while(" not in line or _TRIP.search(line):
+            continue
+        body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+        for kind, t in collective_totals(hlo_text, min_elements, start=body).items():
+            acc = out.setdefault(kind, {"count": 0, "elements": 0, "bytes": 0, "sent": 0})
+            for k, v in t.items():
+                acc[k] += v
+    return out
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\w+)\[([\d,]*)\]")

@@ -17,6 +17,7 @@ from jaxcolossal.config.derived import (
     pipeline_microbatches,
     posttrain_loss_type,
     prefetches_weights,
+    rollout_tp_sizes,
     weight_gather_dtype,
 )
 from jaxcolossal.config.reward_funcs import reward_specs
@@ -135,6 +136,7 @@ RANGES: dict[str, Range] = {
     "posttrain.temperature": _GT0, "posttrain.top_k": Range(0, note="0: all tokens"),
     "posttrain.top_p": Range(0, 1, lo_open=True), "posttrain.epsilon": Range(0, 1, lo_open=True, hi_open=True),
     "posttrain.epsilon_high": Range(0, note="0: epsilon"), "posttrain.num_iterations": _POS,
+    "posttrain.rollout_tp": Range(0, note="0: a host's devices, capped by the kv heads"),
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
@@ -528,6 +530,7 @@ def _check_devices(cfg: Config, num_devices: int) -> None:
                 f"training.batch_size={t.batch_size} does not split into parallel.num_microbatches={mb} "
                 f"pipeline microbatches per data-parallel shard (data_parallel_size={dp}): "
                 f"it must be divisible by {dp} × {mb} = {dp * mb}")
+    _check_rollout_tp(cfg, num_devices)
     zero_group = dp // p.expert_parallel_size
     if p.zero_stage > 0 and m.hidden_size % zero_group:
         raise ConfigError(
@@ -535,6 +538,22 @@ def _check_devices(cfg: Config, num_devices: int) -> None:
             f"group: model.hidden_size={m.hidden_size} is not divisible by "
             + (f"{zero_group} (data_parallel_size={dp} / expert_parallel_size={p.expert_parallel_size})"
                if p.expert_parallel_size > 1 else f"data_parallel_size={dp}"))
+
+
+def _check_rollout_tp(cfg: Config, num_devices: int) -> None:
+    """GRPO's explicit ``posttrain.rollout_tp`` against the model and the devices (:func:`rollout_tp_sizes`).
+
+    Raises:
+        ConfigError: one line naming the key and the sizes that work."""
+    po = cfg.posttrain
+    if cfg.training.objective != "grpo" or po.rollout_layout != "decode" or not po.rollout_tp:
+        return
+    sizes = rollout_tp_sizes(cfg, num_devices)
+    if po.rollout_tp not in sizes:
+        raise ConfigError(f"posttrain.rollout_tp={po.rollout_tp} does not split {num_devices} devices, the heads "
+                          f"({cfg.model.num_attention_heads}, {cfg.model.num_key_value_heads} kv), the MLP and the "
+                          f"{cfg.training.batch_size} rollout rows evenly; sizes that do: {sizes} (0: the largest "
+                          "within a host)")
 
 
 def _check_sequence(cfg: Config, p: ParallelConfig) -> None:

@@ -129,3 +129,24 @@ def holds_reference(cfg: Config) -> bool:
     t, po = cfg.training, cfg.posttrain
     needs = t.objective == "dpo" or (t.objective == "grpo" and po.beta > 0)
     return needs and po.reference == "frozen"
+
+
+def rollout_tp_sizes(cfg: Config, num_devices: int) -> list[int]:
+    """The decode layout's possible tensor-parallel sizes on ``num_devices``: those that divide the
+    devices, ``model.num_attention_heads``, ``num_key_value_heads`` and ``intermediate_size`` (the
+    splits Megatron's tp makes) and leave a data group of ``num_devices / tp`` that divides the
+    rollout's ``training.batch_size`` rows, smallest first."""
+    m, rows = cfg.model, cfg.training.batch_size
+    dims = (m.num_attention_heads, m.num_key_value_heads, m.intermediate_size)
+    return [t for t in range(1, num_devices + 1)
+            if num_devices % t == 0 and all(d % t == 0 for d in dims) and rows % (num_devices // t) == 0]
+
+
+def rollout_tp(cfg: Config, num_devices: int, devices_per_host: int) -> int:
+    """GRPO's decode-layout tensor-parallel size: ``posttrain.rollout_tp`` when set, else the largest of
+    :func:`rollout_tp_sizes` within a host's ``devices_per_host`` devices (the kv heads cap it: a kv head
+    is never split); 1 when none is (then the caller's check refuses an explicit size)."""
+    if cfg.posttrain.rollout_tp:
+        return cfg.posttrain.rollout_tp
+    fits = [t for t in rollout_tp_sizes(cfg, num_devices) if t <= devices_per_host]
+    return fits[-1] if fits else 1

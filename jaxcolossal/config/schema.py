@@ -944,6 +944,17 @@ class PosttrainConfig:
     """GRPO: completions that hit ``max_completion_length`` without an end-of-text token are left out
     of the loss (TRL's ``mask_truncated_completions``, DAPO's overlong filtering). Needs an end-of-text
     id (the tokenizer's or ``model.init_from``'s): without one every completion would be left out."""
+    rollout_layout: Literal["decode", "training"] = "decode"
+    """GRPO: the params' layout for the rollout's sampler. ``decode`` (the default): once per rollout the
+    policy's compute params (LoRA's adapters with them) are resharded from the training layout into a
+    decode layout on the same devices, split over ``rollout_tp`` only and whole over the data axes, so
+    the decode loop holds no parameter collective (verl's 3D-HybridEngine, NeMo-RL's refit);
+    ``training``: decode on the params as training lays them out (ZeRO-3 gathers every layer at every
+    token; no second copy of the weights)."""
+    rollout_tp: int = 0
+    """GRPO: the decode layout's tensor-parallel size, >= 0; 0 (the default): a host's devices, capped
+    by the kv heads (the largest size that divides the devices, the heads, the kv heads and spares a
+    data shard for every rollout row group). It must divide the number of devices and the heads."""
     log_completions: bool = False
     """GRPO: at each logged step (``logging.log_every``), print the first completions of the newest
     rollout (4: the first group's) with their prompt, each reward function's value, the weighted reward
@@ -952,7 +963,8 @@ class PosttrainConfig:
 
 GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "top_k", "top_p", "epsilon",
                   "epsilon_high", "num_iterations", "scale_rewards", "reward_funcs", "reward_weights",
-                  "format_pattern", "mask_truncated_completions", "log_completions")
+                  "format_pattern", "mask_truncated_completions", "log_completions", "rollout_layout",
+                  "rollout_tp")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing",)

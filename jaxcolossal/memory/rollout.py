@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config
-from jaxcolossal.config.derived import grpo_prompt_length, holds_reference
+from jaxcolossal.config.derived import grpo_prompt_length, holds_reference, rollout_tp
 from jaxcolossal.memory.placement import local_elements
-from jaxcolossal.models import get_family
+from jaxcolossal.models import get_family, param_layout
+from jaxcolossal.parallel.decode_layout import decode_mesh_shape, decode_spec
 from jaxcolossal.parallel.mesh import DATA_AXES, entry_axes
 from jaxcolossal.parallel.sharding import RULES, is_shape, logical_to_spec, shard_bytes
 
@@ -101,21 +102,54 @@ def _gathered_layer_bytes(cfg: Config, shapes: Any, mesh_shape: Mapping[str, int
     return per_layer * BYTES_PER_PARAM[cfg.precision.mode]["p"] // mesh_shape.get("tp", 1)
 
 
+def decode_shape(cfg: Config, mesh_shape: Mapping[str, int]) -> dict[str, int]:
+    """The mesh shape the rollout's sampler runs on: the decode layout's
+    (:func:`jaxcolossal.parallel.decode_layout.decode_mesh_shape`, ``posttrain.rollout_tp`` or
+    :func:`~jaxcolossal.config.derived.rollout_tp` within ``offload.devices_per_host``), or the
+    training mesh's with ``posttrain.rollout_layout=training``."""
+    if cfg.posttrain.rollout_layout != "decode":
+        return dict(mesh_shape)
+    n = math.prod(mesh_shape.values())
+    return decode_mesh_shape(n, rollout_tp(cfg, n, cfg.offload.devices_per_host), mesh_shape.get("ep", 1))
+
+
+def decode_copy_bytes(cfg: Config, dshape: Mapping[str, int]) -> int:
+    """Per-device bytes of the params' decode copy: each base param in the compute dtype, split as
+    :func:`~jaxcolossal.parallel.decode_layout.decode_spec` splits its rules-table spec over the
+    decode mesh ``dshape`` (tp, the experts over ep; whole over the data axes); 0 on the training
+    layout. LoRA's adapters ride along and are not counted (rank × (in + out) a layer)."""
+    if cfg.posttrain.rollout_layout != "decode":
+        return 0
+    _, shapes, axes = param_layout(cfg.model, dshape.get("tp", 1))
+    flat_s = jax.tree.leaves(shapes, is_leaf=is_shape)
+    flat_a = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    total = 0
+    for shape, ax in zip(flat_s, flat_a):
+        spec = decode_spec(logical_to_spec(ax, RULES), tuple(shape), dshape)
+        split = math.prod(dshape[a] for e in spec for a in entry_axes(e))
+        total += math.prod(shape) // split
+    return total * BYTES_PER_PARAM[cfg.precision.mode]["p"]
+
+
 def rollout_need(cfg: Config, shapes: Any, mesh_shape: Mapping[str, int], state: int) -> dict:
-    """GRPO's rollout phase per device (module docstring), bytes: ``kv_cache`` (one cache),
-    ``scores`` (the prefill's fp32 attention scores of one layer), ``gathered`` (ZeRO-3's gathered
-    layer), ``temporaries`` (the sampler's: twice the cache + scores + gathered), ``batch`` (the
-    rollout batch's :data:`ROLLOUT_FIELDS`) and ``total`` (``state`` — the resident train state, the
-    reference included — + temporaries + batch). ``shapes``: the base model's param shapes."""
+    """GRPO's rollout phase per device (module docstring), bytes: ``decode_copy`` (the params in the
+    decode layout, :func:`decode_copy_bytes`), ``kv_cache`` (one cache), ``scores`` (the prefill's fp32
+    attention scores of one layer), ``gathered`` (ZeRO-3's gathered layer, on the training layout
+    only), ``temporaries`` (the sampler's: twice the cache + scores + gathered), ``batch`` (the rollout
+    batch's :data:`ROLLOUT_FIELDS`) and ``total`` (``state`` — the resident train state, the reference
+    included — + decode copy + temporaries + batch); ``decode_shape``, the sampler's mesh shape.
+    ``shapes``: the base model's param shapes; ``mesh_shape``: the training mesh's."""
     t, m = cfg.training, cfg.model
-    data, tp = _data_size(mesh_shape), mesh_shape.get("tp", 1)
+    dshape = decode_shape(cfg, mesh_shape)
+    data, tp = _data_size(dshape), dshape.get("tp", 1)
     rows = max(1, t.batch_size // data)
     prompt = grpo_prompt_length(cfg)
     slots = prompt + cfg.posttrain.max_completion_length
-    kv = kv_cache_bytes(cfg, mesh_shape)
+    kv = kv_cache_bytes(cfg, dshape)
     scores = rows * max(1, m.num_attention_heads // tp) * slots * prompt * jnp.dtype(jnp.float32).itemsize
-    gathered = _gathered_layer_bytes(cfg, shapes, mesh_shape)
+    gathered = 0 if cfg.posttrain.rollout_layout == "decode" else _gathered_layer_bytes(cfg, shapes, mesh_shape)
+    copy = decode_copy_bytes(cfg, dshape)
     temporaries = 2 * kv + scores + gathered
-    batch = len(ROLLOUT_FIELDS) * rows * t.seq_len * 4
-    return {"kv_cache": kv, "scores": scores, "gathered": gathered, "temporaries": temporaries, "batch": batch,
-            "total": state + temporaries + batch}
+    batch = len(ROLLOUT_FIELDS) * max(1, t.batch_size // _data_size(mesh_shape)) * t.seq_len * 4
+    return {"decode_copy": copy, "kv_cache": kv, "scores": scores, "gathered": gathered, "temporaries": temporaries,
+            "batch": batch, "total": state + copy + temporaries + batch, "decode_shape": dshape}

@@ -133,18 +133,23 @@ def _grpo_line(cfg: Config, num_devices: int, shape: dict) -> str:
     n = need(cfg, num_devices, "gpu")  # the config's static offload fractions, as the step's line
     r, ref = n["rollout"], n["reference"]
     slot, over_tp = kv_cache_slot(cfg)
-    data, tp = math.prod(shape[a] for a in DATA_AXES), shape["tp"]
+    dshape = r["decode_shape"]
+    data, tp = math.prod(dshape[a] for a in DATA_AXES), dshape["tp"]
     prompt = grpo_prompt_length(cfg)
     reference = (f"reference = a frozen copy of the initial params in {cfg.precision.mode}: {gib(ref)} per device"
                  if ref else "no reference copy (" + ("beta 0" if po.beta == 0 else "the LoRA base") + ", 0 B)")
     return (f"GRPO       {reference}; rollouts of {t.batch_size // po.num_generations} prompts × {po.num_generations} "
             f"generations = {t.batch_size} rows of {prompt} prompt + {po.max_completion_length} completion tokens\n"
-            f"rollout    KV cache {gib(r['kv_cache'])} per device ({t.batch_size} rows × {prompt + po.max_completion_length} "
+            + (f"rollout    decode layout tp {tp} × data {data} (posttrain.rollout_layout=decode): the params "
+               f"resharded once per rollout, a copy of {gib(r['decode_copy'])} per device\n" if r["decode_copy"] else
+               "rollout    decoding on the training layout (posttrain.rollout_layout=training)\n")
+            + f"rollout    KV cache {gib(r['kv_cache'])} per device ({t.batch_size} rows × {prompt + po.max_completion_length} "
             f"slots × {slot} × {b['p']} B, rows over data {data}, "
             + (f"kv heads over tp {tp}" if over_tp else "whole on every tp rank")
             + f"); rollout batch {gib(r['batch'])} per device "
             f"({len(ROLLOUT_FIELDS)} fp32/int32 [{t.batch_size}, {t.seq_len}] fields); rollout peak {gib(r['total'])} "
-            f"(state + 2 × KV cache + prefill scores {gib(r['scores'])}"
+            f"(state + " + (f"decode copy {gib(r['decode_copy'])} + " if r["decode_copy"] else "")
+            + f"2 × KV cache + prefill scores {gib(r['scores'])}"
             + (f" + a gathered layer {gib(r['gathered'])}" if r["gathered"] else "")
             + f" + batch), step peak {gib(n['step_total'])}: the plan's peak is the "
             + ("rollout's" if r["total"] > n["step_total"] else "step's"))

@@ -39,10 +39,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.config.derived import grpo_prompt_length
+from jaxcolossal.config.derived import grpo_prompt_length, rollout_tp
 from jaxcolossal.data.prompts import PromptData, prompt_batch
 from jaxcolossal.errors import RewardError
 from jaxcolossal.generate import Sampling, make_generator, pad_prompts, run_eos_ids
+from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.models.layers.logprobs import token_logprobs
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
@@ -173,6 +174,12 @@ class Rollouts:
         self.shown: list[dict] = []
         self._generators: dict = {}
         self._logps = jax.jit(functools.partial(rollout_token_logps, plan))
+        mesh = getattr(plan, "mesh", None)
+        self.decode_tp = rollout_tp(cfg, mesh.size, jax.local_device_count()) if mesh is not None else 1
+        self.gen_mesh = decode_mesh(mesh, self.decode_tp) if mesh is not None and po.rollout_layout == "decode" \
+            else mesh
+        """The sampler's mesh: the decode layout's (:mod:`jaxcolossal.parallel.decode_layout`) or the training one."""
+        self._reshard = None
 
     def _refuse_what_trains_nothing(self, prompts: PromptData) -> None:
         """Before anything compiles: a reward function that cannot take the rows' fields, ``exact_match``
@@ -288,9 +295,15 @@ class Rollouts:
         return int(own) if own is not None else self.eos[0] if self.eos else 0
 
     def _generate(self, params, tokens, mask, key, sampling: Sampling) -> tuple[np.ndarray, np.ndarray]:
-        """Completions int32 ``[B, C]`` and lengths ``[B]``, gathered to every process."""
+        """Completions int32 ``[B, C]`` and lengths ``[B]``, gathered to every process. With
+        ``posttrain.rollout_layout=decode`` the params are resharded into the decode layout first
+        (:mod:`jaxcolossal.parallel.decode_layout`); that copy is dropped on return."""
+        if self.gen_mesh is not self.plan.mesh:
+            if self._reshard is None:
+                self._reshard, _ = make_reshard(params, self.gen_mesh)
+            params = self._reshard(params)
         fn = self._generator(params, sampling)
-        batch_sharding = NamedSharding(self.plan.mesh, logical_to_spec(("batch", None), RULES))
+        batch_sharding = NamedSharding(self.gen_mesh, logical_to_spec(("batch", None), RULES))
         put = {k: jax.make_array_from_callback(v.shape, batch_sharding, lambda i, v=v: v[i])
                for k, v in (("tokens", tokens), ("mask", mask))}
         out, lengths = fn(params, put["tokens"], put["mask"], key)
@@ -305,7 +318,7 @@ class Rollouts:
             specs = jax.tree.map(lambda x: x.sharding.spec, params)
             self._generators[name] = make_generator(
                 self.plan.family, self.cfg.model, self.C, sampling, eos_id=self.eos, pad_id=self._pad,
-                mesh=self.plan.mesh, param_specs=specs, fp8=self.cfg.precision.fp8)
+                mesh=self.gen_mesh, param_specs=specs, fp8=self.cfg.precision.fp8)
         return self._generators[name]
 
     def _score(self, data: PromptData, idx: np.ndarray, completions: np.ndarray, lengths: np.ndarray, where: str,
