@@ -6,7 +6,8 @@ soft-cap and scale, GPT-OSS's sinks, a row with nothing to attend to; fp32, max 
 against without (logits within 1e-5), greedy generation token-equal with and without it on one device
 and on a tp 2 × fsdp 4 mesh, and what falls back to XLA's attention.
 
-The Triton lowering is compiled by XLA's GPU compiler in tests/gpu_compile/test_decode_compile.py.
+The Triton lowering is exported for CUDA here (``jax.export``) and compiled by XLA's GPU compiler in
+tests/gpu_compile/test_decode_compile.py (slow).
 """
 
 import jax
@@ -218,3 +219,21 @@ def test_the_kernel_in_bf16_stays_near_xla():
     assert got.dtype == jnp.bfloat16
     assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))) <= 2e-2
 
+
+
+def test_exports_for_cuda_with_the_triton_kernel():
+    """Lowered for CUDA from this CPU (``jax.export``; XLA:GPU compiles it in tests/gpu_compile): one Triton
+    call, bf16 caches of 1537 slots (the 8B GRPO sampler's; the last block moved back), head dim 128,
+    GQA 32/8, a traced window, soft-cap and sinks."""
+    q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 1537, 8, 128), jnp.bfloat16)
+    args = (q, cache, cache, jax.ShapeDtypeStruct((2, 1537), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((32,), jnp.float32))
+    on = Sharder(None).with_decode_kernel(None)  # decided when lowering: the kernel for CUDA
+
+    def f(q, k, v, valid, window, sinks):
+        return attend_cache(q, k, v, jnp.int32(1500), valid, on, window, softcap=30.0, sinks=sinks)
+
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
