@@ -141,8 +141,8 @@ def _kernel(q_ref, k_ref, v_ref, ok_ref, span_ref, o_ref, m_ref, l_ref, *, scale
         o = o * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return o, m_new, l
 
-    G, D = q.shape
-    init = (jnp.zeros((G, D), jnp.float32), jnp.full((G,), -jnp.inf, jnp.float32), jnp.zeros((G,), jnp.float32))
+    G, D = q.shape  # m starts finite (an empty split keeps o = l = 0 and weighs nothing): no inf - inf anywhere
+    init = (jnp.zeros((G, D), jnp.float32), jnp.full((G,), MASKED, jnp.float32), jnp.zeros((G,), jnp.float32))
     o, m, l = jax.lax.fori_loop(first, last, body, init)
     o_ref[...] = o
     m_ref[...] = m
@@ -183,7 +183,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sinks: jax.Array | None) 
     top = jnp.max(m, axis=2)
     if sinks is not None:
         top = jnp.maximum(top, sinks[None])
-    w = jnp.exp(m - top[:, :, None])  # an empty split (m = -inf) weighs 0
+    w = jnp.exp(m - top[:, :, None])  # an empty split has o = l = 0: whatever its weight, it adds nothing
     den = jnp.sum(w * l, axis=2)
     if sinks is not None:
         den = den + jnp.exp(sinks[None] - top)
