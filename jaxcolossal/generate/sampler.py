@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcolossal.generate.eos import EosIds, eos_ids
 from jaxcolossal.generate.sampling import Sampling, next_token
 from jaxcolossal.models import param_layout
+from jaxcolossal.models.layers.decode_attention import kernel_choice
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.sharding import RULES, Sharder, entry_axes, logical_to_spec, state_specs
 
@@ -113,7 +114,8 @@ def _choose(logits, key, sampling: Sampling, done, eos: tuple[int, ...], pad_id)
 
 def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
                    eos_id: EosIds = None, pad_id: int = 0, mesh: Mesh | None = None,
-                   param_specs: Any = None, dtype=None, rules=RULES, fp8: bool = False) -> Callable:
+                   param_specs: Any = None, dtype=None, rules=RULES, fp8: bool = False,
+                   decode_kernel: bool | None = None) -> Callable:
     """A jitted ``(params, tokens [b, P], mask [b, P], key) -> (out int32 [b, max_new_tokens], lengths
     int32 [b])`` for left-padded prompts (:func:`pad_prompts`): the prefill, then the decode loop.
     ``eos_id``: the end-of-text id, or a list of them (a row stops at the first token that is any of
@@ -125,6 +127,13 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     data axes). The cache is in ``dtype`` (``None``: the embedding's dtype, the compute dtype).
     ``fp8``: the projections multiply in FP8, as a ``precision.fp8`` run trains.
 
+    ``decode_kernel``: the decode steps' attention as the Pallas flash-decoding kernel
+    (:mod:`jaxcolossal.models.layers.decode_attention`; the prefill always runs XLA's attention).
+    ``None`` (default): on for a GPU mesh, off on any other; without a mesh, decided when lowering
+    (the kernel for CUDA). ``True``: the kernel (Triton on GPUs, the Pallas interpreter elsewhere: for
+    tests); ``False``: XLA's attention. Shapes the kernel does not take run XLA's attention either way
+    (:func:`~jaxcolossal.models.layers.decode_attention.kernel_refusal`).
+
     Raises:
         ValueError: a family without a decode path, ``max_new_tokens < 1``, bad ``sampling``, or an
             ``eos_id`` that is not an id (a non-negative int) or a list of them.
@@ -135,7 +144,7 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling.check()
-    shard = Sharder(mesh, rules).with_fp8(fp8)
+    shard = Sharder(mesh, rules).with_fp8(fp8).with_decode_kernel(kernel_choice(decode_kernel, mesh))
 
     def run(params, tokens, mask, key):
         params = fetch_layer(params)  # offloaded (host-memory) params into device memory
@@ -206,11 +215,12 @@ def pad_batch(tokens: np.ndarray, mask: np.ndarray, multiple: int, pad_id: int =
 def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: Sampling = Sampling(greedy=True), eos_id: EosIds = None, pad_id: int = 0,
              seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=None,
-             rules=RULES, fp8: bool = False) -> Generated:
+             rules=RULES, fp8: bool = False, decode_kernel: bool | None = None) -> Generated:
     """Generate up to ``max_new_tokens`` tokens after each of ``prompts`` (token lists of any lengths)
     with :func:`make_generator` (compiled on every call: reuse :func:`make_generator` to sample
     repeatedly). ``params``: the family's params (fp32 or the compute ``dtype``; on a ``mesh``, laid
     out as ``param_specs``). ``eos_id``: an id or a list of ids (any of them ends a row) or None.
+    ``decode_kernel``: as :func:`make_generator`'s.
 
     On a ``mesh`` whose data axes do not divide the number of prompts, the batch is padded with
     one-token rows (:func:`pad_batch`) up to a multiple of :func:`data_shards`; they are dropped from
@@ -218,7 +228,8 @@ def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_toke
 
     Raises ValueError as :func:`pad_prompts` and :func:`make_generator`."""
     tokens, mask = pad_prompts(prompts, pad_id)
-    fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype, rules, fp8)
+    fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype, rules, fp8,
+                        decode_kernel)
     tokens, mask = pad_batch(tokens, mask, data_shards(mesh, rules), pad_id)
     out, lengths = fn(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(seed))
     n = len(prompts)

@@ -310,6 +310,10 @@ class Sharder:
         manual ``ep`` axis directly, take the router's statistics over the data axes, and add their
         router losses' gradient with that weight (:func:`jaxcolossal.models.layers.moe.moe_mlp`); ``None``
         elsewhere."""
+        self.decode_kernel: bool | None = False
+        """The KV-cached sampler's decode attention: ``True`` the Pallas flash-decoding kernel, ``False``
+        XLA's attention, ``None`` decided when lowering (the kernel for CUDA)
+        (:func:`jaxcolossal.models.layers.decode_attention.attend_cache`)."""
 
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         if self.mesh is None:
@@ -359,6 +363,10 @@ class Sharder:
     def with_fp8(self, on: bool = True) -> "Sharder":
         """This sharder, with the layers' projections in FP8 (:attr:`fp8`)."""
         return self._copy(fp8=bool(on))
+
+    def with_decode_kernel(self, on: bool | None) -> "Sharder":
+        """This sharder, with the decode attention chosen by ``on`` (:attr:`decode_kernel`)."""
+        return self._copy(decode_kernel=None if on is None else bool(on))
 
     def with_layer_prefetch(self, layer_param_specs: Any) -> "Sharder":
         """This sharder, with :attr:`layer_specs` from the stacked layers' param specs

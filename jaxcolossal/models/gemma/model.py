@@ -46,7 +46,8 @@ from flax import nnx
 from jaxcolossal.config import ModelConfig, RopeConfig
 from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import vocab
-from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
+from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.decode_attention import attend_cache
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
 from jaxcolossal.models.layers.norm import rms_norm
@@ -324,7 +325,6 @@ def _cached_layers(x: jax.Array, params: dict, cache: dict, cfg: ModelConfig, ta
     cache): each writes its keys/values at slot ``index`` and attends over the whole cache, masked by
     ``kv_valid [b, S]`` and its window. Returns ``(x, the updated cache)``."""
     cache_spec = CACHE_AXES[1:]
-    t = x.shape[1]
 
     def body(h, xs):
         lp, e, kc, vc = xs
@@ -333,8 +333,8 @@ def _cached_layers(x: jax.Array, params: dict, cache: dict, cfg: ModelConfig, ta
         q, k, v = project_qkv(h, lp, cfg, cos, sin, shard)
         kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), cache_spec)
         vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), cache_spec)
-        mask = cache_mask(index, t, kv_valid, layer_window(lp, cfg))
-        a = cached_attention(q, kc, vc, mask, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping)
+        a = attend_cache(q, kc, vc, index, kv_valid, shard, layer_window(lp, cfg), scale=cfg.attention_scale,
+                         softcap=cfg.attn_logit_softcapping)
         return mlp_block(attention_output(h, a.astype(h.dtype), lp, cfg, shard), lp, cfg, shard), (kc, vc)
 
     extras = layer_extras(cfg, 0, cfg.num_layers)

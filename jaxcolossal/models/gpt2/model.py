@@ -42,7 +42,8 @@ from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models.layers import vocab
-from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
+from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.decode_attention import attend_cache
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.norm import layer_norm
 from jaxcolossal.models.layers.vocab import Sharder, embed_lookup, init_vocab_padded, no_shard, padded_vocab_size
@@ -263,14 +264,13 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
     x = embed_lookup(params["wte"], tokens, shard, False, cfg.embedding_impl)
     wpe = jnp.take(params["wpe"], positions, axis=0)
     x = shard((x.astype(jnp.float32) + wpe.astype(jnp.float32)).astype(x.dtype), ("batch", "seq", "embed"))
-    mask = cache_mask(index, tokens.shape[1], kv_valid)
 
     def body(h, xs):
         lp, kc, vc = xs
         q, k, v = _project_qkv(h, lp, cfg, shard)
         kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), CACHE_AXES[1:])
         vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), CACHE_AXES[1:])
-        a = cached_attention(q, kc, vc, mask).astype(h.dtype)
+        a = attend_cache(q, kc, vc, index, kv_valid, shard).astype(h.dtype)
         return _attention_output_and_mlp(h, a, lp, cfg, shard), (kc, vc)
 
     c = cache["layers"]

@@ -44,7 +44,8 @@ from flax import nnx
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import moe, vocab
-from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
+from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.decode_attention import attend_cache
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
 from jaxcolossal.models.layers.norm import rms_norm
@@ -323,7 +324,7 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
     """
     x = shard(embed_lookup(params["embed_tokens"], tokens, shard, False, cfg.embedding_impl), ("batch", "seq", "embed"))
     cos, sin = rope_tables(tokens.shape[1], cfg, positions)
-    t, spec = tokens.shape[1], CACHE_AXES[1:]
+    spec = CACHE_AXES[1:]
 
     def body(h, xs):
         lp, e, kc, vc = xs
@@ -331,8 +332,8 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
         q, k, v = project_qkv(h, lp, cfg, cos, sin, shard)
         kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), spec)
         vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), spec)
-        mask = cache_mask(index, t, kv_valid, layer_window(lp, cfg))
-        a = cached_attention(q, kc, vc, mask, sinks=lp.get("sinks")).astype(h.dtype)
+        a = attend_cache(q, kc, vc, index, kv_valid, shard, layer_window(lp, cfg), sinks=lp.get("sinks"))
+        a = a.astype(h.dtype)
         h, _ = moe_half(attention_output(h, a, lp, cfg, shard), lp, cfg, shard)
         return h, (kc, vc)
 

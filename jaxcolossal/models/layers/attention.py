@@ -115,7 +115,8 @@ def _with_sinks(scores: jax.Array, sinks: jax.Array | None, kv: int, normalise) 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, scale: float | None = None,
                      softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
-    """Grouped-query attention of new queries over a KV cache (the decode path of every family).
+    """Grouped-query attention of new queries over a KV cache in XLA (the decode path of every family; on
+    GPU meshes the decode steps run :func:`jaxcolossal.models.layers.decode_attention.attend_cache`'s kernel).
 
     Args:
         q: ``[b, t, h, dq]``, the ``t`` new tokens' queries (already rotated).

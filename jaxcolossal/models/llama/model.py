@@ -43,7 +43,8 @@ from flax import nnx
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import moe, vocab
-from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
+from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.decode_attention import attend_cache
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt, with_dropout_keys
 from jaxcolossal.models.layers.norm import rms_norm
@@ -369,7 +370,6 @@ def _cached_stack(x: jax.Array, layers: dict, cache: dict, cfg: ModelConfig, cos
     mask from ``kv_valid [b, S]`` and the layer's window (``extras``: :func:`layer_extras`).
     Returns ``(x, the stack's updated cache)``."""
     cache_spec = CACHE_AXES[1:]
-    t = x.shape[1]
 
     def body(h, xs):
         lp, e, kc, vc = xs
@@ -377,8 +377,8 @@ def _cached_stack(x: jax.Array, layers: dict, cache: dict, cfg: ModelConfig, cos
         q, k, v = project_qkv(h, lp, cfg, cos, sin, shard)
         kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), cache_spec)
         vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), cache_spec)
-        mask = cache_mask(index, t, kv_valid, layer_window(lp, cfg))
-        h = attention_output(h, cached_attention(q, kc, vc, mask).astype(h.dtype), lp, cfg, shard)
+        a = attend_cache(q, kc, vc, index, kv_valid, shard, layer_window(lp, cfg))
+        h = attention_output(h, a.astype(h.dtype), lp, cfg, shard)
         if experts:
             mesh = getattr(shard, "mesh", None)
             y, _ = moe.moe_mlp(_norm_in(h, lp["mlp_norm"], cfg), lp, cfg, mesh)
