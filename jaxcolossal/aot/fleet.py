@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.aot import gpu_schedule as schedule
 from jaxcolossal.aot import hlo
+from jaxcolossal.aot.rollout import compile_rollout
 from jaxcolossal.aot.target import Target, compile_only_devices, topology
 from jaxcolossal.config import Config, ConfigError, double_buffers_loops, validate
 from jaxcolossal.parallel.mesh import make_mesh, platform
@@ -74,6 +75,8 @@ class FleetCompile:
     matmuls: dict = field(default_factory=dict)
     """Matmul executions per step by inputs (:func:`jaxcolossal.aot.hlo.fp8_matmuls`): ``fp8``,
     ``cublaslt``, ``fusion``, ``other``."""
+    rollout: list = field(default_factory=list)
+    """GRPO: the rollout phase's programs (:func:`jaxcolossal.aot.rollout.compile_rollout`); ``[]`` otherwise."""
 
     @property
     def peak(self) -> int:
@@ -86,8 +89,13 @@ class FleetCompile:
         return self.target.hbm_bytes
 
     @property
+    def run_peak(self) -> int:
+        """The run's peak per device: the step's, or a GRPO rollout program's with the train state beside it."""
+        return max([self.peak] + [r.phase_peak for r in self.rollout])
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.hbm
+        return self.run_peak <= self.hbm
 
     @property
     def compute_s(self) -> float:
@@ -95,8 +103,8 @@ class FleetCompile:
         return self.flops / self.target.peak_bf16
 
     def verdict(self) -> str:
-        """``fits, N GiB free`` or ``does not fit by N GiB``."""
-        gap = (self.hbm - self.peak) / GiB
+        """``fits, N GiB free`` or ``does not fit by N GiB`` (:attr:`run_peak`)."""
+        gap = (self.hbm - self.run_peak) / GiB
         return f"fits, {gap:.2f} GiB free" if gap >= 0 else f"does not fit by {-gap:.2f} GiB"
 
 
@@ -218,7 +226,11 @@ def compile_for(cfg: Config, target: Target, num_devices: int, devices_per_host:
     with _captured_stderr(messages):
         compiled = step.lower(abstract_state(plan, tx), abstract_batch(cfg, plan)).compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
-    return _read(compiled, target, num_devices, per_host, plan, compile_s, options, messages, keep_hlo)
+    result = _read(compiled, target, num_devices, per_host, plan, compile_s, options, messages, keep_hlo)
+    if cfg.training.objective == "grpo":  # the state is donated: its bytes are the aliased ones
+        result.rollout = compile_rollout(cfg, plan, abstract_state(plan, tx), per_host,
+                                         result.memory["alias"] or result.memory["argument"], options)
+    return result
 
 
 def _read(compiled, target: Target, n: int, per_host: int, plan, compile_s: float, options: dict,

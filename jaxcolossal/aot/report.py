@@ -83,6 +83,23 @@ def _worst_pairs(fc: FleetCompile, top: int = 5) -> list[str]:
     return lines
 
 
+def _rollout(fc: FleetCompile) -> list[str]:
+    """GRPO: each rollout program's peak, its phase's peak with the train state, its collectives and, for
+    the sampler, those of one decode step."""
+    if not fc.rollout:
+        return []
+    lines = ["GRPO rollout programs (per device; phase: with the resident train state beside it):"]
+    for r in fc.rollout:
+        moved = sum(c["bytes"] for c in r.collectives.values())
+        line = (f"  {r.name:<10} peak {_gib(r.memory['peak']):>12} (temporaries {_gib(r.memory['temp'])}), phase "
+                f"{_gib(r.phase_peak):>12}; collectives {_gib(moved)}")
+        if r.name == "sampler":
+            step = ", ".join(f"{k} {_gib(v['bytes'])}" for k, v in sorted(r.per_decode_step.items())) or "none"
+            line += f" (the prefill and one decode step); per decode step: {step}"
+        lines.append(line)
+    return lines
+
+
 def text(fc: FleetCompile) -> str:
     """The report ``--compile-for`` prints; its last line is :meth:`FleetCompile.verdict`."""
     calls = ", ".join(f"{k} ×{v:,}" for k, v in sorted(fc.custom_calls.items(), key=lambda kv: -kv[1])) or "none"
@@ -91,7 +108,7 @@ def text(fc: FleetCompile) -> str:
     m = fc.matmuls
     fp8 = ([f"FP8 matmuls per step: {m['fp8']:,} (cuBLASLt FP8 GEMMs {m['cublaslt']:,}, GEMM fusions with FP8 "
             f"operands {m['fusion']:,}); other matmuls {m['other']:,}"] if m.get("fp8") else [])
-    return "\n".join(_header(fc) + _memory(fc) + _collectives(fc) + _worst_pairs(fc)
+    return "\n".join(_header(fc) + _memory(fc) + _collectives(fc) + _worst_pairs(fc) + _rollout(fc)
                      + [f"custom calls per step: {calls}"] + fp8
                      + [f"XLA GPU options (parallel.overlap, bucket_size_mb): {options}", fc.verdict()])
 
@@ -114,6 +131,7 @@ def as_json(fc: FleetCompile) -> dict:
         "matmuls": fc.matmuls,
         "compiler_options": fc.compiler_options, "compiler_messages": fc.compiler_messages,
         "async_pairs": [dataclasses.asdict(p) for p in fc.pairs if p.sent >= 4096],
+        "rollout": [dataclasses.asdict(r) for r in fc.rollout], "run_peak": fc.run_peak,
     }
 
 
@@ -121,5 +139,5 @@ def against_prediction(cfg: Config, fc: FleetCompile) -> str:
     """One line: the planner's predicted per-device peak (:func:`jaxcolossal.memory.budget.need`, the
     GPU's memory terms) against the compiled one, for ``--dry-run --compile-for``."""
     predicted = need(cfg, fc.num_devices, backend="gpu")["total"]
-    return (f"memory per device: predicted {_gib(predicted)} by the planner, compiled {_gib(fc.peak)} "
-            f"({(predicted - fc.peak) / fc.peak:+.1%}); the compiled figure is the one to trust (docs/planner.md)")
+    return (f"memory per device: predicted {_gib(predicted)} by the planner, compiled {_gib(fc.run_peak)} "
+            f"({(predicted - fc.run_peak) / fc.run_peak:+.1%}); the compiled figure is the one to trust (docs/planner.md)")

@@ -30,7 +30,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcolossal.aot import fleet, hlo, target
+from jaxcolossal.aot import fleet, hlo, report, target
 from jaxcolossal.config import load_config
 from jaxcolossal.config.derived import grpo_prompt_length, holds_reference, rollout_tp
 from jaxcolossal.generate import Sampling, make_generator
@@ -84,10 +84,15 @@ def grpo_8b():
 
 
 @pytest.fixture(scope="module")
-def step_memory(grpo_8b):
+def fleet_8b(grpo_8b):
+    """``--compile-for h200x8``'s result: the train step and the rollout's programs."""
     cfg, _, _, h200 = grpo_8b
-    fc = fleet.compile_for(cfg, h200, DEVICES, keep_hlo=False)
-    return {**fc.memory, "peak": fc.peak}
+    return fleet.compile_for(cfg, h200, DEVICES, keep_hlo=False)
+
+
+@pytest.fixture(scope="module")
+def step_memory(fleet_8b):
+    return {**fleet_8b.memory, "peak": fleet_8b.peak}
 
 
 def test_the_train_step_holds_the_reference_and_fits(grpo_8b, step_memory):
@@ -204,3 +209,38 @@ def test_the_decode_layout_gathers_no_weights_per_token(grpo_8b, step_memory):
     peak = resident + max(_memory(rc)["temp"] + copy, m["peak"])
     assert planned["total"] == pytest.approx(peak, rel=0.10)
     assert peak <= h200.hbm_bytes
+
+
+def _check_rollout_programs(fc, cfg) -> dict:
+    """The rollout programs of a ``--compile-for`` result: a reshard moving at most 1.2× the decode copy, a
+    sampler with at most 0.05 GiB of collectives per decode step, the run's peak the planner's within 10%."""
+    programs = {r.name: r for r in fc.rollout}
+    assert list(programs) == ["reshard", "sampler", "log-probs"]
+    reshard, sampler = programs["reshard"], programs["sampler"]
+    assert sum(c["bytes"] for c in reshard.collectives.values()) <= 1.2 * reshard.memory["output"]
+    assert sum(c["bytes"] for c in sampler.per_decode_step.values()) <= 0.05 * GiB
+    planned = need(cfg, DEVICES, backend="gpu")
+    assert planned["rollout"]["total"] == pytest.approx(max(r.phase_peak for r in fc.rollout), rel=0.10)
+    assert planned["total"] == pytest.approx(fc.run_peak, rel=0.10) and fc.fits
+    return programs
+
+
+def test_compile_for_a_grpo_config_compiles_the_rollout_programs(grpo_8b, fleet_8b):
+    """``--compile-for h200x8`` on the 8B GRPO config (ZeRO-3 over fsdp 8): besides the step, the reshard
+    (1.87 GiB moved, peak 5.33 GiB), the sampler on the decode layout (32.5 MiB of all-reduce per decode
+    step; 20.77 GiB with the state) and the log-probs (19.55 GiB with the state); the report prints them."""
+    cfg = grpo_8b[0]
+    programs = _check_rollout_programs(fleet_8b, cfg)
+    assert programs["sampler"].phase_peak < fleet_8b.peak  # the step (28.90 GiB) is the run's peak
+    text = report.text(fleet_8b)
+    assert "GRPO rollout programs" in text and "per decode step: all-gather" in text
+
+
+def test_compile_for_zero1_tp2_training_decodes_at_tp8():
+    """ZeRO-1 over fsdp 4 × tp 2 training: the reshard slices and permutes into tp 8 (1.87 GiB), and a
+    decode step moves 32.5 MiB of activations, as from ZeRO-3."""
+    cfg = load_config(os.path.join(ROOT, "configs/bench/llama3_8b.yaml"),
+                      GRPO_8B + ["parallel.zero_stage=1", "parallel.tensor_parallel_size=2", "parallel.data_parallel_size=-1"])
+    fc = fleet.compile_for(cfg, target.get_target("h200"), DEVICES, keep_hlo=False)
+    programs = _check_rollout_programs(fc, cfg)
+    assert "all-gather" not in programs["reshard"].collectives
