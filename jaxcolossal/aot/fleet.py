@@ -196,9 +196,10 @@ def _fleet_config(cfg: Config, target: Target) -> Config:
 
 
 def compile_for(cfg: Config, target: Target, num_devices: int, devices_per_host: int | None = None,
-                keep_hlo: bool = True) -> FleetCompile:
+                keep_hlo: bool = True, rollout: bool = True) -> FleetCompile:
     """Compile ``cfg``'s train step for ``num_devices`` devices of ``target`` (``devices_per_host``
-    per host, default the target's 8) and read what the compiler made of it.
+    per host, default the target's 8) and read what the compiler made of it; for GRPO with ``rollout``
+    also the rollout's programs (:func:`jaxcolossal.aot.rollout.compile_rollout`).
 
     The devices are compile-only (:func:`jaxcolossal.aot.target.compile_only_devices`); the run is
     built as the training loop builds it (mesh, plan, optimizer, the abstract train state, the
@@ -227,7 +228,7 @@ def compile_for(cfg: Config, target: Target, num_devices: int, devices_per_host:
         compiled = step.lower(abstract_state(plan, tx), abstract_batch(cfg, plan)).compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
     result = _read(compiled, target, num_devices, per_host, plan, compile_s, options, messages, keep_hlo)
-    if cfg.training.objective == "grpo":  # the state is donated: its bytes are the aliased ones
+    if rollout and cfg.training.objective == "grpo":  # the state is donated: its bytes are the aliased ones
         result.rollout = compile_rollout(cfg, plan, abstract_state(plan, tx), per_host,
                                          result.memory["alias"] or result.memory["argument"], options)
     return result

@@ -132,14 +132,17 @@ def holds_reference(cfg: Config) -> bool:
 
 
 def rollout_tp_sizes(cfg: Config, num_devices: int) -> list[int]:
-    """The decode layout's possible tensor-parallel sizes on ``num_devices``: those that divide the
-    devices, ``model.num_attention_heads``, ``num_key_value_heads`` and ``intermediate_size`` (the
-    splits Megatron's tp makes) and leave a data group of ``num_devices / tp`` that divides the
-    rollout's ``training.batch_size`` rows, smallest first."""
-    m, rows = cfg.model, cfg.training.batch_size
-    dims = (m.num_attention_heads, m.num_key_value_heads, m.intermediate_size)
+    """The decode layout's possible tensor-parallel sizes on ``num_devices``: those that divide
+    ``model.num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and the experts'
+    ``moe_intermediate_size`` (the splits Megatron's tp makes), whose product with the training's
+    ``parallel.expert_parallel_size`` (the decode layout keeps the experts' split) divides the
+    devices, and that leave a data group of ``num_devices / tp`` dividing the rollout's
+    ``training.batch_size`` rows; smallest first."""
+    m, rows, ep = cfg.model, cfg.training.batch_size, max(1, cfg.parallel.expert_parallel_size)
+    dims = (m.num_attention_heads, m.num_key_value_heads, m.intermediate_size) + \
+        ((m.moe_intermediate_size or m.intermediate_size,) if m.moe else ())
     return [t for t in range(1, num_devices + 1)
-            if num_devices % t == 0 and all(d % t == 0 for d in dims) and rows % (num_devices // t) == 0]
+            if num_devices % (t * ep) == 0 and all(d % t == 0 for d in dims) and rows % (num_devices // t) == 0]
 
 
 def rollout_tp(cfg: Config, num_devices: int, devices_per_host: int) -> int:

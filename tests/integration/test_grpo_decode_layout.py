@@ -12,6 +12,7 @@ from tiny import TINY_MODEL, setup
 from jaxcolossal.aot import hlo
 from jaxcolossal.config import ConfigError, config_from_dict, load_config
 from jaxcolossal.config.checks import validate
+from jaxcolossal.config.derived import rollout_tp
 from jaxcolossal.generate import Sampling, make_generator
 from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.parallel.mesh import entry_axes
@@ -109,3 +110,15 @@ def test_bad_rollout_settings_are_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         validate(load_config(f"{ROOT}/configs/llama_tiny.yaml", GRPO_JOB + override), 8)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, devices, overrides, want", [
+    ("llama3_8b", 8, [], 8),  # a host's 8 devices, the 8 kv heads
+    ("llama3_8b", 8, ["posttrain.rollout_tp=2"], 2),  # as set
+    ("gpt_oss_120b", 32, ["parallel.data_parallel_size=32"], 4),  # ep 8 kept: tp × 8 divides 32
+])
+def test_the_default_rollout_tp(name, devices, overrides, want):
+    cfg = load_config(f"{ROOT}/configs/bench/{name}.yaml", ["training.objective=grpo", "data.format=prompts",
+                      f"data.corpus={ROOT}/configs/data/arith_prompts.jsonl", "training.micro_batch_size=0",
+                      "posttrain.num_generations=2", "model.attention_impl=xla"] + overrides)
+    assert rollout_tp(cfg, devices, 8) == want
