@@ -1,8 +1,8 @@
 """Refill (continuous batching over the static KV cache, jaxcolossal.generate.refill): the per-row cache
 write and mask equal the scalar ones row by row; greedy completions decoded in fewer slots than prompts
 are token-equal to the static batch's (LLaMA; Gemma 2 and GPT-OSS with sliding windows, soft-capping and
-sinks; on one device and over 8 simulated devices with ZeRO-3 and tp 2), with the lengths and the
-decode-slot utilisation that the schedule implies."""
+sinks; DeepSeek's latent cache; on one device and over 8 simulated devices with ZeRO-3 and tp 2), with the
+lengths and the decode-slot utilisation that the schedule implies."""
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ WINDOWED = {
     "gpt_oss": {"type": "gpt_oss", "num_experts": 4, "num_experts_per_tok": 2, "attention_sinks": True,
                 "attention_bias": "all", "sliding_window": 4, "layer_types": "sliding_attention,full_attention",
                 "router_aux_loss_coef": 0.0},
+    "deepseek_mla": {"type": "deepseek", "num_key_value_heads": 4, "attention_head_dim": 0, "intermediate_size": 128,
+                     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                     "v_head_dim": 12},
 }
 PROMPTS = [[5, 9, 13, 2, 7, 30, 41], [3, 8], [60, 61, 62, 63], [11], [4, 4, 4, 4, 4, 4, 4, 4, 4], [70, 2, 9],
            [21, 22], [90, 1, 2, 3, 4]]
