@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.generate.eos import EosIds, eos_ids
+from jaxcolossal.generate.refill import refill_loop
 from jaxcolossal.generate.sampling import Sampling, next_token
 from jaxcolossal.models import param_layout
 from jaxcolossal.models.layers.decode_attention import kernel_choice
@@ -62,6 +63,18 @@ class Generated:
 
     tokens: np.ndarray
     lengths: np.ndarray
+    decode_steps: int | None = None
+    """The decode steps the loop ran (after the prefill's first token)."""
+    slots: int | None = None
+    """The cache rows decoded at once: the batch (static), or ``make_generator``'s ``slots`` (refill)."""
+
+    @property
+    def utilisation(self) -> float:
+        """Decode-slot utilisation: the share of the slot-steps that decoded a live row,
+        ``Σ (lengths − 1) / (slots · decode_steps)`` (1.0 when no decode step ran)."""
+        if not self.decode_steps:
+            return 1.0
+        return float(np.sum(self.lengths - 1)) / (self.slots * self.decode_steps)
 
     def rows(self) -> list[list[int]]:
         """Each row's generated tokens, up to and including its eos."""
@@ -115,9 +128,15 @@ def _choose(logits, key, sampling: Sampling, done, eos: tuple[int, ...], pad_id)
 def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
                    eos_id: EosIds = None, pad_id: int = 0, mesh: Mesh | None = None,
                    param_specs: Any = None, dtype=None, rules=RULES, fp8: bool = False,
-                   decode_kernel: bool | None = None) -> Callable:
+                   decode_kernel: bool | None = None, slots: int | None = None, stats: bool = False) -> Callable:
     """A jitted ``(params, tokens [b, P], mask [b, P], key) -> (out int32 [b, max_new_tokens], lengths
     int32 [b])`` for left-padded prompts (:func:`pad_prompts`): the prefill, then the decode loop.
+    ``stats``: a third output, the decode steps run (int32 scalar; :attr:`Generated.utilisation`).
+
+    ``slots``: decode the ``b`` prompts in that many cache rows with refill (continuous batching,
+    :mod:`jaxcolossal.generate.refill`): a slot whose row ended takes the next prompt, in the same loop.
+    ``None`` or ``≥ b``: one static batch (every row decodes until the last one ends). Greedy completions are
+    the same either way. On a mesh the data axes must divide ``slots`` (:func:`generate` rounds it up).
     ``eos_id``: the end-of-text id, or a list of them (a row stops at the first token that is any of
     them; transformers' ``generate`` with a list ``eos_token_id``), or None (never stop early).
 
@@ -135,10 +154,12 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     (:func:`~jaxcolossal.models.layers.decode_attention.kernel_refusal`).
 
     Raises:
-        ValueError: a family without a decode path, ``max_new_tokens < 1``, bad ``sampling``, or an
-            ``eos_id`` that is not an id (a non-negative int) or a list of them.
+        ValueError: a family without a decode path, ``max_new_tokens < 1``, bad ``sampling``, an
+            ``eos_id`` that is not an id (a non-negative int) or a list of them, or ``slots < 1``.
     """
     eos = eos_ids(eos_id)
+    if slots is not None and slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
     if family.forward_cached is None:
         raise ValueError(f"model family {family.name!r} has no KV-cached decode path yet")
     if max_new_tokens < 1:
@@ -149,6 +170,10 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
     def run(params, tokens, mask, key):
         params = fetch_layer(params)  # offloaded (host-memory) params into device memory
         width = tokens.shape[1]
+        if slots is not None and slots < tokens.shape[0]:
+            out, lengths, steps = refill_loop(family, cfg, params, tokens, mask, key, slots, max_new_tokens, sampling,
+                                              eos, pad_id, dtype or params[family.embedding].dtype, shard)
+            return (out, lengths, steps) if stats else (out, lengths)
         logits, cache, kv_valid, pos = _prefill(family, cfg, params, tokens, mask, width + max_new_tokens,
                                                 dtype or params[family.embedding].dtype, shard)
         key, sub = jax.random.split(key)
@@ -158,14 +183,15 @@ def make_generator(family, cfg, max_new_tokens: int, sampling: Sampling = Sampli
         s = _decode_loop(family, cfg, params, dict(i=jnp.int32(1), tok=tok, out=out, done=done, cache=cache,
                                                    kv_valid=kv_valid, pos=pos, key=key), width, max_new_tokens,
                          sampling, eos, pad_id, shard)
-        return s["out"], _lengths(s["out"], eos, s["i"])
+        out, lengths = s["out"], _lengths(s["out"], eos, s["i"])
+        return (out, lengths, s["i"] - 1) if stats else (out, lengths)
 
     if mesh is None:
         return jax.jit(run)
     batch = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
     params_in = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs, is_leaf=lambda x: isinstance(x, P))
-    return jax.jit(run, in_shardings=(params_in, batch, batch, NamedSharding(mesh, P())),
-                   out_shardings=(batch, NamedSharding(mesh, logical_to_spec(("batch",), rules))))
+    outs = (batch, NamedSharding(mesh, logical_to_spec(("batch",), rules))) + (NamedSharding(mesh, P()),) * stats
+    return jax.jit(run, in_shardings=(params_in, batch, batch, NamedSharding(mesh, P())), out_shardings=outs)
 
 
 def training_param_specs(cfg, mesh: Mesh, zero_stage: int, rules=RULES) -> Any:
@@ -215,12 +241,14 @@ def pad_batch(tokens: np.ndarray, mask: np.ndarray, multiple: int, pad_id: int =
 def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: Sampling = Sampling(greedy=True), eos_id: EosIds = None, pad_id: int = 0,
              seed: int = 0, mesh: Mesh | None = None, param_specs: Any = None, dtype=None,
-             rules=RULES, fp8: bool = False, decode_kernel: bool | None = None) -> Generated:
+             rules=RULES, fp8: bool = False, decode_kernel: bool | None = None, slots: int | None = None) -> Generated:
     """Generate up to ``max_new_tokens`` tokens after each of ``prompts`` (token lists of any lengths)
     with :func:`make_generator` (compiled on every call: reuse :func:`make_generator` to sample
     repeatedly). ``params``: the family's params (fp32 or the compute ``dtype``; on a ``mesh``, laid
     out as ``param_specs``). ``eos_id``: an id or a list of ids (any of them ends a row) or None.
-    ``decode_kernel``: as :func:`make_generator`'s.
+    ``decode_kernel``: as :func:`make_generator`'s. ``slots``: decode in that many cache rows with refill
+    (:func:`make_generator`; on a mesh rounded up to a multiple of :func:`data_shards`); the result's
+    ``decode_steps`` and ``slots`` give the decode-slot utilisation (:attr:`Generated.utilisation`).
 
     On a ``mesh`` whose data axes do not divide the number of prompts, the batch is padded with
     one-token rows (:func:`pad_batch`) up to a multiple of :func:`data_shards`; they are dropped from
@@ -228,9 +256,12 @@ def generate(family, cfg, params, prompts: Sequence[Sequence[int]], max_new_toke
 
     Raises ValueError as :func:`pad_prompts` and :func:`make_generator`."""
     tokens, mask = pad_prompts(prompts, pad_id)
+    shards = data_shards(mesh, rules)
+    tokens, mask = pad_batch(tokens, mask, shards, pad_id)
+    if slots is not None:
+        slots = min(-(-slots // shards) * shards, tokens.shape[0])
     fn = make_generator(family, cfg, max_new_tokens, sampling, eos_id, pad_id, mesh, param_specs, dtype, rules, fp8,
-                        decode_kernel)
-    tokens, mask = pad_batch(tokens, mask, data_shards(mesh, rules), pad_id)
-    out, lengths = fn(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(seed))
+                        decode_kernel, slots, stats=True)
+    out, lengths, steps = fn(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(seed))
     n = len(prompts)
-    return Generated(np.asarray(out)[:n], np.asarray(lengths)[:n])
+    return Generated(np.asarray(out)[:n], np.asarray(lengths)[:n], int(steps), slots or tokens.shape[0])

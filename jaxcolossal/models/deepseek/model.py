@@ -59,7 +59,7 @@ from flax import nnx
 from jaxcolossal.config import ModelConfig
 from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import moe, vocab
-from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention
+from jaxcolossal.models.layers.attention import attention, cache_mask, cached_attention, write_slots
 from jaxcolossal.models.layers.lora import (DROPOUT_KEY, EQUATIONS, adapt, adapt_fused, merged_layer,
                                             with_dropout_keys)
 from jaxcolossal.models.layers.linear import column_parallel, projection, row_parallel, tp_overlaps
@@ -428,8 +428,8 @@ def cached_mla(h: jax.Array, lp: dict, cfg: ModelConfig, cos, sin, shard: Sharde
     proj = projection(shard)
     q = project_q(h, lp, cfg, cos, sin, shard)
     c, k_rope = project_latent(h, lp, cfg, cos, sin, shard)
-    lat = shard(jax.lax.dynamic_update_slice_in_dim(lat, c.astype(lat.dtype), index, axis=1), CACHE_AXES["latent"][1:])
-    kr = shard(jax.lax.dynamic_update_slice_in_dim(kr, k_rope.astype(kr.dtype), index, axis=1), CACHE_AXES["k_rope"][1:])
+    lat = shard(write_slots(lat, c, index), CACHE_AXES["latent"][1:])
+    kr = shard(write_slots(kr, k_rope, index), CACHE_AXES["k_rope"][1:])
     nope = cfg.qk_nope_head_dim
     q_lat = proj("bthk,rhk->bthr", q[..., :nope], lp["wk_b"])
     qc = jnp.concatenate([q_lat, q[..., nope:]], axis=-1)                      # [b, t, h, r_kv + r]
@@ -473,7 +473,8 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
         tokens: int ``[b, t]``, written to the slots ``index .. index + t − 1`` (left-padded rows, their
             pads marked invalid in ``kv_valid``).
         cache: :func:`init_cache`'s tree (sharded as :func:`cache_axes`).
-        index: int32 scalar, the first slot written.
+        index: int32 scalar, the first slot written, or int32 ``[b]``, one per row
+            (:func:`~jaxcolossal.models.layers.attention.write_slots`).
         positions: int ``[b, t]``, the tokens' RoPE positions.
         kv_valid: bool ``[b, S]``: the slots that hold real tokens once these are written.
         last_only: the logits of the last position only.

@@ -46,7 +46,7 @@ from flax import nnx
 from jaxcolossal.config import ModelConfig, RopeConfig
 from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import vocab
-from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.attention import attention, write_slots
 from jaxcolossal.models.layers.decode_attention import attend_cache
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
@@ -331,8 +331,8 @@ def _cached_layers(x: jax.Array, params: dict, cache: dict, cfg: ModelConfig, ta
         lp = {**lp, **e}
         cos, sin = layer_rope(lp, cfg, tables)
         q, k, v = project_qkv(h, lp, cfg, cos, sin, shard)
-        kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), cache_spec)
-        vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), cache_spec)
+        kc = shard(write_slots(kc, k, index), cache_spec)
+        vc = shard(write_slots(vc, v, index), cache_spec)
         a = attend_cache(q, kc, vc, index, kv_valid, shard, layer_window(lp, cfg), scale=cfg.attention_scale,
                          softcap=cfg.attn_logit_softcapping)
         return mlp_block(attention_output(h, a.astype(h.dtype), lp, cfg, shard), lp, cfg, shard), (kc, vc)
@@ -353,7 +353,8 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
         tokens: int ``[b, t]``, written to the cache slots ``index .. index + t - 1`` (left-padded rows'
             pads marked invalid in ``kv_valid``).
         cache: :func:`init_cache`'s tree, ``[L, b, S, k, q]`` leaves (sharded as :func:`cache_axes`).
-        index: int32 scalar, the first slot written.
+        index: int32 scalar, the first slot written, or int32 ``[b]``, one per row
+            (:func:`~jaxcolossal.models.layers.attention.write_slots`).
         positions: int ``[b, t]``, the tokens' RoPE positions (a left-padded row starts at 0 at its
             first real token).
         kv_valid: bool ``[b, S]``: the slots that hold real tokens once these are written.

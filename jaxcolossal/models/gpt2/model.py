@@ -42,7 +42,7 @@ from flax import nnx
 
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models.layers import vocab
-from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.attention import attention, write_slots
 from jaxcolossal.models.layers.decode_attention import attend_cache
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.norm import layer_norm
@@ -268,8 +268,8 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
     def body(h, xs):
         lp, kc, vc = xs
         q, k, v = _project_qkv(h, lp, cfg, shard)
-        kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), CACHE_AXES[1:])
-        vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), CACHE_AXES[1:])
+        kc = shard(write_slots(kc, k, index), CACHE_AXES[1:])
+        vc = shard(write_slots(vc, v, index), CACHE_AXES[1:])
         a = attend_cache(q, kc, vc, index, kv_valid, shard).astype(h.dtype)
         return _attention_output_and_mlp(h, a, lp, cfg, shard), (kc, vc)
 

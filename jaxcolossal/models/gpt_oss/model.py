@@ -44,7 +44,7 @@ from flax import nnx
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models.family import stacked_params
 from jaxcolossal.models.layers import moe, vocab
-from jaxcolossal.models.layers.attention import attention
+from jaxcolossal.models.layers.attention import attention, write_slots
 from jaxcolossal.models.layers.decode_attention import attend_cache
 from jaxcolossal.models.layers.linear import column_parallel, row_parallel, tp_overlaps
 from jaxcolossal.models.layers.lora import DROPOUT_KEY, EQUATIONS, adapt
@@ -314,7 +314,8 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
     Args:
         tokens: int ``[b, t]``, written to the cache slots ``index .. index + t - 1`` (left-padded rows
             mark their pads invalid in ``kv_valid``).
-        cache: :func:`init_cache`'s tree (sharded as :func:`cache_axes`); index: int32 scalar, the first slot.
+        cache: :func:`init_cache`'s tree (sharded as :func:`cache_axes`); index: int32 scalar (or ``[b]``, per
+            row), the first slot.
         positions: int ``[b, t]``, the tokens' RoPE positions (a left-padded row starts at 0).
         kv_valid: bool ``[b, S]``: the slots that hold real tokens once these are written.
         last_only: the logits of the last position only.
@@ -330,8 +331,8 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
         lp, e, kc, vc = xs
         lp = {**lp, **e}
         q, k, v = project_qkv(h, lp, cfg, cos, sin, shard)
-        kc = shard(jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), index, axis=1), spec)
-        vc = shard(jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), index, axis=1), spec)
+        kc = shard(write_slots(kc, k, index), spec)
+        vc = shard(write_slots(vc, v, index), spec)
         a = attend_cache(q, kc, vc, index, kv_valid, shard, layer_window(lp, cfg), sinks=lp.get("sinks"))
         a = a.astype(h.dtype)
         h, _ = moe_half(attention_output(h, a, lp, cfg, shard), lp, cfg, shard)

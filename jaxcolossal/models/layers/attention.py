@@ -93,12 +93,13 @@ def local_attention(q, k, v, impl: str = "xla", segment_ids: jax.Array | None = 
 
 def _window_mask(causal: jax.Array, window, offset=0) -> jax.Array:
     """``causal [.., t, S]`` (query ``i`` in slot ``offset + i``, key ``j`` in slot ``j``) limited to the
-    keys within ``window`` of the query (``j > offset + i − window``); ``window`` 0: unchanged."""
+    keys within ``window`` of the query (``j > offset + i − window``); ``window`` 0: unchanged. ``offset``:
+    an int or int32 scalar, or int32 ``[b]`` (one per row, ``causal`` then ``[b, t, S]``)."""
     if isinstance(window, int) and window == 0:
         return causal
     t, s = causal.shape[-2:]
-    q_slot = offset + jnp.arange(t)[:, None]
-    near = jnp.arange(s)[None, :] > q_slot - window
+    q_slot = jnp.asarray(offset)[..., None, None] + jnp.arange(t)[:, None]
+    near = jnp.arange(s) > q_slot - window
     return causal & (near | (window == 0))
 
 
@@ -144,7 +145,23 @@ def cache_mask(index: jax.Array, t: int, kv_valid: jax.Array, window=0) -> jax.A
     """bool ``[b, t, S]``: the query in slot ``index + i`` may attend to slot ``j`` when ``j <= index +
     i``, ``kv_valid [b, S]`` (bool: the slot holds a real token, not padding) says so and, with a
     sliding ``window`` (int or traced scalar; 0: none), ``j > index + i − window`` (left-padded rows
-    hold their tokens in consecutive slots, so slots count tokens)."""
+    hold their tokens in consecutive slots, so slots count tokens). ``index``: an int32 scalar (every
+    row's queries in the same slots) or int32 ``[b]`` (row ``r``'s in slots ``index[r] + i``: the refilling
+    sampler's rows, :mod:`jaxcolossal.generate.refill`)."""
     slots = jnp.arange(kv_valid.shape[1])
+    if jnp.ndim(index) == 1:
+        causal = slots <= (index[:, None] + jnp.arange(t))[:, :, None]  # [b, t, S]
+        return _window_mask(causal, window, index) & kv_valid[:, None, :]
     causal = slots[None, :] <= (index + jnp.arange(t))[:, None]  # [t, S]
     return _window_mask(causal, window, index)[None] & kv_valid[:, None, :]
+
+
+def write_slots(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """A layer's cache ``[b, S, ...]`` with ``new [b, t, ...]`` (cast to the cache's dtype) written at slots
+    ``index .. index + t − 1``: ``index`` an int32 scalar (every row the same slots: one
+    ``dynamic_update_slice``, as before) or int32 ``[b]`` (row ``r`` at ``index[r]``: a per-row
+    ``dynamic_update_slice``, a scatter; continuous batching's per-slot positions, Orca, Yu et al. 2022)."""
+    new = new.astype(cache.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=1)
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=0))(cache, new, index)

@@ -250,7 +250,7 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, index: ja
 
     Args:
         q: ``[b, t, h, dq]``; k_cache, v_cache: ``[b, S, kv, dq]`` / ``[b, S, kv, dv]``, the new tokens' keys and
-            values written at slots ``index ..``; index: int32 scalar; kv_valid: bool ``[b, S]``;
+            values written at slots ``index ..``; index: int32 scalar or ``[b]`` (per row); kv_valid: bool ``[b, S]``;
             window: int or traced scalar (0: none); scale, softcap, sinks: as :func:`cached_attention`.
         shard: the activation sharder. ``decode_kernel`` (:meth:`Sharder.with_decode_kernel`): ``False``
             XLA's attention; ``True`` the kernel (Triton for CUDA, the Pallas interpreter elsewhere);
