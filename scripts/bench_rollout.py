@@ -3,6 +3,13 @@ one run on the same CPU, on a long-tail length mix (issue 53, item 2).
 
     python scripts/bench_rollout.py          # 1024 prompts, 16 slots, 90% end by 16 tokens, 10% run to 256
     python scripts/bench_rollout.py --prompts 256 --slots 16 --max-new 128
+    python scripts/bench_rollout.py --layouts none   # without the compile-only GPU part
+
+First, for each ``--layouts`` entry (``CONFIG@FLEET``; default the Llama-3-8B and GPT-OSS-20B (ep 8) GRPO
+configs on 8 H200s, 64 rows of a 513-token prompt and 1,024 new tokens), the collective bytes per device
+that XLA's GPU compiler puts in the rollout, without a GPU (``jaxcolossal.aot.fleet.layout_collectives``):
+the reshard into the decode layout (once per rollout) and one decode step on the decode layout and on the
+training layout. Then the refill part:
 
 Prints, side by side, for three schedules of the same prompts and weights (greedy, fp32):
 
@@ -26,13 +33,15 @@ are random, their lengths uniform in ``4..--prompt-len``.
 """
 
 import argparse
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcolossal.config import ModelConfig
+from jaxcolossal.aot import fleet, target
+from jaxcolossal.config import ModelConfig, load_config
 from jaxcolossal.generate import make_generator, pad_prompts
 from jaxcolossal.models import get_family
 
@@ -116,6 +125,30 @@ def report(args, res: dict) -> None:
           f"refill / static/S: {speed['refill'] / speed['static/S']:.2f}")
 
 
+LAYOUTS = "configs/bench/llama3_8b.yaml@h200x8,configs/bench/gpt_oss_20b.yaml@h200x8"
+GRPO = ["training.objective=grpo", "data.format=prompts", "data.corpus=configs/data/arith_prompts.jsonl",
+        "training.batch_size=64", "training.micro_batch_size=0", "training.seq_len=1536",
+        "posttrain.max_completion_length=1024", "posttrain.num_generations=8", "posttrain.beta=0.04"]
+"""The rollout of the compile-only part: 8 prompts × 8 completions, 513-token prompts, 1,024 new tokens."""
+
+
+def layouts(spec: str) -> None:
+    """The collective bytes of the rollout's layouts for each ``CONFIG@FLEET`` of ``spec`` (module doc)."""
+    if spec == "none":
+        return
+    print("collectives per device, XLA's GPU compiler without a GPU (GiB): reshard once per rollout; one decode step")
+    print(f"{'config':28} {'fleet':8} {'decode tp':>9} {'reshard':>9} {'decode layout':>14} {'training layout':>16} "
+          f"{'training / decode':>18}")
+    for entry in spec.split(","):
+        path, name = entry.split("@")
+        gpu, n = target.parse_fleet(name)
+        impl = "flash" if load_config(path).model.attention_impl == "flash" else "xla"
+        r = fleet.layout_collectives(load_config(path, GRPO + [f"model.attention_impl={impl}"]), gpu, n)
+        g = 2 ** 30
+        print(f"{os.path.basename(path):28} {name:8} {r['rollout_tp']:>9} {r['reshard'] / g:>9.3f} {r['decode'] / g:>14.4f} "
+              f"{r['training'] / g:>16.4f} {r['training'] / max(r['decode'], 1):>17.2f}x")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=1024)
@@ -131,9 +164,12 @@ def main(argv=None) -> None:
     p.add_argument("--embed-scale", type=float, default=8.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layouts", default=LAYOUTS, help="CONFIG@FLEET,...: the compile-only part; none: skip it")
     args = p.parse_args(argv)
+    layouts(args.layouts)
     report(args, run(args))
 
 
 if __name__ == "__main__":
+    target.prepare_environment()  # the compile-only GPU devices, before jax's backends start
     main()

@@ -32,9 +32,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.aot import gpu_schedule as schedule
 from jaxcolossal.aot import hlo
-from jaxcolossal.aot.rollout import compile_rollout
+from jaxcolossal.aot.rollout import compile_rollout, compile_sampler
 from jaxcolossal.aot.target import Target, compile_only_devices, topology
 from jaxcolossal.config import Config, ConfigError, double_buffers_loops, validate
+from jaxcolossal.config.derived import rollout_tp
+from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.platforms import fp8_refusal
@@ -250,3 +252,28 @@ def _read(compiled, target: Target, n: int, per_host: int, plan, compile_s: floa
         compiler_options=options, memory_kinds=memory_kinds_supported(list(plan.mesh.devices.flat)),
         offloaded=bool(plan.placement is not None and plan.placement.active), compiler_messages=messages,
         hlo_text=text if keep_hlo else "")
+
+
+def layout_collectives(cfg: Config, target: Target, num_devices: int) -> dict:
+    """What GRPO's decode layout saves, from XLA's GPU compiler over ``num_devices`` compile-only devices of
+    ``target`` (the train step is not compiled): bytes per device of the reshard's collectives (once per
+    rollout) and of one decode step's on the decode layout (``decode``) and on the training layout
+    (``training``), and the decode layout's ``rollout_tp`` (``scripts/bench_rollout.py``).
+
+    Raises:
+        ConfigError: as :func:`check_fleet`."""
+    check_fleet(cfg, num_devices, target.devices_per_host, target)
+    plan = make_plan(cfg, make_mesh(cfg.parallel, compile_only_devices(target, num_devices)))
+    params = abstract_state(plan, build_optimizer(cfg.training, plan)).model_params
+    tp = rollout_tp(cfg, num_devices, target.devices_per_host)
+    dmesh = decode_mesh(plan.mesh, tp)
+    reshard, specs = make_reshard(params, dmesh)
+    dparams = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(dmesh, s)),
+                           params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+    def per_step(mesh, ps) -> int:
+        text = compile_sampler(cfg, plan, mesh, ps, {}).as_text()
+        return sum(c["bytes"] for c in hlo.decode_loop_collectives(text).values())
+
+    moved = sum(c["bytes"] for c in hlo.collective_totals(reshard.lower(params).compile().as_text()).values())
+    return {"rollout_tp": tp, "reshard": moved, "decode": per_step(dmesh, dparams), "training": per_step(plan.mesh, params)}

@@ -70,7 +70,8 @@ def _rows(mesh, shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, logical_to_spec(("batch", None), RULES)))
 
 
-def _sampler(cfg: Config, plan, mesh, params, options: dict):
+def compile_sampler(cfg: Config, plan, mesh, params, options: dict):
+    """The rollout's sampler for ``params`` (ShapeDtypeStructs laid out on ``mesh``), compiled with ``options``."""
     po, B = cfg.posttrain, cfg.training.batch_size
     width = grpo_prompt_length(cfg)
     fn = make_generator(plan.family, cfg.model, po.max_completion_length,
@@ -102,8 +103,9 @@ def compile_rollout(cfg: Config, plan, state, per_host: int, resident: int, opti
         out.append(_program("reshard", reshard.lower(params).compile(compiler_options=options), resident, True))
         gen_params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(gen_mesh, s)),
                                   params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    out.append(_program("sampler", _sampler(cfg, plan, gen_mesh, gen_params, options), resident,
+    out.append(_program("sampler", compile_sampler(cfg, plan, gen_mesh, gen_params, options), resident,
                         gen_mesh is plan.mesh))
     if cfg.posttrain.num_iterations > 1 or cfg.posttrain.beta > 0:
         out.append(_program("log-probs", _logps(cfg, plan, params, options), resident, True))
     return out
+
