@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.aot import hlo
 from jaxcolossal.config import Config
-from jaxcolossal.config.derived import grpo_prompt_length, rollout_tp
+from jaxcolossal.config.derived import grpo_generation_batch, grpo_prompt_length, rollout_reshards, rollout_tp
 from jaxcolossal.generate import Sampling, make_generator
 from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
@@ -72,7 +72,7 @@ def _rows(mesh, shape, dtype):
 
 def compile_sampler(cfg: Config, plan, mesh, params, options: dict):
     """The rollout's sampler for ``params`` (ShapeDtypeStructs laid out on ``mesh``), compiled with ``options``."""
-    po, B = cfg.posttrain, cfg.training.batch_size
+    po, B = cfg.posttrain, grpo_generation_batch(cfg)
     width = grpo_prompt_length(cfg)
     fn = make_generator(plan.family, cfg.model, po.max_completion_length,
                         Sampling(temperature=po.temperature, top_k=po.top_k, top_p=po.top_p), eos_id=0, pad_id=0,
@@ -97,8 +97,9 @@ def compile_rollout(cfg: Config, plan, state, per_host: int, resident: int, opti
     state's bytes per device (the step's arguments); ``options``, XLA's GPU compiler options."""
     params, out = state.model_params, []
     gen_mesh, gen_params = plan.mesh, params
-    if cfg.posttrain.rollout_layout == "decode":
-        gen_mesh = decode_mesh(plan.mesh, rollout_tp(cfg, plan.mesh.size, per_host))
+    tp = rollout_tp(cfg, plan.mesh.size, per_host)
+    if rollout_reshards(cfg, plan.mesh.shape, tp):
+        gen_mesh = decode_mesh(plan.mesh, tp)
         reshard, specs = make_reshard(params, gen_mesh)
         out.append(_program("reshard", reshard.lower(params).compile(compiler_options=options), resident, True))
         gen_params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(gen_mesh, s)),

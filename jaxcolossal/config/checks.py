@@ -137,6 +137,8 @@ RANGES: dict[str, Range] = {
     "posttrain.top_p": Range(0, 1, lo_open=True), "posttrain.epsilon": Range(0, 1, lo_open=True, hi_open=True),
     "posttrain.epsilon_high": Range(0, note="0: epsilon"), "posttrain.num_iterations": _POS,
     "posttrain.rollout_tp": Range(0, note="0: a host's devices, capped by the kv heads"),
+    "posttrain.steps_per_generation": Range(0, note="0: training.gradient_accumulation_steps"),
+    "posttrain.generation_batch_size": Range(0, note="0: batch_size x steps_per_generation / accumulation"),
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
 
@@ -429,11 +431,30 @@ def _check_grpo(cfg: Config) -> None:
     if grpo_prompt_length(cfg) < 1:
         raise ConfigError(f"posttrain.max_completion_length={po.max_completion_length} leaves no room for a prompt "
                           f"in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and completion)")
+    _check_generation_batch(cfg)
     reward_specs(po.reward_funcs, po.reward_weights)  # user functions imported now: raises ConfigError
     try:
         re.compile(po.format_pattern)
     except re.error as e:
         raise ConfigError(f"posttrain.format_pattern={po.format_pattern!r}: not a regular expression ({e})") from None
+
+
+def _check_generation_batch(cfg: Config) -> None:
+    """TRL's ``steps_per_generation`` / ``generation_batch_size``: one of them, whole optimizer steps.
+
+    Raises:
+        ConfigError: one line naming the key and the values that work."""
+    t, po = cfg.training, cfg.posttrain
+    ga = t.gradient_accumulation_steps
+    if po.steps_per_generation and po.generation_batch_size:
+        raise ConfigError("posttrain.steps_per_generation and posttrain.generation_batch_size can not both be set "
+                          "(as in TRL): set one")
+    if po.steps_per_generation % ga:
+        raise ConfigError(f"posttrain.steps_per_generation={po.steps_per_generation} microbatches is not a whole number "
+                          f"of optimizer steps of training.gradient_accumulation_steps={ga}: use a multiple of {ga}")
+    if po.generation_batch_size % t.batch_size:
+        raise ConfigError(f"posttrain.generation_batch_size={po.generation_batch_size} is not a multiple of "
+                          f"training.batch_size={t.batch_size} (a generation feeds whole optimizer steps)")
 
 
 def _grpo_batch_hint(cfg: Config) -> str:

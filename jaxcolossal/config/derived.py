@@ -136,9 +136,9 @@ def rollout_tp_sizes(cfg: Config, num_devices: int) -> list[int]:
     ``model.num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and the experts'
     ``moe_intermediate_size`` (the splits Megatron's tp makes), whose product with the training's
     ``parallel.expert_parallel_size`` (the decode layout keeps the experts' split) divides the
-    devices, and that leave a data group of ``num_devices / tp`` dividing the rollout's
-    ``training.batch_size`` rows; smallest first."""
-    m, rows, ep = cfg.model, cfg.training.batch_size, max(1, cfg.parallel.expert_parallel_size)
+    devices, and that leave a data group of ``num_devices / tp`` dividing the rollout's rows
+    (:func:`grpo_generation_batch`); smallest first."""
+    m, rows, ep = cfg.model, grpo_generation_batch(cfg), max(1, cfg.parallel.expert_parallel_size)
     dims = (m.num_attention_heads, m.num_key_value_heads, m.intermediate_size) + \
         ((m.moe_intermediate_size or m.intermediate_size,) if m.moe else ())
     return [t for t in range(1, num_devices + 1)
@@ -153,3 +153,31 @@ def rollout_tp(cfg: Config, num_devices: int, devices_per_host: int) -> int:
         return cfg.posttrain.rollout_tp
     fits = [t for t in rollout_tp_sizes(cfg, num_devices) if t <= devices_per_host]
     return fits[-1] if fits else 1
+
+
+def grpo_generation_batch(cfg: Config) -> int:
+    """GRPO's completions per generation (TRL 1.16's ``generation_batch_size``): ``posttrain.
+    generation_batch_size``, else ``training.batch_size × steps_per_generation / gradient_accumulation_steps``
+    (``steps_per_generation`` 0: the accumulation steps, so ``batch_size``)."""
+    t, po = cfg.training, cfg.posttrain
+    if po.generation_batch_size:
+        return po.generation_batch_size
+    steps = po.steps_per_generation or t.gradient_accumulation_steps
+    return t.batch_size * steps // max(1, t.gradient_accumulation_steps)
+
+
+def grpo_off_policy(cfg: Config) -> bool:
+    """Whether a GRPO step may train on completions of an older policy, so the sampling policy's log-probs
+    are kept (TRL's ``old_per_token_logps``): ``num_iterations > 1``, or a generation feeding several steps."""
+    return cfg.posttrain.num_iterations > 1 or grpo_generation_batch(cfg) > cfg.training.batch_size
+
+
+def rollout_reshards(cfg: Config, mesh_shape: Mapping[str, int], decode_tp: int) -> bool:
+    """Whether GRPO's rollout reshards the params into a decode layout: ``posttrain.rollout_layout=decode``
+    and the training mesh ``mesh_shape`` lays the params out otherwise (ZeRO-3 splits them over an
+    ``fsdp`` axis of more than one device, a pipeline over stages, or training's tp is not
+    ``decode_tp``); otherwise the sampler decodes on the params as they are, with no copy."""
+    shape = dict(mesh_shape)
+    return cfg.posttrain.rollout_layout == "decode" and (
+        (cfg.parallel.zero_stage >= 3 and shape.get("fsdp", 1) > 1) or shape.get("pp", 1) > 1
+        or shape.get("tp", 1) != decode_tp)

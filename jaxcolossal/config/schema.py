@@ -944,6 +944,15 @@ class PosttrainConfig:
     """GRPO: completions that hit ``max_completion_length`` without an end-of-text token are left out
     of the loss (TRL's ``mask_truncated_completions``, DAPO's overlong filtering). Needs an end-of-text
     id (the tokenizer's or ``model.init_from``'s): without one every completion would be left out."""
+    steps_per_generation: int = 0
+    """GRPO (TRL's ``steps_per_generation``): microbatches that one generation of completions feeds, >= 0;
+    0 (TRL's None): ``training.gradient_accumulation_steps``, one optimizer step per generation. A
+    multiple ``k`` of the accumulation steps makes one rollout of ``k × batch_size`` completions feed ``k``
+    optimizer steps (each ``num_iterations`` times), off-policy after the first, so the sampling
+    policy's log-probs are kept as with ``num_iterations > 1``. Not with ``generation_batch_size``."""
+    generation_batch_size: int = 0
+    """GRPO (TRL's ``generation_batch_size``): completions sampled per generation, >= 0; 0: ``batch_size ×
+    steps_per_generation / gradient_accumulation_steps``. A multiple of ``training.batch_size``."""
     rollout_layout: Literal["decode", "training"] = "decode"
     """GRPO: the params' layout for the rollout's sampler. ``decode`` (the default): once per rollout the
     policy's compute params (LoRA's adapters with them) are resharded from the training layout into a
@@ -964,7 +973,7 @@ class PosttrainConfig:
 GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "top_k", "top_p", "epsilon",
                   "epsilon_high", "num_iterations", "scale_rewards", "reward_funcs", "reward_weights",
                   "format_pattern", "mask_truncated_completions", "log_completions", "rollout_layout",
-                  "rollout_tp")
+                  "rollout_tp", "steps_per_generation", "generation_batch_size")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing",)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config import BYTES_PER_PARAM, COMPUTE_DTYPES, Config
-from jaxcolossal.config.derived import grpo_prompt_length, holds_reference, rollout_tp
+from jaxcolossal.config.derived import grpo_generation_batch, grpo_prompt_length, holds_reference, rollout_reshards, rollout_tp
 from jaxcolossal.memory.placement import local_elements
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.parallel.decode_layout import decode_mesh_shape, decode_spec
@@ -71,7 +71,8 @@ def kv_cache_slot(cfg: Config) -> tuple[str, bool]:
 
 
 def kv_cache_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
-    """Per-device bytes of the sampler's KV cache for a GRPO rollout: ``batch_size`` rows × ``P + C``
+    """Per-device bytes of the sampler's KV cache for a GRPO rollout: the generation batch's rows
+    (:func:`~jaxcolossal.config.derived.grpo_generation_batch`, ``batch_size`` by default) × ``P + C``
     slots (the prompt width :func:`grpo_prompt_length` and ``max_completion_length``) × what a slot
     holds (:func:`kv_cache_slot`: LLaMA's layers × 2 × kv heads × head dim, DeepSeek's layers × (latent +
     rotary key)) × the compute dtype's bytes, each leaf split as the rules table splits the family's
@@ -80,7 +81,7 @@ def kv_cache_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     family = get_family(cfg.model)
     dtype = COMPUTE_DTYPES[cfg.precision.mode]
     slots = grpo_prompt_length(cfg) + po.max_completion_length
-    cache = jax.eval_shape(lambda: family.init_cache(cfg.model, t.batch_size, slots, dtype))
+    cache = jax.eval_shape(lambda: family.init_cache(cfg.model, grpo_generation_batch(cfg), slots, dtype))
     axes = family.cache_axes(cfg.model)
     per_leaf = jax.tree.map(lambda a, x: shard_bytes(x.shape, x.dtype, logical_to_spec(a, RULES), mesh_shape),
                             axes, cache, is_leaf=lambda x: isinstance(x, tuple))
@@ -106,11 +107,12 @@ def decode_shape(cfg: Config, mesh_shape: Mapping[str, int]) -> dict[str, int]:
     """The mesh shape the rollout's sampler runs on: the decode layout's
     (:func:`jaxcolossal.parallel.decode_layout.decode_mesh_shape`, ``posttrain.rollout_tp`` or
     :func:`~jaxcolossal.config.derived.rollout_tp` within ``offload.devices_per_host``), or the
-    training mesh's with ``posttrain.rollout_layout=training``."""
-    if cfg.posttrain.rollout_layout != "decode":
-        return dict(mesh_shape)
+    training mesh's where the rollout does not reshard (:func:`~jaxcolossal.config.derived.rollout_reshards`)."""
     n = math.prod(mesh_shape.values())
-    return decode_mesh_shape(n, rollout_tp(cfg, n, cfg.offload.devices_per_host), mesh_shape.get("ep", 1))
+    tp = rollout_tp(cfg, n, cfg.offload.devices_per_host)
+    if not rollout_reshards(cfg, mesh_shape, tp):
+        return dict(mesh_shape)
+    return decode_mesh_shape(n, tp, mesh_shape.get("ep", 1))
 
 
 def decode_copy_bytes(cfg: Config, dshape: Mapping[str, int]) -> int:
@@ -142,13 +144,13 @@ def rollout_need(cfg: Config, shapes: Any, mesh_shape: Mapping[str, int], state:
     t, m = cfg.training, cfg.model
     dshape = decode_shape(cfg, mesh_shape)
     data, tp = _data_size(dshape), dshape.get("tp", 1)
-    rows = max(1, t.batch_size // data)
+    rows = max(1, grpo_generation_batch(cfg) // data)
     prompt = grpo_prompt_length(cfg)
     slots = prompt + cfg.posttrain.max_completion_length
     kv = kv_cache_bytes(cfg, dshape)
     scores = rows * max(1, m.num_attention_heads // tp) * slots * prompt * jnp.dtype(jnp.float32).itemsize
-    gathered = 0 if cfg.posttrain.rollout_layout == "decode" else _gathered_layer_bytes(cfg, shapes, mesh_shape)
-    copy = decode_copy_bytes(cfg, dshape)
+    copy = decode_copy_bytes(cfg, dshape) if rollout_reshards(cfg, mesh_shape, dshape["tp"]) else 0
+    gathered = 0 if copy else _gathered_layer_bytes(cfg, shapes, mesh_shape)
     temporaries = 2 * kv + scores + gathered
     batch = len(ROLLOUT_FIELDS) * max(1, t.batch_size // _data_size(mesh_shape)) * t.seq_len * 4
     return {"decode_copy": copy, "kv_cache": kv, "scores": scores, "gathered": gathered, "temporaries": temporaries,

@@ -30,7 +30,7 @@ import json
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.config.derived import grpo_prompt_length, rollout_tp
+from jaxcolossal.config.derived import grpo_generation_batch, grpo_prompt_length, rollout_reshards, rollout_tp
 from jaxcolossal.data.prompts import PromptData, prompt_batch
 from jaxcolossal.errors import RewardError
 from jaxcolossal.generate import Sampling, make_generator, pad_prompts, run_eos_ids
@@ -135,8 +135,8 @@ class _Rollout:
     step: int
     host: dict
     metrics: dict
-    placed: dict | None = None
-    """``host`` on the mesh, placed once for the μ steps that reuse it."""
+    placed: dict = field(default_factory=dict)
+    """Each slice of ``host`` (the step's ``batch_size`` rows) on the mesh, placed once for the steps that reuse it."""
 
 
 class Rollouts:
@@ -159,6 +159,10 @@ class Rollouts:
         self.cfg, self.plan, self.data, self.tok, self.sharding = cfg, plan, prompts, tokenizer, batch_sharding
         self.held = held if held is not None and len(held) else prompts
         self.G, self.B, self.mu = po.num_generations, t.batch_size, po.num_iterations
+        self.k = grpo_generation_batch(cfg) // t.batch_size
+        """Optimizer steps one generation feeds per iteration (TRL's ``steps_per_generation`` in optimizer steps)."""
+        self.period = self.k * self.mu
+        """Optimizer steps between two rollouts."""
         self.P, self.C = grpo_prompt_length(cfg), po.max_completion_length
         self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern)
         try:
@@ -176,8 +180,8 @@ class Rollouts:
         self._logps = jax.jit(functools.partial(rollout_token_logps, plan))
         mesh = getattr(plan, "mesh", None)
         self.decode_tp = rollout_tp(cfg, mesh.size, jax.local_device_count()) if mesh is not None else 1
-        self.gen_mesh = decode_mesh(mesh, self.decode_tp) if mesh is not None and po.rollout_layout == "decode" \
-            else mesh
+        reshards = mesh is not None and rollout_reshards(cfg, mesh.shape, self.decode_tp)
+        self.gen_mesh = decode_mesh(mesh, self.decode_tp) if reshards else mesh
         """The sampler's mesh: the decode layout's (:mod:`jaxcolossal.parallel.decode_layout`) or the training one."""
         self._reshard = None
 
@@ -214,13 +218,14 @@ class Rollouts:
         """The train step's batch of optimizer step ``step`` (module docstring)."""
         if state is None:
             return self._place(self._zeros())
-        first = step - step % self.mu
+        first = step - step % self.period
         if self.current is None or self.current.step != first:
             self.current = self._load(first) if step != first else self._roll(first, state)
             self.metrics = self.current.metrics
-        if self.current.placed is None:
-            self.current.placed = self._place(self.current.host)
-        return self.current.placed
+        j = (step - first) % self.k  # TRL's order: every slice once, then again for each of the μ iterations
+        if j not in self.current.placed:
+            self.current.placed[j] = self._place({k: v[j * self.B:(j + 1) * self.B] for k, v in self.current.host.items()})
+        return self.current.placed[j]
 
     def _zeros(self) -> dict:
         t = self.P + self.C - 1
@@ -237,7 +242,8 @@ class Rollouts:
         t0 = time.perf_counter()
         jax.block_until_ready(state.params)  # the previous update's time is not the rollout's
         t1 = time.perf_counter()
-        idx = np.repeat(prompt_batch(self.data, step // self.mu, self.B // self.G, self.cfg.training.seed), self.G)
+        idx = np.repeat(prompt_batch(self.data, step // self.period, self.k * self.B // self.G, self.cfg.training.seed),
+                        self.G)
         prompt_tokens, prompt_mask = self._prompts(self.data, idx)
         key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
         completions, lengths = self._generate(state.model_params, prompt_tokens, prompt_mask, key, self.sampling)
@@ -360,17 +366,21 @@ class Rollouts:
         return truncated_rows(completions, lengths, self.eos)
 
     def _policy_logps(self, state: Any, host: dict) -> dict:
-        """``old_logps`` (μ > 1: the sampling policy's) and ``ref_logps`` (``beta > 0``), fp32
-        ``[B, t]`` host arrays; zeros where the loss does not read them."""
-        zeros = np.zeros(host["inputs"].shape, np.float32)
-        out = {"old_logps": zeros, "ref_logps": zeros}
-        placed = self._place({k: host[k] for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")})
-        args = (placed["inputs"], placed["targets"], placed["loss_mask"], placed["segment_ids"], placed["positions"])
-        if self.mu > 1:
-            out["old_logps"] = self._host(self._logps(state.model_params, *args))
-        if self.cfg.posttrain.beta > 0:
-            ref = state.frozen if self.cfg.posttrain.reference == "lora_base" else state.reference
-            out["ref_logps"] = self._host(self._logps(ref, *args))
+        """``old_logps`` (the sampling policy's, when a step trains off-policy: μ > 1 or more than one step
+        per generation, as TRL computes ``old_per_token_logps``) and ``ref_logps`` (``beta > 0``), fp32
+        ``[k·B, t]`` host arrays computed ``batch_size`` rows at a time; zeros where the loss does not read them."""
+        out = {name: np.zeros(host["inputs"].shape, np.float32) for name in ("old_logps", "ref_logps")}
+        ref = state.frozen if self.cfg.posttrain.reference == "lora_base" else state.reference
+        which = {"old_logps": state.model_params if self.period > 1 else None,
+                 "ref_logps": ref if self.cfg.posttrain.beta > 0 else None}
+        for j in range(self.k):
+            rows = slice(j * self.B, (j + 1) * self.B)
+            placed = self._place({k: host[k][rows] for k in ("inputs", "targets", "loss_mask", "segment_ids",
+                                                             "positions")})
+            args = [placed[k] for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")]
+            for name, params in which.items():
+                if params is not None:
+                    out[name][rows] = self._host(self._logps(params, *args))
         return out
 
     @staticmethod
@@ -394,8 +404,9 @@ class Rollouts:
 
     # ------------------------------------------------------------------ resume between the μ steps
     def _save(self, step: int, host: dict, metrics: dict) -> None:
-        """Rollout ``step``'s batch and metrics (process 0; only with μ > 1 and ``checkpoint.dir``)."""
-        if not self.dir or self.mu == 1 or jax.process_index() != 0:
+        """Rollout ``step``'s batch and metrics (process 0; only when it feeds several steps and with
+        ``checkpoint.dir``)."""
+        if not self.dir or self.period == 1 or jax.process_index() != 0:
             return
         os.makedirs(self.dir, exist_ok=True)
         np.savez(os.path.join(self.dir, f"{step}.npz"), **host, metrics_json=np.asarray(json.dumps(metrics)))
@@ -406,7 +417,7 @@ class Rollouts:
     def _load(self, step: int) -> _Rollout:
         path = os.path.join(self.dir, f"{step}.npz") if self.dir else ""
         if not path or not os.path.exists(path):
-            raise FileNotFoundError(f"resuming GRPO between the {self.mu} steps of the rollout of step {step} needs "
+            raise FileNotFoundError(f"resuming GRPO between the {self.period} steps of the rollout of step {step} needs "
                                     f"its batch, {path or '<checkpoint.dir>/rollouts/' + str(step) + '.npz'}, "
                                     "which is missing")
         with np.load(path) as f:

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config.derived import grpo_epsilon_high, posttrain_loss_type
+from jaxcolossal.config.derived import grpo_epsilon_high, grpo_off_policy, posttrain_loss_type
 from jaxcolossal.models.layers import moe
 from jaxcolossal.models.layers.logprobs import token_logprobs
 
@@ -239,7 +239,8 @@ class Grpo:
     ``__call__(params, tokens, targets, ..., mask, segment_ids, positions, advantages, old_logps,
     ref_logps)``: ``tokens``/``targets`` int32 ``[b, t]``, ``mask [b, t]`` on the completion tokens,
     ``advantages [b, t]`` (each row's, repeated), ``old_logps``/``ref_logps`` fp32 ``[b, t]``. Returns
-    ``(summed loss, token sums of the metrics)``. With ``num_iterations == 1`` the old log-probs are
+    ``(summed loss, token sums of the metrics)``. On-policy (``num_iterations == 1``, one step per
+    generation: :func:`~jaxcolossal.config.derived.grpo_off_policy`) the old log-probs are
     the policy's own under ``stop_gradient`` (TRL's shortcut: the ratio is 1, its gradient is not).
     """
 
@@ -250,13 +251,14 @@ class Grpo:
         self.family, self.cfg, self.post = family, cfg, cfg.posttrain
         self.loss_type = posttrain_loss_type(cfg)
         self.epsilon_high = grpo_epsilon_high(cfg)
+        self.off_policy = grpo_off_policy(cfg)
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
                  positions=None, dropout_key=None, reference=None, advantages=None, old_logps=None, ref_logps=None):
         mask = mask.astype(jnp.float32)
         logps = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
                                    segment_ids, positions, dropout_key)
-        old = jax.lax.stop_gradient(logps if self.post.num_iterations == 1 else old_logps)
+        old = jax.lax.stop_gradient(old_logps if self.off_policy else logps)
         p = self.post
         loss, stats = grpo_token_loss(logps, old, jax.lax.stop_gradient(ref_logps), advantages[:, 0], mask,
                                       p.epsilon, self.epsilon_high, p.beta)
