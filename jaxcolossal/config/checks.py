@@ -138,6 +138,7 @@ RANGES: dict[str, Range] = {
     "posttrain.epsilon_high": Range(0, note="0: epsilon"), "posttrain.num_iterations": _POS,
     "posttrain.rollout_tp": Range(0, note="0: a host's devices, capped by the kv heads"),
     "posttrain.steps_per_generation": Range(0, note="0: training.gradient_accumulation_steps"),
+    "posttrain.rollout_slots": Range(0, note="0: the whole generation at once"),
     "posttrain.generation_batch_size": Range(0, note="0: batch_size x steps_per_generation / accumulation"),
 }
 """Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""

@@ -953,6 +953,12 @@ class PosttrainConfig:
     generation_batch_size: int = 0
     """GRPO (TRL's ``generation_batch_size``): completions sampled per generation, >= 0; 0: ``batch_size ×
     steps_per_generation / gradient_accumulation_steps``. A multiple of ``training.batch_size``."""
+    rollout_slots: int = 0
+    """GRPO: the sampler's cache rows, >= 0; 0 (the default): the whole generation as one static batch
+    (every row decodes until the longest ends); fewer: refill, each slot taking the next queued prompt as
+    soon as its row ends (continuous batching over the static cache: docs/generate.md), rounded up to a
+    multiple of the decode layout's data shards. Greedy completions are the same either way; sampled ones
+    are other draws of the same distribution."""
     rollout_layout: Literal["decode", "training"] = "decode"
     """GRPO: the params' layout for the rollout's sampler. ``decode`` (the default): once per rollout the
     policy's compute params (LoRA's adapters with them) are resharded from the training layout into a
@@ -973,7 +979,7 @@ class PosttrainConfig:
 GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "top_k", "top_p", "epsilon",
                   "epsilon_high", "num_iterations", "scale_rewards", "reward_funcs", "reward_weights",
                   "format_pattern", "mask_truncated_completions", "log_completions", "rollout_layout",
-                  "rollout_tp", "steps_per_generation", "generation_batch_size")
+                  "rollout_tp", "steps_per_generation", "generation_batch_size", "rollout_slots")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing",)

@@ -42,7 +42,7 @@ from jaxcolossal.config import ConfigError
 from jaxcolossal.config.derived import grpo_generation_batch, grpo_prompt_length, rollout_reshards, rollout_tp
 from jaxcolossal.data.prompts import PromptData, prompt_batch
 from jaxcolossal.errors import RewardError
-from jaxcolossal.generate import Sampling, make_generator, pad_prompts, run_eos_ids
+from jaxcolossal.generate import Sampling, data_shards, make_generator, pad_prompts, run_eos_ids
 from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.models.layers.logprobs import token_logprobs
 from jaxcolossal.parallel.layer_scan import fetch_layer
@@ -324,8 +324,16 @@ class Rollouts:
             specs = jax.tree.map(lambda x: x.sharding.spec, params)
             self._generators[name] = make_generator(
                 self.plan.family, self.cfg.model, self.C, sampling, eos_id=self.eos, pad_id=self._pad,
-                mesh=self.gen_mesh, param_specs=specs, fp8=self.cfg.precision.fp8)
+                mesh=self.gen_mesh, param_specs=specs, fp8=self.cfg.precision.fp8, slots=self._slots())
         return self._generators[name]
+
+    def _slots(self) -> int | None:
+        """``posttrain.rollout_slots`` rounded up to a multiple of the sampler's data shards; ``None``: static."""
+        slots = self.cfg.posttrain.rollout_slots
+        if not slots:
+            return None
+        shards = data_shards(self.gen_mesh)
+        return -(-slots // shards) * shards
 
     def _score(self, data: PromptData, idx: np.ndarray, completions: np.ndarray, lengths: np.ndarray, where: str,
                state: TrainerState) -> tuple[np.ndarray, list[str]]:
