@@ -23,6 +23,7 @@
 #   5. scripts/bench_optimizer.py (fused AdamW Pallas kernel vs optax, GB/s vs HBM peak);
 #   6. scripts/bench_offload.py (step time with each offload setting / none, host<->device GB/s);
 #   7. scripts/bench_overlap.py (ZeRO-3 weight prefetch on / off: step-time ratio and memory, LLaMA ~1B);
+#   8. scripts/bench_decode.py (the sampler's decode step on the Llama-3-8B shape: time and MBU);
 #   4b (after the benchmarks): flash attention's Triton kernels vs cuDNN at seq 8k and 32k, TFLOPS.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -37,6 +38,8 @@ BENCH_ARGS=${BENCH_ARGS:---warmup 3 --steps 10}  # e.g. a CPU rehearsal (docs/pe
 OPT_ARGS=${OPT_ARGS:-}                           # SEQ=64 MODEL_1B=tiny MODEL_3B=tiny OPT_ARGS="--scale 0.001"
 OVERLAP_MODEL=${OVERLAP_MODEL:-llama_1b}               # tiny for a CPU rehearsal
 OFFLOAD_ARGS=${OFFLOAD_ARGS:-}                   # e.g. "--hidden 128 --layers 2 --seq 64" (CPU rehearsal)
+DECODE_MODEL=${DECODE_MODEL:-llama3_8b}          # tiny for a CPU rehearsal
+DECODE_ARGS=${DECODE_ARGS:-}                     # e.g. "--batch 4 --prompt 32 --new 16 --hbm-gbs 50" (CPU rehearsal)
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 START=$SECONDS
@@ -196,6 +199,12 @@ step bench_offload 150 "$PY" scripts/bench_offload.py --devices 1 --layers 4 --h
 # one GPU gathers nothing under ZeRO-3: this records the prefetch's own cost (the ratio, the memory)
 step bench_overlap 120 "$PY" scripts/bench_overlap.py --model "$OVERLAP_MODEL" --seq "$SEQ" --batch-per-dp 2 \
      --precision bf16 --rounds 5 --warmup 2
+
+# ---------------------------------------------------------------- 8. the sampler's decode step: time and MBU
+# the Llama-3-8B shape (random bf16 weights, 16 GB), 32 rows of a 512-token prompt, 64 new tokens: the step's
+# time and MBU (weights + KV cache bytes read per step / step time / HBM bandwidth); the flash-decoding kernel
+# shellcheck disable=SC2086
+step bench_decode 150 "$PY" scripts/bench_decode.py --model "$DECODE_MODEL" $DECODE_ARGS
 
 # ---------------------------------------------------------------- summary
 "$PY" - "$OUT" <<'EOF' | tee "$OUT/summary.md"
