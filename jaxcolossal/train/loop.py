@@ -51,12 +51,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import CheckpointManager, NonFiniteStateError, config_diff, step_dirs
 from jaxcolossal.config import Config, ConfigError, TrainingConfig, double_buffers_loops, precision_label
-from jaxcolossal.config.derived import grpo_prompt_length
-from jaxcolossal.data import DataLoader, ExampleLoader, eval_batches, get_tokenizer, load_splits
-from jaxcolossal.data.chat import generation_prompt, load_chat
-from jaxcolossal.data.loader import PairLoader
-from jaxcolossal.data.preference import load_preferences
-from jaxcolossal.data.prompts import load_prompts
+from jaxcolossal.data import DataLoader, get_tokenizer
+from jaxcolossal.data.corpus import TEXT_SAMPLE_PROMPT
+from jaxcolossal.data.formats import data_format
 from jaxcolossal.generate import Sampling, generate, printable, run_eos_ids, sample_tokens
 from jaxcolossal.memory.budget import formula_bytes
 from jaxcolossal.memory.placement import DEVICE, HOST, bytes_by_kind
@@ -66,7 +63,6 @@ from jaxcolossal.parallel.compression import state_bytes as compression_bytes
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.parallel.sharding import DATA_AXES, Sharder, describe, is_shape, shard_bytes
-from jaxcolossal.posttrain.rollout import Rollouts
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.runtime.faults import job_start, restart_count
@@ -91,11 +87,18 @@ from jaxcolossal.train.guard import (
     explain_oom,
 )
 from jaxcolossal.train.nvme import NVME, NvmeTier, nvme_tier
+from jaxcolossal.train.objective import objective_class
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.profile import StepProfiler, save_memory_profile
 from jaxcolossal.train.restart import after_restart
 from jaxcolossal.train.state import BYTES_PER_PARAM, TrainPlan, init_state, make_plan
-from jaxcolossal.train.step import gathers_lowp, make_dpo_eval_step, make_eval_step, make_train_step, prefetches_weights
+from jaxcolossal.train.step import (
+    gathers_lowp,
+    make_eval_step,
+    make_objective_eval_step,
+    make_train_step,
+    prefetches_weights,
+)
 
 
 def param_table(plan: TrainPlan) -> str:
@@ -144,7 +147,7 @@ def memory_report(plan: TrainPlan, state: Any, tier: NvmeTier | None = None) -> 
     lines.append(f"  {'total':<10} {got['total'] / 2**20:10.3f} MiB")
     if getattr(state, "reference", None) is not None:  # DPO's or GRPO's frozen reference copy, device 0's shards
         ref = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.reference))
-        whose = "GRPO's (beta > 0)" if plan.cfg.training.objective == "grpo" else "DPO's"
+        whose = objective_class(plan.cfg).reference_label
         lines.append(f"  {'reference':<10} {ref / 2**20:10.3f} MiB   ({whose} frozen reference copy, sharded like params)")
         out["reference"] = ref
     if state.residual is not None:  # gradient compression's state, read from the arrays on device 0
@@ -287,11 +290,6 @@ SAMPLE_WINDOW = 2048
 """The end-of-run sample's context in tokens, at most: it runs unsharded on one device, with the
 whole window through every layer per token (a 16k window of a long-context run did not fit a
 23 GiB host)."""
-TEXT_SAMPLE_PROMPT = "def "
-"""The end-of-run sample's prompt for text corpora when ``training.sample_prompt`` is empty."""
-SKIPPED_SHOWN = 5
-"""How many ``file:line`` locations of conversations dropped by ``data.skip_long_examples`` the log
-line names (the count covers them all)."""
 
 
 @dataclass
@@ -414,111 +412,21 @@ def _restore_newest(cfg: Config, ckpt: CheckpointManager, state: Any,
     return state, "persistent"
 
 
-def _data(cfg: Config, mesh, plan: TrainPlan | None = None) -> tuple[DataLoader, list, str]:
-    """The training loader, the fixed evaluation batches and the end-of-run sample's prompt for
-    ``data.format``: ``text`` windows of one token stream (with ``data.packing_mask`` also segment
-    ids and positions), ``chat`` conversations with a loss mask on the responses, ``preference``
-    pairs, or ``prompts`` (GRPO: the loader is the rollout phase on ``plan``; no fixed batches)."""
-    t, spec = cfg.training, jax.sharding.PartitionSpec(DATA_AXES)
-    eval_bs = t.batch_size // t.gradient_accumulation_steps
-    if cfg.data.format == "prompts":
-        return _prompt_data(cfg, plan), [], t.sample_prompt or TEXT_SAMPLE_PROMPT
-    if cfg.data.format == "chat":
-        return _chat_data(cfg, mesh, spec, eval_bs)
-    if cfg.data.format == "preference":
-        return _preference_data(cfg, mesh, spec, eval_bs)
-    if cfg.data.packing_mask:  # documents' starts too: segment ids, positions, cross-document targets masked
-        (train_tokens, train_docs), (val_tokens, val_docs) = load_splits(cfg.data, with_docs=True)
-    else:
-        (train_tokens, val_tokens), train_docs, val_docs = load_splits(cfg.data), None, None
-    loader = DataLoader(train_tokens, t.batch_size, t.seq_len, t.seed, mesh=mesh, batch_spec=spec, doc_starts=train_docs)
-    use_val = len(val_tokens) > t.seq_len + 1
-    evals = [tuple(loader.to_global(a) for a in batch)
-             for batch in eval_batches(val_tokens if use_val else train_tokens, eval_bs, t.seq_len, t.eval_batches,
-                                       doc_starts=val_docs if use_val else train_docs)]
-    return loader, evals, t.sample_prompt or TEXT_SAMPLE_PROMPT
-
-
-def _chat_data(cfg: Config, mesh, spec, eval_bs: int) -> tuple[ExampleLoader, list, str]:
-    """:func:`_data` for ``data.format=chat``; says how many conversations were loaded, cut and held
-    out. The sample's prompt is ``training.sample_prompt`` as a user turn, else the first held-out
-    conversation's text before its response (the chat template's generation prompt included)."""
+def _data(cfg: Config, mesh, plan: TrainPlan | None = None) -> tuple[Any, list, str]:
+    """The training loader, the fixed evaluation batches and the end-of-run sample's prompt:
+    ``data.format``'s (:func:`jaxcolossal.data.formats.data_format`), its loader through the
+    objective's hook (GRPO: the rollout phase on ``plan``)."""
     t = cfg.training
-    tok = get_tokenizer(cfg.data.tokenizer)
-    chat = load_chat(cfg.data, tok, t.seq_len)
-    train_part, val_part = chat.split(cfg.data.val_fraction)
-    log = get_dist_logger()
-    log.info(f"data.format=chat: {len(chat.examples)} conversations from {chat.files} file(s): "
-             f"{len(train_part.examples)} to train, {len(val_part.examples)} held out for validation "
-             f"(data.val_fraction={cfg.data.val_fraction:g}); {chat.truncated} cut to training.seq_len={t.seq_len} "
-             "tokens", ranks=[0])
-    if chat.truncated:
-        log.warning(f"data.format=chat: {chat.truncated} of {len(chat.examples)} conversations were cut to "
-                    f"training.seq_len={t.seq_len} tokens", ranks=[0])
-    if chat.skipped:
-        first = ", ".join(chat.skipped[:SKIPPED_SHOWN]) + (", ..." if len(chat.skipped) > SKIPPED_SHOWN else "")
-        log.warning(f"data.skip_long_examples: dropped {len(chat.skipped)} conversation(s) with no response token "
-                    f"within training.seq_len={t.seq_len} ({first})", ranks=[0])
-    loader = ExampleLoader(train_part.examples, train_part.masks, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
-    held = val_part if len(val_part.examples) else train_part
-    prompt = generation_prompt([{"role": "user", "content": t.sample_prompt}], tok) if t.sample_prompt \
-        else held.prompts[0]
-    return loader, loader.eval_batches(held.examples, held.masks, eval_bs, t.eval_batches), prompt
+    data, evals, prompt = data_format(cfg).batches(cfg, mesh, jax.sharding.PartitionSpec(DATA_AXES),
+                                                   t.batch_size // t.gradient_accumulation_steps)
+    return objective_class(cfg).loader(data, cfg, plan), evals, prompt
 
 
-def _preference_data(cfg: Config, mesh, spec, eval_bs: int) -> tuple[PairLoader, list, str]:
-    """:func:`_data` for ``data.format=preference`` (DPO): pairs drawn per step, the held-out pairs as the
-    fixed evaluation batches; says how many pairs were loaded, cut and held out."""
-    t = cfg.training
-    data = load_preferences(cfg.data, get_tokenizer(cfg.data.tokenizer), t.seq_len)
-    train_part, val_part = data.split(cfg.data.val_fraction)
-    log = get_dist_logger()
-    log.info(f"data.format=preference: {len(data)} pairs from {data.files} file(s): {len(train_part)} to train, "
-             f"{len(val_part)} held out (data.val_fraction={cfg.data.val_fraction:g}); {data.truncated} responses "
-             f"cut to training.seq_len={t.seq_len} tokens" + (f"; {len(data.skipped)} pairs dropped by "
-                                                                 "data.skip_long_examples" if data.skipped else ""),
-             ranks=[0])
-    loader = PairLoader(train_part, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
-    held = val_part if len(val_part) else train_part
-    rows, masks = held.rows(np.arange(len(held)))
-    return loader, loader.eval_batches(rows, masks, eval_bs, t.eval_batches), t.sample_prompt or TEXT_SAMPLE_PROMPT
-
-
-def _prompt_data(cfg: Config, plan: TrainPlan) -> Rollouts:
-    """:func:`_data` for ``data.format=prompts`` (GRPO): the prompts, and the rollout phase that samples,
-    scores and lays out each step's batch (:class:`jaxcolossal.posttrain.rollout.Rollouts`)."""
-    t = cfg.training
-    tok = get_tokenizer(cfg.data.tokenizer)
-    width = grpo_prompt_length(cfg)
-    data = load_prompts(cfg.data, tok, width)
-    train_part, val_part = data.split(cfg.data.val_fraction)
-    get_dist_logger().info(
-        f"data.format=prompts: {len(data)} prompts from {data.files} file(s): {len(train_part)} to train, "
-        f"{len(val_part)} held out (data.val_fraction={cfg.data.val_fraction:g}); {data.truncated} cut to "
-        f"{width} tokens (training.seq_len + 1 - posttrain.max_completion_length)"
-        + (f"; {len(data.skipped)} dropped by data.skip_long_examples" if data.skipped else ""), ranks=[0])
-    po = cfg.posttrain
-    if hint := prompt_length_hint(cfg, max((len(x) for x in data.tokens), default=0)):
-        get_dist_logger().warning(hint, ranks=[0])
-    get_dist_logger().info(f"GRPO: {t.batch_size // po.num_generations} prompts x {po.num_generations} completions "
-                           f"of up to {po.max_completion_length} tokens per rollout, {po.num_iterations} step(s) "
-                           f"per rollout; rewards {po.reward_funcs}", ranks=[0])
-    return Rollouts(cfg, plan, train_part, tok, plan.batch_sharding, held=val_part)
-
-
-def prompt_length_hint(cfg: Config, longest: int) -> str | None:
-    """GRPO's hint when ``training.seq_len`` pads the prompts to at least twice the ``longest`` one's
-    tokens (``--config OUT/model.yaml`` gives seq_len 512 to 5-token prompts): the seq_len the data
-    needs, the longest prompt + ``max_completion_length`` - 1 (a row holds the prompt and the
-    completion but the completion's last token); None otherwise."""
-    t, po = cfg.training, cfg.posttrain
-    width = grpo_prompt_length(cfg)
-    if not longest or width < 2 * longest:
-        return None
-    return (f"GRPO pads every prompt to {width} tokens (training.seq_len={t.seq_len} + 1 - "
-            f"posttrain.max_completion_length={po.max_completion_length}) and the longest is {longest}: "
-            f"training.seq_len={longest + po.max_completion_length - 1} fits this data (the longest prompt + "
-            "max_completion_length - 1), and every step's rollout and update shrink with it")
+def _eval_step(plan: TrainPlan) -> Any:
+    """The jitted evaluation step the objective's ``evaluation`` runs: its own loss and metrics with the
+    reference (``objective``), else the language-model loss."""
+    return make_objective_eval_step(plan) if objective_class(plan.cfg).evaluation == "objective" \
+        else make_eval_step(plan)
 
 
 def _warn_about_freeze(cfg: Config) -> None:
@@ -781,7 +689,7 @@ def _start(cfg: Config, stop: StopSignals, rec: GoodputRecorder) -> Run:
         raise
     metrics.write(run_start_record(cfg, run_id, resumed_from))
     return Run(cfg=cfg, plan=plan, state=state, ckpt=ckpt, loader=loader, evals=evals, compiled=compiled,
-               eval_step=make_dpo_eval_step(plan) if cfg.training.objective == "dpo" else make_eval_step(plan),
+               eval_step=_eval_step(plan),
                compile_s=compile_s, compiled_peak=peak, metrics=metrics, nvme=tier,
                sample_prompt=sample_prompt, run_id=run_id, profiler=StepProfiler.for_run(cfg, run_id, is_main),
                local=local, goodput=rec)
@@ -814,13 +722,14 @@ def _evaluate(run: Run, state: Any) -> float:
     """Mean validation loss (nats/token) over the fixed evaluation batches; with DPO the mean DPO loss
     over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc.; with
     GRPO minus the mean reward of greedy completions of the held-out prompts (``val_reward``)."""
-    if run.cfg.training.objective == "grpo":
+    evaluation = objective_class(run.cfg).evaluation
+    if evaluation == "rollouts":
         metrics = run.loader.evaluate(state)
         run.write({"step": int(state.step), **metrics})
         get_dist_logger().info(f"step {int(state.step)}: held-out reward (greedy) {metrics['val_reward']:.4f}",
                                ranks=[0])
         return -metrics["val_reward"]
-    if run.cfg.training.objective != "dpo":
+    if evaluation != "objective":
         return float(np.mean([float(run.eval_step(state.model_params, *batch)) for batch in run.evals]))
     reference = state.frozen if run.cfg.posttrain.reference == "lora_base" else state.reference
     outs = [run.eval_step(state.model_params, reference, *batch) for batch in run.evals]
@@ -1089,9 +998,9 @@ def _sample(run: Run, state: Any) -> str:
     if t.sample_tokens <= 0:
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
-    fmt = run.cfg.data.format
-    eos = run_eos_ids(tok, cfg.init_from or None) if fmt in ("chat", "prompts") else ()
-    encode = tok.encode_prompt if fmt == "prompts" else tok.encode
+    fmt = data_format(run.cfg)
+    eos = run_eos_ids(tok, cfg.init_from or None) if fmt.sample_ends_at_eos else ()
+    encode = tok.encode_prompt if fmt.sample_as_prompt else tok.encode
     prompt = encode(run.sample_prompt)[-min(t.seq_len, SAMPLE_WINDOW):]
     family = run.plan.family
     if family.forward_cached is None:
@@ -1351,14 +1260,15 @@ def evaluate_only(cfg: Config) -> dict:
     """
     preflight(cfg, eval_only=True)
     _nothing_to_evaluate(cfg)
-    run_id, objective = new_run_id(), cfg.training.objective  # its own train.log separator and TensorBoard folder
+    run_id, evaluation = new_run_id(), objective_class(cfg).evaluation  # its own train.log separator and TB folder
     with _quiet_console():
         mesh, plan = _mesh_and_plan(cfg, run_id)
         loader, evals, _ = _data(cfg, mesh, plan)
-        state, source = _restored_state(cfg, plan, reference=objective == "dpo" and cfg.posttrain.reference == "frozen")
+        state, source = _restored_state(cfg, plan,
+                                        reference=evaluation == "objective" and cfg.posttrain.reference == "frozen")
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=jax.process_index() == 0)
         run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=loader, evals=evals, compiled=None,
-                  eval_step=make_dpo_eval_step(plan) if objective == "dpo" else make_eval_step(plan), compile_s=0.0,
+                  eval_step=_eval_step(plan), compile_s=0.0,
                   compiled_peak=0, metrics=metrics)
         ok = False
         try:
@@ -1368,7 +1278,7 @@ def evaluate_only(cfg: Config) -> dict:
         finally:
             metrics.close(exit_code=0 if ok else 1)
     out = {"step": step, "val_loss": val, "source": source}
-    if objective == "sft":
+    if evaluation == "loss":
         out["perplexity"] = math.exp(val) if val < 700 else math.inf  # exp overflows a float past ~709
     if run.is_main:
         print(f"{eval_line(cfg, val, out.get('perplexity'))} at step {step} ({source})")
@@ -1379,10 +1289,7 @@ def eval_parts(cfg: Config, val: float) -> tuple[str, str]:
     """``(name, value with its unit)`` of a held-out evaluation's value ``val`` (:func:`_evaluate`'s):
     SFT's ``("validation loss", "X nats/token")``, DPO's ``("held-out DPO loss", "X per pair")``, GRPO's
     ``("held-out reward (greedy)", "X")`` (``val`` is minus the reward)."""
-    name, value, unit = {"dpo": ("held-out DPO loss", val, " per pair"),
-                         "grpo": ("held-out reward (greedy)", -val, "")}.get(
-        cfg.training.objective, ("validation loss", val, " nats/token"))
-    return name, f"{value:.4f}{unit}"
+    return objective_class(cfg).held_out_parts(val)
 
 
 def eval_line(cfg: Config, val: float, perplexity: float | None = None) -> str:
