@@ -383,7 +383,7 @@ def _check_momentum_correction(cfg: Config) -> None:
 
 def _check_compression(p: ParallelConfig) -> None:
     """``parallel.gradient_compression`` and ``communication_dtype`` against the rest (see
-    :class:`ParallelConfig`; the ratio's and rank's ranges are in :data:`RANGES`)."""
+    :class:`ParallelConfig`; the ratio's and rank's ranges are in :data:`jaxcolossal.config.ranges.RANGES`)."""
     c = p.gradient_compression
     if c != "none":
         fixes = []  # every change it needs, in one message

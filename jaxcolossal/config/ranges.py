@@ -111,7 +111,7 @@ RANGES: dict[str, Range] = {
     "posttrain.top_p": Range(0, 1, lo_open=True), "posttrain.epsilon": Range(0, 1, lo_open=True, hi_open=True),
     "posttrain.epsilon_high": Range(0, note="0: epsilon"), "posttrain.num_iterations": _POS,
 }
-"""Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
+"""Every numeric (int or float) key and the values it accepts, checked by :func:`check_ranges` (in :func:`jaxcolossal.config.checks.validate`)."""
 
 
 def check_ranges(cfg: Config) -> None:

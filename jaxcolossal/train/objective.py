@@ -52,7 +52,7 @@ class Objective(Protocol):
     reads: ClassVar[str]
     """What it reads, for the config's refusal of another ``data.format`` (``DPO reads preference pairs``)."""
     evaluation: ClassVar[str]
-    """How its held-out evaluation runs (the loop's held-out evaluation): ``loss``
+    """How its held-out evaluation runs (:func:`jaxcolossal.train.evaluate.held_out`): ``loss``
     (the language-model loss over the fixed batches), ``objective`` (its own loss and metrics over
     the fixed batches, with the reference) or ``rollouts`` (the on-policy loader's ``evaluate``)."""
     reference_label: ClassVar[str]
