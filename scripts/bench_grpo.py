@@ -25,7 +25,7 @@ import numpy as np
 
 import jaxcolossal as jc
 from jaxcolossal.config import load_config, validate
-from jaxcolossal.train import loop
+from jaxcolossal.train.start import initial_state, load_data, mesh_and_plan
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.step import make_train_step
 
@@ -33,10 +33,10 @@ from jaxcolossal.train.step import make_train_step
 def _setup(config: str, overrides: list[str]):
     cfg = load_config(config, ["model.init_from=", "checkpoint.dir=", *overrides])
     validate(cfg, jax.device_count())
-    _, plan = loop._mesh_and_plan(cfg, "bench")
+    mesh, plan = mesh_and_plan(cfg, "bench")
     tx = build_optimizer(cfg.training, plan)
-    state = loop._initial_state(cfg, plan, tx)
-    return cfg, plan, state, loop._prompt_data(cfg, plan), make_train_step(plan, tx, lr_schedule(cfg.training))
+    state = initial_state(cfg, plan, tx)
+    return cfg, plan, state, load_data(cfg, mesh, plan)[0], make_train_step(plan, tx, lr_schedule(cfg.training))
 
 
 def sampler_alone(ro, state, steps: int) -> float:

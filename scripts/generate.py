@@ -124,7 +124,7 @@ def from_checkpoint(args, prompts: list[str]):
     (:func:`check_length`) before anything is restored."""
     from jaxcolossal.data import get_tokenizer  # heavy: jax, after the devices are set up
     from jaxcolossal.generate import run_eos_ids  # heavy: as above
-    from jaxcolossal.train.loop import state_for_sampling  # heavy: orbax and tensorstore
+    from jaxcolossal.train.evaluate import state_for_sampling  # heavy: orbax and tensorstore
     cfg = load_config(args.config, args.overrides)
     tok = get_tokenizer(args.tokenizer or cfg.data.tokenizer)
     check_length(cfg.model, prompts, tok, args.max_new_tokens)

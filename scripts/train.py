@@ -87,7 +87,7 @@ def dry_run(cfg, args) -> int:
 
 def run(args) -> int:
     """Load and validate the config (before JAX starts), then compile for a fleet, plan, evaluate
-    (``--eval-only``: :func:`jaxcolossal.train.loop.evaluate_only`) or train."""
+    (``--eval-only``: :func:`jaxcolossal.train.evaluate.evaluate_only`) or train."""
     cfg = load_config(args.config, args.overrides)
     if args.eval_only and (args.dry_run or args.compile_for):
         raise ConfigError("--eval-only evaluates a checkpoint on this machine's devices; it does not combine with "
@@ -104,7 +104,8 @@ def run(args) -> int:
     jc.simulate_devices(args.devices or _devices_in_xla_flags() or 8)
     jc.launch_from_env(seed=cfg.training.seed, verbose=False,
                        heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s or None)
-    from jaxcolossal.train.loop import evaluate_only, train  # heavy: orbax and tensorstore, for training runs only
+    from jaxcolossal.train.evaluate import evaluate_only  # heavy: orbax and tensorstore, for training runs only
+    from jaxcolossal.train.loop import train  # heavy: as above
     if args.eval_only:
         evaluate_only(cfg)
         return 0

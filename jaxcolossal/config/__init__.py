@@ -13,7 +13,7 @@ Example::
     cfg.parallel.resolve(num_devices=8)   # fills -1 sizes, checks the product
 """
 
-from jaxcolossal.config.checks import RANGES, Range, check_ranges, validate
+from jaxcolossal.config.checks import validate
 from jaxcolossal.config.derived import (
                                         BYTES_PER_PARAM,
                                         COMPUTE_DTYPES,
@@ -37,6 +37,7 @@ from jaxcolossal.config.load import (
                                         load_config,
                                         parse_overrides,
 )
+from jaxcolossal.config.ranges import RANGES, Range, check_ranges
 from jaxcolossal.config.reference import config_help, config_reference_markdown, field_docs
 from jaxcolossal.config.restart import keep_global_batch, resume_on_restart
 from jaxcolossal.config.schema import (

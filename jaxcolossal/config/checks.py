@@ -1,159 +1,28 @@
-"""Validation: every numeric key's range, and every combination the sharding, the pipeline and
-the kernels cannot run, refused before anything is compiled with the key and what to set."""
+"""Validation: every combination the sharding, the pipeline and the kernels cannot run, refused
+before anything is compiled with the key and what to set (:func:`validate`, which runs the ranges
+of :mod:`jaxcolossal.config.ranges` and the objective's checks of
+:mod:`jaxcolossal.config.objective_checks` too)."""
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import re
-from dataclasses import dataclass
 
 from jaxcolossal.config.architecture import check_architecture
-from jaxcolossal.config.derived import (
-    DPO_LOSS_TYPES,
-    GRPO_LOSS_TYPES,
-    grpo_prompt_length,
-    pipeline_microbatches,
-    posttrain_loss_type,
-    prefetches_weights,
-    rollout_tp_sizes,
-    weight_gather_dtype,
-)
-from jaxcolossal.config.reward_funcs import reward_specs
+from jaxcolossal.config.derived import pipeline_microbatches, prefetches_weights, rollout_tp_sizes, weight_gather_dtype
+from jaxcolossal.config.objective_checks import check_objective
+from jaxcolossal.config.ranges import check_ranges
 from jaxcolossal.config.schema import (
-    DPO_ONLY_KEYS,
-    GRPO_ONLY_KEYS,
     LORA_TARGETS,
     Config,
     LoraConfig,
     ModelConfig,
     ParallelConfig,
-    PosttrainConfig,
     parse_bytes,
     parse_step_range,
     yaml_list,
 )
 from jaxcolossal.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key accepts: ``lo``/``hi`` bounds (closed unless ``*_open``), plus
-    ``special`` values outside them with the meaning given in ``note``. NaN and ±inf are never
-    accepted."""
-
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-    special: tuple = ()
-    note: str = ""
-
-    def contains(self, v: float) -> bool:
-        """True when ``v`` is finite and inside the bounds, or one of ``special``."""
-        if v in self.special:
-            return True
-        if not math.isfinite(v):
-            return False
-        above = v > self.lo if self.lo_open else v >= self.lo
-        below = v < self.hi if self.hi_open else v <= self.hi
-        return above and below
-
-    def describe(self, what: str = "must be") -> str:
-        """The bounds in words, e.g. ``must be > 0`` or ``must be in [0, 1)``."""
-        if self.hi == math.inf:
-            text = f"{what} {'>' if self.lo_open else '>='} {self.lo:g}"
-        else:
-            text = (f"{what} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
-                    f"{')' if self.hi_open else ']'}")
-        return text + (f" ({self.note})" if self.note else "")
-
-
-_POS = Range(1)                      # a count or a size: 1, 2, ...
-_NONNEG = Range(0)
-_GT0 = Range(0, lo_open=True)        # a strictly positive real
-_MESH = Range(1, special=(-1,), note="or -1: the remaining devices")
-_BETA = Range(0, 1, hi_open=True)
-
-RANGES: dict[str, Range] = {
-    "model.num_layers": _POS, "model.hidden_size": _POS, "model.num_attention_heads": _POS,
-    "model.num_key_value_heads": _POS, "model.intermediate_size": _POS,
-    "model.max_position_embeddings": _POS, "model.vocab_size": _POS, "model.vocab_pad_multiple": _POS,
-    "model.rms_norm_eps": _GT0, "model.layer_norm_eps": _GT0, "model.rope_theta": _GT0,
-    "model.initializer_range": _GT0,
-    "model.loss_chunk_tokens": Range(0, note="0: materialize the logits of all tokens"),
-    "model.loss_chunk_vocab": Range(0, note="0: the whole vocabulary shard in one chunk"),
-    "model.lora.rank": Range(0, note="0: LoRA off"), "model.lora.alpha": _GT0,
-    "model.lora.dropout": Range(0, 1, hi_open=True),
-    "model.attention_head_dim": Range(0, note="0: hidden_size / num_attention_heads"),
-    "model.num_experts": Range(0, note="0: dense"), "model.num_experts_per_tok": _POS,
-    "model.moe_intermediate_size": Range(0, note="0: intermediate_size"), "model.num_shared_experts": _NONNEG,
-    "model.first_k_dense": _NONNEG, "model.router_aux_loss_coef": _NONNEG, "model.router_z_loss_coef": _NONNEG,
-    "model.capacity_factor": Range(0, note="0: dropless"), "parallel.expert_parallel_size": _POS,
-    "model.rope.factor": _NONNEG, "model.rope.original_max_position_embeddings": _NONNEG,
-    "model.rope.low_freq_factor": _GT0, "model.rope.high_freq_factor": _GT0, "model.rope.beta_fast": _GT0,
-    "model.rope.beta_slow": _GT0, "model.rope.mscale": _NONNEG, "model.rope.mscale_all_dim": _NONNEG,
-    "model.rope.attention_factor": Range(0, note="0: derived"), "model.rope.partial_rotary_factor": Range(0, 1, lo_open=True),
-    "model.rope_local_theta": Range(0, note="0: rope_theta"), "model.sliding_window": Range(0, note="0: none"),
-    "model.query_pre_attn_scalar": Range(0, note="0: head_dim"), "model.attn_logit_softcapping": _NONNEG,
-    "model.final_logit_softcapping": _NONNEG, "model.swiglu_limit": Range(0, note="0: no clamp"),
-    "model.q_lora_rank": Range(0, note="0: no q compression"), "model.kv_lora_rank": _NONNEG,
-    "model.qk_nope_head_dim": _NONNEG, "model.qk_rope_head_dim": _NONNEG, "model.v_head_dim": _NONNEG,
-    "model.n_group": Range(0, note="0: no groups"), "model.topk_group": _NONNEG, "model.routed_scaling_factor": _GT0,
-    "training.batch_size": _POS, "training.micro_batch_size": Range(0, note="0: use batch_size"),
-    "training.seq_len": _POS, "training.gradient_accumulation_steps": _POS,
-    "training.learning_rate": _GT0, "training.min_learning_rate_ratio": Range(0, 1),
-    "training.max_steps": _POS, "training.warmup_steps": _NONNEG, "training.weight_decay": _NONNEG,
-    "training.adam_beta1": _BETA, "training.adam_beta2": _BETA, "training.adam_eps": _GT0,
-    "training.adam_freeze_step": Range(0, note="0: never; else Adam's variance is frozen after that many steps"),
-    "training.max_grad_norm": Range(0, note="0: no clipping"), "training.seed": Range(0, 2**32 - 1),
-    "training.eval_every": Range(0, note="0: only at the start and the end"),
-    "training.eval_batches": _POS, "training.sample_tokens": Range(0, note="0: no sample"),
-    "parallel.data_parallel_size": _MESH, "parallel.tensor_parallel_size": _MESH,
-    "parallel.pipeline_parallel_size": _MESH, "parallel.sequence_parallel_size": _MESH,
-    "parallel.num_microbatches": Range(0, note="0: the default"), "parallel.num_model_chunks": _POS,
-    "parallel.compression_ratio": Range(0, 1, lo_open=True), "parallel.powersgd_rank": _POS,
-    "parallel.collective_matmul_min_seq": Range(0, note="0: every sequence length"),
-    "parallel.compression_warmup_steps": Range(0, note="0: compress from the first step"),
-    "parallel.bucket_size_mb": Range(0, note="0: XLA's default thresholds"),
-    "parallel.heartbeat_timeout_s": Range(0, note="0: the collective timeout, at most 100"),
-    "precision.initial_scale": _GT0, "precision.growth_factor": Range(1),
-    "precision.backoff_factor": Range(0, 1, lo_open=True), "precision.growth_interval": _POS,
-    "precision.hysteresis": _POS, "precision.min_scale": _GT0, "precision.max_scale": _GT0,
-    "precision.max_consecutive_skips": _POS,
-    "data.val_fraction": Range(0, 1, hi_open=True), "data.max_corpus_bytes": Range(0, note="0: all of it"),
-    "checkpoint.save_every": Range(0, note="0: only at evaluations and the end"), "checkpoint.max_to_keep": _POS,
-    "checkpoint.local_every": Range(0, note="0: no emergency checkpoints"),
-    "fault_tolerance.hang_timeout_s": Range(0, note="0: no hang watchdog"), "fault_tolerance.hang_factor": _GT0,
-    "fault_tolerance.straggler_factor": Range(1), "fault_tolerance.straggler_min_share": Range(0, 1),
-    "fault_tolerance.straggler_min_s": _NONNEG, "fault_tolerance.straggler_checks": _POS,
-    "logging.log_every": _POS,
-    "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
-    "offload.devices_per_host": _POS,
-    "posttrain.beta": Range(0), "posttrain.label_smoothing": Range(0, 0.5, hi_open=True),
-    "posttrain.num_generations": Range(2), "posttrain.max_completion_length": _POS,
-    "posttrain.temperature": _GT0, "posttrain.top_k": Range(0, note="0: all tokens"),
-    "posttrain.top_p": Range(0, 1, lo_open=True), "posttrain.epsilon": Range(0, 1, lo_open=True, hi_open=True),
-    "posttrain.epsilon_high": Range(0, note="0: epsilon"), "posttrain.num_iterations": _POS,
-    "posttrain.rollout_tp": Range(0, note="0: a host's devices, capped by the kv heads"),
-    "posttrain.steps_per_generation": Range(0, note="0: training.gradient_accumulation_steps"),
-    "posttrain.rollout_slots": Range(0, note="0: the whole generation at once"),
-    "posttrain.generation_batch_size": Range(0, note="0: batch_size x steps_per_generation / accumulation"),
-}
-"""Every numeric (int or float) key and the values it accepts, checked by :func:`validate`."""
-
-
-def check_ranges(cfg: Config) -> None:
-    """Check every key of :data:`RANGES` (NaN and ±inf are refused everywhere).
-
-    Raises:
-        ConfigError: ``section.key=value: must be ...``.
-    """
-    for key, rng in RANGES.items():
-        v = functools.reduce(getattr, key.split("."), cfg)
-        if not rng.contains(v):
-            raise ConfigError(f"{key}={v!r}: {rng.describe('must be' if math.isfinite(v) else 'must be a finite number')}")
 
 
 def validate(cfg: Config, num_devices: int | None = None) -> None:
@@ -173,7 +42,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_features(cfg)
     _check_logging(cfg)
     _check_lora(cfg)
-    _check_posttrain(cfg)
+    check_objective(cfg)
     _check_moe(cfg)
     _check_offload(cfg)
     _check_compression(p)
@@ -359,139 +228,6 @@ def _check_lora(cfg: Config) -> None:
                           "model.remat, or model.lora.dropout=0")
 
 
-def _check_posttrain(cfg: Config) -> None:
-    """``training.objective`` dpo/grpo against the data, the reference model and the features they do
-    not run with (:mod:`jaxcolossal.train.objective`)."""
-    t, d = cfg.training, cfg.data
-    for objective, fmt, what in (("dpo", "preference", "DPO reads preference pairs"),
-                                 ("grpo", "prompts", "GRPO samples completions of prompts")):
-        if (t.objective == objective) != (d.format == fmt):
-            raise ConfigError(f"training.objective={t.objective} with data.format={d.format}: {what} and only "
-                              f"{objective.upper()} does; set both training.objective={objective} and "
-                              f"data.format={fmt}, or neither")
-    if t.objective == "sft":
-        return
-    if d.corpus == "stdlib":
-        raise ConfigError(f"data.format={d.format} needs data.corpus: JSON-lines files of " + (
-            "{'prompt', 'chosen', 'rejected'} pairs" if t.objective == "dpo" else "{'prompt', 'answer'} rows"))
-    _check_objective_keys(cfg)
-    _check_loss_type(cfg)
-    _check_reference(cfg)
-    if t.objective == "grpo":
-        _check_grpo(cfg)
-    _check_posttrain_features(cfg)
-
-
-def _check_objective_keys(cfg: Config) -> None:
-    """A GRPO-only ``posttrain`` key (:data:`~jaxcolossal.config.schema.GRPO_ONLY_KEYS`) set away from
-    its default in a DPO run, or a DPO-only one in a GRPO run: the run would ignore it."""
-    objective = cfg.training.objective
-    other, keys = ("grpo", GRPO_ONLY_KEYS) if objective == "dpo" else ("dpo", DPO_ONLY_KEYS)
-    default = PosttrainConfig()
-    for key in keys:
-        value = getattr(cfg.posttrain, key)
-        if value != getattr(default, key):
-            raise ConfigError(f"posttrain.{key}={value!r} is a {other.upper()} key, which a {objective.upper()} run "
-                              f"(training.objective={objective}) never reads: remove it")
-
-
-def _check_loss_type(cfg: Config) -> None:
-    po, objective = cfg.posttrain, cfg.training.objective
-    lt = posttrain_loss_type(cfg)
-    allowed = DPO_LOSS_TYPES if objective == "dpo" else GRPO_LOSS_TYPES
-    if lt not in allowed:
-        raise ConfigError(f"posttrain.loss_type={lt} is not a {objective.upper()} loss; allowed values are auto, "
-                          + ", ".join(allowed))
-    if objective == "dpo" and po.beta <= 0:
-        raise ConfigError(f"posttrain.beta={po.beta!r}: must be > 0 for DPO (0 is GRPO's no-reference setting)")
-    if lt == "ipo" and po.label_smoothing > 0:
-        raise ConfigError(f"posttrain.label_smoothing={po.label_smoothing:g} is conservative DPO's, for "
-                          "posttrain.loss_type=sigmoid; IPO has no label smoothing (set it to 0)")
-
-
-def _check_reference(cfg: Config) -> None:
-    po, m = cfg.posttrain, cfg.model
-    if cfg.training.objective == "grpo" and po.beta == 0:
-        return  # no reference at all
-    if po.reference == "lora_base" and not m.lora.enabled:
-        raise ConfigError("posttrain.reference=lora_base needs LoRA (model.lora.rank > 0): without adapters there "
-                          "is no base to tell apart from the policy; use posttrain.reference=frozen")
-    if po.reference == "frozen" and m.lora.enabled:
-        raise ConfigError("posttrain.reference=frozen with LoRA would hold a second copy of the base weights; use "
-                          "posttrain.reference=lora_base (the base without the adapters is the reference)")
-
-
-def _check_grpo(cfg: Config) -> None:
-    """GRPO's batch against its groups, the row against the completion, and the reward functions
-    (imported now, so a missing one is refused before anything compiles)."""
-    t, po = cfg.training, cfg.posttrain
-    if t.batch_size % po.num_generations:
-        raise ConfigError(f"training.batch_size={t.batch_size} completions per step is not a multiple of "
-                          f"posttrain.num_generations={po.num_generations} (the completions of one prompt); e.g. "
-                          + _grpo_batch_hint(cfg))
-    if grpo_prompt_length(cfg) < 1:
-        raise ConfigError(f"posttrain.max_completion_length={po.max_completion_length} leaves no room for a prompt "
-                          f"in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and completion)")
-    _check_generation_batch(cfg)
-    reward_specs(po.reward_funcs, po.reward_weights)  # user functions imported now: raises ConfigError
-    try:
-        re.compile(po.format_pattern)
-    except re.error as e:
-        raise ConfigError(f"posttrain.format_pattern={po.format_pattern!r}: not a regular expression ({e})") from None
-
-
-def _check_generation_batch(cfg: Config) -> None:
-    """TRL's ``steps_per_generation`` / ``generation_batch_size``: one of them, whole optimizer steps.
-
-    Raises:
-        ConfigError: one line naming the key and the values that work."""
-    t, po = cfg.training, cfg.posttrain
-    ga = t.gradient_accumulation_steps
-    if po.steps_per_generation and po.generation_batch_size:
-        raise ConfigError("posttrain.steps_per_generation and posttrain.generation_batch_size can not both be set "
-                          "(as in TRL): set one")
-    if po.steps_per_generation % ga:
-        raise ConfigError(f"posttrain.steps_per_generation={po.steps_per_generation} microbatches is not a whole number "
-                          f"of optimizer steps of training.gradient_accumulation_steps={ga}: use a multiple of {ga}")
-    if po.generation_batch_size % t.batch_size:
-        raise ConfigError(f"posttrain.generation_batch_size={po.generation_batch_size} is not a multiple of "
-                          f"training.batch_size={t.batch_size} (a generation feeds whole optimizer steps)")
-
-
-def _grpo_batch_hint(cfg: Config) -> str:
-    """A ``training.batch_size`` that holds whole groups of ``posttrain.num_generations`` and passes the
-    data-parallel checks too: the nearest multiple of ``num_generations`` and of
-    ``gradient_accumulation_steps`` × the data-parallel size (when ``parallel.data_parallel_size`` is
-    set), else of the power of two the given batch splits by (so it splits wherever the given one does)."""
-    t, g, dp = cfg.training, cfg.posttrain.num_generations, cfg.parallel.data_parallel_size
-    acc = max(t.gradient_accumulation_steps, 1)
-    split = dp if dp > 0 else (t.batch_size // acc) & -(t.batch_size // acc) or 1  # the lowest set bit
-    unit = math.lcm(g, acc * split)
-    value = max(unit, round(t.batch_size / unit) * unit)
-    why = (f"gradient_accumulation_steps × data_parallel_size = {acc * split}" if dp > 0 else
-           f"{acc * split}, which {t.batch_size} splits by over the data-parallel group")
-    return f"training.batch_size={value} (a multiple of num_generations={g} and of {why})"
-
-
-def _check_posttrain_features(cfg: Config) -> None:
-    t, d, p, m = cfg.training, cfg.data, cfg.parallel, cfg.model
-    name = t.objective.upper()
-    why = {"parallel.pipeline_parallel_size > 1": (p.pipeline_parallel_size not in (1,),
-                                                   "the pipeline's last stage computes the LM loss only"),
-           "parallel.sequence_parallel_size > 1": (p.sequence_parallel_size not in (1,),
-                                                   "ring attention reorders the tokens the log-probs are summed over"),
-           "data.packing_mask": (d.packing_mask, "a row holds one response"),
-           "parallel.gradient_compression": (p.gradient_compression != "none", f"not tested with {name} yet"),
-           "offload (offload_param_frac, nvme_path)": (cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
-                                                       "the reference copy is not offloaded yet"),
-           "model.attention_impl=cudnn": (t.objective == "grpo" and m.attention_impl == "cudnn",
-                                          "the rollout rows' segment ids (left-padded prompts) need attention_impl "
-                                          "xla or flash")}
-    for what, (on, reason) in why.items():
-        if on:
-            raise ConfigError(f"training.objective={t.objective} does not run with {what}: {reason}")
-
-
 def _check_logging(cfg: Config) -> None:
     """``logging.profile_steps``: a range that ends by ``training.max_steps``."""
     steps = parse_step_range(cfg.logging.profile_steps, "logging.profile_steps")
@@ -664,7 +400,7 @@ def _check_momentum_correction(cfg: Config) -> None:
 
 def _check_compression(p: ParallelConfig) -> None:
     """``parallel.gradient_compression`` and ``communication_dtype`` against the rest (see
-    :class:`ParallelConfig`; the ratio's and rank's ranges are in :data:`RANGES`)."""
+    :class:`ParallelConfig`; the ratio's and rank's ranges are in :data:`jaxcolossal.config.ranges.RANGES`)."""
     c = p.gradient_compression
     if c != "none":
         fixes = []  # every change it needs, in one message

@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -36,12 +37,16 @@ import jinja2.nodes
 import jinja2.sandbox
 import numpy as np
 
+from jaxcolossal.config import Config
 from jaxcolossal.errors import DataError, TokenizerError
+from jaxcolossal.runtime.dist_logger import get_dist_logger
 
 from .corpus import held_out_cut, iter_json_lines, resolve_files
+from .loader import ExampleLoader
+from .tokenizer import get_tokenizer
 
-__all__ = ["ChatData", "chat_template_source", "generation_prompt", "load_chat", "render_chat", "render_segments",
-           "special_token_strings"]
+__all__ = ["ChatData", "chat_batches", "chat_template_source", "generation_prompt", "load_chat", "render_chat",
+           "render_segments", "special_token_strings"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -318,3 +323,44 @@ def load_chat(data_cfg, tokenizer, seq_len: int) -> ChatData:
             if skipped else ""
         raise DataError(f"data.corpus={data_cfg.corpus!r} holds no conversations{dropped}")
     return ChatData(np.stack(rows), np.stack(masks), truncated, prompts, len(files), skipped)
+
+
+# ----------------------------------------------------------------------------- the chat format
+
+SKIPPED_SHOWN = 5
+"""How many ``file:line`` locations of conversations dropped by ``data.skip_long_examples`` the log
+line names (the count covers them all)."""
+
+
+def chat_batches(cfg: Config, mesh: Any, spec: Any, eval_bs: int) -> tuple[ExampleLoader, list, str]:
+    """``data.format=chat``: ``(loader, evaluation batches, sample prompt)``: conversations with a loss
+    mask on the responses (:class:`jaxcolossal.data.loader.ExampleLoader` on ``mesh`` with the batch
+    ``spec``), ``training.eval_batches`` fixed batches of ``eval_bs`` held-out rows; says how many
+    conversations were loaded, cut and held out. The sample's prompt is ``training.sample_prompt`` as
+    a user turn, else the first held-out conversation's text before its response (the chat
+    template's generation prompt included).
+
+    Raises:
+        DataError: a line that is not a conversation (:func:`load_chat`).
+    """
+    t = cfg.training
+    tok = get_tokenizer(cfg.data.tokenizer)
+    chat = load_chat(cfg.data, tok, t.seq_len)
+    train_part, val_part = chat.split(cfg.data.val_fraction)
+    log = get_dist_logger()
+    log.info(f"data.format=chat: {len(chat.examples)} conversations from {chat.files} file(s): "
+             f"{len(train_part.examples)} to train, {len(val_part.examples)} held out for validation "
+             f"(data.val_fraction={cfg.data.val_fraction:g}); {chat.truncated} cut to training.seq_len={t.seq_len} "
+             "tokens", ranks=[0])
+    if chat.truncated:
+        log.warning(f"data.format=chat: {chat.truncated} of {len(chat.examples)} conversations were cut to "
+                    f"training.seq_len={t.seq_len} tokens", ranks=[0])
+    if chat.skipped:
+        first = ", ".join(chat.skipped[:SKIPPED_SHOWN]) + (", ..." if len(chat.skipped) > SKIPPED_SHOWN else "")
+        log.warning(f"data.skip_long_examples: dropped {len(chat.skipped)} conversation(s) with no response token "
+                    f"within training.seq_len={t.seq_len} ({first})", ranks=[0])
+    loader = ExampleLoader(train_part.examples, train_part.masks, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
+    held = val_part if len(val_part.examples) else train_part
+    prompt = generation_prompt([{"role": "user", "content": t.sample_prompt}], tok) if t.sample_prompt \
+        else held.prompts[0]
+    return loader, loader.eval_batches(held.examples, held.masks, eval_bs, t.eval_batches), prompt

@@ -36,6 +36,10 @@ __all__ = [
 #: Text placed between two documents in the token stream.
 DOC_SEPARATOR = "\n\n"
 #: The shortest usable stream: one window of ``seq_len = 1`` needs 2 tokens.
+TEXT_SAMPLE_PROMPT = "def "
+"""The end-of-run sample's prompt for text corpora (and the formats without a prompt of their own)
+when ``training.sample_prompt`` is empty."""
+
 MIN_STREAM_TOKENS = 2
 
 _SKIP_DIRS = ("site-packages", "__pycache__")

@@ -22,15 +22,20 @@ compiled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from jaxcolossal.config import Config
 from jaxcolossal.errors import DataError
+from jaxcolossal.runtime.dist_logger import get_dist_logger
 
 from .chat import ROLES, _chat_template, render_segments
-from .corpus import held_out_cut, iter_json_lines, resolve_files
+from .corpus import TEXT_SAMPLE_PROMPT, held_out_cut, iter_json_lines, resolve_files
+from .loader import PairLoader
+from .tokenizer import get_tokenizer
 
-__all__ = ["PreferenceData", "load_preferences", "pair_rows"]
+__all__ = ["PreferenceData", "load_preferences", "pair_rows", "preference_batches"]
 
 
 @dataclass
@@ -219,3 +224,27 @@ def load_preferences(data_cfg, tokenizer, seq_len: int) -> PreferenceData:
     _refuse_identical(out, data_cfg.corpus, seq_len)
     return PreferenceData(**{k: np.stack(v) for k, v in out.items()}, truncated=truncated, files=len(files),
                           skipped=skipped)
+
+
+def preference_batches(cfg: Config, mesh: Any, spec: Any, eval_bs: int) -> tuple[PairLoader, list, str]:
+    """``data.format=preference`` (DPO): ``(loader, evaluation batches, sample prompt)``: pairs drawn per
+    step (:class:`jaxcolossal.data.loader.PairLoader` on ``mesh`` with the batch ``spec``), the
+    held-out pairs as ``training.eval_batches`` fixed batches of ``eval_bs`` rows; says how many pairs
+    were loaded, cut and held out.
+
+    Raises:
+        DataError: a line that is not a preference pair (:func:`load_preferences`).
+    """
+    t = cfg.training
+    data = load_preferences(cfg.data, get_tokenizer(cfg.data.tokenizer), t.seq_len)
+    train_part, val_part = data.split(cfg.data.val_fraction)
+    get_dist_logger().info(
+        f"data.format=preference: {len(data)} pairs from {data.files} file(s): {len(train_part)} to train, "
+        f"{len(val_part)} held out (data.val_fraction={cfg.data.val_fraction:g}); {data.truncated} responses "
+        f"cut to training.seq_len={t.seq_len} tokens" + (f"; {len(data.skipped)} pairs dropped by "
+                                                            "data.skip_long_examples" if data.skipped else ""),
+        ranks=[0])
+    loader = PairLoader(train_part, t.batch_size, t.seed, mesh=mesh, batch_spec=spec)
+    held = val_part if len(val_part) else train_part
+    rows, masks = held.rows(np.arange(len(held)))
+    return loader, loader.eval_batches(rows, masks, eval_bs, t.eval_batches), t.sample_prompt or TEXT_SAMPLE_PROMPT

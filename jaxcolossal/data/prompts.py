@@ -31,11 +31,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxcolossal.config import Config
+from jaxcolossal.config.derived import grpo_prompt_length
 from jaxcolossal.config.reward_funcs import REWARD_KEYWORDS
 from jaxcolossal.errors import DataError
+from jaxcolossal.runtime.dist_logger import get_dist_logger
 
 from .chat import generation_prompt
-from .corpus import held_out_cut, iter_json_lines, resolve_files
+from .corpus import TEXT_SAMPLE_PROMPT, held_out_cut, iter_json_lines, resolve_files
+from .tokenizer import get_tokenizer
 
 __all__ = ["PromptData", "load_prompts", "prompt_batch"]
 
@@ -151,3 +155,58 @@ def prompt_batch(data: PromptData, step: int, num_prompts: int, seed: int) -> np
     """The prompts of rollout ``step``: int ``[num_prompts]`` indices drawn by
     ``np.random.default_rng([seed, step])`` (a pure function of the step, so a resume continues it)."""
     return np.random.default_rng([seed, step]).integers(0, len(data), num_prompts)
+
+
+# ----------------------------------------------------------------------------- the prompts format
+
+
+@dataclass
+class PromptSplit:
+    """``data.format=prompts`` loaded (:func:`prompt_batches`): the prompts to train on, those held
+    out for the held-out reward, and the tokenizer that encoded them; an on-policy objective samples
+    its batches from them (:meth:`jaxcolossal.posttrain.grpo.Grpo.loader`)."""
+
+    train: PromptData
+    held: PromptData
+    tokenizer: Any
+
+
+def prompt_length_hint(cfg: Config, longest: int) -> str | None:
+    """GRPO's hint when ``training.seq_len`` pads the prompts to at least twice the ``longest`` one's
+    tokens (``--config OUT/model.yaml`` gives seq_len 512 to 5-token prompts): the seq_len the data
+    needs, the longest prompt + ``max_completion_length`` - 1 (a row holds the prompt and the
+    completion but the completion's last token); None otherwise."""
+    t, po = cfg.training, cfg.posttrain
+    width = grpo_prompt_length(cfg)
+    if not longest or width < 2 * longest:
+        return None
+    return (f"GRPO pads every prompt to {width} tokens (training.seq_len={t.seq_len} + 1 - "
+            f"posttrain.max_completion_length={po.max_completion_length}) and the longest is {longest}: "
+            f"training.seq_len={longest + po.max_completion_length - 1} fits this data (the longest prompt + "
+            "max_completion_length - 1), and every step's rollout and update shrink with it")
+
+
+def prompt_batches(cfg: Config, mesh: Any, spec: Any, eval_bs: int) -> tuple[PromptSplit, list, str]:
+    """``data.format=prompts``: ``(split, [], sample prompt)``: the prompts cut to
+    :func:`jaxcolossal.config.derived.grpo_prompt_length` tokens and split (:class:`PromptSplit`); no
+    fixed evaluation batches (the held-out reward samples its own); says how many prompts were loaded,
+    cut and held out, and warns when ``training.seq_len`` is far longer than the prompts need
+    (:func:`prompt_length_hint`). ``mesh``, ``spec``, ``eval_bs`` are unused (the rollouts place
+    their batches).
+
+    Raises:
+        DataError: a line without a ``prompt`` (:func:`load_prompts`).
+    """
+    t = cfg.training
+    tok = get_tokenizer(cfg.data.tokenizer)
+    width = grpo_prompt_length(cfg)
+    data = load_prompts(cfg.data, tok, width)
+    train_part, val_part = data.split(cfg.data.val_fraction)
+    get_dist_logger().info(
+        f"data.format=prompts: {len(data)} prompts from {data.files} file(s): {len(train_part)} to train, "
+        f"{len(val_part)} held out (data.val_fraction={cfg.data.val_fraction:g}); {data.truncated} cut to "
+        f"{width} tokens (training.seq_len + 1 - posttrain.max_completion_length)"
+        + (f"; {len(data.skipped)} dropped by data.skip_long_examples" if data.skipped else ""), ranks=[0])
+    if hint := prompt_length_hint(cfg, max((len(x) for x in data.tokens), default=0)):
+        get_dist_logger().warning(hint, ranks=[0])
+    return PromptSplit(train_part, val_part, tok), [], t.sample_prompt or TEXT_SAMPLE_PROMPT

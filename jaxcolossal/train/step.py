@@ -59,8 +59,9 @@ from jaxcolossal.parallel.mesh import DATA_AXES, platform
 from jaxcolossal.parallel.pipeline_executor import make_pipeline_grad_fn
 from jaxcolossal.parallel.sequence import zigzag_batch
 from jaxcolossal.parallel.sharding import constrain
+from jaxcolossal.posttrain.loss_terms import token_count
 from jaxcolossal.train.nvme import nvme_tier
-from jaxcolossal.train.objective import make_objective, token_count
+from jaxcolossal.train.objective import make_objective
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
 
@@ -308,7 +309,7 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     tokens in place of the NVMe-resident leaves).
     ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
     ``lr``; int32 ``nonfinite`` (1: the step was not applied); in fp16 also ``loss_scale``,
-    ``skipped`` and ``consecutive_skips``. With ``training.objective=dpo`` (:mod:`jaxcolossal.train.objective`)
+    ``skipped`` and ``consecutive_skips``. With ``training.objective=dpo`` (:mod:`jaxcolossal.posttrain.dpo`)
     the rows are interleaved preference pairs with a ``loss_mask`` on the responses, ``loss`` is the mean
     DPO loss per pair, and TRL's ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
     ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` (means over the step's pairs) are added.
@@ -354,7 +355,8 @@ class _TrainStep:
         self.runtime = tier.shardings if tier is not None else self.shardings  # NVMe leaves: tokens in the state
         self.streamed = streamed_in_scan(plan)
         self.objective = make_objective(plan.family, plan.cfg)
-        self.posttrain = self.objective.name != "sft"  # DPO, GRPO: the objective's own statistics
+        # the objective's statistics (a mixture of experts' router's; DPO's and GRPO's sums), or none
+        self.with_stats = bool(self.objective.zero_stats())
 
     def gradients(self, state: TrainState, batch: dict, scale):
         """``(loss_sum, fp32 grads, residual, router statistics)`` of the step (:func:`make_grad_fn`)."""
@@ -365,8 +367,8 @@ class _TrainStep:
             extra["first_moment"] = adam_first_moment(state.opt_state)
         if self.plan.lora:  # the adapters are differentiated; the frozen base comes along (and the step: dropout)
             extra.update(frozen=state.frozen, step=state.step)
-        if (self.plan.cfg.model.moe or self.posttrain) and self.plan.mesh_shape["pp"] == 1:  # the router's or
-            extra["with_stats"] = True  # the objective's statistics come back too
+        if self.with_stats and self.plan.mesh_shape["pp"] == 1:  # the router's or the objective's
+            extra["with_stats"] = True  # statistics come back too
         if state.reference is not None:  # DPO's frozen reference copy
             extra["reference"] = to_device(state.reference, self.shardings.reference)
         if self.objective.batch_fields:  # GRPO: advantages, the old and the reference log-probs
@@ -435,28 +437,13 @@ class _TrainStep:
                          reference=state.reference)
         n = self.objective.count(batch["inputs"], batch.get("loss_mask"))  # tokens; DPO: pairs
         metrics = {"loss": loss_sum / n, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
-        metrics.update(self.objective.metrics(stats, n) if self.posttrain else moe_metrics(stats, self.plan.cfg))
+        metrics.update(self.objective.metrics(stats, n))  # a mixture of experts'; DPO's, GRPO's (TRL's names)
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state.step)
         if self.fp16:
             metrics.update(loss_scale=state.scaler.scale, skipped=(~finite).astype(jnp.int32),
                            consecutive_skips=scaler.consecutive_skips)
         return new, metrics
-
-
-def moe_metrics(stats: dict, cfg) -> Metrics:
-    """A mixture of experts' step metrics from the router statistics summed over the microbatches
-    (:func:`jaxcolossal.models.layers.moe.finish`'s): ``moe_aux_loss`` (in
-    ``model.router_aux_loss_form``) and ``moe_z_loss``, means over the microbatches,
-    ``moe_dropped_share`` (of the routed (token, expert) slots) and ``expert_load`` (fp32 ``[E]``:
-    each expert's share of the slots, over all MoE layers). ``{}`` for a dense model."""
-    if not stats:
-        return {}
-    per = cfg.training.gradient_accumulation_steps
-    load = stats["expert_load"]
-    return {"moe_aux_loss": stats["moe_aux_loss"] / per, "moe_z_loss": stats["moe_z_loss"] / per,
-            "moe_dropped_share": stats["moe_dropped"] / jnp.maximum(stats["moe_slots"], 1.0),
-            "expert_load": load / jnp.maximum(jnp.sum(load), 1.0)}
 
 
 def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
@@ -481,10 +468,11 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
     return jax.jit(ev)
 
 
-def make_dpo_eval_step(plan: TrainPlan) -> Callable:
-    """Jitted ``eval(params, reference, inputs, targets, mask) -> (mean DPO loss, {TRL metric: mean})``
-    over a batch of interleaved preference rows (``[2P, t]`` int32, ``mask`` float32, sharded over
-    the data group): the held-out rewards (:class:`jaxcolossal.train.objective.Dpo`). ``params``: the
+def make_objective_eval_step(plan: TrainPlan) -> Callable:
+    """Jitted ``eval(params, reference, inputs, targets, mask) -> (mean loss, {metric: mean})``: the
+    objective's own loss and metrics over a held-out batch (an objective whose ``evaluation`` is
+    ``objective``; DPO's interleaved preference rows, ``[2P, t]`` int32, ``mask`` float32, sharded
+    over the data group, and TRL's metrics: :class:`jaxcolossal.posttrain.dpo.Dpo`). ``params``: the
     model's whole params dict; ``reference``: the frozen copy, or under LoRA the base."""
     cfg, sharder = plan.cfg, plan.sharder
     objective = make_objective(plan.family, cfg)

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.data import ExampleLoader, get_tokenizer
-from jaxcolossal.data.chat import generation_prompt, load_chat
-from jaxcolossal.train.loop import _chat_data, train
+from jaxcolossal.data.chat import chat_batches, generation_prompt, load_chat
+from jaxcolossal.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
@@ -129,7 +129,7 @@ def test_skip_long_examples_logs_the_count_and_first_places(tmp_path, caplog):
     log = logging.getLogger("jaxcolossal")  # it does not propagate once the run's logger is set up
     log.addHandler(caplog.handler)
     try:
-        _chat_data(cfg, None, None, 4)
+        chat_batches(cfg, None, None, 4)
     finally:
         log.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if "skip_long_examples" in r.getMessage()]

@@ -33,7 +33,7 @@ from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.parallel.sharding import DATA_AXES, one_layer_specs, shard_bytes
 from jaxcolossal.parallel.wire import WIRE_BYTES, decode, encode, gather_lowp
 from jaxcolossal.plan import dp_gradient_bytes
-from jaxcolossal.train.loop import memory_report
+from jaxcolossal.train.report import memory_report
 from jaxcolossal.train.state import make_plan, powersgd_views_of
 
 

@@ -9,7 +9,7 @@ from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, resumed_and_uni
 
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.plan import plan_dry_run
-from jaxcolossal.train.objective import DPO_METRICS
+from jaxcolossal.posttrain.dpo import DPO_METRICS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -23,7 +23,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 from jaxcolossal.config import config_from_dict  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf  # noqa: E402
-from jaxcolossal.train.objective import DPO_METRICS, Dpo  # noqa: E402
+from jaxcolossal.posttrain.dpo import DPO_METRICS, Dpo  # noqa: E402
 
 VOCAB, T, PAIRS, BETA = 128, 24, 4, 0.3
 

@@ -14,7 +14,7 @@ from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.models.layers.linear import E4M3, E5M2, fp8_quantize, project, project_fp8
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan import plan_dry_run
-from jaxcolossal.train.loop import _run_line
+from jaxcolossal.train.start_lines import run_line
 from jaxcolossal.train.state import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,5 +87,5 @@ def test_the_start_up_line_and_the_dry_run_say_whether_fp8_is_on():
     for cfg, said in ((_fp8({"data_parallel_size": 1}), "bf16 + fp8 projections (e4m3/e5m2, current scaling)"),
                       (tiny_config({"data_parallel_size": 1}, "bf16"), "bf16")):
         mesh = make_mesh(cfg.parallel, jax.devices()[:1])
-        assert f"; precision {said}; zero_stage" in _run_line(cfg, make_plan(cfg, mesh), mesh)
+        assert f"; precision {said}; zero_stage" in run_line(cfg, make_plan(cfg, mesh), mesh)
         assert f"\nprecision  {said}: p=2 g=4 K=12 bytes/param" in plan_dry_run(cfg, 1).text

@@ -43,7 +43,8 @@ from jaxcolossal.models import get_family
 from jaxcolossal.models.hf_io import load_hf
 from jaxcolossal.models.layers.logprobs import no_shard
 from jaxcolossal.parallel.mesh import make_mesh
-from jaxcolossal.train.objective import GRPO_METRICS, Grpo, policy_token_logps
+from jaxcolossal.posttrain.grpo import GRPO_METRICS, Grpo
+from jaxcolossal.posttrain.loss_terms import policy_token_logps
 from jaxcolossal.train.state import make_plan
 from jaxcolossal.train.step import make_grad_fn
 

@@ -24,7 +24,8 @@ from jaxcolossal.models.layers.lora import (DROPOUT_KEY, adapter_shapes_and_axes
 from jaxcolossal.models.peft import load_adapters, read_adapter_config, save_adapters
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan.dry_run import dry_run
-from jaxcolossal.train.loop import memory_report, train
+from jaxcolossal.train.loop import train
+from jaxcolossal.train.report import memory_report
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
 

@@ -21,7 +21,7 @@ from jaxcolossal.checkpoint import CheckpointManager, CheckpointMismatchError, s
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.models.hf_io import load_hf
 from jaxcolossal.parallel.mesh import make_mesh
-from jaxcolossal.train import loop
+from jaxcolossal.train import evaluate, loop
 from jaxcolossal.train.guard import NonFiniteError
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import init_state, make_plan
@@ -52,19 +52,19 @@ def records(tmp):
 def trained(tmp_path_factory):
     """8 steps, checkpoints at 2, 4, 6, 8 (eval at 4 is slowed by EVAL_PAUSE_S), vocab 512, a sample."""
     tmp = tmp_path_factory.mktemp("trained")
-    slow = loop._evaluate
+    slow = evaluate.held_out
 
     def slow_evaluate(run, state):
         time.sleep(EVAL_PAUSE_S)
         return slow(run, state)
 
-    loop._evaluate = slow_evaluate
+    evaluate.held_out = slow_evaluate
     try:
         out = loop.train(config(tmp, "training.max_steps=8", "checkpoint.save_every=2", "checkpoint.max_to_keep=10",
                                 "training.eval_every=4", "logging.log_every=2", "model.vocab_size=512",
                                 "training.sample_tokens=40"))
     finally:
-        loop._evaluate = slow
+        evaluate.held_out = slow
     return tmp, out
 
 

@@ -8,6 +8,7 @@ import pytest
 from tiny import tiny_config
 
 import jaxcolossal.train.loop as loop
+import jaxcolossal.train.start as start
 from jaxcolossal.config import load_config
 from jaxcolossal.memory.budget import need
 from jaxcolossal.memory.oom import explain_oom, is_oom, oom_changes
@@ -47,7 +48,7 @@ def test_the_main_job_explains_an_out_of_memory_compile(tmp_path, monkeypatch, c
         def lower(self, *a):
             return Lowered()
 
-    monkeypatch.setattr(loop, "make_train_step", lambda *a, **k: Step())
+    monkeypatch.setattr(start, "make_train_step", lambda *a, **k: Step())
     cfg = load_config(os.path.join(ROOT, "configs/llama_tiny.yaml"),
                       ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
                        "training.seq_len=32", "training.batch_size=16", "data.max_corpus_bytes=100000",

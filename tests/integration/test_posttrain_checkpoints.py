@@ -16,7 +16,8 @@ from test_grpo_train import GRPO_JOB
 from tiny import SMALL_MAIN_JOB
 
 from jaxcolossal.config import load_config
-from jaxcolossal.train.loop import evaluate_only, train
+from jaxcolossal.train.evaluate import evaluate_only
+from jaxcolossal.train.loop import train
 
 ROOT = pathlib.Path(__file__).parents[2]
 spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")

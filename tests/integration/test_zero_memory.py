@@ -15,7 +15,7 @@ from tiny import tiny_config
 from jaxcolossal import metrics as mx
 from jaxcolossal.config import load_config
 from jaxcolossal.parallel.mesh import make_mesh
-from jaxcolossal.train.loop import memory_report
+from jaxcolossal.train.report import memory_report
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import BYTES_PER_PARAM, init_state, make_plan
 

@@ -13,6 +13,7 @@ import time
 import pytest
 from mh import clean_env, launcher, run, tagged_json
 
+from jaxcolossal.runtime import processes
 from jaxcolossal.runtime import run as R
 
 ENV_DUMP = textwrap.dedent("""
@@ -207,7 +208,7 @@ def test_terminal_gets_whole_lines_without_gloos_connection_lines():
     gloo = b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
     chunks = [b"step 1: lo", gloo, b"ss 5.2\n", b"train:  50%\r", b"train: 100%\r", gloo + b"done"]
     log, term = io.BytesIO(), io.BytesIO()
-    R._pump(_Chunks(chunks), [log], term)
+    processes._pump(_Chunks(chunks), [log], term)
     assert log.getvalue() == b"".join(chunks)  # the log keeps everything, as it came
     shown = term.getvalue()
     assert b"Gloo" not in shown

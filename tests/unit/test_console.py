@@ -10,7 +10,10 @@ from tiny import tiny_config
 from jaxcolossal import metrics as mx
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.parallel.mesh import make_mesh
-from jaxcolossal.train.loop import eval_line, eval_parts, output_lines, prompt_length_hint, step_line, warmup_warning
+from jaxcolossal.data.prompts import prompt_length_hint
+from jaxcolossal.train.evaluate import eval_line, eval_parts
+from jaxcolossal.train.report import step_line
+from jaxcolossal.train.start_lines import output_lines, warmup_warning
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.state import make_plan
 from jaxcolossal.train.step import make_train_step

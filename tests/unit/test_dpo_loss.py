@@ -1,4 +1,4 @@
-"""DPO's loss variants and the config's refusals (jaxcolossal.train.objective, jaxcolossal.config.checks)."""
+"""DPO's loss variants and the config's refusals (jaxcolossal.posttrain.dpo, jaxcolossal.config.objective_checks)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from jaxcolossal.config import ConfigError, config_from_dict, field_docs
 from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS
-from jaxcolossal.train.objective import dpo_loss
+from jaxcolossal.posttrain.dpo import dpo_loss
 
 
 def test_sigmoid_label_smoothing_is_conservative_dpo():

@@ -17,9 +17,10 @@ from jax.sharding import Mesh
 from jaxcolossal import metrics as mx
 from jaxcolossal.config import ConfigError, config_from_dict, parse_step_range
 from jaxcolossal.errors import DependencyError, exit_status
-from jaxcolossal.train import loop, profile
+from jaxcolossal.train import loop, profile, steps
 from jaxcolossal.train.guard import StepWatchdog
-from jaxcolossal.train.loop import Run, bar_fields, step_line
+from jaxcolossal.train.report import bar_fields, step_line
+from jaxcolossal.train.run import Run
 from jaxcolossal.train.profile import StepProfiler, save_memory_profile
 
 H100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
@@ -143,7 +144,7 @@ def test_a_step_out_of_memory_writes_the_memory_profile(monkeypatch, tmp_path):
               loader=SimpleNamespace(batch=lambda s: None), evals=[], compiled=step, eval_step=None, compile_s=0.0,
               compiled_peak=0, metrics=mx.MetricsWriter(str(tmp_path), enabled=False), run_id="r1")
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
-        loop._steps(run, StepWatchdog(None), False)
+        steps.run_steps(run, StepWatchdog(None), False)
     assert written == [os.path.join(tmp_path, "profile", "r1", "memory_step1.prof")]
 
 

@@ -18,7 +18,7 @@ from jaxcolossal.config import PrecisionConfig, TrainingConfig
 from jaxcolossal.generate import printable
 from jaxcolossal.metrics import json_line
 from jaxcolossal.train.guard import NonFiniteError, NonFiniteGuard, StoppedBeforeTraining, StopSignals
-from jaxcolossal.train.loop import _quiet_console, _StepClock
+from jaxcolossal.train.report import StepClock, quiet_console
 from jaxcolossal.train.optimizer import lr_schedule
 
 
@@ -114,7 +114,7 @@ def test_warmup_first_step_moves():
 
 
 def test_step_clock_leaves_out_pauses():
-    clock = _StepClock(0)
+    clock = StepClock(0)
     time.sleep(0.05)
     with clock.paused(None):
         time.sleep(0.5)
@@ -122,7 +122,7 @@ def test_step_clock_leaves_out_pauses():
 
 
 def test_orbax_metric_warning_stays_off_the_console(capsys):
-    with _quiet_console():
+    with quiet_console():
         absl_logging.warning("Requested `tracked_metric`; did not provide metrics.")
     assert "tracked_metric" not in capsys.readouterr().err
     assert not logging.getLogger("absl").filters

@@ -3,7 +3,7 @@ global batch in tokens are stated, and a fine-tuning run (``model.init_from``) l
 schema's pre-training learning rate gets one warning naming the rates and the key to set."""
 
 from jaxcolossal.config import config_from_dict
-from jaxcolossal.train.loop import fine_tuning_warning, init_from_inherits, optimization_line
+from jaxcolossal.train.start_lines import fine_tuning_warning, init_from_inherits, optimization_line
 
 
 def _cfg(model=None, **training):

@@ -1,0 +1,182 @@
+"""The checks of ``training.objective`` and the ``posttrain`` section: the data format each
+objective reads, the keys, loss types and reference model DPO and GRPO take, and the features they
+do not run with yet; run by :func:`jaxcolossal.config.checks.validate`.
+
+The objectives themselves sit above this floor (:data:`jaxcolossal.train.objective.OBJECTIVES`),
+so each one's ``data_format`` reaches the check the other way: the registry declares it here
+(:func:`declare_objective`) when the package is imported, and :func:`check_data_format` reads
+:data:`OBJECTIVE_FORMATS`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from jaxcolossal.config.derived import DPO_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_prompt_length, posttrain_loss_type
+from jaxcolossal.config.reward_funcs import reward_specs
+from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS, Config, PosttrainConfig
+from jaxcolossal.errors import ConfigError
+
+OBJECTIVE_FORMATS: dict[str, tuple[str | None, str]] = {}
+"""Each registered objective's name → ``(data_format, reads)``: the ``data.format`` it reads and
+only it does (None: any format no objective claims) and the words of the refusal ("DPO reads
+preference pairs"), in the registry's order; filled by :func:`declare_objective`."""
+
+
+def declare_objective(name: str, data_format: str | None, reads: str) -> None:
+    """Record what objective ``name`` reads (:data:`OBJECTIVE_FORMATS`); the objectives' registry
+    calls it once per objective when it is imported."""
+    OBJECTIVE_FORMATS[name] = (data_format, reads)
+
+
+def check_data_format(cfg: Config) -> None:
+    """``training.objective`` against ``data.format``: a format an objective claims
+    (``data_format``) goes with that objective and no other, in both directions.
+
+    Raises:
+        ConfigError: ``training.objective=dpo with data.format=chat: DPO reads preference pairs and
+            only DPO does; set both ...``; or an objective no registry line declares.
+    """
+    t, d = cfg.training, cfg.data
+    if t.objective not in OBJECTIVE_FORMATS:
+        raise ConfigError(f"training.objective={t.objective}: no objective of that name is registered "
+                          f"(registered: {', '.join(OBJECTIVE_FORMATS) or 'none'}; "
+                          "jaxcolossal.train.objective.OBJECTIVES)")
+    for objective, (fmt, what) in OBJECTIVE_FORMATS.items():
+        if fmt is not None and (t.objective == objective) != (d.format == fmt):
+            raise ConfigError(f"training.objective={t.objective} with data.format={d.format}: {what} and only "
+                              f"{objective.upper()} does; set both training.objective={objective} and "
+                              f"data.format={fmt}, or neither")
+
+
+def check_objective(cfg: Config) -> None:
+    """``training.objective`` against the data (:func:`check_data_format`), and dpo/grpo against
+    the reference model and the features they do not run with.
+
+    Raises:
+        ConfigError: one line naming the key(s) and what to set.
+    """
+    t, d = cfg.training, cfg.data
+    check_data_format(cfg)
+    if t.objective == "sft":
+        return
+    if d.corpus == "stdlib":
+        raise ConfigError(f"data.format={d.format} needs data.corpus: JSON-lines files of " + (
+            "{'prompt', 'chosen', 'rejected'} pairs" if t.objective == "dpo" else "{'prompt', 'answer'} rows"))
+    _check_objective_keys(cfg)
+    _check_loss_type(cfg)
+    _check_reference(cfg)
+    if t.objective == "grpo":
+        _check_grpo(cfg)
+    _check_posttrain_features(cfg)
+
+
+def _check_objective_keys(cfg: Config) -> None:
+    """A GRPO-only ``posttrain`` key (:data:`~jaxcolossal.config.schema.GRPO_ONLY_KEYS`) set away from
+    its default in a DPO run, or a DPO-only one in a GRPO run: the run would ignore it."""
+    objective = cfg.training.objective
+    other, keys = ("grpo", GRPO_ONLY_KEYS) if objective == "dpo" else ("dpo", DPO_ONLY_KEYS)
+    default = PosttrainConfig()
+    for key in keys:
+        value = getattr(cfg.posttrain, key)
+        if value != getattr(default, key):
+            raise ConfigError(f"posttrain.{key}={value!r} is a {other.upper()} key, which a {objective.upper()} run "
+                              f"(training.objective={objective}) never reads: remove it")
+
+
+def _check_loss_type(cfg: Config) -> None:
+    po, objective = cfg.posttrain, cfg.training.objective
+    lt = posttrain_loss_type(cfg)
+    allowed = DPO_LOSS_TYPES if objective == "dpo" else GRPO_LOSS_TYPES
+    if lt not in allowed:
+        raise ConfigError(f"posttrain.loss_type={lt} is not a {objective.upper()} loss; allowed values are auto, "
+                          + ", ".join(allowed))
+    if objective == "dpo" and po.beta <= 0:
+        raise ConfigError(f"posttrain.beta={po.beta!r}: must be > 0 for DPO (0 is GRPO's no-reference setting)")
+    if lt == "ipo" and po.label_smoothing > 0:
+        raise ConfigError(f"posttrain.label_smoothing={po.label_smoothing:g} is conservative DPO's, for "
+                          "posttrain.loss_type=sigmoid; IPO has no label smoothing (set it to 0)")
+
+
+def _check_reference(cfg: Config) -> None:
+    po, m = cfg.posttrain, cfg.model
+    if cfg.training.objective == "grpo" and po.beta == 0:
+        return  # no reference at all
+    if po.reference == "lora_base" and not m.lora.enabled:
+        raise ConfigError("posttrain.reference=lora_base needs LoRA (model.lora.rank > 0): without adapters there "
+                          "is no base to tell apart from the policy; use posttrain.reference=frozen")
+    if po.reference == "frozen" and m.lora.enabled:
+        raise ConfigError("posttrain.reference=frozen with LoRA would hold a second copy of the base weights; use "
+                          "posttrain.reference=lora_base (the base without the adapters is the reference)")
+
+
+def _check_grpo(cfg: Config) -> None:
+    """GRPO's batch against its groups, the row against the completion, and the reward functions
+    (imported now, so a missing one is refused before anything compiles)."""
+    t, po = cfg.training, cfg.posttrain
+    if t.batch_size % po.num_generations:
+        raise ConfigError(f"training.batch_size={t.batch_size} completions per step is not a multiple of "
+                          f"posttrain.num_generations={po.num_generations} (the completions of one prompt); e.g. "
+                          + _grpo_batch_hint(cfg))
+    if grpo_prompt_length(cfg) < 1:
+        raise ConfigError(f"posttrain.max_completion_length={po.max_completion_length} leaves no room for a prompt "
+                          f"in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and completion)")
+    _check_generation_batch(cfg)
+    reward_specs(po.reward_funcs, po.reward_weights)  # user functions imported now: raises ConfigError
+    try:
+        re.compile(po.format_pattern)
+    except re.error as e:
+        raise ConfigError(f"posttrain.format_pattern={po.format_pattern!r}: not a regular expression ({e})") from None
+
+
+def _check_generation_batch(cfg: Config) -> None:
+    """TRL's ``steps_per_generation`` / ``generation_batch_size``: one of them, whole optimizer steps.
+
+    Raises:
+        ConfigError: one line naming the key and the values that work."""
+    t, po = cfg.training, cfg.posttrain
+    ga = t.gradient_accumulation_steps
+    if po.steps_per_generation and po.generation_batch_size:
+        raise ConfigError("posttrain.steps_per_generation and posttrain.generation_batch_size can not both be set "
+                          "(as in TRL): set one")
+    if po.steps_per_generation % ga:
+        raise ConfigError(f"posttrain.steps_per_generation={po.steps_per_generation} microbatches is not a whole number "
+                          f"of optimizer steps of training.gradient_accumulation_steps={ga}: use a multiple of {ga}")
+    if po.generation_batch_size % t.batch_size:
+        raise ConfigError(f"posttrain.generation_batch_size={po.generation_batch_size} is not a multiple of "
+                          f"training.batch_size={t.batch_size} (a generation feeds whole optimizer steps)")
+
+
+def _grpo_batch_hint(cfg: Config) -> str:
+    """A ``training.batch_size`` that holds whole groups of ``posttrain.num_generations`` and passes the
+    data-parallel checks too: the nearest multiple of ``num_generations`` and of
+    ``gradient_accumulation_steps`` × the data-parallel size (when ``parallel.data_parallel_size`` is
+    set), else of the power of two the given batch splits by (so it splits wherever the given one does)."""
+    t, g, dp = cfg.training, cfg.posttrain.num_generations, cfg.parallel.data_parallel_size
+    acc = max(t.gradient_accumulation_steps, 1)
+    split = dp if dp > 0 else (t.batch_size // acc) & -(t.batch_size // acc) or 1  # the lowest set bit
+    unit = math.lcm(g, acc * split)
+    value = max(unit, round(t.batch_size / unit) * unit)
+    why = (f"gradient_accumulation_steps × data_parallel_size = {acc * split}" if dp > 0 else
+           f"{acc * split}, which {t.batch_size} splits by over the data-parallel group")
+    return f"training.batch_size={value} (a multiple of num_generations={g} and of {why})"
+
+
+def _check_posttrain_features(cfg: Config) -> None:
+    t, d, p, m = cfg.training, cfg.data, cfg.parallel, cfg.model
+    name = t.objective.upper()
+    why = {"parallel.pipeline_parallel_size > 1": (p.pipeline_parallel_size not in (1,),
+                                                   "the pipeline's last stage computes the LM loss only"),
+           "parallel.sequence_parallel_size > 1": (p.sequence_parallel_size not in (1,),
+                                                   "ring attention reorders the tokens the log-probs are summed over"),
+           "data.packing_mask": (d.packing_mask, "a row holds one response"),
+           "parallel.gradient_compression": (p.gradient_compression != "none", f"not tested with {name} yet"),
+           "offload (offload_param_frac, nvme_path)": (cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
+                                                       "the reference copy is not offloaded yet"),
+           "model.attention_impl=cudnn": (t.objective == "grpo" and m.attention_impl == "cudnn",
+                                          "the rollout rows' segment ids (left-padded prompts) need attention_impl "
+                                          "xla or flash")}
+    for what, (on, reason) in why.items():
+        if on:
+            raise ConfigError(f"training.objective={t.objective} does not run with {what}: {reason}")
