@@ -19,11 +19,13 @@ limit, the least traffic wins.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 import jax
 
 from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, parse_bytes
+from jaxcolossal.config.derived import grpo_generation_batch
 from jaxcolossal.memory.activations import step_peak
 from jaxcolossal.memory.placement import Placement, local_elements, make_placement
 from jaxcolossal.memory.rollout import reference_bytes, rollout_need
@@ -283,13 +285,7 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
     if limit:
         needed = device_need(pl, cfg, shapes, specs, mesh_shape, backend)
         if needed["total"] > limit:
-            try:
-                fit, _ = auto(cfg, shapes, specs, mesh_shape, limit, backend)
-                hint = (f"offload.offload_optim_frac={fit.asked_optim_frac:g}"
-                        + (f" offload.offload_param_frac={fit.asked_param_frac:g}" if fit.asked_param_frac else "")
-                        + " would fit (or offload.placement_policy=auto)")
-            except ConfigError:
-                hint = _no_offload_fits(cfg, shapes, specs, mesh_shape, limit, backend)
+            hint = _over_limit_hint(cfg, pl, needed, shapes, specs, mesh_shape, limit, backend)
             raise ConfigError(
                 f"the run needs {gib(needed['total'])} per device ({needed['total']:,} bytes: state {gib(needed['state'])}, "
                 f"fp32 grads {gib(needed['grads'])}, activations ≈{gib(needed['activations'])}"
@@ -297,6 +293,38 @@ def resolve(cfg: Config, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
                 + f") but offload.device_memory_limit allows {gib(limit)}: short by {needed['total'] - limit:,} bytes; "
                 + hint)
     return pl, ""
+
+
+def _over_limit_hint(cfg: Config, pl: Placement, needed: dict, shapes: Any, specs: Any, mesh_shape: Mapping[str, int],
+                     limit: int, backend: str) -> str:
+    """What would fit ``limit``: for a GRPO run whose rollout alone is over it, a rollout setting
+    (:func:`_rollout_fit`); else the offload fractions :func:`auto` finds, or why none does."""
+    if "rollout" in needed and needed["step_total"] <= limit < needed["rollout"]["total"]:
+        return _rollout_fit(cfg, pl, shapes, specs, mesh_shape, limit, backend)
+    try:
+        fit, _ = auto(cfg, shapes, specs, mesh_shape, limit, backend)
+        return (f"offload.offload_optim_frac={fit.asked_optim_frac:g}"
+                + (f" offload.offload_param_frac={fit.asked_param_frac:g}" if fit.asked_param_frac else "")
+                + " would fit (or offload.placement_policy=auto)")
+    except ConfigError:
+        return _no_offload_fits(cfg, shapes, specs, mesh_shape, limit, backend)
+
+
+def _rollout_fit(cfg: Config, pl: Placement, shapes: Any, specs: Any, mesh_shape: Mapping[str, int], limit: int,
+                 backend: str) -> str:
+    """The first of: refill in fewer cache rows (``posttrain.rollout_slots``, halving), decoding on the
+    training layout (no decode copy), that brings GRPO's rollout phase under ``limit``."""
+    rows = grpo_generation_batch(cfg)
+    tries = [{"rollout_slots": rows // 2 ** k} for k in range(1, 8) if rows // 2 ** k >= 1] + \
+        [{"rollout_layout": "training"}]
+    for change in tries:
+        c = copy.deepcopy(cfg)
+        for k, v in change.items():
+            setattr(c.posttrain, k, v)
+        if device_need(pl, c, shapes, specs, mesh_shape, backend)["rollout"]["total"] <= limit:
+            return " ".join(f"posttrain.{k}={v}" for k, v in change.items()) + " would fit the rollout phase"
+    return ("the rollout phase is over the limit with every rollout setting (posttrain.rollout_slots, "
+            "rollout_layout=training): use more devices or shorter completions")
 
 
 # ----------------------------------------------------------------------------- a config on N devices

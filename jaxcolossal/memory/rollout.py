@@ -70,9 +70,17 @@ def kv_cache_slot(cfg: Config) -> tuple[str, bool]:
     return f"{layers} layers × (" + " + ".join(f"{n} {d}" for n, d in names.items()) + ")", over_tp
 
 
+def cache_rows(cfg: Config, data: int) -> int:
+    """The sampler's cache rows for a GRPO rollout: the generation batch
+    (:func:`~jaxcolossal.config.derived.grpo_generation_batch`), or with refill ``posttrain.rollout_slots``
+    rounded up to a multiple of the sampler's ``data`` shards, whichever is fewer."""
+    rows, slots = grpo_generation_batch(cfg), cfg.posttrain.rollout_slots
+    return min(rows, -(-slots // data) * data) if slots else rows
+
+
 def kv_cache_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
-    """Per-device bytes of the sampler's KV cache for a GRPO rollout: the generation batch's rows
-    (:func:`~jaxcolossal.config.derived.grpo_generation_batch`, ``batch_size`` by default) × ``P + C``
+    """Per-device bytes of the sampler's KV cache for a GRPO rollout: :func:`cache_rows` rows (the
+    generation batch, ``batch_size`` by default, or the refill's slots) × ``P + C``
     slots (the prompt width :func:`grpo_prompt_length` and ``max_completion_length``) × what a slot
     holds (:func:`kv_cache_slot`: LLaMA's layers × 2 × kv heads × head dim, DeepSeek's layers × (latent +
     rotary key)) × the compute dtype's bytes, each leaf split as the rules table splits the family's
@@ -81,7 +89,7 @@ def kv_cache_bytes(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     family = get_family(cfg.model)
     dtype = COMPUTE_DTYPES[cfg.precision.mode]
     slots = grpo_prompt_length(cfg) + po.max_completion_length
-    cache = jax.eval_shape(lambda: family.init_cache(cfg.model, grpo_generation_batch(cfg), slots, dtype))
+    cache = jax.eval_shape(lambda: family.init_cache(cfg.model, cache_rows(cfg, _data_size(mesh_shape)), slots, dtype))
     axes = family.cache_axes(cfg.model)
     per_leaf = jax.tree.map(lambda a, x: shard_bytes(x.shape, x.dtype, logical_to_spec(a, RULES), mesh_shape),
                             axes, cache, is_leaf=lambda x: isinstance(x, tuple))
@@ -144,7 +152,7 @@ def rollout_need(cfg: Config, shapes: Any, mesh_shape: Mapping[str, int], state:
     t, m = cfg.training, cfg.model
     dshape = decode_shape(cfg, mesh_shape)
     data, tp = _data_size(dshape), dshape.get("tp", 1)
-    rows = max(1, grpo_generation_batch(cfg) // data)
+    rows = max(1, cache_rows(cfg, data) // data)
     prompt = grpo_prompt_length(cfg)
     slots = prompt + cfg.posttrain.max_completion_length
     kv = kv_cache_bytes(cfg, dshape)

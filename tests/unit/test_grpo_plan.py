@@ -8,7 +8,7 @@ import os
 import pytest
 
 from jaxcolossal.config import ConfigError, load_config, validate
-from jaxcolossal.memory.budget import need
+from jaxcolossal.memory.budget import layout, need, resolve
 from jaxcolossal.memory.rollout import ROLLOUT_FIELDS, kv_cache_bytes
 from jaxcolossal.metrics import param_count
 from jaxcolossal.parallel.mesh import mesh_shape
@@ -82,3 +82,19 @@ def test_grpo_with_cudnn_attention_is_refused_before_compiling():
     compiling the 8B shape of configs/bench/llama3_8b.yaml (attention_impl=cudnn) as a GRPO run."""
     with pytest.raises(ConfigError, match="attention_impl=cudnn: the rollout rows' segment ids"):
         validate(_arith("model.attention_impl=cudnn"), num_devices=8)
+
+
+def test_a_rollout_over_the_device_limit_names_a_rollout_setting_that_fits():
+    """512 completions in one generation (8 microbatches): the rollout's KV cache (2 × 12 GiB a device) puts
+    the rollout phase over a 45 GB limit that the step fits; the refusal names refill's slots that fit."""
+    cfg = load_config(os.path.join(ROOT, "configs/bench/llama3_8b.yaml"),
+                      GRPO_8B + ["training.batch_size=512", "training.gradient_accumulation_steps=8",
+                                 "offload.device_memory_limit=45GB"])
+    shape, _, shapes, specs = layout(cfg, 8)
+    n = need(cfg, 8)
+    assert n["step_total"] <= 45e9 < n["rollout"]["total"]  # 41.2 GB step, 50.3 GB rollout
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, shapes, specs, shape, backend="gpu")
+    assert "posttrain.rollout_slots=256 would fit the rollout phase" in str(e.value) and "\n" not in str(e.value)
+    cfg.posttrain.rollout_slots = 256
+    assert need(cfg, 8)["rollout"]["kv_cache"] == n["rollout"]["kv_cache"] // 2
