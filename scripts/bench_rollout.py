@@ -5,8 +5,8 @@ one run on the same CPU, on a long-tail length mix (issue 53, item 2).
     python scripts/bench_rollout.py --prompts 256 --slots 16 --max-new 128
     python scripts/bench_rollout.py --layouts none   # without the compile-only GPU part
 
-First, for each ``--layouts`` entry (``CONFIG@FLEET``; default the Llama-3-8B and GPT-OSS-20B (ep 8) GRPO
-configs on 8 H200s, 64 rows of a 513-token prompt and 1,024 new tokens), the collective bytes per device
+First, for each config of ``--layouts`` (comma-separated; default the Llama-3-8B and GPT-OSS-20B (ep 8)
+GRPO configs) on ``--fleet`` (default 8 H200s), 64 rows of a 513-token prompt and 1,024 new tokens, the collective bytes per device
 that XLA's GPU compiler puts in the rollout, without a GPU (``jaxcolossal.aot.fleet.layout_collectives``):
 the reshard into the decode layout (once per rollout) and one decode step on the decode layout and on the
 training layout. Then the refill part:
@@ -125,23 +125,22 @@ def report(args, res: dict) -> None:
           f"refill / static/S: {speed['refill'] / speed['static/S']:.2f}")
 
 
-LAYOUTS = "configs/bench/llama3_8b.yaml@h200x8,configs/bench/gpt_oss_20b.yaml@h200x8"
+LAYOUTS = "configs/bench/llama3_8b.yaml,configs/bench/gpt_oss_20b.yaml"
 GRPO = ["training.objective=grpo", "data.format=prompts", "data.corpus=configs/data/arith_prompts.jsonl",
         "training.batch_size=64", "training.micro_batch_size=0", "training.seq_len=1536",
         "posttrain.max_completion_length=1024", "posttrain.num_generations=8", "posttrain.beta=0.04"]
 """The rollout of the compile-only part: 8 prompts × 8 completions, 513-token prompts, 1,024 new tokens."""
 
 
-def layouts(spec: str) -> None:
-    """The collective bytes of the rollout's layouts for each ``CONFIG@FLEET`` of ``spec`` (module doc)."""
+def layouts(spec: str, name: str) -> None:
+    """The collective bytes of the rollout's layouts for each config of ``spec`` on fleet ``name`` (module doc)."""
     if spec == "none":
         return
     print("collectives per device, XLA's GPU compiler without a GPU (GiB): reshard once per rollout; one decode step")
     print(f"{'config':28} {'fleet':8} {'decode tp':>9} {'reshard':>9} {'decode layout':>14} {'training layout':>16} "
           f"{'training / decode':>18}")
-    for entry in spec.split(","):
-        path, name = entry.split("@")
-        gpu, n = target.parse_fleet(name)
+    gpu, n = target.parse_fleet(name)
+    for path in spec.split(","):
         impl = "flash" if load_config(path).model.attention_impl == "flash" else "xla"
         r = fleet.layout_collectives(load_config(path, GRPO + [f"model.attention_impl={impl}"]), gpu, n)
         g = 2 ** 30
@@ -164,9 +163,10 @@ def main(argv=None) -> None:
     p.add_argument("--embed-scale", type=float, default=8.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layouts", default=LAYOUTS, help="CONFIG@FLEET,...: the compile-only part; none: skip it")
+    p.add_argument("--layouts", default=LAYOUTS, help="configs (comma-separated) of the compile-only part; none: skip it")
+    p.add_argument("--fleet", default="h200x8", help="the compile-only part's fleet, GPUxN")
     args = p.parse_args(argv)
-    layouts(args.layouts)
+    layouts(args.layouts, args.fleet)
     report(args, run(args))
 
 

@@ -68,7 +68,7 @@ QUICK = {  # measurement script: flags appended for a small, quick run (argparse
     "scripts/bench_data.py": ["--mb", "1", "--vocab", "1000"],
     "scripts/bench_generate.py": ["--batch", "2", "--new-tokens", "8", "--repeats", "1"],
     "scripts/bench_rollout.py": ["--prompts", "24", "--slots", "4", "--max-new", "24", "--hidden", "64",
-                                 "--layouts", "configs/bench/llama_1b.yaml@h100x8"],
+                                 "--layouts", "configs/bench/llama_1b.yaml", "--fleet", "h100x8"],
     "scripts/benchmark.py": ["--model-overrides", "num_layers=2,hidden_size=64", "--seq", "32",
                              "--batch-per-dp", "2", "--warmup", "1", "--steps", "2"],
     "scripts/bench_optimizer.py": ["--scale", "0.001", "--steps", "2", "--warmup", "1"],
