@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxcolossal.models.layers.attention import cache_mask, cached_attention
+from jaxcolossal.models.layers.flash_attention import online_softmax_step
 from jaxcolossal.models.layers.logprobs import soft_cap
 from jaxcolossal.models.layers.vocab import Sharder, no_shard
 from jaxcolossal.parallel.mesh import platform
@@ -134,12 +135,7 @@ def _kernel(q_ref, k_ref, v_ref, ok_ref, span_ref, o_ref, m_ref, l_ref, *, scale
         s = soft_cap(s * scale, softcap)
         s = jnp.where((ok_ref[sl] != 0)[None, :], s, MASKED)  # as XLA masks: a score, weighed in
         s = jnp.where(inside[None, :], s, -jnp.inf)  # not this block's to count: no weight at all
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = l * corr + jnp.sum(p, axis=-1)
-        o = o * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(o, m, l, s, v)
 
     G, D = q.shape  # m starts finite (an empty split keeps o = l = 0 and weighs nothing): no inf - inf anywhere
     init = (jnp.zeros((G, D), jnp.float32), jnp.full((G,), MASKED, jnp.float32), jnp.zeros((G,), jnp.float32))

@@ -67,6 +67,18 @@ def reference_attention(q, k, v, segment_ids=None, causal: bool = True) -> jax.A
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+def online_softmax_step(o, m, l, s, v):
+    """One key block of the online softmax (Milakov & Gimelshein, 2018; FlashAttention's inner loop):
+    fp32 ``o [G, D]``, running max ``m [G]`` and sum ``l [G]`` updated with the block's fp32 scores
+    ``s [G, K]`` and values ``v [K, D]``. Returns the new ``(o, m, l)``; the caller divides ``o`` by ``l``."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    l = l * corr + jnp.sum(p, axis=-1)
+    o = o * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o, m_new, l
+
+
 def _mask(qs, ks, q_seg, k_seg, causal: bool, kv_len: int, padded: bool, window=None):
     """Valid entries of a ``[len(qs), len(ks)]`` block (positions ``qs``/``ks``); ``window``: a traced
     int32 scalar (0: no window) or ``None``."""
@@ -111,12 +123,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, win_ref, sink_ref, o_ref, lse_ref,
                       causal, kv_len, padded, window)
         if valid is not None:
             s = jnp.where(valid, s, MASK)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = l * corr + jnp.sum(p, axis=-1)
-        o = o * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(o, m, l, s, v)
 
     upper = jax.lax.div((qi + 1) * block_q + block_k - 1, block_k) if causal else T // block_k
     if sink_ref is None:
