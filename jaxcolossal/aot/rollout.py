@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.aot import hlo
 from jaxcolossal.config import Config
-from jaxcolossal.config.derived import grpo_generation_batch, grpo_prompt_length, rollout_reshards, rollout_tp
+from jaxcolossal.config.derived import (grpo_generation_batch, grpo_prompt_length, posttrain_beta, rollout_reshards,
+                                         rollout_tp)
 from jaxcolossal.generate import Sampling, make_generator
 from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
@@ -106,7 +107,7 @@ def compile_rollout(cfg: Config, plan, state, per_host: int, resident: int, opti
                                   params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     out.append(_program("sampler", compile_sampler(cfg, plan, gen_mesh, gen_params, options), resident,
                         gen_mesh is plan.mesh))
-    if cfg.posttrain.num_iterations > 1 or cfg.posttrain.beta > 0:
+    if cfg.posttrain.num_iterations > 1 or posttrain_beta(cfg) > 0:
         out.append(_program("log-probs", _logps(cfg, plan, params, options), resident, True))
     return out
 

@@ -100,7 +100,19 @@ def double_buffers_loops(cfg: Config) -> bool:
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+GRPO_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""The GRPO losses that clip the ratio at ``[1 - ε, 1 + ε_high]`` (and honour ``delta``); TRL logs
+their ``clip_ratio/*`` metrics."""
+
+
+def posttrain_beta(cfg: Config) -> float:
+    """``posttrain.beta`` with ``auto`` resolved to TRL 1.16's default of the run's objective: 0.1 for
+    DPO (``DPOConfig.beta``), 0.0 for GRPO (``GRPOConfig.beta``) and SFT."""
+    b = cfg.posttrain.beta
+    if b != "auto":
+        return float(b)
+    return 0.1 if cfg.training.objective == "dpo" else 0.0
 
 
 def posttrain_loss_type(cfg: Config) -> str:
@@ -127,7 +139,7 @@ def holds_reference(cfg: Config) -> bool:
     """Whether the train state holds a frozen reference copy: DPO, or GRPO with ``beta > 0``, with
     ``posttrain.reference=frozen``."""
     t, po = cfg.training, cfg.posttrain
-    needs = t.objective == "dpo" or (t.objective == "grpo" and po.beta > 0)
+    needs = t.objective == "dpo" or (t.objective == "grpo" and posttrain_beta(cfg) > 0)
     return needs and po.reference == "frozen"
 
 

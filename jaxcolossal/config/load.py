@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxcolossal.config.checks import validate
-from jaxcolossal.config.schema import Bytes, Config, StepRange, parse_bytes, parse_step_range, yaml_list
+from jaxcolossal.config.schema import AutoFloat, Bytes, Config, StepRange, parse_bytes, parse_step_range, yaml_list
 from jaxcolossal.errors import ConfigError, ConfigFileNotFoundError
 
 PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir", "checkpoint.dir",
@@ -56,6 +56,13 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r}: expected a number")
+        return float(value)
+    if annotation is AutoFloat:  # "auto", or a number kept as a float
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)) or (
+                isinstance(value, str) and not _looks_float(value)):
+            raise ConfigError(f"{path}={value!r}: expected a number or auto")
         return float(value)
     if annotation is Bytes:
         parse_bytes(value, path)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import re
 
-from jaxcolossal.config.derived import DPO_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_prompt_length, posttrain_loss_type
+from jaxcolossal.config.derived import (DPO_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_prompt_length, posttrain_beta,
+                                         posttrain_loss_type)
 from jaxcolossal.config.reward_funcs import reward_specs
 from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS, Config, PosttrainConfig
 from jaxcolossal.errors import ConfigError
@@ -92,7 +93,7 @@ def _check_loss_type(cfg: Config) -> None:
     if lt not in allowed:
         raise ConfigError(f"posttrain.loss_type={lt} is not a {objective.upper()} loss; allowed values are auto, "
                           + ", ".join(allowed))
-    if objective == "dpo" and po.beta <= 0:
+    if objective == "dpo" and posttrain_beta(cfg) <= 0:
         raise ConfigError(f"posttrain.beta={po.beta!r}: must be > 0 for DPO (0 is GRPO's no-reference setting)")
     if lt == "ipo" and po.label_smoothing > 0:
         raise ConfigError(f"posttrain.label_smoothing={po.label_smoothing:g} is conservative DPO's, for "
@@ -101,7 +102,7 @@ def _check_loss_type(cfg: Config) -> None:
 
 def _check_reference(cfg: Config) -> None:
     po, m = cfg.posttrain, cfg.model
-    if cfg.training.objective == "grpo" and po.beta == 0:
+    if cfg.training.objective == "grpo" and posttrain_beta(cfg) == 0:
         return  # no reference at all
     if po.reference == "lora_base" and not m.lora.enabled:
         raise ConfigError("posttrain.reference=lora_base needs LoRA (model.lora.rank > 0): without adapters there "
@@ -120,8 +121,10 @@ def _check_grpo(cfg: Config) -> None:
                           f"posttrain.num_generations={po.num_generations} (the completions of one prompt); e.g. "
                           + _grpo_batch_hint(cfg))
     if grpo_prompt_length(cfg) < 1:
-        raise ConfigError(f"posttrain.max_completion_length={po.max_completion_length} leaves no room for a prompt "
-                          f"in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and completion)")
+        default = " (TRL's default)" if po.max_completion_length == PosttrainConfig.max_completion_length else ""
+        raise ConfigError(f"posttrain.max_completion_length={po.max_completion_length}{default} leaves no room for a "
+                          f"prompt in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and "
+                          "completion): set posttrain.max_completion_length below training.seq_len")
     _check_generation_batch(cfg)
     reward_specs(po.reward_funcs, po.reward_weights)  # user functions imported now: raises ConfigError
     try:

@@ -105,7 +105,10 @@ RANGES: dict[str, Range] = {
     "logging.log_every": _POS,
     "offload.offload_optim_frac": Range(0, 1), "offload.offload_param_frac": Range(0, 1),
     "offload.devices_per_host": _POS,
-    "posttrain.beta": Range(0), "posttrain.label_smoothing": Range(0, 0.5, hi_open=True),
+    "posttrain.beta": Range(0), "posttrain.delta": Range(0, note="0: off"),
+    "posttrain.top_entropy_quantile": Range(0, 1, lo_open=True), "posttrain.sapo_temperature_pos": _GT0,
+    "posttrain.sapo_temperature_neg": _GT0, "posttrain.vespo_k_pos": _NONNEG, "posttrain.vespo_lambda_pos": _NONNEG,
+    "posttrain.vespo_k_neg": _NONNEG, "posttrain.vespo_lambda_neg": _NONNEG, "posttrain.label_smoothing": Range(0, 0.5, hi_open=True),
     "posttrain.num_generations": Range(2), "posttrain.max_completion_length": _POS,
     "posttrain.temperature": _GT0, "posttrain.top_k": Range(0, note="0: all tokens"),
     "posttrain.top_p": Range(0, 1, lo_open=True), "posttrain.epsilon": Range(0, 1, lo_open=True, hi_open=True),
@@ -126,5 +129,7 @@ def check_ranges(cfg: Config) -> None:
     """
     for key, rng in RANGES.items():
         v = functools.reduce(getattr, key.split("."), cfg)
+        if v == "auto":  # an AutoFloat key left to its objective's default
+            continue
         if not rng.contains(v):
             raise ConfigError(f"{key}={v!r}: {rng.describe('must be' if math.isfinite(v) else 'must be a finite number')}")

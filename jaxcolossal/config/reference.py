@@ -19,7 +19,7 @@ from typing import Literal
 
 from jaxcolossal.config import schema
 from jaxcolossal.config.load import all_keys
-from jaxcolossal.config.schema import Bytes, Config, StepRange, yaml_list
+from jaxcolossal.config.schema import AutoFloat, Bytes, Config, StepRange, yaml_list
 
 _ROLE = re.compile(r":(?:func|mod|class|meth|data|attr):`~?([^`]+)`")
 _LITERAL = re.compile(r"``(.+?)``")
@@ -130,6 +130,8 @@ def type_name(hint) -> str:
     Markdown code spans (```llama`, `gpt2```)."""
     if typing.get_origin(hint) is Literal:
         return ", ".join(f"`{yaml_list([v])[1:-1]}`" for v in typing.get_args(hint))
+    if hint is AutoFloat:
+        return "float or `auto`"
     if hint is Bytes:
         return "bytes"
     if hint is StepRange:

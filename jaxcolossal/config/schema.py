@@ -881,17 +881,24 @@ class PosttrainConfig:
     (``training.objective=dpo``) as TRL's ``DPOTrainer`` defines it, and GRPO
     (``training.objective=grpo``) as TRL's ``GRPOTrainer`` does (trl 1.16); the key names are TRL's."""
 
-    beta: float = 0.1
-    """DPO's β (IPO's τ), > 0: how far the policy may move from the reference; the rewards are
-    ``β·(log π - log π_ref)`` of each response. GRPO: the KL penalty's weight, >= 0 (TRL's default
-    there is 0.0: set it); 0 keeps no reference model at all."""
-    loss_type: Literal["auto", "sigmoid", "ipo", "grpo", "bnpo", "dr_grpo", "dapo"] = "auto"
+    beta: AutoFloat = "auto"
+    """``auto`` (the default): TRL 1.16's default of the run's objective, 0.1 for DPO (``DPOConfig``)
+    and 0.0 for GRPO (``GRPOConfig``). DPO's β (IPO's τ), > 0: how far the policy may move from the
+    reference; the rewards are ``β·(log π - log π_ref)`` of each response. GRPO: the KL penalty's
+    weight, >= 0; 0 keeps no reference model at all."""
+    loss_type: Literal["auto", "sigmoid", "ipo", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo",
+                       "vespo"] = "auto"
     """``auto`` (the default): ``sigmoid`` for DPO, ``dapo`` for GRPO (TRL's defaults). DPO:
     ``sigmoid``, DPO's ``-log σ(β·Δ)`` of the log-ratio margin ``Δ``; ``ipo``, IPO's
-    ``(Δ/len - 1/(2β))²`` with each response's log-ratio averaged over its tokens (TRL 1.16). GRPO, how
-    the per-token losses are averaged: ``grpo``, each completion's mean, then the mean over
-    completions; ``bnpo`` and ``dapo``, the mean over all the step's completion tokens; ``dr_grpo``,
-    the sum over the step divided by ``completions × max_completion_length`` (a constant)."""
+    ``(Δ/len - 1/(2β))²`` with each response's log-ratio averaged over its tokens (TRL 1.16). GRPO (TRL
+    1.16's eight, docs/posttraining.md): ``grpo``, each completion's mean, then the mean over
+    completions; ``bnpo``, each microbatch's mean over its completion tokens, then the mean over the
+    microbatches; ``dapo``, the mean over all the step's completion tokens; ``dr_grpo``, the sum divided
+    by ``completions × max_completion_length``; ``cispo``, the clipped, detached ratio times the
+    advantage times the log-prob (ScaleRL/MiniMax-M1), token-normalised like ``dapo``; ``sapo``, a
+    sigmoid-softened ratio (per-sign temperatures ``sapo_temperature_pos``/``_neg``), averaged like
+    ``grpo``; ``luspo``, each completion's summed loss averaged over completions; ``vespo``, a gamma
+    weight of the sequence ratio times the advantage times the log-prob, averaged like ``dapo``."""
     label_smoothing: float = 0.0
     """DPO: conservative DPO's ε in ``[0, 0.5)`` (``sigmoid`` only): the share of pairs assumed
     mislabelled, ``-(1-ε)·log σ(βΔ) - ε·log σ(-βΔ)``; 0 (the default) is plain DPO."""
@@ -903,11 +910,14 @@ class PosttrainConfig:
     num_generations: int = 8
     """GRPO: completions sampled per prompt (the group), >= 2; it must divide ``training.batch_size``
     (completions per step), so each step draws ``batch_size / num_generations`` prompts."""
-    max_completion_length: int = 64
-    """GRPO: tokens sampled per completion at most, >= 1. A row holds a prompt of up to
-    ``training.seq_len + 1 - max_completion_length`` tokens (left-padded) and its completion."""
+    max_completion_length: int = 512
+    """GRPO: tokens sampled per completion at most, >= 1 (TRL's default 512; ``dr_grpo``'s divisor). A row
+    holds a prompt of up to ``training.seq_len + 1 - max_completion_length`` tokens (left-padded) and its
+    completion, so ``training.seq_len`` must exceed it."""
     temperature: float = 1.0
-    """GRPO: the sampling temperature of the rollouts, > 0 (TRL's default 1.0)."""
+    """GRPO: the sampling temperature of the rollouts, > 0 (TRL's default 1.0); the policy's, the old
+    and the reference log-probs (and the ``entropy`` metric) are those of ``logits / temperature``, as
+    TRL computes them."""
     top_k: int = 0
     """GRPO: sample among the ``top_k`` most likely tokens, >= 0; 0: all."""
     top_p: float = 1.0
@@ -916,7 +926,33 @@ class PosttrainConfig:
     """GRPO: the policy ratio's lower clip, ``1 - epsilon`` (TRL's ``epsilon``), in (0, 1)."""
     epsilon_high: float = 0.0
     """GRPO: the ratio's upper clip, ``1 + epsilon_high`` (DAPO's clip-higher, e.g. 0.28), >= 0; 0 (the
-    default): ``epsilon``."""
+    default, TRL's None): ``epsilon``. With ``loss_type=cispo`` it is the ratio's cap itself (ScaleRL's
+    ε_max, e.g. 5.0), as in TRL."""
+    use_bias_correction_kl: bool = True
+    """GRPO (``beta > 0``): the k3 KL estimator is multiplied by the importance ratio ``π/π_old`` (TRL
+    1.16's default), which makes it unbiased for completions sampled by an older policy; false: the
+    plain k3 estimator."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """GRPO: the importance ratio per token (``token``, the default) or one per completion, the
+    exponential of the mean per-token log-ratio (``sequence``: GSPO, Zheng et al., 2025)."""
+    delta: float = 0.0
+    """GRPO: two-sided clipping (Kimi/INTELLECT-2): the unclipped ratio is capped at ``delta`` (> 1 + ε_high
+    is sensible) for the clipped losses (grpo, bnpo, dr_grpo, dapo, luspo); 0 (the default, TRL's None): off."""
+    top_entropy_quantile: float = 1.0
+    """GRPO: train only on the completion tokens whose entropy is in this top share of each microbatch's
+    (Wang et al., 2025, "Beyond the 80/20 rule"), in (0, 1]; 1 (the default): all tokens."""
+    sapo_temperature_pos: float = 1.0
+    """GRPO ``loss_type=sapo``: the soft gate's temperature for positive advantages, > 0 (TRL's default)."""
+    sapo_temperature_neg: float = 1.05
+    """GRPO ``loss_type=sapo``: the soft gate's temperature for non-positive advantages, > 0 (TRL's default)."""
+    vespo_k_pos: float = 2.0
+    """GRPO ``loss_type=vespo``: the gamma weight's shape ``k`` for non-negative advantages (TRL's default)."""
+    vespo_lambda_pos: float = 3.0
+    """GRPO ``loss_type=vespo``: the gamma weight's rate ``λ`` for non-negative advantages (TRL's default)."""
+    vespo_k_neg: float = 3.0
+    """GRPO ``loss_type=vespo``: the gamma weight's shape ``k`` for negative advantages (TRL's default)."""
+    vespo_lambda_neg: float = 2.0
+    """GRPO ``loss_type=vespo``: the gamma weight's rate ``λ`` for negative advantages (TRL's default)."""
     num_iterations: int = 1
     """GRPO's μ, >= 1: optimizer steps on each batch of rollouts. With μ > 1 the log-probs of the
     policy that sampled them are computed once and kept (``old_per_token_logps``); the rollouts are
@@ -979,7 +1015,10 @@ class PosttrainConfig:
 GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "top_k", "top_p", "epsilon",
                   "epsilon_high", "num_iterations", "scale_rewards", "reward_funcs", "reward_weights",
                   "format_pattern", "mask_truncated_completions", "log_completions", "rollout_layout",
-                  "rollout_tp", "steps_per_generation", "generation_batch_size", "rollout_slots")
+                  "rollout_tp", "steps_per_generation", "generation_batch_size", "rollout_slots",
+                  "use_bias_correction_kl", "importance_sampling_level", "delta", "top_entropy_quantile",
+                  "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                  "vespo_lambda_neg")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing",)
@@ -1138,6 +1177,12 @@ class LoggingConfig:
     device work of the steps before is waited for first, and the last step's before the trace stops.
     The range must end by ``training.max_steps``; a resumed run traces the part it runs. The traced
     steps run slower, and their throughput in the log with them."""
+
+
+class AutoFloat(str):
+    """A number in the config, or ``auto`` (kept as the string ``"auto"``; a number is kept as a
+    float): the objective's own default, resolved by a function of the config in
+    :mod:`jaxcolossal.config.derived` (e.g. ``posttrain_beta``)."""
 
 
 class Bytes(str):

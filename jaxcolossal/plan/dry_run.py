@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config import BYTES_PER_PARAM, Config, ConfigError, gib, precision_label, validate, weight_gather_dtype
-from jaxcolossal.config.derived import grpo_prompt_length
+from jaxcolossal.config.derived import grpo_prompt_length, posttrain_beta
 from jaxcolossal.memory.activations import describe
 from jaxcolossal.memory.budget import device_need, layout, lora_layout, need, resolve
 from jaxcolossal.memory.rollout import ROLLOUT_FIELDS, kv_cache_slot
@@ -137,7 +137,7 @@ def _grpo_line(cfg: Config, num_devices: int, shape: dict) -> str:
     data, tp = math.prod(dshape[a] for a in DATA_AXES), dshape["tp"]
     prompt = grpo_prompt_length(cfg)
     reference = (f"reference = a frozen copy of the initial params in {cfg.precision.mode}: {gib(ref)} per device"
-                 if ref else "no reference copy (" + ("beta 0" if po.beta == 0 else "the LoRA base") + ", 0 B)")
+                 if ref else "no reference copy (" + ("beta 0" if posttrain_beta(cfg) == 0 else "the LoRA base") + ", 0 B)")
     return (f"GRPO       {reference}; rollouts of {t.batch_size // po.num_generations} prompts × {po.num_generations} "
             f"generations = {t.batch_size} rows of {prompt} prompt + {po.max_completion_length} completion tokens\n"
             + (f"rollout    decode layout tp {tp} × data {data} (posttrain.rollout_layout=decode): the params "

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config.derived import posttrain_loss_type
+from jaxcolossal.config.derived import posttrain_beta, posttrain_loss_type
 from jaxcolossal.posttrain.loss_terms import sequence_logps
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -93,7 +93,7 @@ class Dpo:
                                                    vocab_parallel))
         lens = jnp.sum(mask, axis=-1)
         p = self.post
-        loss, metrics = dpo_loss(pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2], p.beta,
+        loss, metrics = dpo_loss(pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2], posttrain_beta(self.cfg),
                                  posttrain_loss_type(self.cfg), p.label_smoothing)
         return jnp.sum(loss), {k: jnp.sum(v) for k, v in metrics.items()}
 

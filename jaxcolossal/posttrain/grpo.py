@@ -1,6 +1,7 @@
 """``training.objective=grpo``: Group Relative Policy Optimization (Shao et al., 2024) and its variants
-(DAPO, Dr. GRPO), as TRL's ``GRPOTrainer._compute_loss`` computes them (trl 1.16); registered in
-:data:`jaxcolossal.train.objective.OBJECTIVES`.
+(DAPO, Dr. GRPO, BNPO, CISPO, SAPO, LUSPO, VESPO; GSPO's sequence-level ratio), as TRL's
+``GRPOTrainer._compute_loss`` computes them (trl 1.16; the per-token math in
+:mod:`jaxcolossal.posttrain.grpo_losses`); registered in :data:`jaxcolossal.train.objective.OBJECTIVES`.
 
 Rows are prompts with completions sampled from the policy (:mod:`jaxcolossal.posttrain.rollout`,
 this objective's on-policy loader), whose loss masks cover the completion tokens; the batch also
@@ -13,77 +14,98 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config.derived import grpo_epsilon_high, grpo_off_policy, posttrain_loss_type
+from jaxcolossal.config.derived import (GRPO_CLIPPED_LOSSES, GRPO_LOSS_TYPES, grpo_epsilon_high, grpo_off_policy,
+                                         posttrain_beta, posttrain_loss_type)
 from jaxcolossal.data.prompts import PromptSplit
-from jaxcolossal.posttrain.loss_terms import k3_kl, masked_sum, policy_token_logps, sum_of_row_means, token_count
+from jaxcolossal.posttrain.grpo_losses import GrpoTerms, grpo_token_loss, high_entropy_mask
+from jaxcolossal.posttrain.loss_terms import masked_sum, policy_token_logps, sum_of_row_means, token_count
 from jaxcolossal.posttrain.rollout import Rollouts
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 
-GRPO_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-"""TRL's ``GRPOTrainer`` loss metrics, each a mean over the step's completion tokens (trl 1.16)."""
+SHARD_REDUCTIONS = {"clip_ratio/low_min": jnp.min, "clip_ratio/high_max": jnp.max}
+"""The metrics whose data shards' values combine by a min or a max (TRL's ``nanmin``/``nanmax`` over
+the sequences its processes gather); every other sum adds up."""
 
 
-def grpo_token_loss(logps, old_logps, ref_logps, advantages, mask, epsilon: float, epsilon_high: float,
-                    beta: float) -> tuple[jax.Array, dict]:
-    """GRPO's per-token loss (TRL 1.16 ``GRPOTrainer._compute_loss``, token-level importance sampling),
-    fp32 ``[b, t]``, and the token sums of :data:`GRPO_METRICS` (plus ``tokens``).
-
-    ``ratio = exp(logps - old_logps)``; ``loss = -min(ratio·A, clip(ratio, 1-ε, 1+ε_high)·A)``, plus
-    with ``beta > 0`` ``β·(exp(ref - logps) - (ref - logps) - 1)`` (the k3 KL estimator,
-    :func:`jaxcolossal.posttrain.loss_terms.k3_kl`).
-
-    Args:
-        logps: the policy's per-token log-probs of the completion tokens, fp32 ``[b, t]``.
-        old_logps: the sampling policy's (no gradient), ``[b, t]``.
-        ref_logps: the reference's (no gradient), ``[b, t]``; ignored when ``beta == 0``.
-        advantages: fp32 ``[b]`` or ``[b, t]`` (constant along a row).
-        mask: ``[b, t]``, 1 on the completion tokens trained on.
-    """
-    adv = advantages if advantages.ndim == 2 else advantages[:, None]
-    coef1 = jnp.exp(logps - old_logps)
-    coef2 = jnp.clip(coef1, 1 - epsilon, 1 + epsilon_high)
-    loss = -jnp.minimum(coef1 * adv, coef2 * adv)
-    kl = jnp.zeros_like(logps)
-    if beta:
-        kl = k3_kl(ref_logps, logps)
-        loss = loss + beta * kl
-    low = ((coef1 < 1 - epsilon) & (adv < 0)).astype(jnp.float32)
-    high = ((coef1 > 1 + epsilon_high) & (adv > 0)).astype(jnp.float32)
-    sums = {"kl": kl, "clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
-            "clip_ratio/region_mean": jnp.maximum(low, high)}
-    stats = {k: jnp.sum(jax.lax.stop_gradient(v) * mask) for k, v in sums.items()}
-    stats["tokens"] = jnp.sum(mask)
-    return loss, stats
+def grpo_metric_names(loss_type: str, beta: float) -> tuple[str, ...]:
+    """The metrics TRL 1.16's ``GRPOTrainer._compute_loss`` logs for ``loss_type`` (``kl`` with ``beta``)."""
+    names = (("kl",) if beta else ()) + ("entropy",)
+    if loss_type in GRPO_CLIPPED_LOSSES:
+        return names + ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                        "clip_ratio/low_min", "clip_ratio/high_max")
+    return names + {"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",)}.get(loss_type, ())
 
 
-def grpo_loss_sum(token_loss, mask, loss_type: str) -> jax.Array:
-    """The step's numerator of GRPO's loss (fp32 scalar; the step divides by :meth:`Grpo.count`):
-    ``grpo``, the sum over rows of each row's masked mean; ``bnpo``/``dapo``/``dr_grpo``, the masked
-    sum over tokens. ``token_loss``, ``mask``: ``[b, t]``.
+def grpo_loss_sum(token_loss, mask, loss_type: str, microbatch_tokens) -> jax.Array:
+    """The numerator of GRPO's loss over the rows a call sees (fp32 scalar; the step divides the sum of
+    the numerators by :meth:`Grpo.count`): ``grpo``/``sapo``, the sum over rows of each row's masked
+    mean; ``bnpo``, the masked sum over the microbatch's tokens ``microbatch_tokens``; the others
+    (``dapo``, ``dr_grpo``, ``cispo``, ``vespo``, ``luspo``), the masked sum. ``token_loss``: ``[b, t]``
+    or ``[b, 1]``; ``mask``: ``[b, t]``.
 
     Raises:
         ValueError: an unknown ``loss_type``.
     """
-    if loss_type == "grpo":
+    token_loss = jnp.broadcast_to(token_loss, mask.shape)
+    if loss_type in ("grpo", "sapo"):
         return sum_of_row_means(token_loss, mask)
-    if loss_type in ("bnpo", "dapo", "dr_grpo"):
+    if loss_type == "bnpo":
+        return masked_sum(token_loss, mask) / microbatch_tokens
+    if loss_type in GRPO_LOSS_TYPES:
         return masked_sum(token_loss, mask)
-    raise ValueError(f"posttrain.loss_type={loss_type!r}: expected grpo, bnpo, dr_grpo or dapo")
+    raise ValueError(f"posttrain.loss_type={loss_type!r}: expected one of {', '.join(GRPO_LOSS_TYPES)}")
+
+
+def grpo_metric_sums(names, parts, entropies, mask, terms: GrpoTerms, microbatch_tokens, microbatch_rows) -> dict:
+    """Each metric of ``names`` as the call's share of its microbatch's value (TRL's per-microbatch
+    ``global_masked_mean``: a token sum over ``microbatch_tokens``, or for a per-sequence quantity a row
+    sum over ``microbatch_rows``), the ``*_min``/``*_max`` ones as this call's min or max over its rows
+    of each row's masked mean (:data:`SHARD_REDUCTIONS`). fp32 scalars, no gradient."""
+    mask_rows = jnp.sum(mask, axis=-1)
+
+    def mean(x):  # x: [b, t] over the tokens, or [b, 1] one value per sequence
+        x = jax.lax.stop_gradient(x.astype(jnp.float32))
+        if x.shape[-1] == 1:
+            return jnp.sum(x) / microbatch_rows
+        return jnp.sum(x * mask) / microbatch_tokens
+
+    def row_means(x):  # each row's masked mean ([b]); rows with no token are left out of the min/max
+        x = x.astype(jnp.float32)
+        return x[:, 0] if x.shape[-1] == 1 else jnp.sum(x * mask, -1) / jnp.maximum(mask_rows, 1.0)
+
+    coef1, adv = parts["coef1"], parts["adv"]
+    low = (coef1 < 1 - terms.epsilon) & (adv < 0)
+    high = (coef1 > 1 + terms.epsilon_high) & (adv > 0)
+    has = mask_rows > 0
+    values = {
+        "kl": lambda: mean(parts["kl"]), "entropy": lambda: mean(entropies),
+        "clip_ratio/low_mean": lambda: mean(low), "clip_ratio/high_mean": lambda: mean(high),
+        "clip_ratio/region_mean": lambda: mean(low | high),
+        "clip_ratio/low_min": lambda: jnp.min(jnp.where(has, row_means(low), jnp.inf)),
+        "clip_ratio/high_max": lambda: jnp.max(jnp.where(has, row_means(high), -jnp.inf)),
+        "cispo_clip_ratio": lambda: mean((coef1 > terms.epsilon_high) & (adv > 0)),
+        "vespo/phi_seq_mean": lambda: mean(parts["phi"])}
+    return {k: values[k]() for k in names}
 
 
 class Grpo:
     """The GRPO objective (module docstring) over rows of a left-padded prompt and its completion.
 
     ``__call__(params, tokens, targets, ..., mask, segment_ids, positions, advantages, old_logps,
-    ref_logps)``: ``tokens``/``targets`` int32 ``[b, t]``, ``mask [b, t]`` on the completion tokens,
-    ``advantages [b, t]`` (each row's, repeated), ``old_logps``/``ref_logps`` fp32 ``[b, t]``. Returns
-    ``(summed loss, token sums of the metrics)``. On-policy (``num_iterations == 1``, one step per
-    generation: :func:`~jaxcolossal.config.derived.grpo_off_policy`) the old log-probs are
+    ref_logps, microbatch_tokens, shard_axis)``: ``tokens``/``targets`` int32 ``[b, t]``, ``mask [b, t]``
+    on the completion tokens, ``advantages [b, t]`` (each row's, repeated), ``old_logps``/``ref_logps``
+    fp32 ``[b, t]``, ``microbatch_tokens`` fp32 ``[b, t]`` (the completion tokens of the whole
+    microbatch this call's rows belong to, repeated; the step fills it: :attr:`step_fields`; absent,
+    the call's own). Returns ``(summed loss, the metrics' sums)``. On-policy (``num_iterations == 1``,
+    one step per generation: :func:`~jaxcolossal.config.derived.grpo_off_policy`) the old log-probs are
     the policy's own under ``stop_gradient`` (TRL's shortcut: the ratio is 1, its gradient is not).
     """
 
     name = "grpo"
     batch_fields: tuple = ("advantages", "old_logps", "ref_logps")
+    step_fields: tuple = ("microbatch_tokens",)  # computed by the step from the loss mask
+    shard_reductions = SHARD_REDUCTIONS
+    wants_shard_axis = True  # top_entropy_quantile's quantile spans the microbatch's data shards
     data_format = "prompts"
     reads = "GRPO samples completions of prompts"
     evaluation = "rollouts"  # the on-policy loader's greedy completions of the held-out prompts, scored
@@ -92,38 +114,53 @@ class Grpo:
     def __init__(self, family, cfg):
         self.family, self.cfg, self.post = family, cfg, cfg.posttrain
         self.loss_type = posttrain_loss_type(cfg)
-        self.epsilon_high = grpo_epsilon_high(cfg)
+        self.beta = posttrain_beta(cfg)
+        self.terms = GrpoTerms.from_config(cfg, self.loss_type, grpo_epsilon_high(cfg), self.beta)
         self.off_policy = grpo_off_policy(cfg)
+        self.k = cfg.training.gradient_accumulation_steps
+        self.microbatch_rows = float(cfg.training.batch_size // self.k)
+        self.metric_names = grpo_metric_names(self.loss_type, self.beta)
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
-                 positions=None, dropout_key=None, reference=None, advantages=None, old_logps=None, ref_logps=None):
+                 positions=None, dropout_key=None, reference=None, advantages=None, old_logps=None, ref_logps=None,
+                 microbatch_tokens=None, shard_axis=None):
+        # the phases: log-probs and entropies at the temperature, the entropy mask, the per-token loss,
+        # its normalised sum, the metrics
         mask = mask.astype(jnp.float32)
-        logps = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
-                                   segment_ids, positions, dropout_key)
-        old = jax.lax.stop_gradient(old_logps if self.off_policy else logps)
         p = self.post
-        loss, stats = grpo_token_loss(logps, old, jax.lax.stop_gradient(ref_logps), advantages[:, 0], mask,
-                                      p.epsilon, self.epsilon_high, p.beta)
-        return grpo_loss_sum(loss, mask, self.loss_type), stats
+        logps, ent = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
+                                        segment_ids, positions, dropout_key, p.temperature, with_entropy=True)
+        mb_tokens = jnp.maximum(jnp.sum(mask) if microbatch_tokens is None else microbatch_tokens[0, 0], 1.0)
+        entropy_mask = None
+        if p.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(ent, mask, p.top_entropy_quantile, shard_axis)
+        old = jax.lax.stop_gradient(old_logps if self.off_policy else logps)
+        ref = jax.lax.stop_gradient(ref_logps) if self.beta else None
+        loss, parts = grpo_token_loss(self.terms, logps, old, ref, advantages[:, 0], mask, entropy_mask)
+        stats = grpo_metric_sums(self.metric_names, parts, ent, mask, self.terms, mb_tokens, self.microbatch_rows)
+        return grpo_loss_sum(loss, mask, self.loss_type, mb_tokens), stats
 
     def count(self, inputs, mask=None):
-        """What the summed loss divides by (fp32 scalar): the step's rows (``grpo``), its completion
-        tokens (``bnpo``, ``dapo``) or rows × ``max_completion_length`` (``dr_grpo``)."""
+        """What the summed loss divides by (fp32 scalar): the step's rows (``grpo``, ``sapo``, ``luspo``), its
+        microbatches (``bnpo``: each one's numerator is already its mean), rows × ``max_completion_length``
+        (``dr_grpo``), or its completion tokens (``dapo``, ``cispo``, ``vespo``)."""
         rows = jnp.asarray(inputs.shape[0], jnp.float32)
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo", "luspo"):
             return rows
+        if self.loss_type == "bnpo":
+            return jnp.asarray(self.k, jnp.float32)
         if self.loss_type == "dr_grpo":
             return rows * self.post.max_completion_length
         return token_count(inputs, mask)
 
     def zero_stats(self) -> dict:
-        """The metrics' token sums and the token count at zero (fp32 scalars)."""
-        return {k: jnp.zeros((), jnp.float32) for k in GRPO_METRICS + ("tokens",)}
+        """The metrics' per-microbatch sums at zero (fp32 scalars)."""
+        return {k: jnp.zeros((), jnp.float32) for k in self.metric_names}
 
     def metrics(self, stats: dict, count) -> dict:
-        """TRL's ``kl`` (with ``beta > 0``) and ``clip_ratio/*``: token sums over the step's completion tokens."""
-        n = jnp.maximum(stats["tokens"], 1.0)
-        return {k: stats[k] / n for k in GRPO_METRICS if k != "kl" or self.post.beta}
+        """TRL's metrics (:func:`grpo_metric_names`) as TRL logs them for a step: the mean over its
+        microbatches of each microbatch's value."""
+        return {k: stats[k] / self.k for k in self.metric_names}
 
     @staticmethod
     def held_out_parts(val: float) -> tuple[str, str]:

@@ -39,13 +39,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxcolossal.config import ConfigError
-from jaxcolossal.config.derived import grpo_generation_batch, grpo_prompt_length, rollout_reshards, rollout_tp
+from jaxcolossal.config.derived import (grpo_generation_batch, grpo_prompt_length, posttrain_beta, rollout_reshards,
+                                         rollout_tp)
 from jaxcolossal.data.prompts import PromptData, prompt_batch
 from jaxcolossal.errors import RewardError
 from jaxcolossal.generate import Sampling, data_shards, make_generator, pad_prompts, run_eos_ids
 from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.models.layers.logprobs import token_logprobs
 from jaxcolossal.parallel.layer_scan import fetch_layer
+from jaxcolossal.parallel.microbatch_order import microbatch_order
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
 from jaxcolossal.posttrain.rewards import RewardSet, TrainerState, make_rewards
 from jaxcolossal.runtime.dist_logger import get_dist_logger
@@ -120,12 +122,14 @@ def rollout_token_logps(plan, params, inputs, targets, mask, segment_ids, positi
     :class:`~jaxcolossal.train.state.TrainPlan` (its family, sharder and model config); ``params``
     laid out as training holds them (offloaded leaves are fetched in); ``inputs``/``targets``/
     ``segment_ids``/``positions`` int32 and ``mask`` fp32, ``[B, t]`` with the batch sharding.
-    :class:`Rollouts` jits it with ``plan`` bound; so does the GPU compile test."""
+    :class:`Rollouts` jits it with ``plan`` bound; so does the GPU compile test. The log-probs are those
+    of ``logits / posttrain.temperature``, as TRL computes its old and reference log-probs (trl 1.16)."""
     cfg, family, shard = plan.cfg.model, plan.family, plan.sharder
     params = fetch_layer(params)
     h = family.hidden_states(params, inputs, cfg, shard, shard.is_sharded("vocab"), segment_ids, positions)
     return token_logprobs(h, family.head_weight(params, cfg), targets, mask, cfg.vocab_size, shard,
-                          cfg.loss_chunk_tokens, cfg.loss_chunk_vocab, cfg.final_logit_softcapping)
+                          cfg.loss_chunk_tokens, cfg.loss_chunk_vocab, cfg.final_logit_softcapping,
+                          plan.cfg.posttrain.temperature)
 
 
 @dataclass
@@ -163,6 +167,9 @@ class Rollouts:
         """Optimizer steps one generation feeds per iteration (TRL's ``steps_per_generation`` in optimizer steps)."""
         self.period = self.k * self.mu
         """Optimizer steps between two rollouts."""
+        self.microbatch_order = microbatch_order(t.batch_size, getattr(plan, "data_size", 1),
+                                                 t.gradient_accumulation_steps)
+        """The order of a step's rows on the mesh (:mod:`jaxcolossal.parallel.microbatch_order`)."""
         self.P, self.C = grpo_prompt_length(cfg), po.max_completion_length
         self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern)
         try:
@@ -223,8 +230,9 @@ class Rollouts:
             self.current = self._load(first) if step != first else self._roll(first, state)
             self.metrics = self.current.metrics
         j = (step - first) % self.k  # TRL's order: every slice once, then again for each of the μ iterations
-        if j not in self.current.placed:
-            self.current.placed[j] = self._place({k: v[j * self.B:(j + 1) * self.B] for k, v in self.current.host.items()})
+        if j not in self.current.placed:  # the step's microbatches: consecutive rows of the slice on any layout
+            order = j * self.B + self.microbatch_order
+            self.current.placed[j] = self._place({k: v[order] for k, v in self.current.host.items()})
         return self.current.placed[j]
 
     def _zeros(self) -> dict:
@@ -380,7 +388,7 @@ class Rollouts:
         out = {name: np.zeros(host["inputs"].shape, np.float32) for name in ("old_logps", "ref_logps")}
         ref = state.frozen if self.cfg.posttrain.reference == "lora_base" else state.reference
         which = {"old_logps": state.model_params if self.period > 1 else None,
-                 "ref_logps": ref if self.cfg.posttrain.beta > 0 else None}
+                 "ref_logps": ref if posttrain_beta(self.cfg) > 0 else None}
         for j in range(self.k):
             rows = slice(j * self.B, (j + 1) * self.B)
             placed = self._place({k: host[k][rows] for k in ("inputs", "targets", "loss_mask", "segment_ids",

@@ -95,6 +95,18 @@ def gathers_lowp(plan: TrainPlan) -> bool:
     return weight_gather_dtype(plan.cfg, plan.data_size) is not None
 
 
+SHARD_AXIS = "data_shard"
+"""The name of the vmapped data-shard axis of the per-shard gradients (an objective's collective over
+the shards of one microbatch names it)."""
+
+
+def microbatch_tokens(mask: jax.Array) -> jax.Array:
+    """Each microbatch's masked-in tokens over all its data shards, repeated on its rows: fp32
+    ``[n, k, b, t]`` from the split loss mask ``[n, k, b, t]`` (data shard, microbatch, rows)."""
+    per_microbatch = jnp.sum(mask, axis=(0, 2, 3))
+    return jnp.broadcast_to(per_microbatch[None, :, None, None], mask.shape)
+
+
 def make_grad_fn(plan: TrainPlan) -> Callable:
     """``grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None) ->
     (loss_sum, fp32 grads)`` over one step.
@@ -145,20 +157,31 @@ class _GradFn:
         # ZeRO-2/3 with fp32 communication: the gradient of the whole microbatch, so that XLA reduces
         # (-scatters) each layer's weight gradient inside the backward layer scan, as it is produced
         self.layerwise = reduces_layerwise(cfg)
-        self.per_shard = jax.vmap(jax.value_and_grad(self._loss(inner), has_aux=True),
-                                  in_axes=(None, 0, 0, 0, None, None, None), spmd_axis_name=DATA_AXES)
+        self.per_shard = jax.vmap(jax.value_and_grad(self._loss(inner, SHARD_AXIS), has_aux=True),
+                                  in_axes=(None, 0, 0, 0, None, None, None), axis_name=SHARD_AXIS,
+                                  spmd_axis_name=DATA_AXES)
         self.global_grad = jax.value_and_grad(self._loss(outer), has_aux=True)
 
-    def _loss(self, sharder):
+    def _loss(self, sharder, shard_axis=None):
         lora_base = self.cfg.posttrain.reference == "lora_base"
+        # an objective whose statistic spans the microbatch's data shards (GRPO's entropy quantile)
+        extra = {"shard_axis": shard_axis} if getattr(self.objective, "wants_shard_axis", False) else {}
 
         def loss(params, x, y, aux, coef, frozen, reference):  # LoRA: the gradient of the adapters only
             args = (merge(frozen, params), x, y, self.cfg.model, sharder, self.vocab_parallel)
             # DPO's reference: the frozen copy, or under LoRA the base without the adapters
             ref = frozen if (lora_base and frozen is not None) else reference
-            s, stats = self.objective(*args, reference=ref, **aux)
+            s, stats = self.objective(*args, reference=ref, **aux, **extra)
             return s * coef, (s, stats)  # stats: a mixture of experts' router statistics, or DPO's sums
         return loss
+
+    def shard_sum(self, stats):
+        """The per-shard statistics ``[N, ...]`` combined over the data shards: summed, or by the
+        objective's own reduction (``shard_reductions``: GRPO's ``clip_ratio/low_min`` is a min)."""
+        special = getattr(self.objective, "shard_reductions", {})
+        if not special:
+            return jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+        return {k: special.get(k, jnp.sum)(a, axis=0) for k, a in stats.items()}
 
     def dropout_keys(self, step, j):
         """LoRA's dropout: microbatch ``j``'s key of optimizer step ``step`` (from ``training.seed``),
@@ -185,7 +208,7 @@ class _GradFn:
             return loss, constrain(g, self.mesh, self.grad_specs), stats
         aux_j = {k: a[:, j] for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
         (_, (loss, stats)), g = self.per_shard(params, xs[:, j], ys[:, j], aux_j, coef, frozen, reference)
-        stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+        stats = self.shard_sum(stats)
         # offloaded layers' gradients come back from host memory; fp32 before any reduction
         g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
         return jnp.sum(loss), constrain(g, self.mesh, self.per_shard_specs), stats
@@ -268,6 +291,8 @@ class _GradFn:
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None} | {name: split(a) for name, a in (fields or {}).items()}
+        if "microbatch_tokens" in getattr(self.objective, "step_fields", ()):  # each microbatch's loss tokens
+            aux["microbatch_tokens"] = microbatch_tokens(aux["mask"])
         loss_sum, acc, stats = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step,
                                                reference)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its

@@ -1,22 +1,29 @@
-"""GRPO against TRL: a tiny LLaMA saved by transformers, fixed left-padded prompts, right-padded
-completions, advantages, reference and old log-probs; our GRPO objective's loss, TRL's clip-ratio and
-KL metrics and the policy gradient equal those of TRL's own ``GRPOTrainer._compute_loss`` (trl 1.16,
-its fused LM head patched in as ``GRPOTrainer.__init__`` does, called on a stand-in trainer so that no
-dataset, reward function, generation or accelerator launch is needed), within 1e-4 relative in fp32,
-for the grpo, bnpo, dr_grpo and dapo losses, with and without the KL term, and off-policy
-(``num_iterations=2``: old log-probs unlike the policy's, so that both clips act) with DAPO's
-clip-higher. Ours is computed twice: the objective called directly, and through the real step's
-gradient function (:func:`jaxcolossal.train.step.make_grad_fn`, its batch fields) on one device.
+"""GRPO against TRL at TRL's own defaults: a tiny LLaMA saved by transformers, fixed left-padded prompts,
+right-padded completions, advantages, reference and old log-probs; our GRPO objective's loss, every
+metric TRL logs and the policy gradient equal those of TRL's own ``GRPOTrainer._compute_loss`` (trl 1.16,
+its fused LM head patched in as ``GRPOTrainer.__init__`` does, called on a stand-in trainer whose
+attributes ``GRPOTrainer.__init__`` derives from a real ``GRPOConfig``, so that no dataset, reward
+function, generation or accelerator launch is needed), within 1e-4 relative in fp32.
+
+Each case is a dict of settings under TRL's names: ``GRPOConfig(**case)`` on TRL's side (plus
+``use_cpu=True``, the device, without which ``GRPOConfig`` refuses a machine with no GPU), and the same
+keys on ours (``posttrain.*``, ``training.gradient_accumulation_steps``); every other setting is each
+side's default. No case sets a TRL option to match a choice of ours. The cases: all eight loss types ×
+β ∈ {0, 0.04} × on/off-policy (``num_iterations=2``: old log-probs unlike the policy's, so that both
+clips act); ``use_bias_correction_kl=False``; GSPO (``importance_sampling_level=sequence``); ``delta``;
+``top_entropy_quantile``; temperature 0.7; gradient accumulation 2 for every loss type. Ours is
+computed through the real step's gradient function (:func:`jaxcolossal.train.step.make_grad_fn`, its
+batch fields and microbatches) on one device, and for one microbatch also as the objective called
+directly.
 
 Positions: TRL's ``_get_per_token_logps_and_entropies`` passes ``input_ids`` and ``attention_mask`` only,
 so transformers' LLaMA numbers the positions ``0..P+C-1`` *including* the left pads; our sampler (like
 HF ``generate``) counts them from each row's first real token. RoPE only sees position differences
 within a row and the pads are never attended, so the two conventions give the same log-probs up to
-rounding: both are checked against TRL.
+rounding: the direct calls check both against TRL.
 
-Measured on CPU (fp32, trl 1.16, transformers 5.25, torch 2.13): the worst relative error of the loss
-2.5e-6, of any gradient tensor (norm of the difference over the norm) 3.1e-6, of any metric 5.3e-7, and
-of the per-token log-probs 2.3e-7, in every case and both position conventions (printed with ``-s``)."""
+The worst relative errors are printed with ``-s``; the figures are in the docstring of
+:func:`test_grpo_equals_trl`."""
 
 import dataclasses
 import types
@@ -35,7 +42,7 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
 from hf_tiny import tiny_llama  # noqa: E402
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from jaxcolossal.config import config_from_dict
@@ -43,18 +50,15 @@ from jaxcolossal.models import get_family
 from jaxcolossal.models.hf_io import load_hf
 from jaxcolossal.models.layers.logprobs import no_shard
 from jaxcolossal.parallel.mesh import make_mesh
-from jaxcolossal.posttrain.grpo import GRPO_METRICS, Grpo
+from jaxcolossal.posttrain.grpo import Grpo
 from jaxcolossal.posttrain.loss_terms import policy_token_logps
 from jaxcolossal.train.state import make_plan
 from jaxcolossal.train.step import make_grad_fn
 
 VOCAB, P, C, PROMPTS, GENERATIONS, EOS = 128, 6, 10, 4, 2, 2
 B, T = PROMPTS * GENERATIONS, P + C - 1  # rows; our row's inputs (prompt + completion less its last token)
+SEQ_LEN = 600  # our training.seq_len: room for max_completion_length's default (512); the rows are T wide
 TOL = 1e-4
-
-
-def _llama(seed):
-    return tiny_llama(seed, VOCAB)
 
 
 def _batch():
@@ -91,106 +95,154 @@ class _Accel:
     def reduce(self, x, reduction="sum"):
         return x
 
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
     def autocast(self):
         return nullcontext()
 
 
-def _fake_trainer(model, loss_type=None, beta=0.0, epsilon=0.2, epsilon_high=0.2):
-    """The attributes ``GRPOTrainer._compute_loss`` and ``_get_per_token_logps_and_entropies`` read."""
+def _trl_args(case: dict) -> GRPOConfig:
+    """TRL's own config: its defaults, changed only where the case names a setting."""
+    return GRPOConfig(output_dir="/tmp/grpo_trl_parity", use_cpu=True, report_to=[], **case)
+
+
+def _fake_trainer(model, args: GRPOConfig):
+    """The attributes ``GRPOTrainer._compute_loss`` reads, derived from ``args`` as ``GRPOTrainer.__init__``
+    derives them (trl 1.16), and its helper methods bound to the stand-in."""
     fake = SimpleNamespace(
-        model=model, accelerator=_Accel(), loss_type=loss_type, beta=beta, epsilon_low=epsilon,
-        epsilon_high=epsilon_high, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", use_vllm=False, vllm_importance_sampling_correction=False,
-        current_gradient_accumulation_steps=1, max_completion_length=C, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, temperature=1.0, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1))
-    fake._get_per_token_logps_and_entropies = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, fake)
+        model=model, accelerator=_Accel(), args=args, loss_type=args.loss_type, beta=args.beta,
+        epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+        top_entropy_quantile=args.top_entropy_quantile, off_policy_mask_threshold=args.off_policy_mask_threshold,
+        importance_sampling_level=args.importance_sampling_level, use_vllm=args.use_vllm,
+        vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
+        current_gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_completion_length=args.max_completion_length, temperature=args.temperature,
+        entropy_coef=args.entropy_coef, use_adaptive_entropy=args.use_adaptive_entropy,
+        _entropy_bonus_enabled=args.entropy_coef != 0.0 or args.use_adaptive_entropy,
+        aux_loss_enabled=False, router_aux_loss_coef=0.0,  # a dense LLaMA: no router
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
+    for name in ("_get_per_token_logps_and_entropies", "get_high_entropy_mask", "get_off_policy_mask"):
+        setattr(fake, name, types.MethodType(getattr(GRPOTrainer, name), fake))
+    fake.get_gamma_weights = GRPOTrainer.get_gamma_weights
     return fake
 
 
-def _trl_logps(model, prompt_ids, prompt_mask, comp_ids, comp_mask):
-    """TRL's per-token completion log-probs [B, C] (0 on the completion's pads), no gradient."""
-    fake = _fake_trainer(model)
+def _trl_logps(model, args, prompt_ids, prompt_mask, comp_ids, comp_mask, entropy=True):
+    """TRL's per-token completion log-probs and entropies [B, C] (0 on the completion's pads; entropies
+    ``None`` without ``entropy``), no gradient."""
+    fake = _fake_trainer(model, args)
     with torch.no_grad():
-        lp, _, _ = fake._get_per_token_logps_and_entropies(
+        lp, ent, _ = fake._get_per_token_logps_and_entropies(
             model, torch.cat([torch.from_numpy(prompt_ids), torch.from_numpy(comp_ids)], 1),
-            torch.cat([torch.from_numpy(prompt_mask), torch.from_numpy(comp_mask)], 1), C)
-    return lp.numpy().astype(np.float32)
+            torch.cat([torch.from_numpy(prompt_mask), torch.from_numpy(comp_mask)], 1), C, compute_entropy=entropy)
+    return lp.numpy().astype(np.float32), None if ent is None else ent.numpy().astype(np.float32)
+
+
+class _World:
+    """The HF models (saved once; each temperature's copies patched with TRL's fused head as
+    ``GRPOTrainer.__init__`` patches them), our imported params and the batch in both layouts."""
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+        tiny_llama(0, VOCAB).save_pretrained(str(tmp / "pol"))
+        tiny_llama(1, VOCAB).save_pretrained(str(tmp / "ref"))
+        self.batch = _batch()
+        self.cfg_m, self.params = load_hf(tmp / "pol")
+        self.corpus = tmp / "prompts.jsonl"
+        self.corpus.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+        self._models = {}
+
+    def models(self, temperature: float):
+        """``(policy, reference, ref_logps [B, C], old_logps [B, C])`` at ``temperature`` (TRL's)."""
+        if temperature not in self._models:
+            args = _trl_args({"temperature": temperature})
+            policy = transformers.AutoModelForCausalLM.from_pretrained(str(self.tmp / "pol")).float()
+            ref = transformers.AutoModelForCausalLM.from_pretrained(str(self.tmp / "ref")).float()
+            add_fused_lm_head(policy, temperature=temperature, outputs=("log_probs", "entropy"))
+            add_fused_lm_head(ref, temperature=temperature)
+            policy.train()
+            ref.eval()
+            prompt_ids, prompt_mask, comp_ids, comp_mask, _, noise = self.batch
+            ref_lp, _ = _trl_logps(ref, args, prompt_ids, prompt_mask, comp_ids, comp_mask, entropy=False)
+            pol_lp, pol_ent = _trl_logps(policy, args, prompt_ids, prompt_mask, comp_ids, comp_mask)
+            self._models[temperature] = policy, ref, ref_lp, (pol_lp + noise) * comp_mask, pol_lp, pol_ent
+        return self._models[temperature]
+
+    def ours(self, temperature: float) -> dict:
+        """Our layout: one row = the left-padded prompt then the right-padded completion, less its last token."""
+        prompt_ids, prompt_mask, comp_ids, comp_mask, advantages, _ = self.batch
+        _, _, ref_lp, old_lp, _, _ = self.models(temperature)
+        tokens = np.concatenate([prompt_ids, comp_ids], 1)
+        real = np.concatenate([prompt_mask, comp_mask], 1)[:, :-1]
+        mask = np.zeros((B, T), np.float32)
+        mask[:, P - 1:] = comp_mask  # target j is token j+1: completion token i is target P-1+i
+
+        def at_completion(a):  # [B, C] -> [B, T], zero on the prompt
+            out = np.zeros((B, T), np.float32)
+            out[:, P - 1:] = a
+            return out
+
+        positions = {"trl": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),  # HF's: pads counted
+                     "sampler": np.maximum(np.cumsum(real, 1) - 1, 0).astype(np.int32)}  # from the first real token
+        return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32), "mask": mask,
+                "segment_ids": real.astype(np.int32), "positions": positions,
+                "advantages": np.repeat(advantages[:, None], T, 1), "ref_logps": at_completion(ref_lp),
+                "old_logps": at_completion(old_lp)}
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The HF policy (fused head patched) and reference, our imported params, the batch in both layouts."""
-    tmp = tmp_path_factory.mktemp("grpo_trl")
-    policy, ref = _llama(0), _llama(1)
-    policy.save_pretrained(str(tmp / "pol"))
-    ref.save_pretrained(str(tmp / "ref"))
-    add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs", "entropy"))  # as GRPOTrainer.__init__
-    add_fused_lm_head(ref, temperature=1.0)
-    policy.train()
-    ref.eval()
-    prompt_ids, prompt_mask, comp_ids, comp_mask, advantages, noise = _batch()
-    ref_lp = _trl_logps(ref, prompt_ids, prompt_mask, comp_ids, comp_mask)
-    old_lp = (_trl_logps(policy, prompt_ids, prompt_mask, comp_ids, comp_mask) + noise) * comp_mask
-    cfg_m, params = load_hf(tmp / "pol")
-    _, ref_params = load_hf(tmp / "ref")
-    corpus = tmp / "prompts.jsonl"
-    corpus.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
-
-    # our layout: one row = the left-padded prompt then the right-padded completion, less its last token
-    tokens = np.concatenate([prompt_ids, comp_ids], 1)
-    real = np.concatenate([prompt_mask, comp_mask], 1)[:, :-1]
-    mask = np.zeros((B, T), np.float32)
-    mask[:, P - 1:] = comp_mask  # target j is token j+1: completion token i is target P-1+i
-
-    def at_completion(a):  # [B, C] -> [B, T], zero on the prompt
-        out = np.zeros((B, T), np.float32)
-        out[:, P - 1:] = a
-        return out
-
-    positions = {"trl": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),  # HF's: the pads counted
-                 "sampler": np.maximum(np.cumsum(real, 1) - 1, 0).astype(np.int32)}  # from the first real token
-    ours = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32), "mask": mask,
-            "segment_ids": real.astype(np.int32), "positions": positions,
-            "advantages": np.repeat(advantages[:, None], T, 1), "ref_logps": at_completion(ref_lp),
-            "old_logps": at_completion(old_lp)}
-    torch_inputs = {"prompt_ids": torch.from_numpy(prompt_ids), "prompt_mask": torch.from_numpy(prompt_mask),
-                    "completion_ids": torch.from_numpy(comp_ids), "completion_mask": torch.from_numpy(comp_mask),
-                    "advantages": torch.from_numpy(advantages),
-                    "num_items_in_batch": torch.tensor(float(comp_mask.sum())),
-                    "ref_per_token_logps": torch.from_numpy(ref_lp), "old_per_token_logps": torch.from_numpy(old_lp)}
-    return SimpleNamespace(policy=policy, ref=ref, cfg_m=cfg_m, params=params, ref_params=ref_params,
-                           corpus=str(corpus), ours=ours, torch_inputs=torch_inputs, ref_lp=ref_lp)
+    return _World(tmp_path_factory.mktemp("grpo_trl"))
 
 
-def _config(w, loss_type, beta, iterations, epsilon_high):
-    cfg = config_from_dict({"model": {}, "training": {"objective": "grpo", "seq_len": T, "batch_size": B},
-                            "data": {"format": "prompts", "corpus": w.corpus},  # a path: nothing is read
-                            "posttrain": {"loss_type": loss_type, "beta": beta, "num_iterations": iterations,
-                                          "epsilon": 0.2, "epsilon_high": epsilon_high,
-                                          "max_completion_length": C, "num_generations": GENERATIONS}})
-    return dataclasses.replace(cfg, model=w.cfg_m)
+def _trl(w, case: dict):
+    """TRL's loss, logged metrics and gradient (HF names) over the step: with gradient accumulation
+    ``k`` its rows split into ``k`` microbatches, as its sampler hands them out, each loss already
+    divided for the accumulation and the gradients summed; the metrics are the mean of the
+    microbatches' entries, as ``GRPOTrainer.log`` averages them."""
+    args = _trl_args(case)
+    policy, _, ref_lp, old_lp, _, _ = w.models(args.temperature)
+    fake = _fake_trainer(policy, args)
+    prompt_ids, prompt_mask, comp_ids, comp_mask, advantages, _ = w.batch
+    whole = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp_ids,
+             "completion_mask": comp_mask, "advantages": advantages, "ref_per_token_logps": ref_lp,
+             "old_per_token_logps": old_lp}
+    if args.num_iterations == 1:  # on-policy: TRL uses the policy's own log-probs, detached
+        del whole["old_per_token_logps"]
+    if args.beta == 0.0:
+        del whole["ref_per_token_logps"]
+    k = args.gradient_accumulation_steps
+    policy.zero_grad()
+    total = 0.0
+    for rows in np.split(np.arange(B), k):
+        inputs = {name: torch.from_numpy(np.ascontiguousarray(a[rows])) for name, a in whole.items()}
+        inputs["num_items_in_batch"] = torch.tensor(float(comp_mask.sum()))  # spans the generation batch
+        loss = GRPOTrainer._compute_loss(fake, policy, inputs)
+        loss.backward()
+        total += float(loss.detach())
+    grads = {n: p.grad.numpy().astype(np.float64) for n, p in policy.named_parameters()}
+    metrics = {name: float(np.mean(v)) for name, v in fake._metrics["train"].items()}
+    return total, metrics, grads
 
 
-def _trl(w, loss_type, beta, iterations, epsilon_high):
-    """TRL's loss, metrics and gradient (HF names)."""
-    fake = _fake_trainer(w.policy, loss_type, beta, 0.2, epsilon_high or 0.2)
-    inputs = dict(w.torch_inputs)
-    if iterations == 1:  # on-policy: TRL uses the policy's own log-probs, detached
-        del inputs["old_per_token_logps"]
-    if not beta:
-        del inputs["ref_per_token_logps"]
-    w.policy.zero_grad()
-    loss = GRPOTrainer._compute_loss(fake, w.policy, inputs)
-    loss.backward()
-    grads = {n: p.grad.numpy().astype(np.float64) for n, p in w.policy.named_parameters()}
-    metrics = {k: fake._metrics["train"][k][-1] for k in GRPO_METRICS if k in fake._metrics["train"]}
-    return float(loss.detach()), metrics, grads
+_TRAINING_KEYS = {"gradient_accumulation_steps"}
 
 
-def _ours_direct(w, cfg):
-    """The objective called directly: ``(loss, metrics, grads)`` for each positions convention."""
-    obj, o = Grpo(get_family(cfg.model), cfg), w.ours
+def _config(w, case: dict):
+    """Ours from the same settings (the same names; TRL's ``None`` is our 0)."""
+    post = {k: (0.0 if v is None else v) for k, v in case.items() if k not in _TRAINING_KEYS}
+    training = {"objective": "grpo", "seq_len": SEQ_LEN, "batch_size": B}
+    training |= {k: v for k, v in case.items() if k in _TRAINING_KEYS}
+    cfg = config_from_dict({"model": {"max_position_embeddings": 1024}, "training": training, "posttrain": post,
+                            "data": {"format": "prompts", "corpus": str(w.corpus)}})  # a path: nothing is read
+    # the model transformers saved, its position limit raised past our seq_len (default RoPE: no change to the math)
+    return dataclasses.replace(cfg, model=dataclasses.replace(w.cfg_m, max_position_embeddings=1024))
+
+
+def _ours_direct(w, cfg, o):
+    """The objective called directly on the whole batch: ``{convention: (loss, metrics, grads)}``."""
+    obj = Grpo(get_family(cfg.model), cfg)
 
     @jax.jit
     def f(params, positions):
@@ -209,11 +261,10 @@ def _ours_direct(w, cfg):
     return out
 
 
-def _ours_step(w, cfg):
-    """Through the step's gradient function on one device (its batch fields, its count)."""
+def _ours_step(w, cfg, o):
+    """Through the step's gradient function on one device (its batch fields, microbatches and count)."""
     plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()[:1]))
     grad_fn = jax.jit(partial(make_grad_fn(plan), with_stats=True))
-    o = w.ours
     obj = Grpo(get_family(cfg.model), cfg)
     fields = {k: jnp.asarray(o[k]) for k in obj.batch_fields}
     loss_sum, g, _, stats = grad_fn(w.params, o["inputs"], o["targets"], np.float32(1.0), o["mask"],
@@ -246,33 +297,72 @@ def _compare(label, got, want):
     return loss_err, g_err, m_err
 
 
-def test_token_logps_equal_trl(world):
-    """Per-token completion log-probs (the reference's, through our chunked path) equal TRL's under
-    both position conventions."""
-    w, o = world, world.ours
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logps_equal_trl(world, temperature):
+    """Per-token completion log-probs and entropies through our chunked path equal TRL's fused head's
+    at the temperature, under both position conventions."""
+    w, o = world, world.ours(temperature)
+    _, _, _, _, pol_lp, pol_ent = w.models(temperature)
     f = jax.jit(lambda p, pos: policy_token_logps(get_family(w.cfg_m), p, o["inputs"], o["targets"], o["mask"],
-                                                  w.cfg_m, no_shard, False, o["segment_ids"], pos))
+                                                  w.cfg_m, no_shard, False, o["segment_ids"], pos,
+                                                  temperature=temperature, with_entropy=True))
     for conv, positions in o["positions"].items():
-        got = np.asarray(f(w.ref_params, positions))[:, P - 1:]
-        err = np.abs(got - w.ref_lp).max() / np.abs(w.ref_lp).max()
-        print(f"token log-probs, positions {conv}: max abs err / max |logp| {err:.1e}")
-        assert err < TOL, (conv, err)
+        lp, ent = (np.asarray(a)[:, P - 1:] for a in f(w.params, positions))
+        err = np.abs(lp - pol_lp).max() / np.abs(pol_lp).max()
+        ent_err = np.abs((ent - pol_ent) * w.batch[3]).max() / np.abs(pol_ent).max()
+        print(f"temperature {temperature}, positions {conv}: log-prob err {err:.1e}, entropy err {ent_err:.1e}")
+        assert err < TOL and ent_err < TOL, (conv, err, ent_err)
 
 
-CASES = [(lt, beta, 1, 0.0) for lt in ("grpo", "bnpo", "dr_grpo", "dapo") for beta in (0.0, 0.04)]
-CASES += [(lt, 0.04, 2, 0.28) for lt in ("grpo", "dapo")]  # off-policy: both clips act, clip-higher
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+OFF = {"num_iterations": 2}  # off-policy: old log-probs unlike the policy's
+GRID = [{"loss_type": lt, "beta": beta} | (OFF if off else {})
+        for lt in LOSS_TYPES for beta in (0.0, 0.04) for off in (False, True)]
+OPTIONS = [{"loss_type": "dapo", "beta": 0.04, "use_bias_correction_kl": False} | OFF,
+           {"loss_type": "grpo", "beta": 0.04, "importance_sampling_level": "sequence", "epsilon": 0.03} | OFF,  # GSPO
+           {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 0.03} | OFF,
+           {"loss_type": "dapo", "beta": 0.04, "delta": 1.1} | OFF,
+           {"loss_type": "dapo", "epsilon_high": 0.28} | OFF,  # DAPO's clip-higher
+           {"loss_type": "dapo", "beta": 0.04, "top_entropy_quantile": 0.3} | OFF,
+           {"loss_type": "grpo", "top_entropy_quantile": 0.5},
+           {"loss_type": "dapo", "beta": 0.04, "temperature": 0.7} | OFF,
+           {"temperature": 0.7}]
+ACCUMULATION = [{"loss_type": lt, "beta": 0.04, "gradient_accumulation_steps": 2} | OFF for lt in LOSS_TYPES]
+CASES = GRID + OPTIONS + ACCUMULATION + [{}]  # {}: every setting at its default
+FAST = [{}] + [c for c in GRID if c.get("beta") and c.get("num_iterations") and c["loss_type"] in
+               ("cispo", "sapo", "luspo", "vespo")] + [OPTIONS[i] for i in (1, 3, 5, 7)] + [ACCUMULATION[1]]
+"""The cases README's suite runs (every loss type new to this file, each option, bnpo's accumulation);
+the rest of the grid is marked slow (``python -m pytest -m slow tests/integration/test_grpo_trl_parity.py``)."""
 
 
-@pytest.mark.parametrize("loss_type,beta,iterations,epsilon_high", CASES)
-def test_grpo_equals_trl(world, loss_type, beta, iterations, epsilon_high):
-    cfg = _config(world, loss_type, beta, iterations, epsilon_high)
-    want = _trl(world, loss_type, beta, iterations, epsilon_high)
-    if iterations > 1:  # the case is only worth its name if the clips act
-        assert want[1]["clip_ratio/low_mean"] > 0 and want[1]["clip_ratio/high_mean"] > 0, want[1]
-    label = f"{loss_type} beta={beta} iterations={iterations} epsilon_high={epsilon_high}"
-    for conv, got in _ours_direct(world, cfg).items():
-        errs = _compare(f"{label} direct/{conv}", got, want)
-        print(f"{label} direct, positions {conv}: loss {got[0]:.6g} vs TRL {want[0]:.6g}; rel errors loss "
-              f"{errs[0]:.1e} grad {errs[1]:.1e} metrics {errs[2]:.1e}; TRL metrics {want[1]}")
-    errs = _compare(f"{label} step", _ours_step(world, cfg), want)
-    print(f"{label} step: rel errors loss {errs[0]:.1e} grad {errs[1]:.1e} metrics {errs[2]:.1e}")
+def _label(case):
+    return ",".join(f"{k}={v}" for k, v in case.items()) or "defaults"
+
+
+def _clips_act(case) -> bool:
+    """Whether the case's TRL metrics must show both clips acting (off-policy clipped losses; GSPO's
+    sequence ratios with a narrow epsilon)."""
+    return (case.get("num_iterations", 1) > 1 and case.get("loss_type", "dapo") in ("grpo", "dapo", "bnpo", "dr_grpo",
+                                                                                    "luspo")
+            and (case.get("importance_sampling_level", "token") == "token" or case.get("epsilon")) and
+            not case.get("delta") and not (case.get("loss_type") == "luspo" and "epsilon" not in case))
+
+
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
+                         ids=[_label(c) for c in CASES])
+def test_grpo_equals_trl(world, case):
+    """Loss, TRL's logged metrics and every gradient tensor within 1e-4 relative (fp32)."""
+    want = _trl(world, case)
+    if _clips_act(case):
+        assert want[1]["clip_ratio/low_mean"] > 0 and want[1]["clip_ratio/high_mean"] > 0, want[1]  # both clips act
+    cfg = _config(world, case)
+    o = world.ours(cfg.posttrain.temperature)
+    label = _label(case)
+    if cfg.training.gradient_accumulation_steps == 1:
+        for conv, got in _ours_direct(world, cfg, o).items():
+            errs = _compare(f"{label} direct/{conv}", got, want)
+            print(f"{label} direct, positions {conv}: rel errors loss {errs[0]:.1e} grad {errs[1]:.1e} "
+                  f"metrics {errs[2]:.1e}")
+    errs = _compare(f"{label} step", _ours_step(world, cfg, o), want)
+    print(f"{label} step: loss {want[0]:.6g}; rel errors loss {errs[0]:.1e} grad {errs[1]:.1e} metrics "
+          f"{errs[2]:.1e}; TRL metrics {want[1]}")

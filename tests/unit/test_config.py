@@ -18,6 +18,7 @@ from jaxcolossal.config import (
     load_config,
     validate,
 )
+from jaxcolossal.config.schema import AutoFloat
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan import dp_gradient_bytes, dry_run
 
@@ -136,6 +137,8 @@ def _numeric_keys():
             ann = typing.get_type_hints(ann)[name]
         if ann in (int, float):
             out[key] = ann
+        elif ann is AutoFloat:  # a number or "auto": its numbers have a range like a float's
+            out[key] = float
     assert dataclasses.is_dataclass(Config) and len(out) > 40
     return out
 

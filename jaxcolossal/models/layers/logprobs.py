@@ -102,8 +102,9 @@ def zeros_varying_like(shape, dtype, *refs) -> jax.Array:
 
 def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax.Array | None, vocab_size: int,
                    shard: Sharder = no_shard, chunk_tokens: int = 1024, chunk_vocab: int = 8192,
-                   softcap: float = 0.0) -> jax.Array:
-    """``log softmax(h @ head_w)[tokens]`` per position: fp32 ``[b, t]``, 0 where ``mask`` is 0.
+                   softcap: float = 0.0, temperature: float = 1.0, with_entropy: bool = False):
+    """``log softmax(h @ head_w / temperature)[tokens]`` per position: fp32 ``[b, t]``, 0 where ``mask`` is 0;
+    with ``with_entropy`` also the entropy of each position's distribution, fp32 ``[b, t]`` (no gradient).
 
     Args:
         h: ``[b, t, d]`` final-norm hidden states in the compute dtype, sharded ``("batch", "seq", "embed")``.
@@ -122,14 +123,21 @@ def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax
             a device's whole vocabulary shard in one chunk.
         softcap: the final logit soft-cap ``c`` (``model.final_logit_softcapping``, Gemma): the logits
             are ``c · tanh(h @ head_w / c)`` (:func:`soft_cap`); 0: none.
+        temperature: the logits (soft-capped first) are divided by it, > 0: the sampling distribution
+            at that temperature, as TRL's fused LM head computes its log-probs and entropies (trl 1.16
+            ``add_fused_lm_head(temperature=...)``).
+        with_entropy: also return ``-Σ_v p_v log p_v`` of each position (0 where ``mask`` is 0), from the
+            same chunks (one more running sum in the online log-sum-exp); it carries no gradient.
 
     Differentiable in ``h`` and ``head_w`` (gradients in their dtypes, formed in fp32 and scaled by
-    the incoming cotangent before the cast, see :func:`_chunked_logprobs`).
+    the incoming cotangent before the cast, see :func:`_chunked_logprobs`). Returns ``lp`` or, with
+    ``with_entropy``, ``(lp, entropy)``.
     """
     b, t, d = h.shape
     valid = jnp.ones((b, t), jnp.float32) if mask is None else mask.astype(jnp.float32)
     if chunk_tokens <= 0:
-        return full_logprobs(h, head_w, tokens, vocab_size, shard, softcap) * valid
+        lp, ent = full_logprobs(h, head_w, tokens, vocab_size, shard, softcap, temperature, with_entropy=True)
+        return (lp * valid, ent * valid) if with_entropy else lp * valid
     rows = b // batch_shards(shard, b)  # a device's rows: the chunks are sized per device
     c = chunk_positions(rows, t, chunk_tokens)
     n = math.ceil(t / c)
@@ -141,21 +149,34 @@ def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax
         return jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
 
     w3, layout = _vocab_view(head_w, shard, chunk_vocab)
-    lp = _chunked_logprobs(shard, vocab_size, *layout, softcap)(to_chunks(h), w3, to_chunks(tokens))
-    return jnp.moveaxis(lp, 0, 1).reshape(b, n * c)[:, :t] * valid
+    lp, ent = _chunked_logprobs(shard, vocab_size, *layout, softcap, temperature, with_entropy)(
+        to_chunks(h), w3, to_chunks(tokens))
+
+    def back(a):  # [n, b, c] -> [b, t]
+        return jnp.moveaxis(a, 0, 1).reshape(b, n * c)[:, :t] * valid
+
+    return (back(lp), back(jax.lax.stop_gradient(ent))) if with_entropy else back(lp)
 
 
 def full_logprobs(h: jax.Array, w: jax.Array, tokens: jax.Array, vocab_size: int,
-                  shard: Sharder = no_shard, softcap: float = 0.0) -> jax.Array:
-    """The reference: fp32 logits ``[b, t, v]`` materialised (soft-capped by ``softcap``, 0: not),
-    ``logits[token] - logsumexp`` (fp32 ``[b, t]``); vocab-parallel by the partitioner's all-reduces over tp."""
+                  shard: Sharder = no_shard, softcap: float = 0.0, temperature: float = 1.0,
+                  with_entropy: bool = False):
+    """The reference: fp32 logits ``[b, t, v]`` materialised (soft-capped by ``softcap``, 0: not; then
+    divided by ``temperature``), ``logits[token] - logsumexp`` (fp32 ``[b, t]``), and with
+    ``with_entropy`` each position's entropy (fp32 ``[b, t]``, no gradient); vocab-parallel by the
+    partitioner's all-reduces over tp."""
     lg = shard(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), ("batch", "seq", "vocab"))
-    lg = soft_cap(lg, softcap)
+    lg = soft_cap(lg, softcap) / temperature
     col = jax.lax.broadcasted_iota(jnp.int32, lg.shape, 2)
     if lg.shape[-1] != vocab_size:
         lg = jnp.where(col < vocab_size, lg, PAD_LOGIT)
     picked = jnp.sum(jnp.where(col == tokens[..., None], lg, 0.0), axis=-1)
-    return picked - jax.nn.logsumexp(lg, axis=-1)
+    lse = jax.nn.logsumexp(lg, axis=-1)
+    if not with_entropy:
+        return picked - lse
+    p = jax.nn.softmax(jax.lax.stop_gradient(lg), axis=-1)
+    ent = jax.lax.stop_gradient(lse) - jnp.sum(p * jnp.where(col < vocab_size, jax.lax.stop_gradient(lg), 0.0), -1)
+    return picked - lse, ent
 
 
 def _vocab_view(w: jax.Array, shard: Sharder, chunk_vocab: int) -> tuple[jax.Array, tuple[int, int, int, int]]:
@@ -183,10 +204,12 @@ def _head_axes(n: int) -> tuple:
 # ----------------------------------------------------------------------------- the custom VJP
 
 
-def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: int, vc: int, softcap: float = 0.0):
+def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: int, vc: int, softcap: float = 0.0,
+                      temperature: float = 1.0, entropy: bool = False):
     """The chunked log-probs as a ``custom_vjp`` over ``(h_chunks [m, b, c, d], w3 [d, n, nv·vc],
-    tokens [m, b, c])`` -> fp32 ``[m, b, c]`` (``m`` token chunks of ``c`` positions; the vocab
-    view of :func:`_vocab_view`).
+    tokens [m, b, c])`` -> ``(log-probs, entropies)``, fp32 ``[m, b, c]`` each (``m`` token chunks of
+    ``c`` positions; the vocab view of :func:`_vocab_view`); the entropies take no cotangent (zeros
+    unless ``entropy``: the running sum is only formed when asked for).
 
     Forward: per token chunk, an online log-sum-exp over the ``nv`` vocab chunks; residuals are
     the inputs and the fp32 log-sum-exp ``[m, b, c]``. Backward: per token chunk and vocab chunk,
@@ -197,7 +220,9 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
     accumulate in fp32, as Liger's kernel does), and the magnitude is multiplied back in fp32: an
     fp16 loss scale neither overflows nor underflows the cast. With a ``softcap`` ``c`` each chunk's
     logits are ``c · tanh(u / c)`` of the raw ``u = h @ w`` (:func:`soft_cap`), and ``dlogits`` is
-    multiplied by the cap's slope ``1 − (logit / c)²`` before the contraction.
+    multiplied by the cap's slope ``1 − (logit / c)²`` before the contraction. With a ``temperature``
+    ``τ`` the (capped) logits are divided by ``τ``, and ``dlogits`` by ``τ`` as well. The entropy is
+    ``lse - Σ p·logit``, the sum a third running term of the online log-sum-exp.
     """
 
     def chunk_logits(hc, w3, j):  # [b, c, d], the view, chunk index -> fp32 [b, c, n, vc], col ids, w chunk
@@ -207,27 +232,33 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
         else:
             lg = jnp.einsum("bcd,dnk->bcnk", hc, wj, preferred_element_type=jnp.float32)
         lg = soft_cap(shard(lg, ("batch", "seq", "vocab" if n > 1 else None, None)), softcap)
+        if temperature != 1.0:
+            lg = lg / temperature
         loc = j * vc + jnp.arange(vc, dtype=jnp.int32)[None, :]
         col = jnp.arange(n, dtype=jnp.int32)[:, None] * local + loc  # [n, vc] global column ids
         keep = (loc < local) & (col < vocab_size)
         return jnp.where(keep, lg, PAD_LOGIT), col, wj
 
-    def forward_chunk(hc, w3, yc):  # one token chunk: (log-prob, lse), fp32 [b, c] each
+    def forward_chunk(hc, w3, yc):  # one token chunk: (log-prob, lse, entropy), fp32 [b, c] each
         def body(carry, j):
-            m, s, picked = carry
+            m, s, picked, sl = carry
             lg, col, _ = chunk_logits(hc, w3, j)
             m_new = jnp.maximum(m, jnp.max(lg, axis=(2, 3)))
-            s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(lg - m_new[..., None, None]), axis=(2, 3))
+            e = jnp.exp(lg - m_new[..., None, None])
+            rescale = jnp.exp(m - m_new)
+            s = s * rescale + jnp.sum(e, axis=(2, 3))
+            if entropy:  # Σ exp·logit, rescaled like s
+                sl = sl * rescale + jnp.sum(e * jnp.where(lg > PAD_LOGIT, lg, 0.0), axis=(2, 3))
             picked = picked + jnp.sum(jnp.where(col == yc[..., None, None], lg, 0.0), axis=(2, 3))
-            return (m_new, s, picked), None
+            return (m_new, s, picked, sl), None
         z = zeros_varying_like(yc.shape, jnp.float32, hc, w3, yc)
-        (m, s, picked), _ = jax.lax.scan(body, (z - jnp.inf, z, z), jnp.arange(nv))
+        (m, s, picked, sl), _ = jax.lax.scan(body, (z - jnp.inf, z, z, z), jnp.arange(nv))
         lse = m + jnp.log(s)
-        return picked - lse, lse
+        return picked - lse, lse, lse - sl / s
 
     def fwd(hs, w3, ys):
-        lp, lse = jax.lax.map(lambda xs: forward_chunk(xs[0], w3, xs[1]), (hs, ys))
-        return lp, (hs, w3, ys, lse)
+        lp, lse, ent = jax.lax.map(lambda xs: forward_chunk(xs[0], w3, xs[1]), (hs, ys))
+        return (lp, ent), (hs, w3, ys, lse)
 
     @jax.custom_vjp
     def chunked(hs, w3, ys):
@@ -235,9 +266,11 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
 
     def bwd(res, g):
         hs, w3, ys, lse = res
+        g = g[0]  # the entropies' cotangent is dropped: they carry no gradient
         big = jnp.max(jnp.abs(g))
         big = jnp.where(big > 0, big, 1.0).astype(jnp.float32)
-        dh, dw = _backward_scan(chunk_logits, shard, (hs, w3, ys, lse, g / big), big, n, nv, vc, softcap)
+        dh, dw = _backward_scan(chunk_logits, shard, (hs, w3, ys, lse, g / big), big, n, nv, vc, softcap,
+                                temperature)
         return dh.astype(hs.dtype), dw, None
 
     chunked.defvjp(fwd, bwd)
@@ -245,7 +278,7 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
 
 
 def _backward_scan(chunk_logits: Callable, shard: Sharder, arrays: tuple, big: jax.Array, n: int, nv: int,
-                   vc: int, softcap: float = 0.0):
+                   vc: int, softcap: float = 0.0, temperature: float = 1.0):
     """The backward's two loops, over vocab chunks outside and token chunks inside: ``(dh [m, b, c,
     d]`` fp32, ``dW [d, n, nv·vc]`` in ``w3``'s dtype), for the cotangent ``g [m, b, c]`` divided by
     its largest magnitude ``big`` (see :func:`_chunked_logprobs`). Vocab-outer, so a vocab chunk's
@@ -253,7 +286,8 @@ def _backward_scan(chunk_logits: Callable, shard: Sharder, arrays: tuple, big: j
     into the result: no fp32 buffer of the whole head's size (the step's own gradient buffer is
     one already); ``dh`` (``tokens × d``) is the one carried whole, in fp32. ``softcap``: the chunks'
     logits are soft-capped, so ``dlogits`` takes the cap's slope ``1 − (logit / c)²`` (0 on the padded
-    columns, whose logit is far below ``−c``)."""
+    columns, whose logit is far below ``−c``); ``temperature`` ``τ``: the chunks' logits are the capped
+    ones over ``τ``, so the cap's slope reads ``logit·τ`` and ``dlogits`` is divided by ``τ``."""
     hs, w3, ys, lse, g = arrays
     nb = batch_shards(shard, hs.shape[1])
 
@@ -266,7 +300,9 @@ def _backward_scan(chunk_logits: Callable, shard: Sharder, arrays: tuple, big: j
         p = jnp.exp(lg - lc[..., None, None])
         dlg = gc[..., None, None] * ((col == yc[..., None, None]).astype(jnp.float32) - p)
         if softcap:  # through c·tanh(u/c): d/du = 1 − tanh² = 1 − (logit/c)²; a pad's PAD_LOGIT clips to slope 0
-            dlg = dlg * (1.0 - jnp.square(jnp.clip(lg / softcap, -1.0, 1.0)))
+            dlg = dlg * (1.0 - jnp.square(jnp.clip(lg * temperature / softcap, -1.0, 1.0)))
+        if temperature != 1.0:  # through logit / τ
+            dlg = dlg / temperature
         dlg = shard(dlg.astype(hc.dtype), ("batch", "seq", "vocab" if n > 1 else None, None))
         if n == 1:  # the 2-D view of _vocab_view
             dlg = dlg[:, :, 0, :]
