@@ -13,7 +13,7 @@ Three losses couple the pairs of a batch, as TRL's couple those of its per-devic
 ``aot_unpaired`` sort the pairs' log-ratios, ``sft`` is the mean NLL over all the batch's chosen tokens.
 Here that batch is one microbatch as the step hands it to the objective: the whole (global) microbatch
 under ZeRO-2/3 with fp32 communication (the layer-wise reduction), a data shard's part of it under
-ZeRO-0/1, bf16/fp8 communication or gradient compression (the per-shard gradients, TRL's per-device batch).
+ZeRO-0/1 or bf16/fp8 communication (the per-shard gradients, TRL's per-device batch).
 """
 
 from __future__ import annotations
