@@ -99,7 +99,9 @@ def double_buffers_loops(cfg: Config) -> bool:
     return cfg.parallel.overlap and cfg.parallel.zero_stage == 3
 
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+"""TRL 1.16's DPO loss types (``DPOConfig.loss_type``), in its order."""
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 GRPO_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """The GRPO losses that clip the ratio at ``[1 - ε, 1 + ε_high]`` (and honour ``delta``); TRL logs
@@ -122,6 +124,29 @@ def posttrain_loss_type(cfg: Config) -> str:
     if lt != "auto":
         return lt
     return {"dpo": "sigmoid", "grpo": "dapo"}.get(objective, "")
+
+
+LABEL_SMOOTHING_LOSSES = ("exo_pair", "robust", "aot", "aot_unpaired")
+"""The DPO losses that read ``posttrain.label_smoothing`` (TRL 1.16 ``DPOTrainer._compute_loss``)."""
+
+
+def dpo_loss_types(cfg: Config) -> tuple[str, ...]:
+    """DPO's ``posttrain.loss_type`` as TRL's list: the comma-separated names, stripped, in order
+    (``auto``: ``("sigmoid",)``, TRL's default). Unchecked here (``_check_loss_type`` refuses an unknown one)."""
+    lt = cfg.posttrain.loss_type
+    return ("sigmoid",) if lt.strip() == "auto" else tuple(n.strip() for n in lt.split(","))
+
+
+def dpo_loss_weights(cfg: Config) -> tuple[float, ...]:
+    """``posttrain.loss_weights`` as floats, one per :func:`dpo_loss_types` name; ``""``: 1.0 each
+    (TRL's ``loss_weights or [1.0] * len(loss_types)``).
+
+    Raises:
+        ValueError: a word that is not a number (the config's check refuses it first)."""
+    w = cfg.posttrain.loss_weights
+    if not w.strip():
+        return (1.0,) * len(dpo_loss_types(cfg))
+    return tuple(float(x) for x in w.split(","))
 
 
 def grpo_prompt_length(cfg: Config) -> int:

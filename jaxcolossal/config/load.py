@@ -27,10 +27,11 @@ PATH_KEYS = ("model.init_from", "data.corpus", "data.tokenizer", "data.cache_dir
 """Keys holding file-system paths: ``~`` and ``$VAR``/``${VAR}`` are expanded in :func:`expand_paths`."""
 
 
-NUMBER_LIST_KEYS = ("posttrain.reward_weights", "model.rope.short_factor", "model.rope.long_factor")
+NUMBER_LIST_KEYS = ("posttrain.reward_weights", "posttrain.loss_weights", "model.rope.short_factor",
+                    "model.rope.long_factor")
 """String keys that hold comma-separated numbers: a YAML number or list is taken as that string."""
 
-NAME_LIST_KEYS = ("model.layer_types",)
+NAME_LIST_KEYS = ("model.layer_types", "posttrain.loss_type")
 """String keys that hold comma-separated names: a YAML list of strings is taken as that string."""
 
 

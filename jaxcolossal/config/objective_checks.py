@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import re
 
-from jaxcolossal.config.derived import (DPO_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_prompt_length, posttrain_beta,
-                                         posttrain_loss_type)
+from jaxcolossal.config.derived import (DPO_LOSS_TYPES, GRPO_LOSS_TYPES, LABEL_SMOOTHING_LOSSES, dpo_loss_types,
+                                        dpo_loss_weights, grpo_prompt_length, posttrain_beta, posttrain_loss_type)
 from jaxcolossal.config.reward_funcs import reward_specs
 from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS, Config, PosttrainConfig
 from jaxcolossal.errors import ConfigError
@@ -87,17 +87,64 @@ def _check_objective_keys(cfg: Config) -> None:
 
 
 def _check_loss_type(cfg: Config) -> None:
+    """``posttrain.loss_type`` against the objective: one GRPO name, or DPO's list (:func:`_check_dpo_losses`).
+
+    Raises:
+        ConfigError: one line naming the key and the allowed values."""
     po, objective = cfg.posttrain, cfg.training.objective
+    if objective == "dpo":
+        _check_dpo_losses(cfg)
+        return
     lt = posttrain_loss_type(cfg)
-    allowed = DPO_LOSS_TYPES if objective == "dpo" else GRPO_LOSS_TYPES
-    if lt not in allowed:
-        raise ConfigError(f"posttrain.loss_type={lt} is not a {objective.upper()} loss; allowed values are auto, "
-                          + ", ".join(allowed))
-    if objective == "dpo" and posttrain_beta(cfg) <= 0:
+    if lt not in GRPO_LOSS_TYPES:
+        raise ConfigError(f"posttrain.loss_type={lt} is not a GRPO loss; allowed values are auto, "
+                          + ", ".join(GRPO_LOSS_TYPES))
+
+
+def _check_dpo_losses(cfg: Config) -> None:
+    """DPO's loss list, its weights, β and the options only some losses read, as TRL 1.16's
+    ``DPOConfig.__post_init__`` and ``DPOTrainer.__init__`` check them (and the options set for no loss
+    that reads them, which TRL ignores).
+
+    Raises:
+        ConfigError: one line naming the key and what to set."""
+    po = cfg.posttrain
+    names = dpo_loss_types(cfg)
+    for name in names:
+        if name not in DPO_LOSS_TYPES:
+            raise ConfigError(f"posttrain.loss_type={po.loss_type}: {name or '(empty)'} is not a DPO loss; allowed "
+                              "values are auto or comma-separated names of " + ", ".join(DPO_LOSS_TYPES))
+    try:
+        weights = dpo_loss_weights(cfg)
+    except ValueError:
+        raise ConfigError(f"posttrain.loss_weights={po.loss_weights!r}: expected comma-separated numbers") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"posttrain.loss_weights={po.loss_weights!r}: each weight must be a finite number")
+    if len(weights) != len(names):
+        raise ConfigError(f"posttrain.loss_weights={po.loss_weights!r} has {len(weights)} weights for "
+                          f"{len(names)} loss types ({', '.join(names)}): give one each, or none (1 each)")
+    if posttrain_beta(cfg) <= 0:
         raise ConfigError(f"posttrain.beta={po.beta!r}: must be > 0 for DPO (0 is GRPO's no-reference setting)")
-    if lt == "ipo" and po.label_smoothing > 0:
-        raise ConfigError(f"posttrain.label_smoothing={po.label_smoothing:g} is conservative DPO's, for "
-                          "posttrain.loss_type=sigmoid; IPO has no label smoothing (set it to 0)")
+    _check_dpo_options(po, names)
+
+
+def _check_dpo_options(po: PosttrainConfig, names: tuple[str, ...]) -> None:
+    """``label_smoothing`` and ``discopop_tau`` against the losses that read them: TRL raises for
+    ``exo_pair`` with ε = 0 and documents ``robust``'s ε < 0.5; an option no listed loss reads is refused."""
+    eps = po.label_smoothing
+    if eps > 0 and not set(names) & set(LABEL_SMOOTHING_LOSSES):
+        raise ConfigError(f"posttrain.label_smoothing={eps:g} is read only by the loss types "
+                          f"{', '.join(LABEL_SMOOTHING_LOSSES)}, none of which posttrain.loss_type={po.loss_type} "
+                          "lists: set it to 0 (sigmoid's conservative DPO was TRL < 1.0's)")
+    if "exo_pair" in names and eps == 0:
+        raise ConfigError("posttrain.loss_type=exo_pair needs posttrain.label_smoothing > 0 (EXO's ε, as TRL "
+                          "requires; the EXO paper recommends 1e-3)")
+    if "robust" in names and eps >= 0.5:
+        raise ConfigError(f"posttrain.label_smoothing={eps:g}: the robust loss's share of flipped labels must be in "
+                          "[0, 0.5) (TRL's documented range; 0.5 divides by zero)")
+    if po.discopop_tau != PosttrainConfig.discopop_tau and "discopop" not in names:
+        raise ConfigError(f"posttrain.discopop_tau={po.discopop_tau:g} is read only by the discopop loss, which "
+                          f"posttrain.loss_type={po.loss_type} does not list: remove it")
 
 
 def _check_reference(cfg: Config) -> None:

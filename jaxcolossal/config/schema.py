@@ -886,22 +886,32 @@ class PosttrainConfig:
     and 0.0 for GRPO (``GRPOConfig``). DPO's β (IPO's τ), > 0: how far the policy may move from the
     reference; the rewards are ``β·(log π - log π_ref)`` of each response. GRPO: the KL penalty's
     weight, >= 0; 0 keeps no reference model at all."""
-    loss_type: Literal["auto", "sigmoid", "ipo", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo",
-                       "vespo"] = "auto"
-    """``auto`` (the default): ``sigmoid`` for DPO, ``dapo`` for GRPO (TRL's defaults). DPO:
-    ``sigmoid``, DPO's ``-log σ(β·Δ)`` of the log-ratio margin ``Δ``; ``ipo``, IPO's
-    ``(Δ/len - 1/(2β))²`` with each response's log-ratio averaged over its tokens (TRL 1.16). GRPO (TRL
-    1.16's eight, docs/posttraining.md): ``grpo``, each completion's mean, then the mean over
-    completions; ``bnpo``, each microbatch's mean over its completion tokens, then the mean over the
-    microbatches; ``dapo``, the mean over all the step's completion tokens; ``dr_grpo``, the sum divided
-    by ``completions × max_completion_length``; ``cispo``, the clipped, detached ratio times the
-    advantage times the log-prob (ScaleRL/MiniMax-M1), token-normalised like ``dapo``; ``sapo``, a
-    sigmoid-softened ratio (per-sign temperatures ``sapo_temperature_pos``/``_neg``), averaged like
-    ``grpo``; ``luspo``, each completion's summed loss averaged over completions; ``vespo``, a gamma
-    weight of the sequence ratio times the advantage times the log-prob, averaged like ``dapo``."""
+    loss_type: str = "auto"
+    """``auto`` (the default): ``sigmoid`` for DPO, ``dapo`` for GRPO (TRL's defaults). DPO (TRL 1.16's
+    ``loss_type`` list): one or several comma-separated names (or a YAML list) of ``sigmoid``, ``hinge``,
+    ``ipo``, ``exo_pair``, ``nca_pair``, ``robust``, ``bco_pair``, ``sppo_hard``, ``aot``, ``aot_unpaired``,
+    ``apo_zero``, ``apo_down``, ``discopop``, ``sft``, ``sigmoid_norm``, each computed as TRL's
+    ``DPOTrainer._compute_loss`` does (docs/posttraining.md has their formulas) and summed with
+    ``loss_weights`` (MPO: ``sigmoid,bco_pair,sft``). GRPO, one of TRL 1.16's eight
+    (docs/posttraining.md): ``grpo``, each completion's mean, then the mean over completions; ``bnpo``,
+    each microbatch's mean over its completion tokens, then the mean over the microbatches; ``dapo``,
+    the mean over all the step's completion tokens; ``dr_grpo``, the sum divided by ``completions ×
+    max_completion_length``; ``cispo``, the clipped, detached ratio times the advantage times the
+    log-prob (ScaleRL/MiniMax-M1), averaged like ``dapo``; ``sapo``, a sigmoid-softened ratio (per-sign
+    temperatures ``sapo_temperature_pos``/``_neg``), averaged like ``grpo``; ``luspo``, each completion's
+    summed loss averaged over completions; ``vespo``, a gamma weight of the sequence ratio times the
+    advantage times the log-prob, averaged like ``dapo``."""
     label_smoothing: float = 0.0
-    """DPO: conservative DPO's ε in ``[0, 0.5)`` (``sigmoid`` only): the share of pairs assumed
-    mislabelled, ``-(1-ε)·log σ(βΔ) - ε·log σ(-βΔ)``; 0 (the default) is plain DPO."""
+    """DPO: TRL's ``label_smoothing`` ε in ``[0, 1)``, read only by ``robust`` (the share of flipped
+    labels, < 0.5), ``exo_pair`` (EXO's ε, > 0: the paper's 1e-3), ``aot`` and ``aot_unpaired``; set with
+    none of them in ``loss_type`` it is refused. ``sigmoid`` has no label smoothing (conservative DPO
+    was TRL's ``sigmoid`` before 1.0)."""
+    loss_weights: str = ""
+    """DPO: TRL's ``loss_weights``, comma-separated numbers (or a YAML list), one per ``loss_type`` name:
+    the loss is the weighted sum of each type's mean over pairs; ``""`` (the default): 1 each."""
+    discopop_tau: float = 0.05
+    """DPO: DiscoPOP's τ (TRL's ``discopop_tau``), > 0: the temperature of the log-ratio modulation of
+    ``loss_type=discopop`` (the paper's 0.05, TRL's default); refused away from 0.05 without ``discopop``."""
     reference: Literal["frozen", "lora_base"] = "frozen"
     """The reference policy: ``frozen``, a copy of the initial params in the compute dtype, sharded like
     the policy and saved with the checkpoints; ``lora_base`` (needs ``model.lora``), the base model
@@ -1021,7 +1031,7 @@ GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "to
                   "vespo_lambda_neg")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
-DPO_ONLY_KEYS = ("label_smoothing",)
+DPO_ONLY_KEYS = ("label_smoothing", "loss_weights", "discopop_tau")
 """The ``posttrain`` keys only DPO reads (their docs start with "DPO:"); refused in a GRPO run when set."""
 
 

@@ -1,66 +1,176 @@
-"""``training.objective=dpo``: Direct Preference Optimization (Rafailov et al., 2023), its IPO variant
-(Azar et al., 2023) and conservative DPO (label smoothing), as TRL's ``DPOTrainer`` computes them
-(trl 1.16, ``DPOTrainer._compute_loss``); registered in :data:`jaxcolossal.train.objective.OBJECTIVES`.
+"""``training.objective=dpo``: Direct Preference Optimization (Rafailov et al., 2023) and the 14 other
+losses of TRL's ``DPOTrainer`` (IPO, EXO, NCA, robust DPO, BCO, SPPO, AOT, APO, DiscoPOP, SFT, length-
+normalised DPO), each computed as trl 1.16's ``DPOTrainer._compute_loss`` computes it and summed with
+``posttrain.loss_weights`` as TRL sums its ``loss_type`` list (MPO); registered in
+:data:`jaxcolossal.train.objective.OBJECTIVES`.
 
 The batch holds preference pairs as interleaved rows (row ``2i`` chosen, ``2i + 1`` rejected:
 :func:`jaxcolossal.data.preference.pair_rows`), whose loss masks cover the response tokens only;
 the policy's and the reference's sequence log-probs are the masked sums of per-token log-probs
 (:func:`jaxcolossal.posttrain.loss_terms.sequence_logps`), and the loss is the mean over the step's pairs.
+
+Three losses couple the pairs of a batch, as TRL's couple those of its per-device batch: ``aot`` and
+``aot_unpaired`` sort the pairs' log-ratios, ``sft`` is the mean NLL over all the batch's chosen tokens.
+Here that batch is one microbatch as the step hands it to the objective: the whole (global) microbatch
+under ZeRO-2/3 with fp32 communication (the layer-wise reduction), a data shard's part of it under
+ZeRO-0/1 or bf16/fp8 communication (the per-shard gradients, TRL's per-device batch).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config.derived import posttrain_beta, posttrain_loss_type
-from jaxcolossal.posttrain.loss_terms import sequence_logps
+from jaxcolossal.config.derived import dpo_loss_types, dpo_loss_weights, posttrain_beta
+from jaxcolossal.posttrain.loss_terms import policy_token_logps, sequence_logps
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
 """TRL's ``DPOTrainer`` metric names, each a mean over the step's pairs (trl 1.16 ``_compute_loss``)."""
 
+log_sigmoid, sigmoid = jax.nn.log_sigmoid, jax.nn.sigmoid
 
-def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_len, rejected_len,
-             beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> tuple[jax.Array, dict]:
-    """Per-pair DPO loss and TRL's six metrics, each fp32 ``[P]`` (means over pairs are the step's).
+
+class PairTerms(NamedTuple):
+    """What every loss reads, fp32, one entry per pair (``[P]``) unless said.
+
+    ``chosen``/``rejected``: the policy's sequence log-probs (``π_c``, ``π_r``); ``ref_chosen``/
+    ``ref_rejected``: the reference's (``ref_c``, ``ref_r``); ``chosen_len``/``rejected_len``: each
+    response's tokens (the length-normalised losses clamp them at 1, as TRL does); ``sft_nll``: the
+    mean NLL over all the batch's chosen tokens (scalar, ``sft`` only; None otherwise); ``beta``,
+    ``label_smoothing`` (ε), ``discopop_tau`` (τ): the options, Python floats."""
+
+    chosen: jax.Array
+    rejected: jax.Array
+    ref_chosen: jax.Array
+    ref_rejected: jax.Array
+    chosen_len: jax.Array
+    rejected_len: jax.Array
+    beta: float
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+    sft_nll: jax.Array | None = None
+
+    @property
+    def chosen_ratio(self) -> jax.Array:
+        """TRL's ``chosen_logratios``: ``π_c - ref_c``."""
+        return self.chosen - self.ref_chosen
+
+    @property
+    def rejected_ratio(self) -> jax.Array:
+        """TRL's ``rejected_logratios``: ``π_r - ref_r``."""
+        return self.rejected - self.ref_rejected
+
+    @property
+    def delta(self) -> jax.Array:
+        """TRL's ``delta_score`` (``f_divergence_type=reverse_kl``): ``Δ = (π_c - ref_c) - (π_r - ref_r)``."""
+        return self.chosen_ratio - self.rejected_ratio
+
+    @property
+    def normalised_delta(self) -> jax.Array:
+        """``Δ`` with each log-ratio averaged over its response tokens (``ipo``, ``sigmoid_norm``)."""
+        return (self.chosen_ratio / jnp.maximum(self.chosen_len, 1.0)
+                - self.rejected_ratio / jnp.maximum(self.rejected_len, 1.0))
+
+
+# ----------------------------------------------------------------------------- the 15 losses (trl 1.16)
+
+
+def _smoothed_sigmoid(z: jax.Array, eps: float) -> jax.Array:
+    """``-(1-ε)·log σ(z) - ε·log σ(-z)`` (``aot``/``aot_unpaired``'s form, TRL's term order)."""
+    return -log_sigmoid(z) * (1 - eps) - log_sigmoid(-z) * eps
+
+
+def _exo_pair(t: PairTerms) -> jax.Array:
+    """EXO-pref (Ji et al., 2024, eq. 16): ``KL(softmax(βΔ) ‖ [1-ε, ε])`` over {chosen, rejected}."""
+    z, eps = t.beta * t.delta, jnp.float32(t.label_smoothing)
+    return (sigmoid(z) * (log_sigmoid(z) - jnp.log1p(-eps))
+            + sigmoid(-z) * (log_sigmoid(-z) - jnp.log(eps)))
+
+
+def _robust(t: PairTerms) -> jax.Array:
+    """Robust DPO (Chowdhury et al., 2024): ``(-(1-ε)·log σ(βΔ) + ε·log σ(-βΔ)) / (1 - 2ε)``."""
+    z, eps = t.beta * t.delta, t.label_smoothing
+    return (-(1 - eps) * log_sigmoid(z) - (-eps * log_sigmoid(-z))) / (1 - 2 * eps)
+
+
+def _aot(t: PairTerms) -> jax.Array:
+    """AOT, paired: the sorted ``π_c - π_r`` against the sorted ``ref_c - ref_r`` over the batch's pairs."""
+    delta = jnp.sort(t.chosen - t.rejected) - jnp.sort(t.ref_chosen - t.ref_rejected)
+    return _smoothed_sigmoid(t.beta * delta, t.label_smoothing)
+
+
+def _aot_unpaired(t: PairTerms) -> jax.Array:
+    """AOT, unpaired: the sorted chosen log-ratios against the sorted rejected ones over the batch."""
+    delta = jnp.sort(t.chosen_ratio) - jnp.sort(t.rejected_ratio)
+    return _smoothed_sigmoid(t.beta * delta, t.label_smoothing)
+
+
+def _discopop(t: PairTerms) -> jax.Array:
+    """DiscoPOP (Chris Lu et al., 2024, eq. 5): the logistic and exponential losses of ``βΔ``, blended by
+    ``σ(βΔ/τ)``."""
+    logits = t.delta * t.beta
+    mod = sigmoid(logits / t.discopop_tau)
+    return -log_sigmoid(logits) * (1 - mod) + jnp.exp(-logits) * mod
+
+
+def _sft(t: PairTerms) -> jax.Array:
+    """The batch's chosen-token mean NLL, the same for every pair (TRL expands its scalar alike)."""
+    return jnp.broadcast_to(t.sft_nll, t.chosen.shape)
+
+
+LOSSES: dict[str, Callable[[PairTerms], jax.Array]] = {
+    "sigmoid": lambda t: -log_sigmoid(t.beta * t.delta),
+    "hinge": lambda t: jax.nn.relu(1 - t.beta * t.delta),
+    "ipo": lambda t: (t.normalised_delta - 1 / (2 * t.beta)) ** 2,  # τ = β; per-token log-ratios
+    "exo_pair": _exo_pair,
+    "nca_pair": lambda t: (-log_sigmoid(t.beta * t.chosen_ratio) - 0.5 * log_sigmoid(-t.beta * t.chosen_ratio)
+                           - 0.5 * log_sigmoid(-t.beta * t.rejected_ratio)),
+    "robust": _robust,
+    "bco_pair": lambda t: -log_sigmoid(t.beta * t.chosen_ratio) - log_sigmoid(-t.beta * t.rejected_ratio),
+    "sppo_hard": lambda t: (t.chosen_ratio - 0.5 / t.beta) ** 2 + (t.rejected_ratio + 0.5 / t.beta) ** 2,
+    "aot": _aot,
+    "aot_unpaired": _aot_unpaired,
+    "apo_zero": lambda t: (1 - sigmoid(t.beta * t.chosen_ratio)) + sigmoid(t.beta * t.rejected_ratio),
+    "apo_down": lambda t: sigmoid(t.beta * t.chosen_ratio) + (1 - sigmoid(t.beta * t.delta)),
+    "discopop": _discopop,
+    "sft": _sft,
+    "sigmoid_norm": lambda t: -log_sigmoid(t.beta * t.normalised_delta),
+}
+"""Each TRL 1.16 DPO ``loss_type``'s per-pair loss ``[P]`` from :class:`PairTerms`, as
+``DPOTrainer._compute_loss`` computes it (``f_divergence_type=reverse_kl``, no WPO weighting, no LD-DPO)."""
+
+
+def dpo_loss(terms: PairTerms, loss_types: Sequence[str] = ("sigmoid",),
+             loss_weights: Sequence[float] | None = None) -> tuple[jax.Array, dict]:
+    """The per-pair DPO loss and TRL's six metrics, each fp32 ``[P]`` (their means over pairs are the batch's).
 
     Args:
-        chosen_logps, rejected_logps: the policy's sequence log-probs of each pair's responses.
-        ref_chosen_logps, ref_rejected_logps: the reference model's (no gradient flows into them).
-        chosen_len, rejected_len: response tokens of each (IPO's per-token averages; at least 1).
-        beta: DPO's β (IPO's τ), > 0.
-        loss_type: ``sigmoid``: ``-logσ(βΔ)``; with ``label_smoothing = ε`` conservative DPO
-            ``-(1-ε)·logσ(βΔ) - ε·logσ(-βΔ)`` (Mitchell, 2023; TRL's ``sigmoid`` before 1.0, and
-            its ``robust``/``aot`` spelling of ε), ``Δ = (π_c - ref_c) - (π_r - ref_r)``.
-            ``ipo``: ``(Δ_c/|c| - Δ_r/|r| - 1/(2β))²`` with each log-ratio averaged over its
-            response tokens (TRL 1.16's length-normalised IPO).
+        terms: the pairs' log-probs and the options (:class:`PairTerms`).
+        loss_types: names of :data:`LOSSES`, summed as TRL sums its ``loss_type`` list.
+        loss_weights: one weight per name (TRL's ``loss_weights``); None: 1 each.
 
-    Returns ``(loss [P], {name: [P]})`` with :data:`DPO_METRICS`: ``rewards/chosen = β·(π_c - ref_c)``,
-    ``rewards/rejected`` likewise, ``rewards/accuracies = [reward_c > reward_r]``, ``rewards/margins =
-    reward_c - reward_r``, ``logps/chosen = π_c``, ``logps/rejected = π_r`` (TRL's definitions).
+    Returns ``(Σ_k w_k · loss_k [P], {name: [P]})``: the mean over pairs of the first is TRL's
+    ``Σ_k w_k · per_sequence_loss_k.mean()``. The metrics (:data:`DPO_METRICS`, TRL's definitions):
+    ``rewards/chosen = β·(π_c - ref_c)``, ``rewards/rejected`` likewise, ``rewards/accuracies =
+    [reward_c > reward_r]``, ``rewards/margins = reward_c - reward_r``, ``logps/chosen = π_c``,
+    ``logps/rejected = π_r``.
 
     Raises:
-        ValueError: an unknown ``loss_type``.
+        ValueError: an unknown loss type, or a weight count unlike the names'.
     """
-    chosen_ratio = chosen_logps - ref_chosen_logps
-    rejected_ratio = rejected_logps - ref_rejected_logps
-    delta = chosen_ratio - rejected_ratio
-    if loss_type == "sigmoid":
-        loss = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * delta)
-        if label_smoothing:
-            loss = loss - label_smoothing * jax.nn.log_sigmoid(-beta * delta)
-    elif loss_type == "ipo":
-        ipo_delta = chosen_ratio / jnp.maximum(chosen_len, 1.0) - rejected_ratio / jnp.maximum(rejected_len, 1.0)
-        loss = (ipo_delta - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"posttrain.loss_type={loss_type!r}: expected sigmoid or ipo")
-    rc, rr = jax.lax.stop_gradient(beta * chosen_ratio), jax.lax.stop_gradient(beta * rejected_ratio)
+    weights = (1.0,) * len(loss_types) if loss_weights is None else tuple(loss_weights)
+    if len(weights) != len(loss_types) or any(n not in LOSSES for n in loss_types):
+        raise ValueError(f"loss_types={list(loss_types)} with loss_weights={list(weights)}: expected names of "
+                         f"{', '.join(LOSSES)}, one weight each")
+    loss = sum(w * LOSSES[n](terms) for n, w in zip(loss_types, weights))
+    rc = jax.lax.stop_gradient(terms.beta * terms.chosen_ratio)
+    rr = jax.lax.stop_gradient(terms.beta * terms.rejected_ratio)
     metrics = {"rewards/chosen": rc, "rewards/rejected": rr, "rewards/accuracies": (rc > rr).astype(jnp.float32),
-               "rewards/margins": rc - rr, "logps/chosen": jax.lax.stop_gradient(chosen_logps),
-               "logps/rejected": jax.lax.stop_gradient(rejected_logps)}
+               "rewards/margins": rc - rr, "logps/chosen": jax.lax.stop_gradient(terms.chosen),
+               "logps/rejected": jax.lax.stop_gradient(terms.rejected)}
     return loss, metrics
 
 
@@ -82,19 +192,26 @@ class Dpo:
 
     def __init__(self, family, cfg):
         self.family, self.cfg, self.post = family, cfg, cfg.posttrain
+        self.loss_types, self.loss_weights = dpo_loss_types(cfg), dpo_loss_weights(cfg)
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
                  positions=None, dropout_key=None, reference=None):
-        # the phases: policy log-probs, reference log-probs (no gradient), the per-pair loss
+        # the phases: policy log-probs (per token: sft's NLL), reference log-probs (no gradient), the loss
         mask = mask.astype(jnp.float32)
-        pol = sequence_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel, dropout_key)
+        pol_tok = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
+                                     dropout_key=dropout_key)
+        pol = jnp.sum(pol_tok, axis=-1)
         ref_params = jax.lax.stop_gradient(reference)
         ref = jax.lax.stop_gradient(sequence_logps(self.family, ref_params, tokens, targets, mask, mcfg, shard,
                                                    vocab_parallel))
         lens = jnp.sum(mask, axis=-1)
+        sft_nll = None
+        if "sft" in self.loss_types:  # TRL: -chosen_per_token_logps[chosen_mask].mean()
+            sft_nll = -jnp.sum(pol_tok[0::2]) / jnp.maximum(jnp.sum(mask[0::2]), 1.0)
         p = self.post
-        loss, metrics = dpo_loss(pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2], posttrain_beta(self.cfg),
-                                 posttrain_loss_type(self.cfg), p.label_smoothing)
+        terms = PairTerms(pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2], posttrain_beta(self.cfg),
+                          p.label_smoothing, p.discopop_tau, sft_nll)
+        loss, metrics = dpo_loss(terms, self.loss_types, self.loss_weights)
         return jnp.sum(loss), {k: jnp.sum(v) for k, v in metrics.items()}
 
     def count(self, inputs, mask=None):

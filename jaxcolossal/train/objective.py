@@ -7,8 +7,8 @@ family's language-model loss. Each objective is one file and one line here:
 
 * ``sft`` (:mod:`jaxcolossal.train.sft`, beside the step): the summed next-token cross-entropy
   over the (masked-in) tokens, divided by the step's token count. Pre-training and SFT.
-* ``dpo`` (:mod:`jaxcolossal.posttrain.dpo`): Direct Preference Optimization, IPO and conservative
-  DPO over interleaved preference pairs, as TRL's ``DPOTrainer``.
+* ``dpo`` (:mod:`jaxcolossal.posttrain.dpo`): Direct Preference Optimization and TRL's 14 other
+  preference losses (IPO, robust, AOT, APO, ...) over interleaved preference pairs, as TRL's ``DPOTrainer``.
 * ``grpo`` (:mod:`jaxcolossal.posttrain.grpo`): Group Relative Policy Optimization, DAPO and
   Dr. GRPO over completions sampled from the policy, as TRL's ``GRPOTrainer``.
 

@@ -1,6 +1,8 @@
-"""DPO through the one train step (training.objective=dpo): ZeRO-2 over dp 4 × tp 2 equals one device, and
-LoRA's DPO uses the base without adapters as its reference (no second copy in the state)."""
+"""DPO through the one train step (training.objective=dpo): ZeRO-2 over dp 4 × tp 2 equals one device (for
+every TRL loss type: its loss and gradient), and LoRA's DPO uses the base without adapters as its reference (no second copy in the state)."""
+import functools
 import os
+from functools import partial
 
 import jax
 import numpy as np
@@ -8,8 +10,13 @@ import pytest
 from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, resumed_and_uninterrupted, setup
 
 from jaxcolossal.config import config_from_dict
+from jaxcolossal.config.derived import DPO_LOSS_TYPES, LABEL_SMOOTHING_LOSSES
+from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan import plan_dry_run
 from jaxcolossal.posttrain.dpo import DPO_METRICS
+from jaxcolossal.train.optimizer import build_optimizer
+from jaxcolossal.train.state import init_state, make_plan
+from jaxcolossal.train.step import make_grad_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,6 +70,53 @@ def test_dpo_zero_dp4_tp2_equals_one_device(zero):
     assert m1[-1]["rewards/margins"] != 0.0
     assert_params_match(jax.device_get(par.params), jax.device_get(one.params))
     assert_params_match(jax.device_get(par.reference), jax.device_get(one.reference))
+
+
+LAYOUTS = {"one device": None, "ZeRO-2 dp4 x tp2": {"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}}
+
+
+@functools.cache
+def _policy_and_reference(layout):
+    """The layout's initial params (the reference) and a policy moved off them (each weight plus 2% noise drawn on
+    the host, so that the log-ratios are not 0), built once per layout: the losses share them."""
+    cfg = dpo_config(LAYOUTS[layout])
+    plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()[:1] if LAYOUTS[layout] is None else None))
+    state = init_state(plan, build_optimizer(cfg.training, plan), key=jax.random.key(0))
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda p: jax.device_put(np.asarray(p) * (1 + 0.02 * rng.standard_normal(p.shape)).astype(
+        p.dtype), p.sharding), state.params)
+    return params, state.reference
+
+
+def dpo_loss_and_grads(layout, posttrain):
+    """One step's mean loss and fp32 gradient (host numpy) on ``layout`` through the step's gradient function."""
+    cfg = dpo_config(LAYOUTS[layout], posttrain=posttrain)
+    plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()[:1] if LAYOUTS[layout] is None else None))
+    params, reference = _policy_and_reference(layout)
+    rows, mask = pair_batches(cfg, 1)[0]
+    batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:], "loss_mask": mask}, plan.batch_sharding)
+    loss_sum, grads = jax.jit(partial(make_grad_fn(plan), reference=reference))(
+        params, batch["inputs"], batch["targets"], np.float32(1.0), batch["loss_mask"])
+    return float(loss_sum) / (cfg.training.batch_size // 2), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("loss_type", [n for n in DPO_LOSS_TYPES if n != "sigmoid"])  # sigmoid: the test above
+def test_each_dpo_loss_zero2_dp4_tp2_equals_one_device(loss_type):
+    """Each TRL loss type (the label-smoothing ones at ε = 0.1): loss and every gradient leaf within 1e-5 relative.
+    aot's sort and sft's token mean span the whole microbatch under ZeRO-2 (the layer-wise reduction), as on one
+    device."""
+    post = {"loss_type": loss_type, "label_smoothing": 0.1 if loss_type in LABEL_SMOOTHING_LOSSES else 0.0}
+    one_loss, one = dpo_loss_and_grads("one device", post)
+    par_loss, par = dpo_loss_and_grads("ZeRO-2 dp4 x tp2", post)
+    loss_rel = abs(par_loss - one_loss) / abs(one_loss)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    rels = jax.tree_util.tree_map_with_path(lambda path, a, b: (jax.tree_util.keystr(path), rel(a, b)), par, one)
+    worst = max(jax.tree.leaves(rels, is_leaf=lambda x: isinstance(x, tuple)), key=lambda x: x[1])
+    print(f"\n{loss_type}: loss {par_loss:.6g} vs {one_loss:.6g} (rel {loss_rel:.1e}); worst gradient leaf {worst}")
+    assert loss_rel <= 1e-5 and worst[1] <= 1e-5
 
 
 def test_lora_dpo_reference_is_the_base():
