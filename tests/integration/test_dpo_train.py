@@ -100,7 +100,13 @@ def dpo_loss_and_grads(layout, posttrain):
     return float(loss_sum) / (cfg.training.batch_size // 2), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("loss_type", [n for n in DPO_LOSS_TYPES if n != "sigmoid"])  # sigmoid: the test above
+FAST_LOSSES = ("ipo", "bco_pair", "sft")
+"""README's suite runs these (a length-normalised loss, a batch-coupled one, the NLL over the chosen
+tokens); the other losses' cases are marked slow."""
+
+
+@pytest.mark.parametrize("loss_type", [n if n in FAST_LOSSES else pytest.param(n, marks=pytest.mark.slow)
+                                       for n in DPO_LOSS_TYPES if n != "sigmoid"])  # sigmoid: the test above
 def test_each_dpo_loss_zero2_dp4_tp2_equals_one_device(loss_type):
     """Each TRL loss type (the label-smoothing ones at ε = 0.1): loss and every gradient leaf within 1e-5 relative.
     aot's sort and sft's token mean span the whole microbatch under ZeRO-2 (the layer-wise reduction), as on one
