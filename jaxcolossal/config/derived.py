@@ -160,12 +160,23 @@ def grpo_epsilon_high(cfg: Config) -> float:
     return cfg.posttrain.epsilon_high or cfg.posttrain.epsilon
 
 
+def uses_reference(cfg: Config) -> bool:
+    """Whether the objective compares the policy with a reference model: DPO, or GRPO with ``beta > 0``."""
+    t = cfg.training
+    return t.objective == "dpo" or (t.objective == "grpo" and posttrain_beta(cfg) > 0)
+
+
+def precomputes_ref_logps(cfg: Config) -> bool:
+    """Whether DPO's reference log-probs come from the pass before training
+    (``posttrain.precompute_ref_log_probs``) rather than a reference forward in each step."""
+    return cfg.training.objective == "dpo" and cfg.posttrain.precompute_ref_log_probs
+
+
 def holds_reference(cfg: Config) -> bool:
     """Whether the train state holds a frozen reference copy: DPO, or GRPO with ``beta > 0``, with
-    ``posttrain.reference=frozen``."""
-    t, po = cfg.training, cfg.posttrain
-    needs = t.objective == "dpo" or (t.objective == "grpo" and posttrain_beta(cfg) > 0)
-    return needs and po.reference == "frozen"
+    ``posttrain.reference=frozen``, unless DPO precomputes its reference log-probs (then the weights are
+    read by that pass only)."""
+    return uses_reference(cfg) and cfg.posttrain.reference == "frozen" and not precomputes_ref_logps(cfg)
 
 
 def rollout_tp_sizes(cfg: Config, num_devices: int) -> list[int]:

@@ -148,13 +148,24 @@ def _check_dpo_options(po: PosttrainConfig, names: tuple[str, ...]) -> None:
 
 
 def _check_reference(cfg: Config) -> None:
+    """``posttrain.reference`` against LoRA, and ``posttrain.ref_model`` against both (TRL's ``ref_model``:
+    another model as the reference, held as the frozen copy).
+
+    Raises:
+        ConfigError: one line naming the keys and what to set."""
     po, m = cfg.posttrain, cfg.model
     if cfg.training.objective == "grpo" and posttrain_beta(cfg) == 0:
+        if po.ref_model:
+            raise ConfigError(f"posttrain.ref_model={po.ref_model!r}: GRPO with beta 0 keeps no reference model, so "
+                              "it would never be read; set posttrain.beta > 0 or remove it")
         return  # no reference at all
+    if po.ref_model and po.reference == "lora_base":
+        raise ConfigError(f"posttrain.ref_model={po.ref_model!r} with posttrain.reference=lora_base: the one names "
+                          "another model as the reference, the other the LoRA base; set posttrain.reference=frozen")
     if po.reference == "lora_base" and not m.lora.enabled:
         raise ConfigError("posttrain.reference=lora_base needs LoRA (model.lora.rank > 0): without adapters there "
                           "is no base to tell apart from the policy; use posttrain.reference=frozen")
-    if po.reference == "frozen" and m.lora.enabled:
+    if po.reference == "frozen" and m.lora.enabled and not po.ref_model:
         raise ConfigError("posttrain.reference=frozen with LoRA would hold a second copy of the base weights; use "
                           "posttrain.reference=lora_base (the base without the adapters is the reference)")
 

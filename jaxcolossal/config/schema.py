@@ -917,6 +917,20 @@ class PosttrainConfig:
     the policy and saved with the checkpoints; ``lora_base`` (needs ``model.lora``), the base model
     without the adapters, so no second copy of the weights is held. GRPO holds one only when
     ``beta > 0``."""
+    ref_model: str = ""
+    """The reference model (TRL's ``ref_model``) of DPO, and of GRPO with ``beta > 0``: ``""`` (the
+    default, TRL's None): the initial policy; else a Hugging Face folder (read as ``model.init_from`` is)
+    or a run's ``checkpoint.dir`` (its newest step's weights, the fp32 master in bf16/fp16 runs, a LoRA
+    run's adapters merged in), whose architecture and vocabulary must be the policy's. Its weights are
+    the frozen copy (``reference=frozen``; under LoRA too: then a second set of weights is held),
+    sharded like the policy, or with ``precompute_ref_log_probs`` only read by the pass before training."""
+    precompute_ref_log_probs: bool = False
+    """DPO: TRL's ``precompute_ref_log_probs``. ``true``: one pass before training computes every
+    training and held-out pair's reference sequence log-probs (under the run's mesh and ZeRO stage), and
+    the steps read them instead of a reference forward; the reference weights are then not held in the
+    train state nor checkpointed. The values (2 fp32 per pair) are stored in ``<checkpoint.dir>/ref_logps/``
+    and read back, not recomputed, when the run resumes; without ``checkpoint.dir`` they stay in memory.
+    Under LoRA the pass runs the base without the adapters (TRL's adapter-off pass)."""
     num_generations: int = 8
     """GRPO: completions sampled per prompt (the group), >= 2; it must divide ``training.batch_size``
     (completions per step), so each step draws ``batch_size / num_generations`` prompts."""
@@ -1031,7 +1045,7 @@ GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "to
                   "vespo_lambda_neg")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
-DPO_ONLY_KEYS = ("label_smoothing", "loss_weights", "discopop_tau")
+DPO_ONLY_KEYS = ("label_smoothing", "loss_weights", "discopop_tau", "precompute_ref_log_probs")
 """The ``posttrain`` keys only DPO reads (their docs start with "DPO:"); refused in a GRPO run when set."""
 
 

@@ -344,7 +344,7 @@ class DataLoader:
         local = self.local_batch(step)
         if self.sharding is None:
             return local
-        return {k: self._put(v, self.global_shape) for k, v in local.items()}
+        return {k: self._put(v, (self.batch_size,) + v.shape[1:]) for k, v in local.items()}
 
     def to_global(self, array: np.ndarray):
         """Place a GLOBAL numpy array (dim 0 = batch, e.g. from :func:`eval_batches`,
@@ -432,9 +432,16 @@ class PairLoader(ExampleLoader):
 
     ``pairs``: a :class:`jaxcolossal.data.preference.PreferenceData`.
 
+    :attr:`ref_logps`: None, or each pair's precomputed reference sequence log-probs, fp32 ``[N, 2]``
+    (chosen, rejected; ``posttrain.precompute_ref_log_probs``, :mod:`jaxcolossal.train.ref_logps`), keyed
+    by the pair's index in ``pairs``: then each batch also carries ``"ref_logps"`` fp32 ``[batch_size, 1]``,
+    row ``2i``/``2i + 1`` the chosen/rejected value of the pair drawn for it.
+
     Raises:
         ValueError: an odd ``batch_size``, and what :class:`ExampleLoader` raises.
     """
+
+    ref_logps: np.ndarray | None = None
 
     def __init__(self, pairs, batch_size: int, seed: int, mesh=None, batch_spec=None, process_index=None,
                  process_count=None, start_step: int = 0):
@@ -452,5 +459,19 @@ class PairLoader(ExampleLoader):
         pairs = np.random.default_rng([self.seed, step]).integers(0, self.num_pairs, self.batch_size // 2)
         idx = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)[self.rows]
         rows = self.examples[idx]
-        return {"inputs": np.ascontiguousarray(rows[:, :-1]), "targets": np.ascontiguousarray(rows[:, 1:]),
-                "loss_mask": np.ascontiguousarray(self.masks[idx])}
+        out = {"inputs": np.ascontiguousarray(rows[:, :-1]), "targets": np.ascontiguousarray(rows[:, 1:]),
+               "loss_mask": np.ascontiguousarray(self.masks[idx])}
+        if self.ref_logps is not None:  # row 2i + c of the pairs' interleaving is pair i's value c
+            out["ref_logps"] = np.ascontiguousarray(self.ref_logps.reshape(-1)[idx][:, None], np.float32)
+        return out
+
+    def attach_ref_logps(self, values: np.ndarray) -> None:
+        """Set :attr:`ref_logps` to ``values`` (``[num_pairs, 2]``, cast to fp32).
+
+        Raises:
+            ValueError: another shape."""
+        values = np.asarray(values, np.float32)
+        if values.shape != (self.num_pairs, 2):
+            raise ValueError(f"reference log-probs of shape {values.shape} for {self.num_pairs} pairs: expected "
+                             f"({self.num_pairs}, 2)")
+        self.ref_logps = values

@@ -404,16 +404,36 @@ def check_init_from(cfg_model: ModelConfig) -> None:
         hf = config_from_hf(read_hf_config(path))
     except FileNotFoundError as e:
         raise ConfigError(f"model.init_from={path!r}: {e}") from None
-    keys = _MATCH + get_family(hf).init_from_keys
-    bad = []
-    for k in keys:
-        a, b = getattr(cfg_model, k), getattr(hf, k)
-        same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) else a == b
-        if not same:
-            bad.append(f"model.{k}={a!r} (the Hugging Face config has {b!r})")
+    bad = model_mismatches(cfg_model, hf, "the Hugging Face config")
     if bad:
         raise ConfigError(f"model.init_from={path!r}: the model section does not match the checkpoint: "
                           + "; ".join(bad))
+
+
+def model_mismatches(cfg_model: ModelConfig, other: ModelConfig, whose: str) -> list[str]:
+    """The architecture keys (``type``, the sizes, the vocabulary, tied embeddings and the family's
+    ``init_from_keys``) on which ``other`` differs from ``cfg_model``, each as ``model.<key>=<ours>
+    (<whose> has <theirs>)``; empty when the two models have the same weights' layout and meaning."""
+    keys = _MATCH + get_family(other).init_from_keys
+    bad = []
+    for k in keys:
+        a, b = getattr(cfg_model, k), getattr(other, k)
+        same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) else a == b
+        if not same:
+            bad.append(f"model.{k}={a!r} ({whose} has {b!r})")
+    return bad
+
+
+def repad_vocab(params: dict, cfg_model: ModelConfig, tp: int = 1) -> dict:
+    """``params`` (numpy, any vocabulary padding) with the embedding rows (and ``lm_head`` columns) past
+    ``cfg_model.vocab_size`` dropped, then padded with zeros to ``padded_vocab_size(cfg_model, tp)``: a
+    checkpoint's weights in the padding of a run of ``cfg_model`` on tp ``tp``."""
+    emb = get_family(cfg_model).embedding
+    params = dict(params)
+    params[emb] = np.asarray(params[emb])[: cfg_model.vocab_size]
+    if "lm_head" in params:
+        params["lm_head"] = np.asarray(params["lm_head"])[:, : cfg_model.vocab_size]
+    return _pad_vocab(params, cfg_model, get_family(cfg_model).padded_vocab_size(cfg_model, tp))
 
 
 def init_params_from(cfg_model: ModelConfig, tp: int = 1) -> dict | None:

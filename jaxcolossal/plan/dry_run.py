@@ -103,12 +103,8 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
            else "in the pipeline's microbatches (below)"),
         f"FLOPs/token {fpt['6N+attn']:.3e} (6N+attn), {fpt['colossal']:.3e} (Colossal-AI 2N(3+recompute))",
     ]
-    if t.objective == "dpo":  # DPO's reference policy: a second copy of the weights, or none under LoRA
-        lines.append("DPO        reference " + (
-            "= the frozen base without the adapters: no second copy of the weights (0 B)"
-            if cfg.posttrain.reference == "lora_base" else
-            f"= a frozen copy of the initial params in {cfg.precision.mode}, sharded like them: "
-            f"{gib(per_device(specs.params, b['p']))} per device more") + f"; {t.batch_size // 2} pairs per step")
+    if t.objective == "dpo":  # DPO's reference policy: a second copy of the weights, or none
+        lines.append(_dpo_line(cfg, per_device(specs.params, b["p"])))
     offload, refusal = _offload_lines(cfg, shapes, specs, shape)
     if t.objective == "grpo":
         lines.append(_grpo_line(cfg, num_devices, shape))
@@ -124,6 +120,35 @@ def plan_dry_run(cfg: Config, num_devices: int | None = None) -> DryRunPlan:
     return DryRunPlan(tuple(lines), refusal)
 
 
+def _reference_copy(cfg: Config) -> str:
+    """Whose weights the frozen reference copy holds: ``the initial params`` or ``posttrain.ref_model=PATH``."""
+    return f"posttrain.ref_model={cfg.posttrain.ref_model}" if cfg.posttrain.ref_model else "the initial params"
+
+
+def _dpo_line(cfg: Config, copy_bytes: int) -> str:
+    """DPO's reference line: the frozen copy (``copy_bytes`` per device, the weights in the compute dtype
+    sharded like the params), the LoRA base (0 B), or with ``posttrain.precompute_ref_log_probs`` the
+    log-probs computed before training: the copy's bytes saved, 8 B per pair stored
+    (:mod:`jaxcolossal.train.ref_logps`), 4 B per row in each batch."""
+    po, pairs = cfg.posttrain, cfg.training.batch_size // 2
+    stored = ("stored 8 B per pair (2 fp32) in " + (f"{cfg.checkpoint.dir}/ref_logps/" if cfg.checkpoint.dir
+                                                    else "host memory (no checkpoint.dir)")
+              + ", 4 B per row in each batch")
+    if po.reference == "lora_base":
+        what = "= the frozen base without the adapters: no second copy of the weights (0 B)"
+        if po.precompute_ref_log_probs:
+            what += ("; its log-probs precomputed before training (posttrain.precompute_ref_log_probs): no "
+                     f"reference forward in the steps; {stored}")
+    elif po.precompute_ref_log_probs:
+        what = (f"log-probs precomputed before training with {_reference_copy(cfg)} "
+                f"(posttrain.precompute_ref_log_probs): no frozen copy in the state (0 B; {gib(copy_bytes)} per "
+                f"device saved) and no reference forward in the steps; {stored}")
+    else:
+        what = (f"= a frozen copy of {_reference_copy(cfg)} in {cfg.precision.mode}, sharded like them: "
+                f"{gib(copy_bytes)} per device more")
+    return f"DPO        reference {what}; {pairs} pairs per step"
+
+
 def _grpo_line(cfg: Config, num_devices: int, shape: dict) -> str:
     """GRPO's line (:mod:`jaxcolossal.memory.rollout`): the reference copy (``beta > 0``), the rollout
     (prompts × generations, the prompt and completion widths), the sampler's KV cache and the rollout
@@ -136,7 +161,7 @@ def _grpo_line(cfg: Config, num_devices: int, shape: dict) -> str:
     dshape = r["decode_shape"]
     data, tp = math.prod(dshape[a] for a in DATA_AXES), dshape["tp"]
     prompt = grpo_prompt_length(cfg)
-    reference = (f"reference = a frozen copy of the initial params in {cfg.precision.mode}: {gib(ref)} per device"
+    reference = (f"reference = a frozen copy of {_reference_copy(cfg)} in {cfg.precision.mode}: {gib(ref)} per device"
                  if ref else "no reference copy (" + ("beta 0" if posttrain_beta(cfg) == 0 else "the LoRA base") + ", 0 B)")
     return (f"GRPO       {reference}; rollouts of {t.batch_size // po.num_generations} prompts × {po.num_generations} "
             f"generations = {t.batch_size} rows of {prompt} prompt + {po.max_completion_length} completion tokens\n"

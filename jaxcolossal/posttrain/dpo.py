@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxcolossal.config.derived import dpo_loss_types, dpo_loss_weights, posttrain_beta
+from jaxcolossal.config.derived import dpo_loss_types, dpo_loss_weights, posttrain_beta, precomputes_ref_logps
 from jaxcolossal.posttrain.loss_terms import policy_token_logps, sequence_logps
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -179,8 +179,12 @@ class Dpo:
 
     ``__call__(params, tokens, targets, ...)`` with int32 ``[2P, t]`` rows (``2i`` chosen, ``2i+1``
     rejected) and ``mask [2P, t]``: ``(sum over the P pairs of the loss, {metric: sum over pairs})``.
-    ``reference``: the reference model's params dict (the frozen initial copy, or under LoRA the base
-    without adapters): its log-probs are computed under ``stop_gradient`` in the same step.
+    ``reference``: the reference model's params dict (the frozen initial copy or ``posttrain.ref_model``'s,
+    or under LoRA the base without adapters): its log-probs are computed under ``stop_gradient`` in the
+    same step (:meth:`reference_logps`). With ``posttrain.precompute_ref_log_probs`` they come instead as
+    the batch field ``ref_logps``, fp32 ``[2P, 1]`` (each row's reference sequence log-prob, computed by
+    the same :meth:`reference_logps` before training: :mod:`jaxcolossal.train.ref_logps`), and
+    ``reference`` is None (TRL's ``ref_chosen_logps``/``ref_rejected_logps`` columns).
     """
 
     name = "dpo"
@@ -193,17 +197,28 @@ class Dpo:
     def __init__(self, family, cfg):
         self.family, self.cfg, self.post = family, cfg, cfg.posttrain
         self.loss_types, self.loss_weights = dpo_loss_types(cfg), dpo_loss_weights(cfg)
+        if precomputes_ref_logps(cfg):  # the reference's log-probs come with the batch
+            self.batch_fields = ("ref_logps",)
+
+    def reference_logps(self, reference, tokens, targets, mask, mcfg, shard, vocab_parallel):
+        """Each row's reference sequence log-prob, fp32 ``[b]`` without gradient (:func:`sequence_logps` of
+        the ``reference`` params over int32 ``tokens``/``targets`` ``[b, t]``, ``mask`` fp32 ``[b, t]``)."""
+        ref_params = jax.lax.stop_gradient(reference)
+        return jax.lax.stop_gradient(sequence_logps(self.family, ref_params, tokens, targets, mask, mcfg, shard,
+                                                    vocab_parallel))
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
-                 positions=None, dropout_key=None, reference=None):
-        # the phases: policy log-probs (per token: sft's NLL), reference log-probs (no gradient), the loss
+                 positions=None, dropout_key=None, reference=None, ref_logps=None):
+        # the phases: policy log-probs (per token: sft's NLL), reference log-probs (no gradient; or the
+        # precomputed ones), the loss
         mask = mask.astype(jnp.float32)
         pol_tok = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
                                      dropout_key=dropout_key)
         pol = jnp.sum(pol_tok, axis=-1)
-        ref_params = jax.lax.stop_gradient(reference)
-        ref = jax.lax.stop_gradient(sequence_logps(self.family, ref_params, tokens, targets, mask, mcfg, shard,
-                                                   vocab_parallel))
+        if ref_logps is not None:
+            ref = ref_logps.reshape(-1).astype(jnp.float32)
+        else:
+            ref = self.reference_logps(reference, tokens, targets, mask, mcfg, shard, vocab_parallel)
         lens = jnp.sum(mask, axis=-1)
         sft_nll = None
         if "sft" in self.loss_types:  # TRL: -chosen_per_token_logps[chosen_mask].mean()

@@ -17,6 +17,7 @@ import numpy as np
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import CheckpointManager, step_dirs
 from jaxcolossal.config import Config, ConfigError
+from jaxcolossal.config.derived import holds_reference, precomputes_ref_logps
 from jaxcolossal.data import get_tokenizer
 from jaxcolossal.data.formats import data_format
 from jaxcolossal.generate import Sampling, generate, run_eos_ids, sample_tokens
@@ -27,6 +28,7 @@ from jaxcolossal.train.guard import StepWatchdog
 from jaxcolossal.train.objective import objective_class
 from jaxcolossal.train.optimizer import build_optimizer
 from jaxcolossal.train.preflight import preflight
+from jaxcolossal.train.ref_logps import attach, fingerprint, store_dir, stored_ref_logps
 from jaxcolossal.train.report import quiet_console
 from jaxcolossal.train.run import Run, new_run_id
 from jaxcolossal.train.start import eval_step_for, initial_state, load_data, mesh_and_plan
@@ -176,7 +178,9 @@ def evaluate_only(cfg: Config) -> dict:
     same data keys, mesh and sharding). The state: the policy of the newest step in ``checkpoint.dir``
     that restores (as ``training.resume=true`` restores it, whatever ``training.resume`` says; a DPO
     or GRPO run's frozen reference is read only where DPO's evaluation needs it), else
-    ``model.init_from``'s Hugging Face weights. Never trains, never saves a checkpoint.
+    ``model.init_from``'s Hugging Face weights. Never trains, never saves a checkpoint. With
+    ``posttrain.precompute_ref_log_probs`` the held-out reference log-probs are the run's stored ones
+    (:mod:`jaxcolossal.train.ref_logps`).
 
     Prints one line (process 0), :func:`eval_line`'s ``<what> at step N (<source>)``: SFT's
     ``validation loss X.XXXX nats/token, perplexity Y``, DPO's held-out pairs' loss and
@@ -196,8 +200,9 @@ def evaluate_only(cfg: Config) -> dict:
     with quiet_console():
         mesh, plan = mesh_and_plan(cfg, run_id)
         loader, evals, _ = load_data(cfg, mesh, plan)
-        state, source = _restored_state(cfg, plan,
-                                        reference=evaluation == "objective" and cfg.posttrain.reference == "frozen")
+        state, source = _restored_state(cfg, plan, reference=evaluation == "objective" and holds_reference(cfg))
+        if evaluation == "objective" and precomputes_ref_logps(cfg):  # the run's stored held-out values
+            evals = attach(stored_ref_logps(store_dir(cfg), fingerprint(cfg, loader, evals)), loader, evals)
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=jax.process_index() == 0)
         run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=loader, evals=evals, compiled=None,
                   eval_step=eval_step_for(plan), compile_s=0.0,

@@ -1,6 +1,6 @@
 """The loop's first phase: every check that needs the file system, before anything compiles
-(:func:`preflight`): the output folders (:func:`check_output_dir`), ``model.init_from``, the tokenizer
-against ``model.vocab_size``, and ``training.resume`` against the checkpoint folder."""
+(:func:`preflight`): the output folders (:func:`check_output_dir`), ``model.init_from``, ``posttrain.ref_model``,
+the tokenizer against ``model.vocab_size``, and ``training.resume`` against the checkpoint folder."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import jax
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import step_dirs
 from jaxcolossal.config import Config, ConfigError
+from jaxcolossal.config.derived import uses_reference
 from jaxcolossal.data import get_tokenizer
 from jaxcolossal.models.hf_io import check_init_from
 from jaxcolossal.models.peft import read_adapter_config
+from jaxcolossal.posttrain.ref_model import check_ref_model
 from jaxcolossal.train.emergency import any_local_steps, default_local_dir, local_dir
 
 
@@ -55,7 +57,8 @@ def preflight(cfg: Config, eval_only: bool = False) -> None:
         ConfigError: one line naming the key: ``checkpoint.dir``, ``checkpoint.local_dir`` (with
             ``checkpoint.local_every``; every process writes there) or (on process 0, which writes
             it) ``logging.run_dir`` that cannot be created (:func:`check_output_dir`);
-            ``model.init_from`` missing or not matching;
+            ``model.init_from`` missing or not matching; ``posttrain.ref_model`` neither a Hugging Face
+            folder nor a checkpoint folder, or not the policy's architecture and vocabulary;
             ``model.vocab_size`` below the tokenizer's ids; ``training.resume=true`` with a
             ``checkpoint.dir`` that holds no step; a fresh run into a ``checkpoint.dir`` that
             holds steps, without ``checkpoint.overwrite``.
@@ -74,6 +77,8 @@ def preflight(cfg: Config, eval_only: bool = False) -> None:
         check_output_dir("logging.run_dir", cfg.logging.run_dir)
     if m.init_from:
         check_init_from(m)
+    if cfg.posttrain.ref_model and uses_reference(cfg):
+        check_ref_model(cfg)
     if m.lora.init_from:  # a PEFT adapter to continue: its rank, alpha and targets are the run's
         m.lora = read_adapter_config(m.lora.init_from)
     tok = get_tokenizer(cfg.data.tokenizer)

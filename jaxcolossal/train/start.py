@@ -15,12 +15,14 @@ import jax
 
 from jaxcolossal import metrics as mx
 from jaxcolossal.config import Config, double_buffers_loops
+from jaxcolossal.config.derived import holds_reference
 from jaxcolossal.data import DataLoader
 from jaxcolossal.data.formats import data_format
 from jaxcolossal.models.hf_io import init_params_from
 from jaxcolossal.models.peft import load_adapters
 from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.parallel.sharding import DATA_AXES
+from jaxcolossal.posttrain.ref_model import load_ref_model
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 from jaxcolossal.runtime.goodput import GoodputRecorder
@@ -31,6 +33,7 @@ from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.objective import objective_class
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.profile import StepProfiler
+from jaxcolossal.train.ref_logps import ref_logps_phase
 from jaxcolossal.train.report import memory_report, param_table
 from jaxcolossal.train.run import Run, new_run_id, run_start_record
 from jaxcolossal.train.start_lines import init_from_inherits, run_line, start_notes
@@ -55,11 +58,16 @@ def mesh_and_plan(cfg: Config, run_id: str | None = None) -> tuple[Any, TrainPla
 
 def initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
     """The state before any restore: ``model.init_from``'s Hugging Face weights (fine-tuning), else
-    a fresh init from ``training.seed``; with ``model.lora.init_from``, its adapters."""
+    a fresh init from ``training.seed``; with ``model.lora.init_from``, its adapters; with
+    ``posttrain.ref_model`` (and a reference copy held), that model's weights as the reference."""
     log, lora = get_dist_logger(), cfg.model.lora
+    ref_model = cfg.posttrain.ref_model and holds_reference(cfg)
     state = init_state(plan, tx, key=jax.random.key(cfg.training.seed),
                        params=init_params_from(cfg.model, plan.mesh_shape["tp"]),
-                       adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None)
+                       adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None,
+                       reference=load_ref_model(cfg, plan.mesh_shape["tp"]) if ref_model else None)
+    if ref_model:
+        log.info(f"the reference model is posttrain.ref_model={cfg.posttrain.ref_model} (a frozen copy)", ranks=[0])
     if cfg.model.init_from:
         log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from} ({init_from_inherits(cfg)})",
                  ranks=[0])
@@ -128,8 +136,8 @@ def compile_step(cfg: Config, plan: TrainPlan, tx: Any, state: Any, loader: Data
 
 def start_run(cfg: Config, stop: StopSignals, rec: GoodputRecorder) -> Run:
     """Everything before the first step: the mesh and plan, the data, the model's state, the
-    checkpoint folder (restored from with ``training.resume``), the metric sinks and the compiled
-    train step.
+    checkpoint folder (restored from with ``training.resume``), DPO's precomputed reference log-probs
+    (:func:`ref_logps_phase`), the metric sinks and the compiled train step.
 
     Raises:
         StoppedBeforeTraining: a signal arrived; raised at the next phase boundary
@@ -155,6 +163,8 @@ def start_run(cfg: Config, stop: StopSignals, rec: GoodputRecorder) -> Run:
         with rec.phase("checkpoint_load"):
             state, resumed_from, source = restored(cfg, ckpt, state, tier, stop, local)
         rec.resumed(resumed_from or 0, source)
+        # posttrain.precompute_ref_log_probs: the reference's log-probs computed (or read back) before the steps
+        evals = ref_logps_phase(cfg, plan, state, loader, evals, resumed=resumed_from is not None)
         # the metric sinks before compiling: a W&B run that cannot start is refused without the compile's wait
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=is_main)
         with rec.phase("compilation"):

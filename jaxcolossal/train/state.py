@@ -65,9 +65,11 @@ class TrainState:
         frozen: with LoRA (``model.lora.rank > 0``), the base model's weights in the compute dtype,
             sharded by ``plan.frozen_specs`` and never updated; ``params``, ``master`` and
             ``opt_state`` then hold only the adapters (:mod:`jaxcolossal.models.layers.lora`). Else ``None``.
-        reference: with ``training.objective=dpo`` and ``posttrain.reference=frozen``, DPO's reference
-            policy: a copy of the initial params in the compute dtype, sharded like ``params``
-            (``specs.params``), never updated, saved and restored with the rest. Else ``None``.
+        reference: with ``training.objective=dpo`` (or ``grpo`` with ``beta > 0``) and
+            ``posttrain.reference=frozen`` (:func:`holds_reference`), the reference policy: a copy of the
+            initial params, or of ``posttrain.ref_model``'s weights, in the compute dtype, sharded like the
+            model's params (``specs.params``; under LoRA the base's ``frozen_specs``), never updated, saved
+            and restored with the rest. Else ``None`` (also with ``posttrain.precompute_ref_log_probs``).
     """
 
     step: jax.Array
@@ -250,6 +252,14 @@ def init_residual(plan: TrainPlan, params: Any) -> Any:
     return {"error": zeros(), "velocity": zeros()} if p.momentum_correction else zeros()
 
 
+def reference_specs(plan: TrainPlan) -> Any:
+    """Specs of :attr:`TrainState.reference`: the whole model's params specs (under LoRA the base's,
+    ``frozen_specs``: a ``posttrain.ref_model`` held beside it), or ``None`` without a reference copy."""
+    if not holds_reference(plan.cfg):
+        return None
+    return plan.frozen_specs if plan.lora else plan.specs.params
+
+
 def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainState:
     """A :class:`TrainState` whose leaves are the target ``NamedSharding`` of each array, in the
     memory kind (device or pinned host) that ``plan.placement`` gives each leaf."""
@@ -263,7 +273,7 @@ def state_shardings(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainS
         scaler=LossScaleState(P(), P(), P(), P()) if plan.precision == "fp16" else None,
         residual=residual_specs(plan),
         frozen=plan.frozen_specs,
-        reference=plan.specs.params if holds_reference(plan.cfg) else None,
+        reference=reference_specs(plan),
     )
     shardings = named(plan.mesh, specs)
     if plan.placement is not None and plan.placement.active:
@@ -280,7 +290,7 @@ def abstract_state(plan: TrainPlan, tx: optax.GradientTransformation) -> TrainSt
 
 
 def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array | None = None,
-               params: Any = None, adapters: Any = None) -> TrainState:
+               params: Any = None, adapters: Any = None, reference: Any = None) -> TrainState:
     """Build the sharded train state, from ``params`` (fp32 pure dict) or fresh from ``key``.
 
     Under LoRA (``plan.lora``) ``params`` (or the fresh init) is the frozen base, cast to the
@@ -288,16 +298,25 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
     :func:`jaxcolossal.models.peft.load_adapters`) or fresh ones drawn from ``key``
     (:func:`jaxcolossal.models.layers.lora.init_adapters`).
 
+    ``reference``: the reference copy's weights (a pure dict shaped like the model's params, any float
+    dtype: ``posttrain.ref_model``'s, :func:`jaxcolossal.posttrain.ref_model.load_ref_model`); None: the
+    initial params. Kept (in the compute dtype) only when :func:`holds_reference`.
+
     Runs under ``jit`` with the target ``out_shardings``: each device materialises only its
     shard.
     """
     shardings = state_shardings(plan, tx)
     pc = plan.cfg.precision
 
-    def build(key, params, adapters):
+    def build(key, params, adapters, reference):
         if params is None:
             params = plan.init_model(key)
         params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        if holds_reference(plan.cfg):  # the initial policy (a copy, not an alias), or posttrain.ref_model's
+            reference = jax.tree.map(lambda x: x.astype(plan.compute_dtype) + 0,
+                                     params if reference is None else reference)
+        else:
+            reference = None
         frozen = None
         if plan.lora:  # the base model is frozen; the adapters are what is trained
             frozen = jax.tree.map(lambda x: x.astype(plan.compute_dtype), params)
@@ -313,13 +332,11 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, key: jax.Array
             scaler=scaler_init(pc.initial_scale) if plan.precision == "fp16" else None,
             residual=init_residual(plan, params),
             frozen=frozen,
-            # DPO's frozen reference: the initial policy in the compute dtype (a copy, not an alias)
-            reference=jax.tree.map(lambda x: x.astype(plan.compute_dtype) + 0, params)
-            if holds_reference(plan.cfg) else None,
+            reference=reference,
         )
 
     if key is None and (params is None or (plan.lora and adapters is None)):
         raise ValueError("init_state needs a PRNG key, or an initial params dict (and adapters under LoRA)")
     if key is None:
         key = jax.random.key(0)  # unused: everything comes from params and adapters
-    return jax.jit(build, out_shardings=shardings)(key, params, adapters)
+    return jax.jit(build, out_shardings=shardings)(key, params, adapters, reference)

@@ -196,11 +196,9 @@ class _GradFn:
         reduction), or per data shard (``[N, ...]``, unreduced). ``frozen``: LoRA's base weights;
         ``step``: the optimizer step (LoRA's dropout keys)."""
         keys = self.dropout_keys(step, j)
-        if self.layerwise:  # [N, b, t] -> [N·b, t]: each device keeps its rows
-            t = xs.shape[-1]
-
+        if self.layerwise:  # [N, b, t] -> [N·b, t] (a batch field [N, b, ...] likewise): each device keeps its rows
             def rows(a):
-                return a[:, j].reshape(-1, t)
+                return a[:, j].reshape((-1,) + a.shape[3:])
 
             aux_j = {k: rows(a) for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
             (_, (loss, stats)), g = self.global_grad(params, rows(xs), rows(ys), aux_j, coef, frozen, reference)
@@ -277,15 +275,15 @@ class _GradFn:
 
     def __call__(self, params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, residual=None,
                  step=None, first_moment=None, frozen=None, with_stats=False, reference=None, fields=None):
-        B, t = inputs.shape
+        B = inputs.shape[0]
         n, k = self.n, self.k
         # the gradient of the mean over the whole step (tokens; DPO: pairs), × the loss scale
         coef = scale / self.objective.count(inputs, mask)
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
                                                                      self.ring)
 
-        def split(a):  # [B, t] -> [n, k, B/(n·k), t]: data shard, microbatch, rows
-            return jax.lax.with_sharding_constraint(a.reshape(n, k, B // (n * k), t),
+        def split(a):  # [B, ...] -> [n, k, B/(n·k), ...]: data shard, microbatch, rows (tokens: [B, t])
+            return jax.lax.with_sharding_constraint(a.reshape((n, k, B // (n * k)) + a.shape[1:]),
                                                     NamedSharding(self.mesh, P(DATA_AXES)))
 
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
@@ -329,7 +327,9 @@ def make_train_step(plan: TrainPlan, tx: optax.GradientTransformation,
     ``batch``: ``{"inputs", "targets"}`` int32 ``[B, t]`` sharded ``P(("dp", "fsdp"), None)``, and
     optionally ``"loss_mask"`` ``[B, t]`` (1 = trained on, 0 = prompt or padding; any dtype): the
     loss is then the mean over the masked-in tokens of the whole global batch; and optionally
-    ``"segment_ids"``/``"positions"`` int32 ``[B, t]`` for packed documents (``data.packing_mask``).
+    ``"segment_ids"``/``"positions"`` int32 ``[B, t]`` for packed documents (``data.packing_mask``); and
+    the objective's ``batch_fields`` (GRPO's ``[B, t]`` advantages and log-probs; DPO's precomputed
+    reference log-probs ``ref_logps`` fp32 ``[B, 1]``), each ``[B, ...]`` split into microbatches like the rows.
     With ``offload.nvme_path`` the state is the *runtime* one (:meth:`jaxcolossal.train.nvme.NvmeTier.spill`:
     tokens in place of the NVMe-resident leaves).
     ``metrics``: fp32 scalars ``loss`` (mean nats/token), ``grad_norm`` (before clipping),
@@ -494,18 +494,22 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
 
 
 def make_objective_eval_step(plan: TrainPlan) -> Callable:
-    """Jitted ``eval(params, reference, inputs, targets, mask) -> (mean loss, {metric: mean})``: the
-    objective's own loss and metrics over a held-out batch (an objective whose ``evaluation`` is
-    ``objective``; DPO's interleaved preference rows, ``[2P, t]`` int32, ``mask`` float32, sharded
+    """Jitted ``eval(params, reference, inputs, targets, mask, ref_logps=None) -> (mean loss, {metric:
+    mean})``: the objective's own loss and metrics over a held-out batch (an objective whose ``evaluation``
+    is ``objective``; DPO's interleaved preference rows, ``[2P, t]`` int32, ``mask`` float32, sharded
     over the data group, and TRL's metrics: :class:`jaxcolossal.posttrain.dpo.Dpo`). ``params``: the
-    model's whole params dict; ``reference``: the frozen copy, or under LoRA the base."""
+    model's whole params dict; ``reference``: the frozen copy, or under LoRA the base; with
+    ``posttrain.precompute_ref_log_probs`` None, and ``ref_logps`` fp32 ``[2P, 1]`` the rows' precomputed
+    reference log-probs (:mod:`jaxcolossal.train.ref_logps`)."""
     cfg, sharder = plan.cfg, plan.sharder
     objective = make_objective(plan.family, cfg)
     vp = sharder.is_sharded("vocab")
 
-    def ev(params, reference, x, y, mask):
+    def ev(params, reference, x, y, mask, ref_logps=None):
         x = sharder(x, ("batch", "seq"))
-        s, stats = objective(params, x, y, cfg.model, sharder, vp, mask.astype(jnp.float32), reference=reference)
+        fields = {} if ref_logps is None else {"ref_logps": ref_logps}
+        s, stats = objective(params, x, y, cfg.model, sharder, vp, mask.astype(jnp.float32), reference=reference,
+                             **fields)
         n = objective.count(x)
         return s / n, objective.metrics(stats, n)
 
