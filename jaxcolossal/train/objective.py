@@ -37,7 +37,8 @@ class Objective(Protocol):
     Called as ``objective(params, tokens, targets, mcfg, shard, vocab_parallel, mask, segment_ids,
     positions, dropout_key=None, reference=None, **fields) -> (summed loss, stats)`` inside the step's
     trace: ``tokens``/``targets`` int32 ``[b, t]``, ``mask`` ``[b, t]`` or None, ``fields`` the batch's
-    arrays named in :attr:`batch_fields` (each ``[b, t]``, split into microbatches like the tokens),
+    arrays named in :attr:`batch_fields` (each ``[b, ...]``: GRPO's ``[b, t]``, DPO's precomputed reference
+    log-probs ``[b, 1]``; split into microbatches like the tokens),
     ``reference`` the reference model's params (or None); the summed loss is an fp32 scalar and
     ``stats`` a dict of fp32 arrays that the step sums over data shards and microbatches. The step
     divides the summed loss by :meth:`count` over the whole step and reports :meth:`metrics`.
@@ -46,7 +47,8 @@ class Objective(Protocol):
     name: ClassVar[str]
     """``training.objective``'s value that picks it."""
     batch_fields: ClassVar[tuple[str, ...]]
-    """The batch's extra arrays (``[B, t]``) passed to the call by name, beside tokens and mask."""
+    """The batch's extra arrays (``[B, ...]``) passed to the call by name, beside tokens and mask (an
+    instance may set its own: DPO's ``ref_logps`` with ``posttrain.precompute_ref_log_probs``)."""
     data_format: ClassVar[str | None]
     """The ``data.format`` it reads, and only it does; None: any format no objective claims."""
     reads: ClassVar[str]

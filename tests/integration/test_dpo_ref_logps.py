@@ -13,19 +13,21 @@ from test_dpo_train import DPO_JOB, ROOT, dpo_config
 from test_grpo_train import grpo_config
 from tiny import SMALL_MAIN_JOB
 
-from jaxcolossal.checkpoint import step_dirs
+from jaxcolossal.checkpoint import CheckpointManager, step_dirs
 from jaxcolossal.config import ConfigError, load_config
 from jaxcolossal.data import get_tokenizer
 from jaxcolossal.data.loader import PairLoader
 from jaxcolossal.data.preference import PreferenceData
 from jaxcolossal.data.prompts import load_prompts
+from jaxcolossal.models import param_layout
 from jaxcolossal.models.hf_io import load_hf, save_hf
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.plan import plan_dry_run
 from jaxcolossal.posttrain.dpo import DPO_METRICS
-from jaxcolossal.posttrain.ref_model import check_ref_model
+from jaxcolossal.posttrain.ref_model import check_ref_model, load_ref_model
 from jaxcolossal.posttrain.rollout import Rollouts
 from jaxcolossal.train import ref_logps
+from jaxcolossal.train.evaluate import evaluate_only
 from jaxcolossal.train.loop import train
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.start import initial_state
@@ -116,7 +118,8 @@ def _job(tmp_path, name, *extra):
 
 def test_a_resume_reads_the_stored_values_and_runs_no_pass(tmp_path):
     """Two steps (the pass, the store, a checkpoint without reference arrays), then two more resumed: the
-    values are read back, the pass does not run again, the steps go on from the stored values."""
+    values are read back, the pass does not run again, the steps go on from the stored values; ``--eval-only``
+    repeats the last held-out evaluation from the stored held-out values."""
     passes = ref_logps.PASSES[0]
     train(_job(tmp_path, "a", "training.max_steps=2"))
     assert ref_logps.PASSES[0] == passes + 1
@@ -132,6 +135,10 @@ def test_a_resume_reads_the_stored_values_and_runs_no_pass(tmp_path):
     assert f"reference log-probs: read from {store} for {meta['pairs']} training pairs" in log
     assert "computed for" not in log and step_dirs(str(tmp_path / "ckpt"))[-1] == 4
     assert out["state"].reference is None
+    logged = [r["val_loss"] for r in map(json.loads, open(tmp_path / "b" / "run" / "metrics.jsonl"))
+              if r.get("step") == 4 and "val_loss" in r][-1]
+    assert evaluate_only(_job(tmp_path, "b", "training.max_steps=4"))["val_loss"] == logged
+    assert ref_logps.PASSES[0] == passes + 1
 
 
 def test_a_resume_with_other_data_or_no_store_is_refused(tmp_path):
@@ -218,6 +225,27 @@ def test_a_grpo_step_with_ref_model(tmp_path):
     state, m = step_fn(state, ro.batch(0, state))
     print(f"\nGRPO with ref_model: step 1 loss {float(m['loss']):.5f}, kl {float(m['kl']):.4f}")
     assert int(m["nonfinite"]) == 0 and float(m["kl"]) > 0.01
+
+
+def test_ref_model_from_a_checkpoint_folder(tmp_path):
+    """One of our runs' ``checkpoint.dir``: its newest step's weights (the fp32 master of a bf16 run), the
+    vocabulary re-padded for this run's tp."""
+    src = dpo_config(model={"vocab_size": 250}, precision="bf16")
+    plan = make_plan(src, make_mesh(src.parallel, jax.devices()[:1]))
+    state = init_state(plan, build_optimizer(src.training, plan), key=jax.random.key(3))
+    ckpt = CheckpointManager(str(tmp_path / "ckpt"), config=src.to_dict(), async_save=False)
+    ckpt.save(5, state)
+    ckpt.close()
+    cfg = dpo_config(model={"vocab_size": 250}, posttrain={"ref_model": str(tmp_path / "ckpt")})
+    got = load_ref_model(cfg, tp=2)
+    want = jax.device_get(state.master)
+    shapes = param_layout(cfg.model, 2)[1]
+    assert jax.tree.map(np.shape, got) == jax.tree.map(tuple, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    np.testing.assert_array_equal(got["embed_tokens"][:250], want["embed_tokens"][:250])
+    assert not got["embed_tokens"][250:].any()
+    np.testing.assert_array_equal(got["layers"]["wq"], want["layers"]["wq"])
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256 \(the reference has 250\)"):
+        check_ref_model(dpo_config(model={"vocab_size": 256}, posttrain={"ref_model": str(tmp_path / "ckpt")}))
 
 
 def test_ref_model_refusals(other_model, tmp_path):
