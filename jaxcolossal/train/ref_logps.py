@@ -136,9 +136,9 @@ def stored_ref_logps(path: str | None, meta: dict) -> dict:
         ConfigError: no store, or one computed for other data or another reference (the differing keys)."""
     file = os.path.join(path, "ref_logps.npz") if path else ""
     if not path or not os.path.isfile(file):
-        raise ConfigError(f"posttrain.precompute_ref_log_probs: the run resumes, but {file or 'checkpoint.dir'} "
-                          "holds no stored reference log-probs (the reference weights are not in the checkpoint); "
-                          "start a fresh run (training.resume=false) to compute them")
+        raise ConfigError(f"posttrain.precompute_ref_log_probs: {file or 'checkpoint.dir (not set)'} holds no stored "
+                          "reference log-probs to resume or evaluate with (the reference weights are not in the "
+                          "checkpoint); start a fresh run (training.resume=false) to compute them")
     with open(os.path.join(path, "meta.json")) as f:
         saved = json.load(f)
     diff = [f"{k} {saved.get(k)!r} stored, {v!r} now" for k, v in meta.items() if saved.get(k) != v]
