@@ -110,10 +110,13 @@ their ``clip_ratio/*`` metrics."""
 
 def posttrain_beta(cfg: Config) -> float:
     """``posttrain.beta`` with ``auto`` resolved to TRL 1.16's default of the run's objective: 0.1 for
-    DPO (``DPOConfig.beta``), 0.0 for GRPO (``GRPOConfig.beta``) and SFT."""
+    DPO (``DPOConfig.beta``), 0.0 for GRPO (``GRPOConfig.beta``) and SFT, 0.05 for GRPO with
+    ``advantage=rloo`` (``RLOOConfig.beta``)."""
     b = cfg.posttrain.beta
     if b != "auto":
         return float(b)
+    if cfg.training.objective == "grpo" and cfg.posttrain.advantage == "rloo":
+        return 0.05
     return 0.1 if cfg.training.objective == "dpo" else 0.0
 
 

@@ -173,11 +173,36 @@ def _check_grpo(cfg: Config) -> None:
                           f"prompt in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and "
                           "completion): set posttrain.max_completion_length below training.seq_len")
     _check_generation_batch(cfg)
+    _check_advantage(cfg)
     reward_specs(po.reward_funcs, po.reward_weights)  # user functions imported now: raises ConfigError
     try:
         re.compile(po.format_pattern)
     except re.error as e:
         raise ConfigError(f"posttrain.format_pattern={po.format_pattern!r}: not a regular expression ({e})") from None
+
+
+RLOO_UNREAD = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "top_entropy_quantile",
+               "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+               "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+"""The GRPO keys ``advantage=rloo`` does not read (TRL's ``RLOOTrainer`` has one loss and no such options)."""
+
+
+def _check_advantage(cfg: Config) -> None:
+    """``advantage=rloo`` with a ``GRPOTrainer``-only key set, or ``normalize_advantages`` (RLOO's) without it.
+
+    Raises:
+        ConfigError: one line naming the key."""
+    po, default = cfg.posttrain, PosttrainConfig()
+    if po.advantage != "rloo":
+        if po.normalize_advantages:
+            raise ConfigError("posttrain.normalize_advantages=true is RLOO's (TRL's RLOOConfig): set "
+                              "posttrain.advantage=rloo, or use posttrain.scale_rewards for GRPO's group advantages")
+        return
+    for key in RLOO_UNREAD:
+        if getattr(po, key) != getattr(default, key):
+            raise ConfigError(f"posttrain.{key}={getattr(po, key)!r} is a GRPOTrainer option that "
+                              "posttrain.advantage=rloo (TRL's RLOOTrainer: one clipped sequence-level loss) never "
+                              "reads: remove it")
 
 
 def _check_generation_batch(cfg: Config) -> None:

@@ -963,6 +963,16 @@ class PosttrainConfig:
     """GRPO ``loss_type=vespo``: the gamma weight's shape ``k`` for negative advantages (TRL's default)."""
     vespo_lambda_neg: float = 2.0
     """GRPO ``loss_type=vespo``: the gamma weight's rate ``λ`` for negative advantages (TRL's default)."""
+    advantage: Literal["group", "rloo"] = "group"
+    """GRPO: the advantage and the loss around it. ``group`` (the default): ``GRPOTrainer``'s, each reward
+    less its group's mean (scaled by ``scale_rewards``), the loss of ``loss_type``. ``rloo``: TRL's
+    ``RLOOTrainer`` (Ahmadian et al., 2024): with ``beta > 0`` each reward first less ``β·Σ(log π_old -
+    log π_ref)`` over its completion (the KL in the reward, first order), then less the mean of the other
+    completions of its group (the leave-one-out baseline); the loss is PPO's clipped objective on each
+    completion's summed log-ratio, averaged over completions; ``beta: auto`` is then RLOOConfig's 0.05."""
+    normalize_advantages: bool = False
+    """GRPO ``advantage=rloo`` (TRL's ``RLOOConfig.normalize_advantages``): the advantages are normalised
+    to mean 0 and standard deviation 1 over the generation batch (``+ 1e-4``)."""
     num_iterations: int = 1
     """GRPO's μ, >= 1: optimizer steps on each batch of rollouts. With μ > 1 the log-probs of the
     policy that sampled them are computed once and kept (``old_per_token_logps``); the rollouts are
@@ -1028,7 +1038,7 @@ GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "to
                   "rollout_tp", "steps_per_generation", "generation_batch_size", "rollout_slots",
                   "use_bias_correction_kl", "importance_sampling_level", "delta", "top_entropy_quantile",
                   "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                  "vespo_lambda_neg")
+                  "vespo_lambda_neg", "advantage", "normalize_advantages")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing", "loss_weights", "discopop_tau")

@@ -52,7 +52,8 @@ from jaxcolossal.parallel.sharding import RULES, logical_to_spec
 from jaxcolossal.posttrain.rewards import RewardSet, TrainerState, make_rewards
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 
-__all__ = ["Rollouts", "completion_ids", "group_advantages", "rollout_token_logps", "row_layout", "truncated_rows"]
+__all__ = ["Rollouts", "completion_ids", "group_advantages", "rloo_advantages", "rollout_token_logps", "row_layout",
+           "truncated_rows"]
 
 ROLLOUTS_KEPT = 2
 """Rollout batches kept in ``<checkpoint.dir>/rollouts`` (the newest ones)."""
@@ -77,6 +78,28 @@ def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.nd
     adv = rewards - mean
     if scale != "none":
         adv = adv / (std + 1e-4)
+    return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0) | np.isnan(std)
+
+
+def rloo_advantages(rewards: np.ndarray, group: int, kl: np.ndarray | None, beta: float,
+                    normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """TRL 1.16 ``RLOOTrainer``'s advantages, fp32 ``[n]``: with ``beta > 0`` each reward first less
+    ``β·kl`` (``kl [n]``: the completion's summed ``log π_old - log π_ref``), then less the mean of the
+    *other* scored completions of its group (the leave-one-out baseline); with ``normalize`` the
+    advantages are then ``(a - mean) / (std + 1e-4)`` over the batch (Bessel-corrected); unscorable rows
+    (NaN) get 0. Also returns ``no_signal [n]`` as :func:`group_advantages` does (the group's std of the
+    penalised rewards is 0 or undefined)."""
+    if beta and kl is not None:
+        rewards = rewards - beta * kl
+    grouped = rewards.reshape(-1, group)
+    scored = (~np.isnan(grouped)).sum(axis=1, keepdims=True)
+    with warnings.catch_warnings():  # a group with one scored completion has no baseline: NaN, then 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        baseline = (np.nansum(grouped, axis=1, keepdims=True) - grouped) / (scored - 1)
+        adv = (grouped - baseline).reshape(-1)
+        if normalize:
+            adv = (adv - np.nanmean(adv)) / (np.nanstd(adv, ddof=1) + 1e-4)
+        std = np.repeat(np.nanstd(grouped, axis=1, ddof=1), group)
     return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0) | np.isnan(std)
 
 
@@ -260,21 +283,37 @@ class Rollouts:
                                            TrainerState(step, self.cfg.training.max_steps))
         self._check_scored(per_func, step)
         total = self.rewards.total(per_func)
-        adv, std_zero = group_advantages(total, self.G, self.cfg.posttrain.scale_rewards)
-        if self.cfg.posttrain.log_completions:
-            self.shown = self._shown(step, idx, comp_texts, per_func, total, adv)
         t3 = time.perf_counter()
         truncated = self._truncated(completions, lengths)
         host = row_layout(prompt_tokens, prompt_mask, completions, lengths,
                           truncated if self.cfg.posttrain.mask_truncated_completions else None)
-        host["advantages"] = np.repeat(adv[:, None], host["inputs"].shape[1], axis=1)
         host.update(self._policy_logps(state, host))
         t4 = time.perf_counter()
-        metrics = self._metrics(per_func, total, std_zero, lengths, truncated)
+        adv, std_zero, kl_metric = self._advantages(total, host)
+        host["advantages"] = np.repeat(adv[:, None], host["inputs"].shape[1], axis=1)
+        if self.cfg.posttrain.log_completions:
+            self.shown = self._shown(step, idx, comp_texts, per_func, total, adv)
+        metrics = self._metrics(per_func, total, std_zero, lengths, truncated) | kl_metric
         metrics.update({"time/wait_update_s": t1 - t0, "time/rollout_s": t2 - t1, "time/reward_s": t3 - t2,
                         "time/logps_s": t4 - t3, "rollout_tokens_per_s": float(lengths.sum()) / max(t2 - t1, 1e-9)})
         self._save(step, host, metrics)
         return _Rollout(step, host, metrics)
+
+    def _advantages(self, total: np.ndarray, host: dict) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Each completion's advantage ``[n]``, its group's no-signal flag ``[n]`` and the rollout's own
+        metrics: GRPO's group advantages (:func:`group_advantages`), or RLOO's (:func:`rloo_advantages`,
+        the KL from the sampling policy's and the reference's log-probs; TRL's ``kl`` metric, the mean per
+        completion token of ``log π_old - log π_ref``)."""
+        po = self.cfg.posttrain
+        if po.advantage != "rloo":
+            return (*group_advantages(total, self.G, po.scale_rewards), {})
+        beta = posttrain_beta(self.cfg)
+        kl, metric = None, {}
+        if beta:
+            per_token = (host["old_logps"] - host["ref_logps"]) * host["loss_mask"]
+            kl = per_token.sum(axis=1)
+            metric = {"kl": float(per_token.sum() / max(host["loss_mask"].sum(), 1.0))}
+        return (*rloo_advantages(total, self.G, kl, beta, po.normalize_advantages), metric)
 
     def _shown(self, step: int, idx, texts: list[str], per_func: np.ndarray, total: np.ndarray,
                adv: np.ndarray) -> list[dict]:
@@ -387,7 +426,8 @@ class Rollouts:
         ``[k·B, t]`` host arrays computed ``batch_size`` rows at a time; zeros where the loss does not read them."""
         out = {name: np.zeros(host["inputs"].shape, np.float32) for name in ("old_logps", "ref_logps")}
         ref = state.frozen if self.cfg.posttrain.reference == "lora_base" else state.reference
-        which = {"old_logps": state.model_params if self.period > 1 else None,
+        rloo_kl = self.cfg.posttrain.advantage == "rloo" and posttrain_beta(self.cfg) > 0  # the KL in the reward
+        which = {"old_logps": state.model_params if self.period > 1 or rloo_kl else None,
                  "ref_logps": ref if posttrain_beta(self.cfg) > 0 else None}
         for j in range(self.k):
             rows = slice(j * self.B, (j + 1) * self.B)

@@ -213,3 +213,15 @@ def test_a_failing_reward_module_in_the_current_folder_is_one_line_and_its_trace
                              "before step 1: ZeroDivisionError: division by zero"), r.stderr[-3000:]
     below = "\n".join(err[first[0] + 1:])
     assert "my_rewards.py" in below and "in fragile" in below and "jaxcolossal" not in below, r.stderr[-3000:]
+
+
+def test_rloo_advantages_run_through_the_loader_and_step():
+    """``advantage=rloo`` end to end on one device: the rollout's advantages are the leave-one-out ones of the
+    KL-penalised rewards (each group's sum to 0), its ``kl`` metric is logged, and the step trains."""
+    cfg = grpo_config(posttrain={"advantage": "rloo", "num_iterations": 1})
+    _, out = run_grpo(cfg, jax.devices()[:1], steps=2)
+    for host, metrics in out:
+        adv = host["advantages"][:, 0].reshape(-1, cfg.posttrain.num_generations)
+        np.testing.assert_allclose(adv.sum(axis=1), 0.0, atol=1e-5)  # leave-one-out: a group's advantages sum to 0
+        assert "kl" in metrics and np.isfinite(metrics["loss"]) and "clip_ratio/high_max" in metrics
+    assert out[1][1]["kl"] != 0.0  # the policy moved off the reference after one update
