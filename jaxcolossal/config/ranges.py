@@ -110,6 +110,7 @@ RANGES: dict[str, Range] = {
     "posttrain.sapo_temperature_neg": _GT0, "posttrain.vespo_k_pos": _NONNEG, "posttrain.vespo_lambda_pos": _NONNEG,
     "posttrain.vespo_k_neg": _NONNEG, "posttrain.vespo_lambda_neg": _NONNEG,
     "posttrain.label_smoothing": Range(0, 1, hi_open=True), "posttrain.discopop_tau": _GT0,
+    "posttrain.max_sampling_rounds": _POS,
     "posttrain.num_generations": Range(2), "posttrain.max_completion_length": _POS,
     "posttrain.temperature": _GT0, "posttrain.top_k": Range(0, note="0: all tokens"),
     "posttrain.top_p": Range(0, 1, lo_open=True), "posttrain.epsilon": Range(0, 1, lo_open=True, hi_open=True),

@@ -963,6 +963,15 @@ class PosttrainConfig:
     """GRPO ``loss_type=vespo``: the gamma weight's shape ``k`` for negative advantages (TRL's default)."""
     vespo_lambda_neg: float = 2.0
     """GRPO ``loss_type=vespo``: the gamma weight's rate ``λ`` for negative advantages (TRL's default)."""
+    dynamic_sampling: bool = False
+    """GRPO: DAPO's dynamic sampling (Yu et al., 2025; verl's ``filter_groups``, OpenRLHF, NeMo-RL,
+    ColossalChat): groups whose rewards are all equal (zero standard deviation: no signal) are dropped
+    and more prompts are sampled, a generation batch at a time, until the generation batch is full of
+    groups with a signal (at most ``max_sampling_rounds`` rounds; short of it the last dropped groups fill
+    it, with advantage 0). TRL has no such option. The ``sampling/*`` metrics count the rounds, the
+    groups dropped and the groups filled."""
+    max_sampling_rounds: int = 10
+    """GRPO ``dynamic_sampling``: generation rounds per rollout at most, >= 1 (verl's ``max_num_gen_batches``)."""
     advantage: Literal["group", "rloo"] = "group"
     """GRPO: the advantage and the loss around it. ``group`` (the default): ``GRPOTrainer``'s, each reward
     less its group's mean (scaled by ``scale_rewards``), the loss of ``loss_type``. ``rloo``: TRL's
@@ -1038,7 +1047,8 @@ GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "to
                   "rollout_tp", "steps_per_generation", "generation_batch_size", "rollout_slots",
                   "use_bias_correction_kl", "importance_sampling_level", "delta", "top_entropy_quantile",
                   "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                  "vespo_lambda_neg", "advantage", "normalize_advantages")
+                  "vespo_lambda_neg", "advantage", "normalize_advantages", "dynamic_sampling",
+                  "max_sampling_rounds")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing", "loss_weights", "discopop_tau")
