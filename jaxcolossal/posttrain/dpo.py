@@ -214,7 +214,7 @@ class Dpo:
         loss, metrics = dpo_loss(terms, self.loss_types, self.loss_weights)
         return jnp.sum(loss), {k: jnp.sum(v) for k, v in metrics.items()}
 
-    def count(self, inputs, mask=None):
+    def count(self, inputs, mask=None, fields=None):
         """The step's pairs (fp32 scalar): half its rows."""
         return jnp.asarray(inputs.shape[0] // 2, jnp.float32)
 

@@ -101,7 +101,7 @@ class Grpo:
     """The GRPO objective (module docstring) over rows of a left-padded prompt and its completion.
 
     ``__call__(params, tokens, targets, ..., mask, segment_ids, positions, advantages, old_logps,
-    ref_logps, microbatch_tokens, shard_axis)``: ``tokens``/``targets`` int32 ``[b, t]``, ``mask [b, t]``
+    ref_logps, tokens_per_step, microbatch_tokens, shard_axis)``: ``tokens``/``targets`` int32 ``[b, t]``, ``mask [b, t]``
     on the completion tokens, ``advantages [b, t]`` (each row's, repeated), ``old_logps``/``ref_logps``
     fp32 ``[b, t]``, ``microbatch_tokens`` fp32 ``[b, t]`` (the completion tokens of the whole
     microbatch this call's rows belong to, repeated; the step fills it: :attr:`step_fields`; absent,
@@ -111,7 +111,7 @@ class Grpo:
     """
 
     name = "grpo"
-    batch_fields: tuple = ("advantages", "old_logps", "ref_logps")
+    batch_fields: tuple = ("advantages", "old_logps", "ref_logps", "tokens_per_step")
     step_fields: tuple = ("microbatch_tokens",)  # computed by the step from the loss mask
     shard_reductions = SHARD_REDUCTIONS
     wants_shard_axis = True  # top_entropy_quantile's quantile spans the microbatch's data shards
@@ -133,7 +133,7 @@ class Grpo:
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
                  positions=None, dropout_key=None, reference=None, advantages=None, old_logps=None, ref_logps=None,
-                 microbatch_tokens=None, shard_axis=None):
+                 tokens_per_step=None, microbatch_tokens=None, shard_axis=None):
         # the phases: log-probs and entropies at the temperature, the entropy mask, the per-token loss,
         # its normalised sum, the metrics
         mask = mask.astype(jnp.float32)
@@ -154,10 +154,13 @@ class Grpo:
                                  every_row=self.rloo)
         return grpo_loss_sum(loss, mask, "rloo" if self.rloo else self.loss_type, mb_tokens), stats
 
-    def count(self, inputs, mask=None):
+    def count(self, inputs, mask=None, fields=None):
         """What the summed loss divides by (fp32 scalar): the step's rows (``grpo``, ``sapo``, ``luspo``), its
         microbatches (``bnpo``: each one's numerator is already its mean), rows × ``max_completion_length``
-        (``dr_grpo``), or its completion tokens (``dapo``, ``cispo``, ``vespo``)."""
+        (``dr_grpo``), or for ``dapo``, ``cispo`` and ``vespo`` TRL's ``num_items_in_batch`` over the
+        optimizer steps of a generation: the generation's completion tokens over its steps
+        (``fields["tokens_per_step"]``, the loader's), else the step's own completion tokens (the same when
+        a generation feeds one step)."""
         rows = jnp.asarray(inputs.shape[0], jnp.float32)
         if self.rloo or self.loss_type in ("grpo", "sapo", "luspo"):
             return rows
@@ -165,6 +168,8 @@ class Grpo:
             return jnp.asarray(self.k, jnp.float32)
         if self.loss_type == "dr_grpo":
             return rows * self.post.max_completion_length
+        if fields and "tokens_per_step" in fields:
+            return jnp.maximum(jnp.asarray(fields["tokens_per_step"], jnp.float32).reshape(-1)[0], 1.0)
         return token_count(inputs, mask)
 
     def zero_stats(self) -> dict:

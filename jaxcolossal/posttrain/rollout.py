@@ -302,7 +302,7 @@ class Rollouts:
         t = self.P + self.C - 1
         ints = {k: np.zeros((self.B, t), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
         return ints | {k: np.zeros((self.B, t), np.float32) for k in ("loss_mask", "advantages", "old_logps",
-                                                                           "ref_logps")}
+                                                                           "ref_logps", "tokens_per_step")}
 
     def _place(self, host: dict) -> dict:
         return {k: jax.make_array_from_callback(v.shape, self.sharding, lambda idx, v=v: v[idx])
@@ -323,6 +323,8 @@ class Rollouts:
         t4 = time.perf_counter()
         adv, std_zero, kl_metric = self._advantages(total, host)
         host["advantages"] = np.repeat(adv[:, None], host["inputs"].shape[1], axis=1)
+        # TRL's num_items_in_batch over the generation's optimizer steps (dapo, cispo, vespo divide by it)
+        host["tokens_per_step"] = np.full(host["inputs"].shape, host["loss_mask"].sum() / self.k, np.float32)
         if self.cfg.posttrain.log_completions:
             self.shown = self._shown(step, g.idx, g.texts, g.per_func, total, adv)
         metrics = self._metrics(g.per_func, total, std_zero, g.lengths, truncated) | kl_metric | sampling_metrics

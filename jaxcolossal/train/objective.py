@@ -65,8 +65,9 @@ class Objective(Protocol):
                  positions: jax.Array | None = None, dropout_key: jax.Array | None = None,
                  reference: Any = None, **fields: jax.Array) -> tuple[jax.Array, dict]: ...
 
-    def count(self, inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        """What the step's summed loss divides by (fp32 scalar): tokens, pairs or rows."""
+    def count(self, inputs: jax.Array, mask: jax.Array | None = None, fields: dict | None = None) -> jax.Array:
+        """What the step's summed loss divides by (fp32 scalar): tokens, pairs or rows; ``fields``: the
+        batch's :attr:`batch_fields` (GRPO reads TRL's token count of the generation from them)."""
 
     def zero_stats(self) -> dict:
         """The statistics at zero (fp32 arrays), the accumulation's start; ``{}``: none kept."""

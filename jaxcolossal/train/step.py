@@ -280,7 +280,7 @@ class _GradFn:
         B, t = inputs.shape
         n, k = self.n, self.k
         # the gradient of the mean over the whole step (tokens; DPO: pairs), × the loss scale
-        coef = scale / self.objective.count(inputs, mask)
+        coef = scale / self.objective.count(inputs, mask, fields)
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
                                                                      self.ring)
 
@@ -460,7 +460,8 @@ class _TrainStep:
         new = TrainState(step=state.step + 1, params=new_params, master=new_master if self.plan.mixed else None,
                          opt_state=opt_state, scaler=scaler, residual=residual, frozen=state.frozen,
                          reference=state.reference)
-        n = self.objective.count(batch["inputs"], batch.get("loss_mask"))  # tokens; DPO: pairs
+        fields = {k: batch[k] for k in self.objective.batch_fields if k in batch}
+        n = self.objective.count(batch["inputs"], batch.get("loss_mask"), fields)  # tokens; DPO: pairs
         metrics = {"loss": loss_sum / n, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         metrics.update(self.objective.metrics(stats, n))  # a mixture of experts'; DPO's, GRPO's (TRL's names)
         if self.schedule is not None:

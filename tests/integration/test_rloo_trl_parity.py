@@ -148,10 +148,10 @@ def _ours_loss(w, cfg, o):
     plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()[:1]))
     grad_fn = jax.jit(partial(make_grad_fn(plan), with_stats=True))
     obj = Grpo(get_family(cfg.model), cfg)
-    fields = {k: jnp.asarray(o[k]) for k in obj.batch_fields}
+    fields = {k: jnp.asarray(o[k]) for k in obj.batch_fields if k in o}
     loss_sum, g, _, stats = grad_fn(w.params, o["inputs"], o["targets"], np.float32(1.0), o["mask"],
                                     o["segment_ids"], o["positions"]["sampler"], fields=fields)
-    n = obj.count(o["inputs"], o["mask"])
+    n = obj.count(o["inputs"], o["mask"], fields)
     return (float(loss_sum / n), {k: float(v) for k, v in obj.metrics(stats, n).items()},
             get_family(cfg.model).params_to_hf(g, cfg.model))
 
