@@ -47,7 +47,10 @@ def summary(recs: list[dict], window: int) -> dict:
 
 
 def _on_grid(curve: list[tuple[int, float]], at: int, window: int = 5) -> float:
-    """The mean training reward of the ``window`` steps up to ``at`` completions generated."""
+    """The mean training reward of the ``window`` steps up to ``at`` completions generated (NaN past the
+    run's last step)."""
+    if not curve or at > curve[-1][0]:
+        return float("nan")
     seen = [r for n, r in curve if n <= at]
     return sum(seen[-window:]) / len(seen[-window:]) if seen else float("nan")
 
