@@ -100,10 +100,7 @@ def _check_head(cfg: Config) -> None:
 
     Raises:
         ConfigError: one line naming the keys."""
-    n, objective = cfg.model.num_labels, cfg.training.objective
-    if n not in (0, 1):
-        raise ConfigError(f"model.num_labels={n}: 0 (the language model's head) or 1 (a reward model's score "
-                          "head) are supported")
+    n, objective = cfg.model.num_labels, cfg.training.objective  # 0 or 1: config.ranges
     if objective == "reward" and n != 1:
         raise ConfigError("training.objective=reward trains a score head: set model.num_labels=1")
     if objective != "reward" and n:
@@ -112,8 +109,8 @@ def _check_head(cfg: Config) -> None:
 
 
 def _check_reward(cfg: Config) -> None:
-    """Reward-model training: the coefficient, and what it does not run with yet (LoRA, and the
-    post-training features :func:`_check_posttrain_features` refuses).
+    """Reward-model training: the DPO/GRPO keys it does not read, and what it does not run with yet (LoRA,
+    and the post-training features :func:`_check_posttrain_features` refuses).
 
     Raises:
         ConfigError: one line naming the key."""
@@ -122,9 +119,6 @@ def _check_reward(cfg: Config) -> None:
         if getattr(po, key) != "auto":
             raise ConfigError(f"posttrain.{key}={getattr(po, key)!r} is not read by reward-model training "
                               "(training.objective=reward, TRL's RewardTrainer has neither): remove it")
-    if not (math.isfinite(po.center_rewards_coefficient) and po.center_rewards_coefficient >= 0):
-        raise ConfigError(f"posttrain.center_rewards_coefficient={po.center_rewards_coefficient!r}: must be a "
-                          "number >= 0 (0: off, TRL's None)")
     if cfg.model.lora.enabled:
         raise ConfigError("training.objective=reward does not run with LoRA (model.lora.rank > 0) yet: the score "
                           "head would need training beside the adapters (PEFT's modules_to_save); set "
