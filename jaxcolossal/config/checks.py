@@ -277,7 +277,8 @@ def _check_devices(cfg: Config, num_devices: int) -> None:
             f"the microbatch of training.batch_size / gradient_accumulation_steps = {micro} sequences "
             f"is not divisible by the data-parallel size {dp}")
     if t.objective in ("dpo", "reward") and (micro // dp) % 2:
-        raise ConfigError(f"training.objective={t.objective}: each data shard's microbatch holds {micro // dp} sequences "
+        raise ConfigError(f"training.objective={t.objective}: each data shard's microbatch holds {micro // dp} "
+                          "sequences "
                           f"(training.batch_size={t.batch_size} / gradient_accumulation_steps / data-parallel size "
                           f"{dp}); it must hold whole preference pairs, an even number of sequences")
     if rp.pipeline_parallel_size > 1:

@@ -262,9 +262,9 @@ def _check_posttrain_features(cfg: Config) -> None:
                                                    "ring attention reorders the tokens the log-probs are summed over"),
            "data.packing_mask": (d.packing_mask, "a row holds one response"),
            "parallel.gradient_compression": (p.gradient_compression != "none", f"not tested with {name} yet"),
-           "offload (offload_param_frac, nvme_path)": (cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
-                                                       "the reference copy is not offloaded yet" if t.objective != "reward"
-                                                       else "not tested with REWARD yet"),
+           "offload (offload_param_frac, nvme_path)": (
+               cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
+               "not tested with REWARD yet" if t.objective == "reward" else "the reference copy is not offloaded yet"),
            "model.attention_impl=cudnn": (t.objective == "grpo" and m.attention_impl == "cudnn",
                                           "the rollout rows' segment ids (left-padded prompts) need attention_impl "
                                           "xla or flash")}
