@@ -188,6 +188,7 @@ class Dpo:
     data_format = "preference"
     reads = "DPO reads preference pairs"
     evaluation = "objective"  # the held-out pairs' DPO loss and TRL metrics, against the reference
+    headline_metrics = ("rewards/accuracies", "rewards/margins")  # the held-out evaluation's log line
     reference_label = "DPO's"
 
     def __init__(self, family, cfg):

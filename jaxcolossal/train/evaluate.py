@@ -17,6 +17,7 @@ import numpy as np
 from jaxcolossal import metrics as mx
 from jaxcolossal.checkpoint import CheckpointManager, step_dirs
 from jaxcolossal.config import Config, ConfigError
+from jaxcolossal.config.derived import holds_reference
 from jaxcolossal.data import get_tokenizer
 from jaxcolossal.data.formats import data_format
 from jaxcolossal.generate import Sampling, generate, run_eos_ids, sample_tokens
@@ -38,7 +39,8 @@ from jaxcolossal.train.state import TrainPlan
 
 def held_out(run: Run, state: Any) -> float:
     """Mean validation loss (nats/token) over the fixed evaluation batches; with DPO the mean DPO loss
-    over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc.; with
+    over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc. (a reward
+    model: its loss, ``val_accuracy`` etc.); with
     GRPO minus the mean reward of greedy completions of the held-out prompts (``val_reward``)."""
     evaluation = objective_class(run.cfg).evaluation
     if evaluation == "rollouts":
@@ -53,9 +55,9 @@ def held_out(run: Run, state: Any) -> float:
     outs = [run.eval_step(state.model_params, reference, *batch) for batch in run.evals]
     metrics = {f"val_{k}": float(np.mean([float(m[k]) for _, m in outs])) for k in outs[0][1]}
     run.write({"step": int(state.step), **metrics})
-    get_dist_logger().info(f"step {int(state.step)}: held-out rewards/accuracies "
-                           f"{metrics['val_rewards/accuracies']:.3f}, rewards/margins "
-                           f"{metrics['val_rewards/margins']:.4f}", ranks=[0])
+    first, second = objective_class(run.cfg).headline_metrics  # DPO's rewards/accuracies, a reward model's accuracy
+    get_dist_logger().info(f"step {int(state.step)}: held-out {first} {metrics['val_' + first]:.3f}, {second} "
+                           f"{metrics['val_' + second]:.4f}", ranks=[0])
     return float(np.mean([float(v) for v, _ in outs]))
 
 
@@ -197,7 +199,7 @@ def evaluate_only(cfg: Config) -> dict:
         mesh, plan = mesh_and_plan(cfg, run_id)
         loader, evals, _ = load_data(cfg, mesh, plan)
         state, source = _restored_state(cfg, plan,
-                                        reference=evaluation == "objective" and cfg.posttrain.reference == "frozen")
+                                        reference=evaluation == "objective" and holds_reference(cfg))
         metrics = mx.MetricsWriter.for_run(cfg, run_id, enabled=jax.process_index() == 0)
         run = Run(cfg=cfg, plan=plan, state=state, ckpt=None, loader=loader, evals=evals, compiled=None,
                   eval_step=eval_step_for(plan), compile_s=0.0,
@@ -236,7 +238,7 @@ def sample_text(run: Run, state: Any) -> str:
     (:func:`jaxcolossal.generate.generate`) on the params as training lays them out; a family without
     a decode path (``Family.forward_cached`` None) uses the windowed one."""
     cfg, t = run.cfg.model, run.cfg.training
-    if t.sample_tokens <= 0:
+    if t.sample_tokens <= 0 or cfg.num_labels:  # a score head (a reward model) has no LM head to sample from
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
     fmt = data_format(run.cfg)

@@ -58,7 +58,7 @@ def initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
     a fresh init from ``training.seed``; with ``model.lora.init_from``, its adapters."""
     log, lora = get_dist_logger(), cfg.model.lora
     state = init_state(plan, tx, key=jax.random.key(cfg.training.seed),
-                       params=init_params_from(cfg.model, plan.mesh_shape["tp"]),
+                       params=init_params_from(cfg.model, plan.mesh_shape["tp"], cfg.training.seed),
                        adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None)
     if cfg.model.init_from:
         log.info(f"initialised from the Hugging Face weights in {cfg.model.init_from} ({init_from_inherits(cfg)})",
@@ -73,17 +73,19 @@ def initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
 def load_data(cfg: Config, mesh, plan: TrainPlan | None = None) -> tuple[Any, list, str]:
     """The training loader, the fixed evaluation batches and the end-of-run sample's prompt:
     ``data.format``'s (:func:`jaxcolossal.data.formats.data_format`; batches placed on ``mesh`` over
-    the data group, evaluation batches of one microbatch's rows), its loader through the objective's
-    hook (GRPO: the rollout phase on ``plan``).
+    the data group, evaluation batches of one microbatch's rows), or the objective's own reading of
+    that format (its optional ``batches``: a reward model's pairs with their margins), its loader
+    through the objective's hook (GRPO: the rollout phase on ``plan``).
 
     Raises:
         DataError, DependencyError: the format's files cannot be read as it reads them.
         ConfigError: an on-policy loader refusing what would train nothing (GRPO's rollouts).
     """
-    t = cfg.training
-    data, evals, prompt = data_format(cfg).batches(cfg, mesh, jax.sharding.PartitionSpec(DATA_AXES),
-                                                   t.batch_size // t.gradient_accumulation_steps)
-    return objective_class(cfg).loader(data, cfg, plan), evals, prompt
+    t, objective = cfg.training, objective_class(cfg)
+    batches = getattr(objective, "batches", None) or data_format(cfg).batches
+    data, evals, prompt = batches(cfg, mesh, jax.sharding.PartitionSpec(DATA_AXES),
+                                  t.batch_size // t.gradient_accumulation_steps)
+    return objective.loader(data, cfg, plan), evals, prompt
 
 
 def eval_step_for(plan: TrainPlan) -> Any:

@@ -495,18 +495,21 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
 
 
 def make_objective_eval_step(plan: TrainPlan) -> Callable:
-    """Jitted ``eval(params, reference, inputs, targets, mask) -> (mean loss, {metric: mean})``: the
-    objective's own loss and metrics over a held-out batch (an objective whose ``evaluation`` is
+    """Jitted ``eval(params, reference, inputs, targets, mask, *fields) -> (mean loss, {metric: mean})``:
+    the objective's own loss and metrics over a held-out batch (an objective whose ``evaluation`` is
     ``objective``; DPO's interleaved preference rows, ``[2P, t]`` int32, ``mask`` float32, sharded
-    over the data group, and TRL's metrics: :class:`jaxcolossal.posttrain.dpo.Dpo`). ``params``: the
+    over the data group, and TRL's metrics: :class:`jaxcolossal.posttrain.dpo.Dpo`; a reward model's
+    with its ``margin`` field ``[2P, t]``: :class:`jaxcolossal.posttrain.reward.Reward`). ``params``: the
     model's whole params dict; ``reference``: the frozen copy, or under LoRA the base."""
     cfg, sharder = plan.cfg, plan.sharder
     objective = make_objective(plan.family, cfg)
     vp = sharder.is_sharded("vocab")
 
-    def ev(params, reference, x, y, mask):
+    def ev(params, reference, x, y, mask, *fields):  # fields: the objective's batch_fields, in order
         x = sharder(x, ("batch", "seq"))
-        s, stats = objective(params, x, y, cfg.model, sharder, vp, mask.astype(jnp.float32), reference=reference)
+        named = dict(zip(objective.batch_fields, fields))
+        s, stats = objective(params, x, y, cfg.model, sharder, vp, mask.astype(jnp.float32), reference=reference,
+                             **named)
         n = objective.count(x)
         return s / n, objective.metrics(stats, n)
 
