@@ -214,10 +214,12 @@ def grpo_off_policy(cfg: Config) -> bool:
 
 def rollout_reshards(cfg: Config, mesh_shape: Mapping[str, int], decode_tp: int) -> bool:
     """Whether GRPO's rollout reshards the params into a decode layout: ``posttrain.rollout_layout=decode``
-    and the training mesh ``mesh_shape`` lays the params out otherwise (ZeRO-3 splits them over an
-    ``fsdp`` axis of more than one device, a pipeline over stages, or training's tp is not
-    ``decode_tp``); otherwise the sampler decodes on the params as they are, with no copy."""
+    and the training mesh ``mesh_shape`` lays the params out otherwise (ZeRO-3 splits them over a
+    data group of more than one device, ``fsdp``, or with expert parallelism ``fsdp × ep`` for the dense
+    weights; a pipeline over stages; or training's tp is not ``decode_tp``); otherwise the sampler
+    decodes on the params as they are, with no copy."""
     shape = dict(mesh_shape)
+    zero_group = shape.get("fsdp", 1) * shape.get("ep", 1)
     return cfg.posttrain.rollout_layout == "decode" and (
-        (cfg.parallel.zero_stage >= 3 and shape.get("fsdp", 1) > 1) or shape.get("pp", 1) > 1
+        (cfg.parallel.zero_stage >= 3 and zero_group > 1) or shape.get("pp", 1) > 1
         or shape.get("tp", 1) != decode_tp)
