@@ -138,8 +138,9 @@ class Grpo:
         # its normalised sum, the metrics
         mask = mask.astype(jnp.float32)
         p = self.post
-        logps, ent = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
-                                        segment_ids, positions, dropout_key, p.temperature, with_entropy=True)
+        logps, more = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
+                                         segment_ids, positions, dropout_key, p.temperature, extras=("entropy",))
+        ent = more["entropy"]
         mb_tokens = jnp.maximum(jnp.sum(mask) if microbatch_tokens is None else microbatch_tokens[0, 0], 1.0)
         entropy_mask = None
         if p.top_entropy_quantile < 1.0:

@@ -317,9 +317,10 @@ def test_token_logps_equal_trl(world, temperature):
     _, _, _, _, pol_lp, pol_ent = w.models(temperature)
     f = jax.jit(lambda p, pos: policy_token_logps(get_family(w.cfg_m), p, o["inputs"], o["targets"], o["mask"],
                                                   w.cfg_m, no_shard, False, o["segment_ids"], pos,
-                                                  temperature=temperature, with_entropy=True))
+                                                  temperature=temperature, extras=("entropy",)))
     for conv, positions in o["positions"].items():
-        lp, ent = (np.asarray(a)[:, P - 1:] for a in f(w.params, positions))
+        lp, more = f(w.params, positions)
+        lp, ent = np.asarray(lp)[:, P - 1:], np.asarray(more["entropy"])[:, P - 1:]
         err = np.abs(lp - pol_lp).max() / np.abs(pol_lp).max()
         ent_err = np.abs((ent - pol_ent) * w.batch[3]).max() / np.abs(pol_ent).max()
         print(f"temperature {temperature}, positions {conv}: log-prob err {err:.1e}, entropy err {ent_err:.1e}")
