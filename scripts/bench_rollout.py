@@ -5,7 +5,7 @@ one run on the same CPU, on a long-tail length mix (issue 53, item 2).
     python scripts/bench_rollout.py --prompts 256 --slots 16 --max-new 128
     python scripts/bench_rollout.py --layouts none   # without the compile-only GPU part
 
-First, for each config of ``--layouts`` (comma-separated; default the Llama-3-8B and GPT-OSS-20B (ep 8)
+First, for each config of ``--layouts`` (comma-separated; default the Llama-3-8B, GPT-OSS-20B (ZeRO-1, ep 8) and Mixtral-8x7B (ZeRO-3, ep 8)
 GRPO configs) on ``--fleet`` (default 8 H200s), 64 rows of a 513-token prompt and 1,024 new tokens, the collective bytes per device
 that XLA's GPU compiler puts in the rollout, without a GPU (``jaxcolossal.aot.fleet.layout_collectives``):
 the reshard into the decode layout (once per rollout) and one decode step on the decode layout and on the
@@ -125,7 +125,7 @@ def report(args, res: dict) -> None:
           f"refill / static/S: {speed['refill'] / speed['static/S']:.2f}")
 
 
-LAYOUTS = "configs/bench/llama3_8b.yaml,configs/bench/gpt_oss_20b.yaml"
+LAYOUTS = "configs/bench/llama3_8b.yaml,configs/bench/gpt_oss_20b.yaml,configs/bench/mixtral_8x7b.yaml"
 GRPO = ["training.objective=grpo", "data.format=prompts", "data.corpus=configs/data/arith_prompts.jsonl",
         "training.batch_size=64", "training.micro_batch_size=0", "training.seq_len=1536",
         "posttrain.max_completion_length=1024", "posttrain.num_generations=8", "posttrain.beta=0.04"]
@@ -146,6 +146,8 @@ def layouts(spec: str, name: str) -> None:
         g = 2 ** 30
         print(f"{os.path.basename(path):28} {name:8} {r['rollout_tp']:>9} {r['reshard'] / g:>9.3f} {r['decode'] / g:>14.4f} "
               f"{r['training'] / g:>16.4f} {r['training'] / max(r['decode'], 1):>17.2f}x")
+        print(f"{'':28} the decode layout's step by kind: "
+              + ", ".join(f"{kind} {b / g:.4f}" for kind, b in sorted(r["decode_kinds"].items())))
 
 
 def main(argv=None) -> None:

@@ -48,6 +48,13 @@ stops at the end-of-text token. They come from the first of:
 
 An id outside ``model.vocab_size`` is an error (exit status 2).
 
+A reward model's checkpoint (``training.objective=reward``: ``model.num_labels=1``) is written as its
+family's ``*ForSequenceClassification`` (``LlamaForSequenceClassification``, ``Qwen3ForSequenceClassification``,
+...: ``score.weight``, no ``lm_head``, ``id2label``), which
+``transformers.AutoModelForSequenceClassification.from_pretrained(OUT)`` loads with no missing or unexpected
+keys; its ``pad_token_id`` is the id the training rows were padded with (the end-of-text id, 0 without one),
+so that transformers reads the score at the token the training did.
+
 A LoRA run's checkpoint (``model.lora.rank > 0``) exports its adapters as a PEFT folder
 (``adapter_config.json`` + ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``
 on the base model), or with ``--merge-lora`` the full model with the adapters merged into the
@@ -74,7 +81,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jaxcolossal.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
 from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.errors import DependencyError  # noqa: E402
-from jaxcolossal.models.hf_io import GENERATION_CONFIG, load_hf, read_special_tokens, save_hf  # noqa: E402
+from jaxcolossal.models.hf_io import GENERATION_CONFIG, config_to_hf, load_hf, read_special_tokens, save_hf  # noqa: E402
 from jaxcolossal.models.layers.lora import merged_weights, split  # noqa: E402
 from jaxcolossal.models.peft import save_adapters  # noqa: E402
 from jaxcolossal.runtime.launch import use_cpu_without_gpu  # noqa: E402
@@ -263,6 +270,15 @@ def load_source(src: str, step: int | None = None) -> tuple[dict, dict, dict | N
     return saved["model"], params, saved
 
 
+def score_pad_id(ids: dict) -> int:
+    """A reward model's ``pad_token_id``: the id its training rows were padded with, the end-of-text id
+    (the first of a list) or 0 without one (:func:`jaxcolossal.data.reward_pairs.pad_token_id`), which
+    transformers' sequence-classification pooling must skip as the training's did."""
+    eos = ids.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return 0 if eos is None or eos == [] else int(eos)
+
+
 def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = None,
           tokenizer: str | None = None, merge_lora: bool = False) -> list[str]:
     """A trained model -> HF directory ``out``; returns the weight files.
@@ -279,8 +295,11 @@ def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = No
     (:func:`special_tokens`); the tokenizer's files are copied into ``out``.
     """
     model, params, saved = load_source(src, step)
-    # validated as a config whose only other setting is a sequence length that any model accepts
-    cfg = config_from_dict({"model": {**model, "init_from": ""}, "training": {"seq_len": 1}}).model
+    # validated as a config whose only other setting is a sequence length that any model accepts (a score
+    # head's, with the objective that trains one)
+    rm = {"training": {"seq_len": 1, "objective": "reward"}, "data": {"format": "preference", "corpus": "-"}}
+    cfg = config_from_dict({"model": {**model, "init_from": ""},
+                            **(rm if model.get("num_labels") else {"training": {"seq_len": 1}})}).model
     if cfg.lora.enabled and not merge_lora:  # a LoRA run: its adapters, in PEFT's format
         return save_adapters(out, cfg, split(params)[1], base_model=model.get("init_from", ""))
     if cfg.lora.enabled:  # W + (alpha/rank)·A·B: the full model, as PEFT's merge_and_unload
@@ -288,6 +307,10 @@ def to_hf(src: str, out: str, max_shard_size: str = "5GB", step: int | None = No
     elif merge_lora:
         raise ValueError(f"--merge-lora: {src!r} holds no LoRA adapters (its model.lora.rank is 0)")
     ids, tok = special_tokens(src, saved, tokenizer)
+    if cfg.num_labels:  # a reward model: its score is read at the last token that is not the rows' pad
+        ids = {**ids, "pad_token_id": score_pad_id(ids)}
+        print(f"a reward model (model.num_labels={cfg.num_labels}): written as "
+              f"{config_to_hf(cfg)['architectures'][0]} with pad_token_id {ids['pad_token_id']}")
     files = save_hf(out, cfg, params, max_shard_size=max_shard_size, special_tokens=ids)
     if tok is not None:
         print(f"copied {', '.join(copy_tokenizer(tok, out))} from {_tokenizer_folder(tok)}")

@@ -258,7 +258,8 @@ def layout_collectives(cfg: Config, target: Target, num_devices: int) -> dict:
     """What GRPO's decode layout saves, from XLA's GPU compiler over ``num_devices`` compile-only devices of
     ``target`` (the train step is not compiled): bytes per device of the reshard's collectives (once per
     rollout) and of one decode step's on the decode layout (``decode``) and on the training layout
-    (``training``), and the decode layout's ``rollout_tp`` (``scripts/bench_rollout.py``).
+    (``training``), the decode step's bytes by collective kind on the decode layout (``decode_kinds``:
+    ``{"all-to-all": bytes, ...}``), and the decode layout's ``rollout_tp`` (``scripts/bench_rollout.py``).
 
     Raises:
         ConfigError: as :func:`check_fleet`."""
@@ -271,9 +272,11 @@ def layout_collectives(cfg: Config, target: Target, num_devices: int) -> dict:
     dparams = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(dmesh, s)),
                            params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
-    def per_step(mesh, ps) -> int:
+    def per_step(mesh, ps) -> dict:
         text = compile_sampler(cfg, plan, mesh, ps, {}).as_text()
-        return sum(c["bytes"] for c in hlo.decode_loop_collectives(text).values())
+        return {kind: c["bytes"] for kind, c in hlo.decode_loop_collectives(text).items()}
 
     moved = sum(c["bytes"] for c in hlo.collective_totals(reshard.lower(params).compile().as_text()).values())
-    return {"rollout_tp": tp, "reshard": moved, "decode": per_step(dmesh, dparams), "training": per_step(plan.mesh, params)}
+    decode = per_step(dmesh, dparams)
+    return {"rollout_tp": tp, "reshard": moved, "decode": sum(decode.values()), "decode_kinds": decode,
+            "training": sum(per_step(plan.mesh, params).values())}

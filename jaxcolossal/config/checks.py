@@ -276,8 +276,9 @@ def _check_devices(cfg: Config, num_devices: int) -> None:
         raise ConfigError(
             f"the microbatch of training.batch_size / gradient_accumulation_steps = {micro} sequences "
             f"is not divisible by the data-parallel size {dp}")
-    if t.objective == "dpo" and (micro // dp) % 2:
-        raise ConfigError(f"training.objective=dpo: each data shard's microbatch holds {micro // dp} sequences "
+    if t.objective in ("dpo", "reward") and (micro // dp) % 2:
+        raise ConfigError(f"training.objective={t.objective}: each data shard's microbatch holds {micro // dp} "
+                          "sequences "
                           f"(training.batch_size={t.batch_size} / gradient_accumulation_steps / data-parallel size "
                           f"{dp}); it must hold whole preference pairs, an even number of sequences")
     if rp.pipeline_parallel_size > 1:

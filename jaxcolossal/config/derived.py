@@ -110,10 +110,13 @@ their ``clip_ratio/*`` metrics."""
 
 def posttrain_beta(cfg: Config) -> float:
     """``posttrain.beta`` with ``auto`` resolved to TRL 1.16's default of the run's objective: 0.1 for
-    DPO (``DPOConfig.beta``), 0.0 for GRPO (``GRPOConfig.beta``) and SFT."""
+    DPO (``DPOConfig.beta``), 0.0 for GRPO (``GRPOConfig.beta``) and SFT, 0.05 for GRPO with
+    ``advantage=rloo`` (``RLOOConfig.beta``)."""
     b = cfg.posttrain.beta
     if b != "auto":
         return float(b)
+    if cfg.training.objective == "grpo" and cfg.posttrain.advantage == "rloo":
+        return 0.05
     return 0.1 if cfg.training.objective == "dpo" else 0.0
 
 
@@ -222,10 +225,12 @@ def grpo_off_policy(cfg: Config) -> bool:
 
 def rollout_reshards(cfg: Config, mesh_shape: Mapping[str, int], decode_tp: int) -> bool:
     """Whether GRPO's rollout reshards the params into a decode layout: ``posttrain.rollout_layout=decode``
-    and the training mesh ``mesh_shape`` lays the params out otherwise (ZeRO-3 splits them over an
-    ``fsdp`` axis of more than one device, a pipeline over stages, or training's tp is not
-    ``decode_tp``); otherwise the sampler decodes on the params as they are, with no copy."""
+    and the training mesh ``mesh_shape`` lays the params out otherwise (ZeRO-3 splits them over a
+    data group of more than one device, ``fsdp``, or with expert parallelism ``fsdp × ep`` for the dense
+    weights; a pipeline over stages; or training's tp is not ``decode_tp``); otherwise the sampler
+    decodes on the params as they are, with no copy."""
     shape = dict(mesh_shape)
+    zero_group = shape.get("fsdp", 1) * shape.get("ep", 1)
     return cfg.posttrain.rollout_layout == "decode" and (
-        (cfg.parallel.zero_stage >= 3 and shape.get("fsdp", 1) > 1) or shape.get("pp", 1) > 1
+        (cfg.parallel.zero_stage >= 3 and zero_group > 1) or shape.get("pp", 1) > 1
         or shape.get("tp", 1) != decode_tp)

@@ -233,8 +233,16 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
         _set_dotted(raw, key, value)
     cfg = _build(Config, raw, "")
     expand_paths(cfg)
+    _derive_head(cfg, raw)
     validate(cfg)
     return cfg
+
+
+def _derive_head(cfg: Config, raw: dict) -> None:
+    """``model.num_labels`` 1 (the score head) for ``training.objective=reward`` when the YAML and the
+    overrides leave it unset (an explicit value is checked, not replaced)."""
+    if cfg.training.objective == "reward" and "num_labels" not in (raw.get("model") or {}):
+        cfg.model.num_labels = 1
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

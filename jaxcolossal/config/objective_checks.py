@@ -16,7 +16,7 @@ import re
 from jaxcolossal.config.derived import (DPO_LOSS_TYPES, GRPO_LOSS_TYPES, LABEL_SMOOTHING_LOSSES, dpo_loss_types,
                                         dpo_loss_weights, grpo_prompt_length, posttrain_beta, posttrain_loss_type)
 from jaxcolossal.config.reward_funcs import reward_specs
-from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS, Config, PosttrainConfig
+from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS, REWARD_ONLY_KEYS, Config, PosttrainConfig
 from jaxcolossal.errors import ConfigError
 
 OBJECTIVE_FORMATS: dict[str, tuple[str | None, str]] = {}
@@ -32,23 +32,27 @@ def declare_objective(name: str, data_format: str | None, reads: str) -> None:
 
 
 def check_data_format(cfg: Config) -> None:
-    """``training.objective`` against ``data.format``: a format an objective claims
-    (``data_format``) goes with that objective and no other, in both directions.
+    """``training.objective`` against ``data.format``: a format objectives claim (``data_format``) goes
+    with those objectives and no other, in both directions (``preference`` with ``dpo`` and ``reward``).
 
     Raises:
         ConfigError: ``training.objective=dpo with data.format=chat: DPO reads preference pairs and
-            only DPO does; set both ...``; or an objective no registry line declares.
+            only DPO and REWARD do; set both ...``; or an objective no registry line declares.
     """
     t, d = cfg.training, cfg.data
     if t.objective not in OBJECTIVE_FORMATS:
         raise ConfigError(f"training.objective={t.objective}: no objective of that name is registered "
                           f"(registered: {', '.join(OBJECTIVE_FORMATS) or 'none'}; "
                           "jaxcolossal.train.objective.OBJECTIVES)")
-    for objective, (fmt, what) in OBJECTIVE_FORMATS.items():
-        if fmt is not None and (t.objective == objective) != (d.format == fmt):
-            raise ConfigError(f"training.objective={t.objective} with data.format={d.format}: {what} and only "
-                              f"{objective.upper()} does; set both training.objective={objective} and "
-                              f"data.format={fmt}, or neither")
+    own, what = OBJECTIVE_FORMATS[t.objective]
+    fmt = own if own is not None else d.format
+    readers = [o for o, (f, _) in OBJECTIVE_FORMATS.items() if f is not None and f == fmt]
+    if fmt != d.format or (readers and t.objective not in readers):
+        what = what if own is not None else OBJECTIVE_FORMATS[readers[0]][1]
+        names = " and ".join(o.upper() for o in readers)
+        raise ConfigError(f"training.objective={t.objective} with data.format={d.format}: {what} and only "
+                          f"{names} {'does' if len(readers) == 1 else 'do'}; set both training.objective="
+                          f"{'|'.join(readers)} and data.format={fmt}, or neither")
 
 
 def check_objective(cfg: Config) -> None:
@@ -60,12 +64,16 @@ def check_objective(cfg: Config) -> None:
     """
     t, d = cfg.training, cfg.data
     check_data_format(cfg)
+    _check_head(cfg)
     if t.objective == "sft":
         return
     if d.corpus == "stdlib":
         raise ConfigError(f"data.format={d.format} needs data.corpus: JSON-lines files of " + (
-            "{'prompt', 'chosen', 'rejected'} pairs" if t.objective == "dpo" else "{'prompt', 'answer'} rows"))
+            "{'prompt', 'answer'} rows" if t.objective == "grpo" else "{'prompt', 'chosen', 'rejected'} pairs"))
     _check_objective_keys(cfg)
+    if t.objective == "reward":
+        _check_reward(cfg)
+        return
     _check_loss_type(cfg)
     _check_reference(cfg)
     if t.objective == "grpo":
@@ -74,16 +82,48 @@ def check_objective(cfg: Config) -> None:
 
 
 def _check_objective_keys(cfg: Config) -> None:
-    """A GRPO-only ``posttrain`` key (:data:`~jaxcolossal.config.schema.GRPO_ONLY_KEYS`) set away from
-    its default in a DPO run, or a DPO-only one in a GRPO run: the run would ignore it."""
+    """A ``posttrain`` key only another objective reads (:data:`~jaxcolossal.config.schema.GRPO_ONLY_KEYS`,
+    ``DPO_ONLY_KEYS``, ``REWARD_ONLY_KEYS``) set away from its default: the run would ignore it."""
     objective = cfg.training.objective
-    other, keys = ("grpo", GRPO_ONLY_KEYS) if objective == "dpo" else ("dpo", DPO_ONLY_KEYS)
+    owners = {"grpo": GRPO_ONLY_KEYS, "dpo": DPO_ONLY_KEYS, "reward": REWARD_ONLY_KEYS}
     default = PosttrainConfig()
-    for key in keys:
-        value = getattr(cfg.posttrain, key)
-        if value != getattr(default, key):
-            raise ConfigError(f"posttrain.{key}={value!r} is a {other.upper()} key, which a {objective.upper()} run "
-                              f"(training.objective={objective}) never reads: remove it")
+    for other, keys in owners.items():
+        for key in keys if other != objective else ():
+            value = getattr(cfg.posttrain, key)
+            if value != getattr(default, key):
+                raise ConfigError(f"posttrain.{key}={value!r} is a {other.upper()} key, which a {objective.upper()} "
+                                  f"run (training.objective={objective}) never reads: remove it")
+
+
+def _check_head(cfg: Config) -> None:
+    """``model.num_labels`` against the objective: the score head with reward-model training only.
+
+    Raises:
+        ConfigError: one line naming the keys."""
+    n, objective = cfg.model.num_labels, cfg.training.objective  # 0 or 1: config.ranges
+    if objective == "reward" and n != 1:
+        raise ConfigError("training.objective=reward trains a score head: set model.num_labels=1")
+    if objective != "reward" and n:
+        raise ConfigError(f"model.num_labels={n} (a score head, no lm_head) trains only with "
+                          f"training.objective=reward, not {objective}: set model.num_labels=0")
+
+
+def _check_reward(cfg: Config) -> None:
+    """Reward-model training: the DPO/GRPO keys it does not read, and what it does not run with yet (LoRA,
+    and the post-training features :func:`_check_posttrain_features` refuses).
+
+    Raises:
+        ConfigError: one line naming the key."""
+    po = cfg.posttrain
+    for key in ("beta", "loss_type"):
+        if getattr(po, key) != "auto":
+            raise ConfigError(f"posttrain.{key}={getattr(po, key)!r} is not read by reward-model training "
+                              "(training.objective=reward, TRL's RewardTrainer has neither): remove it")
+    if cfg.model.lora.enabled:
+        raise ConfigError("training.objective=reward does not run with LoRA (model.lora.rank > 0) yet: the score "
+                          "head would need training beside the adapters (PEFT's modules_to_save); set "
+                          "model.lora.rank=0")
+    _check_posttrain_features(cfg)
 
 
 def _check_loss_type(cfg: Config) -> None:
@@ -184,11 +224,36 @@ def _check_grpo(cfg: Config) -> None:
                           f"prompt in training.seq_len={t.seq_len} (a row holds seq_len + 1 tokens: prompt and "
                           "completion): set posttrain.max_completion_length below training.seq_len")
     _check_generation_batch(cfg)
+    _check_advantage(cfg)
     reward_specs(po.reward_funcs, po.reward_weights)  # user functions imported now: raises ConfigError
     try:
         re.compile(po.format_pattern)
     except re.error as e:
         raise ConfigError(f"posttrain.format_pattern={po.format_pattern!r}: not a regular expression ({e})") from None
+
+
+RLOO_UNREAD = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "top_entropy_quantile",
+               "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+               "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+"""The GRPO keys ``advantage=rloo`` does not read (TRL's ``RLOOTrainer`` has one loss and no such options)."""
+
+
+def _check_advantage(cfg: Config) -> None:
+    """``advantage=rloo`` with a ``GRPOTrainer``-only key set, or ``normalize_advantages`` (RLOO's) without it.
+
+    Raises:
+        ConfigError: one line naming the key."""
+    po, default = cfg.posttrain, PosttrainConfig()
+    if po.advantage != "rloo":
+        if po.normalize_advantages:
+            raise ConfigError("posttrain.normalize_advantages=true is RLOO's (TRL's RLOOConfig): set "
+                              "posttrain.advantage=rloo, or use posttrain.scale_rewards for GRPO's group advantages")
+        return
+    for key in RLOO_UNREAD:
+        if getattr(po, key) != getattr(default, key):
+            raise ConfigError(f"posttrain.{key}={getattr(po, key)!r} is a GRPOTrainer option that "
+                              "posttrain.advantage=rloo (TRL's RLOOTrainer: one clipped sequence-level loss) never "
+                              "reads: remove it")
 
 
 def _check_generation_batch(cfg: Config) -> None:
@@ -233,8 +298,9 @@ def _check_posttrain_features(cfg: Config) -> None:
                                                    "ring attention reorders the tokens the log-probs are summed over"),
            "data.packing_mask": (d.packing_mask, "a row holds one response"),
            "parallel.gradient_compression": (p.gradient_compression != "none", f"not tested with {name} yet"),
-           "offload (offload_param_frac, nvme_path)": (cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
-                                                       "the reference copy is not offloaded yet"),
+           "offload (offload_param_frac, nvme_path)": (
+               cfg.offload.offload_param_frac > 0 or bool(cfg.offload.nvme_path),
+               "not tested with REWARD yet" if t.objective == "reward" else "the reference copy is not offloaded yet"),
            "model.attention_impl=cudnn": (t.objective == "grpo" and m.attention_impl == "cudnn",
                                           "the rollout rows' segment ids (left-padded prompts) need attention_impl "
                                           "xla or flash")}

@@ -199,6 +199,15 @@ class ModelConfig:
     """``true``: the LM head is the transposed input embedding (one ``[vocab, hidden]`` matrix);
     ``false``: a separate ``lm_head`` matrix. Shapes the saved state, so a resumed checkpoint and
     ``model.init_from`` must agree."""
+    num_labels: int = 0
+    """The head, 0 or 1. 0 (the default): the causal language model's head (``lm_head``, or the tied
+    embedding). 1: a reward model's score head in its place, transformers' ``*ForSequenceClassification``
+    with ``num_labels=1`` (:mod:`jaxcolossal.models.score_head`): ``score [hidden_size, 1]`` read at
+    each row's last non-pad token, no ``lm_head`` held or trained. Set by ``training.objective=reward``
+    when a YAML or override leaves it 0, read as 1 from a sequence-classification checkpoint, and
+    refused with any other objective. With ``model.init_from`` a causal LM's checkpoint gets a fresh
+    score drawn from normal(0, ``initializer_range``) (as transformers does); a sequence-classification
+    one's ``score.weight`` is loaded."""
     rms_norm_eps: float = 1e-5
     """The epsilon added to the mean square in every RMSNorm of ``type=llama`` and ``type=gemma`` (the
     layers', the final one, and ``qk_norm``'s), > 0."""
@@ -456,14 +465,15 @@ class TrainingConfig:
     pipeline parallelism by ``data_parallel_size × parallel.num_microbatches``. Replaced by
     ``micro_batch_size × gradient_accumulation_steps × data_parallel_size`` when
     ``micro_batch_size`` > 0."""
-    objective: Literal["sft", "dpo", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "grpo", "reward"] = "sft"
     """What the train step minimises (:mod:`jaxcolossal.train.objective`): ``sft`` (the default), the
     next-token cross-entropy over the (masked-in) tokens, pre-training and supervised fine-tuning;
     ``dpo``, Direct Preference Optimization on preference pairs (``data.format=preference``; the
     ``posttrain`` section; docs/posttraining.md); ``grpo``, Group Relative Policy Optimization with
     rewards on completions sampled from the policy itself (``data.format=prompts``; the ``posttrain``
-    section). Post-training is an objective on the same state, sharding, step and loop, not a second
-    trainer. With ``dpo``, ``batch_size`` counts sequences (two per pair) and each data shard's
+    section); ``reward``, a reward model (a scalar score head, ``model.num_labels=1``) trained on
+    preference pairs (``data.format=preference``) as TRL's ``RewardTrainer`` trains it. Post-training is an objective on the same state, sharding, step and loop, not a second
+    trainer. With ``dpo`` and ``reward``, ``batch_size`` counts sequences (two per pair) and each data shard's
     microbatch must hold whole pairs (an even number of rows); with ``grpo`` it counts completions,
     ``posttrain.num_generations`` per prompt (it must divide ``batch_size``)."""
     micro_batch_size: int = 0
@@ -977,6 +987,25 @@ class PosttrainConfig:
     """GRPO ``loss_type=vespo``: the gamma weight's shape ``k`` for negative advantages (TRL's default)."""
     vespo_lambda_neg: float = 2.0
     """GRPO ``loss_type=vespo``: the gamma weight's rate ``λ`` for negative advantages (TRL's default)."""
+    dynamic_sampling: bool = False
+    """GRPO: DAPO's dynamic sampling (Yu et al., 2025; verl's ``filter_groups``, OpenRLHF, NeMo-RL,
+    ColossalChat): groups whose rewards are all equal (zero standard deviation: no signal) are dropped
+    and more prompts are sampled, a generation batch at a time, until the generation batch is full of
+    groups with a signal (at most ``max_sampling_rounds`` rounds; short of it the last dropped groups fill
+    it, with advantage 0). TRL has no such option. The ``sampling/*`` metrics count the rounds, the
+    groups dropped and the groups filled."""
+    max_sampling_rounds: int = 10
+    """GRPO ``dynamic_sampling``: generation rounds per rollout at most, >= 1 (verl's ``max_num_gen_batches``)."""
+    advantage: Literal["group", "rloo"] = "group"
+    """GRPO: the advantage and the loss around it. ``group`` (the default): ``GRPOTrainer``'s, each reward
+    less its group's mean (scaled by ``scale_rewards``), the loss of ``loss_type``. ``rloo``: TRL's
+    ``RLOOTrainer`` (Ahmadian et al., 2024): with ``beta > 0`` each reward first less ``β·Σ(log π_old -
+    log π_ref)`` over its completion (the KL in the reward, first order), then less the mean of the other
+    completions of its group (the leave-one-out baseline); the loss is PPO's clipped objective on each
+    completion's summed log-ratio, averaged over completions; ``beta: auto`` is then RLOOConfig's 0.05."""
+    normalize_advantages: bool = False
+    """GRPO ``advantage=rloo`` (TRL's ``RLOOConfig.normalize_advantages``): the advantages are normalised
+    to mean 0 and standard deviation 1 over the generation batch (``+ 1e-4``)."""
     num_iterations: int = 1
     """GRPO's μ, >= 1: optimizer steps on each batch of rollouts. With μ > 1 the log-probs of the
     policy that sampled them are computed once and kept (``old_per_token_logps``); the rollouts are
@@ -1030,6 +1059,10 @@ class PosttrainConfig:
     """GRPO: the decode layout's tensor-parallel size, >= 0; 0 (the default): a host's devices, capped
     by the kv heads (the largest size that divides the devices, the heads, the kv heads and spares a
     data shard for every rollout row group). It must divide the number of devices and the heads."""
+    center_rewards_coefficient: float = 0.0
+    """Reward models (TRL's ``RewardConfig.center_rewards_coefficient``), >= 0: the weight of the
+    auxiliary ``mean((r_chosen + r_rejected)^2)`` term that keeps the rewards centred on zero
+    (Eisenstein et al., 2023, recommend 0.01); 0 (the default, TRL's None): off."""
     log_completions: bool = False
     """GRPO: at each logged step (``logging.log_every``), print the first completions of the newest
     rollout (4: the first group's) with their prompt, each reward function's value, the weighted reward
@@ -1042,11 +1075,14 @@ GRPO_ONLY_KEYS = ("num_generations", "max_completion_length", "temperature", "to
                   "rollout_tp", "steps_per_generation", "generation_batch_size", "rollout_slots",
                   "use_bias_correction_kl", "importance_sampling_level", "delta", "top_entropy_quantile",
                   "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                  "vespo_lambda_neg")
+                  "vespo_lambda_neg", "advantage", "normalize_advantages", "dynamic_sampling",
+                  "max_sampling_rounds")
 """The ``posttrain`` keys only GRPO reads (their docs start with "GRPO"); set away from their defaults
 in a DPO run they are refused."""
 DPO_ONLY_KEYS = ("label_smoothing", "loss_weights", "discopop_tau", "precompute_ref_log_probs")
 """The ``posttrain`` keys only DPO reads (their docs start with "DPO:"); refused in a GRPO run when set."""
+REWARD_ONLY_KEYS = ("center_rewards_coefficient",)
+"""The ``posttrain`` keys only reward-model training reads; refused in a DPO or GRPO run when set."""
 
 
 @dataclass

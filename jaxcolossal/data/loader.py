@@ -453,11 +453,15 @@ class PairLoader(ExampleLoader):
                          process_count=process_count, start_step=start_step)
         self.num_pairs = n
 
-    def local_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of step ``step``: ``inputs``/``targets`` int32 and ``loss_mask`` float32."""
+    def row_index(self, step: int) -> np.ndarray:
+        """This process's rows of step ``step`` as int indices into the interleaved pair rows (``2i``, ``2i + 1``)."""
         step = _as_int("step", step, 0)
         pairs = np.random.default_rng([self.seed, step]).integers(0, self.num_pairs, self.batch_size // 2)
-        idx = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)[self.rows]
+        return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)[self.rows]
+
+    def local_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of step ``step``: ``inputs``/``targets`` int32 and ``loss_mask`` float32."""
+        idx = self.row_index(step)
         rows = self.examples[idx]
         out = {"inputs": np.ascontiguousarray(rows[:, :-1]), "targets": np.ascontiguousarray(rows[:, 1:]),
                "loss_mask": np.ascontiguousarray(self.masks[idx])}

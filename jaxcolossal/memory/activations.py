@@ -76,6 +76,7 @@ from jaxcolossal.config import (
 )
 from jaxcolossal.models import get_family, param_layout
 from jaxcolossal.models.layers.vocab import fused_pays
+from jaxcolossal.models.score_head import SCORE, pooled_scores
 from jaxcolossal.parallel.mesh import data_size, entry_axes
 from jaxcolossal.parallel.sharding import Sharder, is_shape, rules_for, state_specs
 
@@ -103,7 +104,8 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
     """Bytes of the distinct residuals of ``jax.vjp(loss_sum)`` for ``batch`` sequences, the
     part of them in a 16-bit float dtype, the largest layer residual's bytes per layer (the scan
     stacks them ``[num_layers, ...]``; 0 with one layer), the bytes per layer of the largest
-    fp32 ``[..., t, t]`` one (XLA attention's probabilities), and the part of the residuals that
+    fp32 ``[..., t, t]`` one (XLA attention's probabilities; a reward model's score head in place of the
+    LM loss when ``model.num_labels``), and the part of the residuals that
     depends on neither the params nor the tokens (:func:`_input_free`: the causal mask, the
     rotary tables) (cached). ``fp8``: the projections in FP8 (``precision.fp8``), which save
     their inputs in one byte per element."""
@@ -116,8 +118,13 @@ def _traced(model_items: tuple, shapes_items: tuple, seq: int, remat: str, dtype
 
     shard = Sharder(None).with_fp8(fp8)
 
+    def loss(p, x, y):  # the LM loss, or a reward model's pooled scores (no LM head: model.num_labels)
+        if model.num_labels:
+            return jnp.sum(pooled_scores(family.hidden_states(p, x, model, shard), p[SCORE], x, 0))
+        return family.loss_sum(p, x, y, model, shard)
+
     def res(p, x, y):
-        return jax.tree.leaves(jax.vjp(lambda p: family.loss_sum(p, x, y, model, shard), p)[1])
+        return jax.tree.leaves(jax.vjp(lambda p: loss(p, x, y), p)[1])
     jaxpr = jax.make_jaxpr(res)(params, tok, tok).jaxpr
     inputs = {id(v) for v in jaxpr.invars}
     free = _input_free(jaxpr)

@@ -19,10 +19,13 @@ from jaxcolossal.models.gpt2 import GPT2LMHeadModel
 from jaxcolossal.models.layers import lora
 from jaxcolossal.models.layers.vocab import padded_vocab_size
 from jaxcolossal.models.llama import LlamaForCausalLM
+from jaxcolossal.models.score_head import with_score_head
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, deepseek.FAMILY, gemma.FAMILY,
-                                                gpt_oss.FAMILY)}
-"""``model.type`` -> its :class:`~jaxcolossal.models.family.Family`; adding a family is one line here."""
+FAMILIES: dict[str, Family] = {f.name: with_score_head(f) for f in (llama.FAMILY, gpt2.FAMILY, deepseek.FAMILY,
+                                                                 gemma.FAMILY, gpt_oss.FAMILY)}
+"""``model.type`` -> its :class:`~jaxcolossal.models.family.Family`; adding a family is one line here. Each
+takes ``model.num_labels`` (a reward model's score head in place of ``lm_head``:
+:mod:`jaxcolossal.models.score_head`)."""
 
 
 def get_family(cfg: ModelConfig) -> Family:

@@ -46,6 +46,7 @@ from safetensors.numpy import save_file
 from jaxcolossal.config import ConfigError, ModelConfig
 from jaxcolossal.models import FAMILIES, get_family
 from jaxcolossal.models.family import Family
+from jaxcolossal.models.score_head import SCORE, SCORE_HF_KEY, is_seqcls, seqcls_architecture, with_score_params
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -91,17 +92,33 @@ def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
             cross-attention).
     """
     family, kind = _hf_family(hf)
-    return dataclasses.replace(family.config_from_hf(hf, kind), **overrides)
+    cfg = family.config_from_hf(hf, kind)
+    if is_seqcls(hf):  # a *ForSequenceClassification: the score head (num_labels from id2label, as transformers)
+        cfg = dataclasses.replace(cfg, num_labels=len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2)))
+    return dataclasses.replace(cfg, **overrides)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """The ``config.json`` dict (``architectures``, ``model_type``, sizes, eps, ``dtype`` float32)
-    that ``transformers`` reads back as ``cfg`` (the inverse of :func:`config_from_hf`).
+    that ``transformers`` reads back as ``cfg`` (the inverse of :func:`config_from_hf`); with a score
+    head (``cfg.num_labels``) the ``*ForSequenceClassification`` architecture and its labels.
 
     Raises:
-        ConfigError: an unknown ``cfg.type``, or a model its family's format has no key for.
+        ConfigError: an unknown ``cfg.type``, or a model its family's format has no key for; a score
+            head on a ``model_type`` transformers has no sequence-classification class for.
     """
-    return {**get_family(cfg).config_to_hf(cfg), "dtype": "float32", "torch_dtype": "float32"}
+    out = {**get_family(cfg).config_to_hf(cfg), "dtype": "float32", "torch_dtype": "float32"}
+    if cfg.num_labels:
+        labels = [f"LABEL_{i}" for i in range(cfg.num_labels)]
+        out.update(architectures=[seqcls_architecture(out["model_type"])],
+                   id2label={str(i): n for i, n in enumerate(labels)}, label2id={n: i for i, n in enumerate(labels)})
+    return out
+
+
+def backbone_config(cfg: ModelConfig) -> ModelConfig:
+    """The config a family's ``params_from_hf``/``params_to_hf`` read a score-head model's backbone with:
+    its LM head tied (so neither reads nor writes ``lm_head.weight``); ``cfg`` itself without a score head."""
+    return dataclasses.replace(cfg, tie_word_embeddings=True, num_labels=0) if cfg.num_labels else cfg
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
@@ -289,7 +306,10 @@ def load_hf(path: str | os.PathLike, tp: int = 1, **overrides: Any) -> tuple[Mod
         return get(key)
 
     family = get_family(cfg)
-    params, used = family.params_from_hf(checked_get, keyset.__contains__, cfg)
+    params, used = family.params_from_hf(checked_get, keyset.__contains__, backbone_config(cfg))
+    if cfg.num_labels:  # a sequence-classification checkpoint: score.weight [num_labels, d], no lm_head
+        params[SCORE] = checked_get(SCORE_HF_KEY).T
+        used.add(SCORE_HF_KEY)
     unused = sorted(k for k in keyset - used if not (_IGNORED.search(k) or _TOWERS.search(k)))
     if unused:
         arch = config_to_hf(cfg)["architectures"][0]
@@ -335,6 +355,23 @@ def check_special_tokens(special_tokens: dict, vocab_size: int) -> dict:
     return out
 
 
+def hf_tensors(params: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """``{Hugging Face key: fp32 numpy}`` of ``params`` (jax or numpy, fully addressable) by the family's
+    key mapping, the vocabulary padding stripped; a score head (``cfg.num_labels``) as ``score.weight``
+    ``[num_labels, d]`` beside the backbone's keys (no ``lm_head.weight``)."""
+    family = get_family(cfg)
+    p = jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), params)
+    emb = family.embedding
+    p[emb] = p[emb][: cfg.vocab_size]
+    if "lm_head" in p:
+        p["lm_head"] = p["lm_head"][:, : cfg.vocab_size]
+    score = p.pop(SCORE, None)
+    tensors = family.params_to_hf(p, backbone_config(cfg))
+    if cfg.num_labels:
+        tensors[SCORE_HF_KEY] = np.ascontiguousarray(score.T)
+    return tensors
+
+
 def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_size: int | str = "5GB",
             special_tokens: dict | None = None) -> list[str]:
     """Export ``params`` as a Hugging Face model directory that ``transformers`` loads
@@ -359,25 +396,27 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Any, max_shard_si
     Writes ``config.json`` (:func:`config_to_hf`, plus the ids), the safetensors file(s) (module
     doc for the key names; tied embeddings are written once, as HF does) and, when ids are set,
     ``generation_config.json``; an earlier ``generation_config.json`` in ``path`` is removed
-    otherwise. Returns the weight file names.
+    otherwise. Returns the weight file names. A reward model (``cfg.num_labels``) is written as its
+    family's ``*ForSequenceClassification`` (``AutoModelForSequenceClassification.from_pretrained``:
+    ``score.weight``, no ``lm_head``, ``id2label``), which needs ``pad_token_id``; no
+    ``generation_config.json`` (it does not generate).
 
     Raises:
         ConfigError: an unknown ``cfg.type``; a special-token id outside ``[0, cfg.vocab_size)``
-            or an unknown key in ``special_tokens`` (nothing is written then).
+            or an unknown key in ``special_tokens``; a score head without ``pad_token_id``, or on an
+            architecture transformers has no sequence-classification class for (nothing is written then).
     """
 
-    family = get_family(cfg)
+    get_family(cfg)  # an unknown type is refused before anything is written
     ids = check_special_tokens(special_tokens, cfg.vocab_size) if special_tokens is not None else None
-    p = jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), params)
-    emb = family.embedding
-    p[emb] = p[emb][: cfg.vocab_size]
-    if "lm_head" in p:
-        p["lm_head"] = p["lm_head"][:, : cfg.vocab_size]
-    tensors = family.params_to_hf(p, cfg)
+    if cfg.num_labels and (ids or {}).get("pad_token_id") is None:
+        raise ConfigError("a score-head model (model.num_labels=1) exports as a sequence-classification model, "
+                          "which needs pad_token_id (transformers reads the score at the last non-pad token)")
+    tensors = hf_tensors(params, cfg)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**config_to_hf(cfg), **(ids or {})}, indent=2) + "\n")
-    generation = {k: v for k, v in (ids or {}).items() if v is not None}
+    generation = {k: v for k, v in (ids or {}).items() if v is not None and not cfg.num_labels}  # none: no generate()
     if generation:
         (path / GENERATION_CONFIG).write_text(
             json.dumps({"_from_model_config": True, **dict(sorted(generation.items()))}, indent=2) + "\n")
@@ -404,6 +443,9 @@ def check_init_from(cfg_model: ModelConfig) -> None:
         hf = config_from_hf(read_hf_config(path))
     except FileNotFoundError as e:
         raise ConfigError(f"model.init_from={path!r}: {e}") from None
+    if hf.num_labels and not cfg_model.num_labels:
+        raise ConfigError(f"model.init_from={path!r} is a sequence-classification checkpoint (a score head, no "
+                          "lm_head): it trains only as a reward model (training.objective=reward)")
     bad = model_mismatches(cfg_model, hf, "the Hugging Face config")
     if bad:
         raise ConfigError(f"model.init_from={path!r}: the model section does not match the checkpoint: "
@@ -436,12 +478,16 @@ def repad_vocab(params: dict, cfg_model: ModelConfig, tp: int = 1) -> dict:
     return _pad_vocab(params, cfg_model, get_family(cfg_model).padded_vocab_size(cfg_model, tp))
 
 
-def init_params_from(cfg_model: ModelConfig, tp: int = 1) -> dict | None:
+def init_params_from(cfg_model: ModelConfig, tp: int = 1, seed: int = 0) -> dict | None:
     """The initial params for ``model.init_from`` (fine-tuning from Hugging Face weights).
 
     Returns ``None`` when ``cfg_model.init_from`` is empty; else :func:`load_hf` of that
     directory, padded with ``cfg_model.vocab_pad_multiple`` and ``tp`` (fp32 numpy, for
-    ``init_state(plan, tx, params=...)``).
+    ``init_state(plan, tx, params=...)``). A reward model (``cfg_model.num_labels``) from a causal
+    LM's checkpoint drops its ``lm_head`` and draws the score head from ``normal(0,
+    initializer_range)`` with ``jax.random.key(seed)`` (:func:`jaxcolossal.models.score_head.init_score`,
+    as transformers initialises the ``score`` a causal-LM checkpoint lacks); a sequence-classification
+    checkpoint's ``score.weight`` is loaded.
 
     The YAML must describe the same model: ``type, num_layers, hidden_size, num_attention_heads,
     num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings`` and, for llama,
@@ -456,4 +502,7 @@ def init_params_from(cfg_model: ModelConfig, tp: int = 1) -> dict | None:
         return None
     check_init_from(cfg_model)
     _, params = load_hf(cfg_model.init_from, tp, vocab_pad_multiple=cfg_model.vocab_pad_multiple)
+    if cfg_model.num_labels and SCORE not in params:
+        params = with_score_params(params, cfg_model, jax.random.key(seed))
+        params[SCORE] = np.asarray(params[SCORE])
     return params

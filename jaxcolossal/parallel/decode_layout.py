@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcolossal.parallel.layer_scan import fetch_layer
-from jaxcolossal.parallel.mesh import EP_AXIS, MESH_AXES, TP_AXIS, entry_axes
+from jaxcolossal.parallel.mesh import EP_AXIS, MESH_AXES, TP_AXIS, ZERO_AXIS, entry_axes
 
 KEPT_AXES = (TP_AXIS, EP_AXIS)
 """The mesh axes a param keeps in the decode layout: tensor parallelism and the experts' split."""
@@ -53,12 +53,15 @@ def decode_mesh(mesh: Mesh, tp: int) -> Mesh:
 
 
 def decode_spec(spec: P, shape: tuple[int, ...], sizes: Mapping[str, int]) -> P:
-    """One param's decode spec from its training ``spec`` (or its rules-table spec): each entry keeps
-    only :data:`KEPT_AXES`, and a dimension that those axes' ``sizes`` (the decode mesh's shape) do not
-    divide is whole."""
+    """One param's decode spec from its training ``spec`` (or its rules-table spec): each entry loses
+    ZeRO's axes (``fsdp`` and what follows it: with expert parallelism ZeRO splits a dense weight over
+    ``fsdp × ep``, which is no expert split) and keeps only :data:`KEPT_AXES`; a dimension that those
+    axes' ``sizes`` (the decode mesh's shape) do not divide is whole."""
     out = []
     for i, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
-        kept = tuple(a for a in entry_axes(entry) if a in KEPT_AXES)
+        names = entry_axes(entry)
+        names = names[:names.index(ZERO_AXIS)] if ZERO_AXIS in names else names
+        kept = tuple(a for a in names if a in KEPT_AXES)
         size = int(np.prod([sizes[a] for a in kept], dtype=np.int64))
         out.append(None if not kept or shape[i] % size else kept[0] if len(kept) == 1 else kept)
     return P(*out)

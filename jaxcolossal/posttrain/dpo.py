@@ -192,6 +192,7 @@ class Dpo:
     data_format = "preference"
     reads = "DPO reads preference pairs"
     evaluation = "objective"  # the held-out pairs' DPO loss and TRL metrics, against the reference
+    headline_metrics = ("rewards/accuracies", "rewards/margins")  # the held-out evaluation's log line
     reference_label = "DPO's"
 
     def __init__(self, family, cfg):
@@ -229,7 +230,7 @@ class Dpo:
         loss, metrics = dpo_loss(terms, self.loss_types, self.loss_weights)
         return jnp.sum(loss), {k: jnp.sum(v) for k, v in metrics.items()}
 
-    def count(self, inputs, mask=None):
+    def count(self, inputs, mask=None, fields=None):
         """The step's pairs (fp32 scalar): half its rows."""
         return jnp.asarray(inputs.shape[0] // 2, jnp.float32)
 

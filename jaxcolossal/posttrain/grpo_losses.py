@@ -146,3 +146,17 @@ def grpo_token_loss(terms: GrpoTerms, logps, old_logps, ref_logps, adv, mask, en
     if kl is not None:
         loss = loss + terms.beta * kl
     return loss, {"kl": kl, "coef1": coef1, "phi": phi, "adv": adv}
+
+
+def rloo_sequence_loss(terms: GrpoTerms, logps, old_logps, adv, mask) -> tuple:
+    """TRL 1.16 ``RLOOTrainer._compute_loss``'s per-completion loss, fp32 ``[b, 1]``: the ratio of the
+    completion's summed log-probs ``exp(Σ logp - Σ logp_old)``, PPO's clipped objective
+    ``-min(ratio·A, clip(ratio, 1-ε, 1+ε_high)·A)`` on it (the KL is in the reward, not here), and the
+    parts for the metrics. ``logps``/``old_logps``/``mask``: ``[b, t]``; ``adv``: ``[b]``."""
+    adv = adv[:, None]
+    seq = jnp.sum(logps * mask, axis=-1, keepdims=True)
+    old_seq = jnp.sum(old_logps * mask, axis=-1, keepdims=True)
+    coef1 = jnp.exp(seq - old_seq)
+    coef2 = jnp.clip(coef1, 1 - terms.epsilon, 1 + terms.epsilon_high)
+    loss = -jnp.minimum(coef1 * adv, coef2 * adv)
+    return loss, {"kl": None, "coef1": coef1, "phi": None, "adv": adv}

@@ -52,7 +52,8 @@ from jaxcolossal.parallel.sharding import RULES, logical_to_spec
 from jaxcolossal.posttrain.rewards import RewardSet, TrainerState, make_rewards
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 
-__all__ = ["Rollouts", "completion_ids", "group_advantages", "rollout_token_logps", "row_layout", "truncated_rows"]
+__all__ = ["Rollouts", "completion_ids", "group_advantages", "rloo_advantages", "rollout_token_logps", "row_layout",
+           "truncated_rows"]
 
 ROLLOUTS_KEPT = 2
 """Rollout batches kept in ``<checkpoint.dir>/rollouts`` (the newest ones)."""
@@ -77,6 +78,28 @@ def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.nd
     adv = rewards - mean
     if scale != "none":
         adv = adv / (std + 1e-4)
+    return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0) | np.isnan(std)
+
+
+def rloo_advantages(rewards: np.ndarray, group: int, kl: np.ndarray | None, beta: float,
+                    normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """TRL 1.16 ``RLOOTrainer``'s advantages, fp32 ``[n]``: with ``beta > 0`` each reward first less
+    ``β·kl`` (``kl [n]``: the completion's summed ``log π_old - log π_ref``), then less the mean of the
+    *other* scored completions of its group (the leave-one-out baseline); with ``normalize`` the
+    advantages are then ``(a - mean) / (std + 1e-4)`` over the batch (Bessel-corrected); unscorable rows
+    (NaN) get 0. Also returns ``no_signal [n]`` as :func:`group_advantages` does (the group's std of the
+    penalised rewards is 0 or undefined)."""
+    if beta and kl is not None:
+        rewards = rewards - beta * kl
+    grouped = rewards.reshape(-1, group)
+    scored = (~np.isnan(grouped)).sum(axis=1, keepdims=True)
+    with warnings.catch_warnings():  # a group with one scored completion has no baseline: NaN, then 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        baseline = (np.nansum(grouped, axis=1, keepdims=True) - grouped) / (scored - 1)
+        adv = (grouped - baseline).reshape(-1)
+        if normalize:
+            adv = (adv - np.nanmean(adv)) / (np.nanstd(adv, ddof=1) + 1e-4)
+        std = np.repeat(np.nanstd(grouped, axis=1, ddof=1), group)
     return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0) | np.isnan(std)
 
 
@@ -130,6 +153,46 @@ def rollout_token_logps(plan, params, inputs, targets, mask, segment_ids, positi
     return token_logprobs(h, family.head_weight(params, cfg), targets, mask, cfg.vocab_size, shard,
                           cfg.loss_chunk_tokens, cfg.loss_chunk_vocab, cfg.final_logit_softcapping,
                           plan.cfg.posttrain.temperature)
+
+
+def group_has_signal(rewards: np.ndarray, group: int) -> np.ndarray:
+    """bool ``[n / group]``: the groups whose scored rewards are not all equal (a nonzero,
+    Bessel-corrected std over at least two scored completions): DAPO's dynamic sampling keeps these."""
+    grouped = rewards.reshape(-1, group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        std = np.nanstd(grouped, axis=1, ddof=1)
+    return ~(np.isclose(std, 0.0) | np.isnan(std))
+
+
+@dataclass
+class _Groups:
+    """Sampled, scored completions: prompt indices ``[n]``, left-padded prompts ``[n, P]`` and mask,
+    completions ``[n, C]`` and lengths ``[n]``, rewards ``[n, F]``, texts; the generation's seconds and
+    the tokens it generated (over every round)."""
+
+    idx: np.ndarray
+    prompt_tokens: np.ndarray
+    prompt_mask: np.ndarray
+    completions: np.ndarray
+    lengths: np.ndarray
+    per_func: np.ndarray
+    texts: list
+    seconds: float
+    generated: int
+
+    def group(self, i: int, size: int) -> "_Groups":
+        """Group ``i`` (rows ``i·size`` to ``(i+1)·size``)."""
+        rows = slice(i * size, (i + 1) * size)
+        return _Groups(self.idx[rows], self.prompt_tokens[rows], self.prompt_mask[rows], self.completions[rows],
+                       self.lengths[rows], self.per_func[rows], self.texts[rows], 0.0, 0)
+
+    @staticmethod
+    def concat(parts: list["_Groups"], generated: int) -> "_Groups":
+        def cat(name):
+            return np.concatenate([getattr(p, name) for p in parts])
+        return _Groups(cat("idx"), cat("prompt_tokens"), cat("prompt_mask"), cat("completions"), cat("lengths"),
+                       cat("per_func"), [t for p in parts for t in p.texts], 0.0, generated)
 
 
 @dataclass
@@ -239,7 +302,7 @@ class Rollouts:
         t = self.P + self.C - 1
         ints = {k: np.zeros((self.B, t), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
         return ints | {k: np.zeros((self.B, t), np.float32) for k in ("loss_mask", "advantages", "old_logps",
-                                                                           "ref_logps")}
+                                                                           "ref_logps", "tokens_per_step")}
 
     def _place(self, host: dict) -> dict:
         return {k: jax.make_array_from_callback(v.shape, self.sharding, lambda idx, v=v: v[idx])
@@ -250,31 +313,88 @@ class Rollouts:
         t0 = time.perf_counter()
         jax.block_until_ready(state.params)  # the previous update's time is not the rollout's
         t1 = time.perf_counter()
-        idx = np.repeat(prompt_batch(self.data, step // self.period, self.k * self.B // self.G, self.cfg.training.seed),
-                        self.G)
-        prompt_tokens, prompt_mask = self._prompts(self.data, idx)
-        key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
-        completions, lengths = self._generate(state.model_params, prompt_tokens, prompt_mask, key, self.sampling)
-        t2 = time.perf_counter()
-        per_func, comp_texts = self._score(self.data, idx, completions, lengths, f"step {step + 1}",
-                                           TrainerState(step, self.cfg.training.max_steps))
-        self._check_scored(per_func, step)
-        total = self.rewards.total(per_func)
-        adv, std_zero = group_advantages(total, self.G, self.cfg.posttrain.scale_rewards)
-        if self.cfg.posttrain.log_completions:
-            self.shown = self._shown(step, idx, comp_texts, per_func, total, adv)
+        g, sampling_metrics, t_gen = self._sample(step, state)
         t3 = time.perf_counter()
-        truncated = self._truncated(completions, lengths)
-        host = row_layout(prompt_tokens, prompt_mask, completions, lengths,
+        total = self.rewards.total(g.per_func)
+        truncated = self._truncated(g.completions, g.lengths)
+        host = row_layout(g.prompt_tokens, g.prompt_mask, g.completions, g.lengths,
                           truncated if self.cfg.posttrain.mask_truncated_completions else None)
-        host["advantages"] = np.repeat(adv[:, None], host["inputs"].shape[1], axis=1)
         host.update(self._policy_logps(state, host))
         t4 = time.perf_counter()
-        metrics = self._metrics(per_func, total, std_zero, lengths, truncated)
-        metrics.update({"time/wait_update_s": t1 - t0, "time/rollout_s": t2 - t1, "time/reward_s": t3 - t2,
-                        "time/logps_s": t4 - t3, "rollout_tokens_per_s": float(lengths.sum()) / max(t2 - t1, 1e-9)})
+        adv, std_zero, kl_metric = self._advantages(total, host)
+        host["advantages"] = np.repeat(adv[:, None], host["inputs"].shape[1], axis=1)
+        # TRL's num_items_in_batch over the generation's optimizer steps (dapo, cispo, vespo divide by it)
+        host["tokens_per_step"] = np.full(host["inputs"].shape, host["loss_mask"].sum() / self.k, np.float32)
+        if self.cfg.posttrain.log_completions:
+            self.shown = self._shown(step, g.idx, g.texts, g.per_func, total, adv)
+        metrics = self._metrics(g.per_func, total, std_zero, g.lengths, truncated) | kl_metric | sampling_metrics
+        metrics.update({"time/wait_update_s": t1 - t0, "time/rollout_s": t_gen, "time/reward_s": t3 - t1 - t_gen,
+                        "time/logps_s": t4 - t3, "rollout_tokens_per_s": float(g.generated) / max(t_gen, 1e-9)})
         self._save(step, host, metrics)
         return _Rollout(step, host, metrics)
+
+    def _sample(self, step: int, state: Any) -> tuple["_Groups", dict, float]:
+        """The generation's completions, scored: one round of ``k·B/G`` prompts × ``G``; with
+        ``posttrain.dynamic_sampling`` (DAPO's dynamic sampling, as verl/OpenRLHF run it) rounds of as
+        many prompts again until that many groups whose rewards are not all equal are gathered (at most
+        ``max_sampling_rounds``; short of them, the last dropped groups fill the batch, advantage 0).
+        Returns the groups, the ``sampling/*`` metrics (with dynamic sampling) and the generation seconds."""
+        po = self.cfg.posttrain
+        need = self.k * self.B // self.G
+        kept, dropped, t_gen, generated = [], [], 0.0, 0
+        rounds = po.max_sampling_rounds if po.dynamic_sampling else 1
+        for r in range(rounds):
+            g = self._sample_round(step, state, need, r)
+            t_gen += g.seconds
+            generated += g.generated
+            if not po.dynamic_sampling:
+                return g, {}, t_gen
+            signal = group_has_signal(self.rewards.total(g.per_func), self.G)
+            kept += [g.group(i, self.G) for i in np.flatnonzero(signal)]
+            dropped += [g.group(i, self.G) for i in np.flatnonzero(~signal)]
+            if len(kept) >= need:
+                break
+        filled = max(need - len(kept), 0)
+        chosen = kept[:need] + dropped[len(dropped) - filled:]
+        metrics = {"sampling/rounds": float(r + 1), "sampling/groups_dropped": float(len(dropped)),
+                   "sampling/groups_filled": float(filled)}
+        return _Groups.concat(chosen, generated), metrics, t_gen
+
+    def _sample_round(self, step: int, state: Any, groups: int, r: int) -> "_Groups":
+        """Round ``r`` of a rollout: ``groups`` prompts (round 0: the step's own draw, :func:`prompt_batch`;
+        later rounds: draws of their own, a pure function of the step and the round), ``G`` completions
+        each, scored."""
+        seed = self.cfg.training.seed
+        draw = step // self.period if r == 0 else np.random.default_rng([seed, step // self.period, r]).integers(2**31)
+        idx = np.repeat(prompt_batch(self.data, int(draw), groups, seed), self.G)
+        prompt_tokens, prompt_mask = self._prompts(self.data, idx)
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        if r:
+            key = jax.random.fold_in(key, r)
+        t = time.perf_counter()
+        completions, lengths = self._generate(state.model_params, prompt_tokens, prompt_mask, key, self.sampling)
+        seconds = time.perf_counter() - t
+        per_func, texts = self._score(self.data, idx, completions, lengths, f"step {step + 1}",
+                                      TrainerState(step, self.cfg.training.max_steps))
+        self._check_scored(per_func, step)
+        return _Groups(idx, prompt_tokens, prompt_mask, completions, lengths, per_func, texts, seconds,
+                       int(lengths.sum()))
+
+    def _advantages(self, total: np.ndarray, host: dict) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Each completion's advantage ``[n]``, its group's no-signal flag ``[n]`` and the rollout's own
+        metrics: GRPO's group advantages (:func:`group_advantages`), or RLOO's (:func:`rloo_advantages`,
+        the KL from the sampling policy's and the reference's log-probs; TRL's ``kl`` metric, the mean per
+        completion token of ``log π_old - log π_ref``)."""
+        po = self.cfg.posttrain
+        if po.advantage != "rloo":
+            return (*group_advantages(total, self.G, po.scale_rewards), {})
+        beta = posttrain_beta(self.cfg)
+        kl, metric = None, {}
+        if beta:
+            per_token = (host["old_logps"] - host["ref_logps"]) * host["loss_mask"]
+            kl = per_token.sum(axis=1)
+            metric = {"kl": float(per_token.sum() / max(host["loss_mask"].sum(), 1.0))}
+        return (*rloo_advantages(total, self.G, kl, beta, po.normalize_advantages), metric)
 
     def _shown(self, step: int, idx, texts: list[str], per_func: np.ndarray, total: np.ndarray,
                adv: np.ndarray) -> list[dict]:
@@ -387,7 +507,8 @@ class Rollouts:
         ``[k·B, t]`` host arrays computed ``batch_size`` rows at a time; zeros where the loss does not read them."""
         out = {name: np.zeros(host["inputs"].shape, np.float32) for name in ("old_logps", "ref_logps")}
         ref = state.frozen if self.cfg.posttrain.reference == "lora_base" else state.reference
-        which = {"old_logps": state.model_params if self.period > 1 else None,
+        rloo_kl = self.cfg.posttrain.advantage == "rloo" and posttrain_beta(self.cfg) > 0  # the KL in the reward
+        which = {"old_logps": state.model_params if self.period > 1 or rloo_kl else None,
                  "ref_logps": ref if posttrain_beta(self.cfg) > 0 else None}
         for j in range(self.k):
             rows = slice(j * self.B, (j + 1) * self.B)

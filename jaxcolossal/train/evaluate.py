@@ -40,7 +40,8 @@ from jaxcolossal.train.state import TrainPlan
 
 def held_out(run: Run, state: Any) -> float:
     """Mean validation loss (nats/token) over the fixed evaluation batches; with DPO the mean DPO loss
-    over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc.; with
+    over the held-out pairs, and their TRL metrics written as ``val_rewards/accuracies`` etc. (a reward
+    model: its loss, ``val_accuracy`` etc.); with
     GRPO minus the mean reward of greedy completions of the held-out prompts (``val_reward``)."""
     evaluation = objective_class(run.cfg).evaluation
     if evaluation == "rollouts":
@@ -55,9 +56,9 @@ def held_out(run: Run, state: Any) -> float:
     outs = [run.eval_step(state.model_params, reference, *batch) for batch in run.evals]
     metrics = {f"val_{k}": float(np.mean([float(m[k]) for _, m in outs])) for k in outs[0][1]}
     run.write({"step": int(state.step), **metrics})
-    get_dist_logger().info(f"step {int(state.step)}: held-out rewards/accuracies "
-                           f"{metrics['val_rewards/accuracies']:.3f}, rewards/margins "
-                           f"{metrics['val_rewards/margins']:.4f}", ranks=[0])
+    first, second = objective_class(run.cfg).headline_metrics  # DPO's rewards/accuracies, a reward model's accuracy
+    get_dist_logger().info(f"step {int(state.step)}: held-out {first} {metrics['val_' + first]:.3f}, {second} "
+                           f"{metrics['val_' + second]:.4f}", ranks=[0])
     return float(np.mean([float(v) for v, _ in outs]))
 
 
@@ -241,7 +242,7 @@ def sample_text(run: Run, state: Any) -> str:
     (:func:`jaxcolossal.generate.generate`) on the params as training lays them out; a family without
     a decode path (``Family.forward_cached`` None) uses the windowed one."""
     cfg, t = run.cfg.model, run.cfg.training
-    if t.sample_tokens <= 0:
+    if t.sample_tokens <= 0 or cfg.num_labels:  # a score head (a reward model) has no LM head to sample from
         return ""
     tok = get_tokenizer(run.cfg.data.tokenizer)
     fmt = data_format(run.cfg)

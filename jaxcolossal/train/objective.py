@@ -11,6 +11,8 @@ family's language-model loss. Each objective is one file and one line here:
   preference losses (IPO, robust, AOT, APO, ...) over interleaved preference pairs, as TRL's ``DPOTrainer``.
 * ``grpo`` (:mod:`jaxcolossal.posttrain.grpo`): Group Relative Policy Optimization, DAPO and
   Dr. GRPO over completions sampled from the policy, as TRL's ``GRPOTrainer``.
+* ``reward`` (:mod:`jaxcolossal.posttrain.reward`): a reward model's score head on preference pairs,
+  as TRL's ``RewardTrainer``.
 
 The terms they share (sequence log-probs, the k3 KL estimator, the normalisers) are
 :mod:`jaxcolossal.posttrain.loss_terms`. Each objective's ``data_format`` is the config's check of
@@ -28,6 +30,7 @@ from jaxcolossal.config import Config
 from jaxcolossal.config.objective_checks import declare_objective
 from jaxcolossal.posttrain.dpo import Dpo
 from jaxcolossal.posttrain.grpo import Grpo
+from jaxcolossal.posttrain.reward import Reward
 from jaxcolossal.train.sft import Sft
 
 
@@ -60,6 +63,11 @@ class Objective(Protocol):
     reference_label: ClassVar[str]
     """Whose frozen reference copy the memory report names (``DPO's``); empty without one."""
 
+    # Optional, read with getattr where used: ``headline_metrics`` (an ``objective`` evaluation's two
+    # metrics in its log line), ``batches`` (the objective's own reading of its data format, in place of
+    # :data:`jaxcolossal.data.formats.FORMATS`'), ``shard_reductions`` (statistics combined over the data
+    # shards by other than a sum), ``wants_shard_axis``, ``step_fields``.
+
     def __init__(self, family: Any, cfg: Config) -> None: ...
 
     def __call__(self, params: Any, tokens: jax.Array, targets: jax.Array, mcfg: Any, shard: Any,
@@ -67,8 +75,9 @@ class Objective(Protocol):
                  positions: jax.Array | None = None, dropout_key: jax.Array | None = None,
                  reference: Any = None, **fields: jax.Array) -> tuple[jax.Array, dict]: ...
 
-    def count(self, inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        """What the step's summed loss divides by (fp32 scalar): tokens, pairs or rows."""
+    def count(self, inputs: jax.Array, mask: jax.Array | None = None, fields: dict | None = None) -> jax.Array:
+        """What the step's summed loss divides by (fp32 scalar): tokens, pairs or rows; ``fields``: the
+        batch's :attr:`batch_fields` (GRPO reads TRL's token count of the generation from them)."""
 
     def zero_stats(self) -> dict:
         """The statistics at zero (fp32 arrays), the accumulation's start; ``{}``: none kept."""
@@ -89,6 +98,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     Sft.name: Sft,    # jaxcolossal/train/sft.py: pre-training and SFT
     Dpo.name: Dpo,    # jaxcolossal/posttrain/dpo.py
     Grpo.name: Grpo,  # jaxcolossal/posttrain/grpo.py
+    Reward.name: Reward,  # jaxcolossal/posttrain/reward.py
 }
 """Every objective by its ``training.objective`` name, one line each."""
 

@@ -58,7 +58,7 @@ class Sft:
         return self.family.loss_and_stats(params, tokens, targets, mcfg, shard, vocab_parallel, mask,
                                           segment_ids=segment_ids, positions=positions, **extra)
 
-    def count(self, inputs, mask=None):
+    def count(self, inputs, mask=None, fields=None):
         """The step's tokens, or its masked-in tokens (fp32 scalar: :func:`token_count`)."""
         return token_count(inputs, mask)
 

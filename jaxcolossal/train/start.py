@@ -63,7 +63,7 @@ def initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
     log, lora = get_dist_logger(), cfg.model.lora
     ref_model = cfg.posttrain.ref_model and holds_reference(cfg)
     state = init_state(plan, tx, key=jax.random.key(cfg.training.seed),
-                       params=init_params_from(cfg.model, plan.mesh_shape["tp"]),
+                       params=init_params_from(cfg.model, plan.mesh_shape["tp"], cfg.training.seed),
                        adapters=load_adapters(lora.init_from, cfg.model) if lora.init_from else None,
                        reference=load_ref_model(cfg, plan.mesh_shape["tp"]) if ref_model else None)
     if ref_model:
@@ -81,17 +81,19 @@ def initial_state(cfg: Config, plan: TrainPlan, tx: Any) -> Any:
 def load_data(cfg: Config, mesh, plan: TrainPlan | None = None) -> tuple[Any, list, str]:
     """The training loader, the fixed evaluation batches and the end-of-run sample's prompt:
     ``data.format``'s (:func:`jaxcolossal.data.formats.data_format`; batches placed on ``mesh`` over
-    the data group, evaluation batches of one microbatch's rows), its loader through the objective's
-    hook (GRPO: the rollout phase on ``plan``).
+    the data group, evaluation batches of one microbatch's rows), or the objective's own reading of
+    that format (its optional ``batches``: a reward model's pairs with their margins), its loader
+    through the objective's hook (GRPO: the rollout phase on ``plan``).
 
     Raises:
         DataError, DependencyError: the format's files cannot be read as it reads them.
         ConfigError: an on-policy loader refusing what would train nothing (GRPO's rollouts).
     """
-    t = cfg.training
-    data, evals, prompt = data_format(cfg).batches(cfg, mesh, jax.sharding.PartitionSpec(DATA_AXES),
-                                                   t.batch_size // t.gradient_accumulation_steps)
-    return objective_class(cfg).loader(data, cfg, plan), evals, prompt
+    t, objective = cfg.training, objective_class(cfg)
+    batches = getattr(objective, "batches", None) or data_format(cfg).batches
+    data, evals, prompt = batches(cfg, mesh, jax.sharding.PartitionSpec(DATA_AXES),
+                                  t.batch_size // t.gradient_accumulation_steps)
+    return objective.loader(data, cfg, plan), evals, prompt
 
 
 def eval_step_for(plan: TrainPlan) -> Any:

@@ -278,7 +278,7 @@ class _GradFn:
         B = inputs.shape[0]
         n, k = self.n, self.k
         # the gradient of the mean over the whole step (tokens; DPO: pairs), × the loss scale
-        coef = scale / self.objective.count(inputs, mask)
+        coef = scale / self.objective.count(inputs, mask, fields)
         inputs, targets, mask, segment_ids, positions = zigzag_batch(inputs, targets, mask, segment_ids, positions,
                                                                      self.ring)
 
@@ -460,7 +460,8 @@ class _TrainStep:
         new = TrainState(step=state.step + 1, params=new_params, master=new_master if self.plan.mixed else None,
                          opt_state=opt_state, scaler=scaler, residual=residual, frozen=state.frozen,
                          reference=state.reference)
-        n = self.objective.count(batch["inputs"], batch.get("loss_mask"))  # tokens; DPO: pairs
+        fields = {k: batch[k] for k in self.objective.batch_fields if k in batch}
+        n = self.objective.count(batch["inputs"], batch.get("loss_mask"), fields)  # tokens; DPO: pairs
         metrics = {"loss": loss_sum / n, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         metrics.update(self.objective.metrics(stats, n))  # a mixture of experts'; DPO's, GRPO's (TRL's names)
         if self.schedule is not None:
@@ -494,22 +495,23 @@ def make_eval_step(plan: TrainPlan) -> Callable[[Any, jax.Array, jax.Array], jax
 
 
 def make_objective_eval_step(plan: TrainPlan) -> Callable:
-    """Jitted ``eval(params, reference, inputs, targets, mask, ref_logps=None) -> (mean loss, {metric:
-    mean})``: the objective's own loss and metrics over a held-out batch (an objective whose ``evaluation``
-    is ``objective``; DPO's interleaved preference rows, ``[2P, t]`` int32, ``mask`` float32, sharded
-    over the data group, and TRL's metrics: :class:`jaxcolossal.posttrain.dpo.Dpo`). ``params``: the
-    model's whole params dict; ``reference``: the frozen copy, or under LoRA the base; with
-    ``posttrain.precompute_ref_log_probs`` None, and ``ref_logps`` fp32 ``[2P, 1]`` the rows' precomputed
-    reference log-probs (:mod:`jaxcolossal.train.ref_logps`)."""
+    """Jitted ``eval(params, reference, inputs, targets, mask, *fields) -> (mean loss, {metric: mean})``:
+    the objective's own loss and metrics over a held-out batch (an objective whose ``evaluation`` is
+    ``objective``; DPO's interleaved preference rows, ``[2P, t]`` int32, ``mask`` float32, sharded
+    over the data group, and TRL's metrics: :class:`jaxcolossal.posttrain.dpo.Dpo`; a reward model's
+    with its ``margin`` field ``[2P, t]``: :class:`jaxcolossal.posttrain.reward.Reward`). ``params``: the
+    model's whole params dict; ``reference``: the frozen copy, or under LoRA the base;
+    with ``posttrain.precompute_ref_log_probs`` None, and DPO's field ``ref_logps`` fp32 ``[2P, 1]`` the rows'
+    precomputed reference log-probs (:mod:`jaxcolossal.train.ref_logps`)."""
     cfg, sharder = plan.cfg, plan.sharder
     objective = make_objective(plan.family, cfg)
     vp = sharder.is_sharded("vocab")
 
-    def ev(params, reference, x, y, mask, ref_logps=None):
+    def ev(params, reference, x, y, mask, *fields):  # fields: the objective's batch_fields, in order
         x = sharder(x, ("batch", "seq"))
-        fields = {} if ref_logps is None else {"ref_logps": ref_logps}
+        named = dict(zip(objective.batch_fields, fields))
         s, stats = objective(params, x, y, cfg.model, sharder, vp, mask.astype(jnp.float32), reference=reference,
-                             **fields)
+                             **named)
         n = objective.count(x)
         return s / n, objective.metrics(stats, n)
 

@@ -122,3 +122,30 @@ def test_the_default_rollout_tp(name, devices, overrides, want):
                       f"data.corpus={ROOT}/configs/data/arith_prompts.jsonl", "training.micro_batch_size=0",
                       "posttrain.num_generations=2", "model.attention_impl=xla"] + overrides)
     assert rollout_tp(cfg, devices, 8) == want
+
+
+def test_experts_under_zero3_with_ep_reshard_to_whole_dense_weights_and_decode_the_same():
+    """A mixture of experts under ZeRO-3 with ep 2 over 8 devices (the dense weights split over fsdp 4 × ep
+    2): the decode layout keeps the experts over ep and the dense weights whole (no ``ep`` left on them, as
+    ZeRO put it there), and its rollouts and steps equal the training layout's (scripts/bench_rollout.py
+    counts the decode step's collectives on the Mixtral-8x7B shape)."""
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "router_aux_loss_coef": 0.0}
+
+    def cfg(posttrain):
+        return config_from_dict({
+            "model": {**TINY_MODEL, "vocab_size": 256, **moe},
+            "training": {"batch_size": 16, "seq_len": 12, "learning_rate": 1e-3, "warmup_steps": 1, "max_steps": 10,
+                         "objective": "grpo"},
+            "data": {"format": "prompts", "corpus": f"{ROOT}/configs/data/arith_prompts.jsonl", "tokenizer": "byte"},
+            "posttrain": {"num_generations": 4, "max_completion_length": 4, "beta": 0.04, "reward_funcs": "format",
+                          "format_pattern": r"\d", "rollout_tp": 1, **posttrain},
+            "parallel": {"data_parallel_size": 8, "expert_parallel_size": 2, "zero_stage": 3}})
+    plan, _, state, _ = setup(cfg({}))
+    dmesh = decode_mesh(plan.mesh, 1)
+    _, specs = make_reshard(state.params, dmesh)
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    split = {jax.tree_util.keystr(p): {a for e in s for a in entry_axes(e) if dmesh.shape[a] > 1} for p, s in flat}
+    assert any("ep" in str(x.sharding.spec) for x in jax.tree.leaves(state.params) if x.ndim == 2)  # ZeRO's dense ep
+    assert {k for k, axes in split.items() if axes} == {k for k in split if "moe_w_" in k}, split
+    assert all(axes == {"ep"} for axes in split.values() if axes), split
+    _same_rollouts_and_steps(cfg({}), cfg({"rollout_layout": "training"}), steps=2)

@@ -213,3 +213,29 @@ def test_a_failing_reward_module_in_the_current_folder_is_one_line_and_its_trace
                              "before step 1: ZeroDivisionError: division by zero"), r.stderr[-3000:]
     below = "\n".join(err[first[0] + 1:])
     assert "my_rewards.py" in below and "in fragile" in below and "jaxcolossal" not in below, r.stderr[-3000:]
+
+
+def test_rloo_advantages_run_through_the_loader_and_step():
+    """``advantage=rloo`` end to end on one device: the rollout's advantages are the leave-one-out ones of the
+    KL-penalised rewards (each group's sum to 0), its ``kl`` metric is logged, and the step trains."""
+    cfg = grpo_config(posttrain={"advantage": "rloo", "num_iterations": 1})
+    _, out = run_grpo(cfg, jax.devices()[:1], steps=2)
+    for host, metrics in out:
+        adv = host["advantages"][:, 0].reshape(-1, cfg.posttrain.num_generations)
+        np.testing.assert_allclose(adv.sum(axis=1), 0.0, atol=1e-5)  # leave-one-out: a group's advantages sum to 0
+        assert "kl" in metrics and np.isfinite(metrics["loss"]) and "clip_ratio/high_max" in metrics
+    assert out[1][1]["kl"] != 0.0  # the policy moved off the reference after one update
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_a_signal():
+    """``dynamic_sampling``: groups whose rewards are all equal are dropped and more prompts sampled, so the
+    trained batch holds none (``frac_reward_zero_std`` 0) where the plain rollout holds some; the
+    ``sampling/*`` metrics count the rounds and the dropped groups."""
+    plain = run_grpo(grpo_config(posttrain={"num_iterations": 1}), jax.devices()[:1], steps=2)[1]
+    dyn = run_grpo(grpo_config(posttrain={"num_iterations": 1, "dynamic_sampling": True}), jax.devices()[:1],
+                   steps=2)[1]
+    assert max(m["frac_reward_zero_std"] for _, m in plain) > 0  # the task leaves some groups without a signal
+    for host, m in dyn:
+        assert m["sampling/groups_filled"] == 0 and m["frac_reward_zero_std"] == 0, m
+        assert m["sampling/rounds"] >= 1 and host["inputs"].shape[0] == 16
+    assert sum(m["sampling/groups_dropped"] for _, m in dyn) > 0 and max(m["sampling/rounds"] for _, m in dyn) > 1

@@ -208,14 +208,15 @@ def _trl(w, case: dict):
     whole = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp_ids,
              "completion_mask": comp_mask, "advantages": advantages, "ref_per_token_logps": ref_lp,
              "old_per_token_logps": old_lp}
-    if args.num_iterations == 1:  # on-policy: TRL uses the policy's own log-probs, detached
-        del whole["old_per_token_logps"]
+    if args.num_iterations == 1 and args.steps_per_generation <= args.gradient_accumulation_steps:
+        del whole["old_per_token_logps"]  # on-policy: TRL uses the policy's own log-probs, detached
     if args.beta == 0.0:
         del whole["ref_per_token_logps"]
     k = args.gradient_accumulation_steps
+    steps = args.steps_per_generation // k  # optimizer steps per generation: this step is the first
     policy.zero_grad()
     total = 0.0
-    for rows in np.split(np.arange(B), k):
+    for rows in np.split(np.arange(B // steps), k):
         inputs = {name: torch.from_numpy(np.ascontiguousarray(a[rows])) for name, a in whole.items()}
         inputs["num_items_in_batch"] = torch.tensor(float(comp_mask.sum()))  # spans the generation batch
         loss = GRPOTrainer._compute_loss(fake, policy, inputs)
@@ -229,10 +230,16 @@ def _trl(w, case: dict):
 _TRAINING_KEYS = {"gradient_accumulation_steps"}
 
 
+def _step_rows(case: dict) -> int:
+    """The rows of the step the case trains: the generation's ``B`` over its optimizer steps."""
+    return B * case.get("gradient_accumulation_steps", 1) // case.get("steps_per_generation",
+                                                                    case.get("gradient_accumulation_steps", 1))
+
+
 def _config(w, case: dict):
     """Ours from the same settings (the same names; TRL's ``None`` is our 0)."""
     post = {k: (0.0 if v is None else v) for k, v in case.items() if k not in _TRAINING_KEYS}
-    training = {"objective": "grpo", "seq_len": SEQ_LEN, "batch_size": B}
+    training = {"objective": "grpo", "seq_len": SEQ_LEN, "batch_size": _step_rows(case)}
     training |= {k: v for k, v in case.items() if k in _TRAINING_KEYS}
     cfg = config_from_dict({"model": {"max_position_embeddings": 1024}, "training": training, "posttrain": post,
                             "data": {"format": "prompts", "corpus": str(w.corpus)}})  # a path: nothing is read
@@ -262,14 +269,19 @@ def _ours_direct(w, cfg, o):
 
 
 def _ours_step(w, cfg, o):
-    """Through the step's gradient function on one device (its batch fields, microbatches and count)."""
+    """Through the step's gradient function on one device (its batch fields, microbatches and count), on the
+    step's rows of the generation (its first ``batch_size``), with the loader's ``tokens_per_step``: the
+    generation's completion tokens over its optimizer steps."""
     plan = make_plan(cfg, make_mesh(cfg.parallel, jax.devices()[:1]))
     grad_fn = jax.jit(partial(make_grad_fn(plan), with_stats=True))
     obj = Grpo(get_family(cfg.model), cfg)
+    n_rows = cfg.training.batch_size
+    o = {k: (v[:n_rows] if isinstance(v, np.ndarray) else {c: p[:n_rows] for c, p in v.items()}) for k, v in o.items()}
+    o["tokens_per_step"] = np.full(o["inputs"].shape, w.batch[3].sum() * n_rows / B, np.float32)
     fields = {k: jnp.asarray(o[k]) for k in obj.batch_fields}
     loss_sum, g, _, stats = grad_fn(w.params, o["inputs"], o["targets"], np.float32(1.0), o["mask"],
                                     o["segment_ids"], o["positions"]["sampler"], fields=fields)
-    n = obj.count(o["inputs"], o["mask"])
+    n = obj.count(o["inputs"], o["mask"], fields)
     return (float(loss_sum / n), {k: float(v) for k, v in obj.metrics(stats, n).items()},
             get_family(cfg.model).params_to_hf(g, cfg.model))
 
@@ -305,9 +317,10 @@ def test_token_logps_equal_trl(world, temperature):
     _, _, _, _, pol_lp, pol_ent = w.models(temperature)
     f = jax.jit(lambda p, pos: policy_token_logps(get_family(w.cfg_m), p, o["inputs"], o["targets"], o["mask"],
                                                   w.cfg_m, no_shard, False, o["segment_ids"], pos,
-                                                  temperature=temperature, with_entropy=True))
+                                                  temperature=temperature, extras=("entropy",)))
     for conv, positions in o["positions"].items():
-        lp, ent = (np.asarray(a)[:, P - 1:] for a in f(w.params, positions))
+        lp, more = f(w.params, positions)
+        lp, ent = np.asarray(lp)[:, P - 1:], np.asarray(more["entropy"])[:, P - 1:]
         err = np.abs(lp - pol_lp).max() / np.abs(pol_lp).max()
         ent_err = np.abs((ent - pol_ent) * w.batch[3]).max() / np.abs(pol_ent).max()
         print(f"temperature {temperature}, positions {conv}: log-prob err {err:.1e}, entropy err {ent_err:.1e}")
@@ -328,6 +341,9 @@ OPTIONS = [{"loss_type": "dapo", "beta": 0.04, "use_bias_correction_kl": False} 
            {"loss_type": "dapo", "beta": 0.04, "temperature": 0.7} | OFF,
            {"temperature": 0.7}]
 ACCUMULATION = [{"loss_type": lt, "beta": 0.04, "gradient_accumulation_steps": 2} | OFF for lt in LOSS_TYPES]
+ACCUMULATION += [{"loss_type": lt, "steps_per_generation": 2, "num_generations": 2} for lt in ("dapo", "vespo")]
+"""With ``steps_per_generation=2`` one generation feeds two optimizer steps (the first is checked): the
+token-normalised losses divide by the generation's tokens over its steps, as TRL's ``num_items_in_batch``."""
 CASES = GRID + OPTIONS + ACCUMULATION + [{}]  # {}: every setting at its default
 FAST = [{}] + [c for c in GRID if c.get("beta") and c.get("num_iterations") and c["loss_type"] in
                ("cispo", "sapo", "luspo", "vespo")] + [OPTIONS[i] for i in (1, 3, 5, 7)] + [ACCUMULATION[1]]
@@ -358,7 +374,7 @@ def test_grpo_equals_trl(world, case):
     cfg = _config(world, case)
     o = world.ours(cfg.posttrain.temperature)
     label = _label(case)
-    if cfg.training.gradient_accumulation_steps == 1:
+    if cfg.training.gradient_accumulation_steps == 1 and "steps_per_generation" not in case:  # one microbatch
         for conv, got in _ours_direct(world, cfg, o).items():
             errs = _compare(f"{label} direct/{conv}", got, want)
             print(f"{label} direct, positions {conv}: rel errors loss {errs[0]:.1e} grad {errs[1]:.1e} "

@@ -180,3 +180,26 @@ def test_logprobs_temporaries_at_128k_vocab():
     for f in (lp, with_grad):
         temp = jax.jit(f).lower(h, w, y).compile().memory_analysis().temp_size_in_bytes
         assert temp <= 0.25 * FP32_LOGITS, f"{f.__name__}: {temp / FP32_LOGITS:.3f}× the fp32 logits"
+
+
+@pytest.mark.parametrize("temperature,softcap", [(1.0, 0.0), (0.7, 5.0)])
+def test_the_extras_equal_the_materialised_logits(temperature, softcap):
+    """Entropy, mean logit and top-1 (TRL's fused head's extra outputs) from the chunked path (token and vocab
+    chunks, a padded vocabulary of 45 in 50 columns) equal those of the whole logits, and carry no gradient."""
+    k = jax.random.split(jax.random.key(0), 3)
+    h, w = jax.random.normal(k[0], (3, 13, 16)), jax.random.normal(k[1], (16, 50)) * 0.5
+    y = jax.random.randint(k[2], (3, 13), 0, 45)
+    y = y.at[0].set(jnp.argmax(jnp.einsum("btd,dv->btv", h, w)[0, :, :45], -1))  # row 0: every target the top-1
+    mask = (jnp.arange(13)[None] < jnp.array([[13], [7], [3]])).astype(jnp.float32)
+    lg = logprobs.soft_cap(jnp.einsum("btd,dv->btv", h, w), softcap)[..., :45] / temperature
+    lps = jax.nn.log_softmax(lg, -1)
+    want = {"entropy": -jnp.sum(jnp.exp(lps) * lps, -1) * mask, "mean_logits": lg.mean(-1) * mask,
+            "is_top1": (jnp.argmax(lg, -1) == y).astype(jnp.float32) * mask}
+    _, got = logprobs.token_logprobs(h, w, y, mask, 45, chunk_tokens=8, chunk_vocab=8, softcap=softcap,
+                                     temperature=temperature, extras=logprobs.EXTRAS)
+    for name, v in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(v), atol=3e-6, err_msg=name)
+    assert float(got["is_top1"][0].sum()) == 13
+    g = jax.grad(lambda h: sum(jnp.sum(v) for v in logprobs.token_logprobs(
+        h, w, y, mask, 45, chunk_tokens=8, chunk_vocab=8, extras=logprobs.EXTRAS)[1].values()))(h)
+    assert float(jnp.abs(g).max()) == 0.0

@@ -100,11 +100,17 @@ def zeros_varying_like(shape, dtype, *refs) -> jax.Array:
 # ----------------------------------------------------------------------------- the public entry
 
 
+EXTRAS = ("entropy", "mean_logits", "is_top1")
+"""The per-token statistics :func:`token_logprobs` can return beside the log-probs (TRL 1.16's fused LM
+head's ``outputs``): the distribution's entropy, the mean of its (tempered) logits over the vocabulary,
+and whether the target is the most likely token (the first of equal maxima, as ``argmax``)."""
+
+
 def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax.Array | None, vocab_size: int,
                    shard: Sharder = no_shard, chunk_tokens: int = 1024, chunk_vocab: int = 8192,
-                   softcap: float = 0.0, temperature: float = 1.0, with_entropy: bool = False):
+                   softcap: float = 0.0, temperature: float = 1.0, extras: tuple[str, ...] = ()):
     """``log softmax(h @ head_w / temperature)[tokens]`` per position: fp32 ``[b, t]``, 0 where ``mask`` is 0;
-    with ``with_entropy`` also the entropy of each position's distribution, fp32 ``[b, t]`` (no gradient).
+    with ``extras`` also those of :data:`EXTRAS` (fp32 ``[b, t]`` each, no gradient).
 
     Args:
         h: ``[b, t, d]`` final-norm hidden states in the compute dtype, sharded ``("batch", "seq", "embed")``.
@@ -126,18 +132,18 @@ def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax
         temperature: the logits (soft-capped first) are divided by it, > 0: the sampling distribution
             at that temperature, as TRL's fused LM head computes its log-probs and entropies (trl 1.16
             ``add_fused_lm_head(temperature=...)``).
-        with_entropy: also return ``-Σ_v p_v log p_v`` of each position (0 where ``mask`` is 0), from the
-            same chunks (one more running sum in the online log-sum-exp); it carries no gradient.
+        extras: names of :data:`EXTRAS` to return as well (0 where ``mask`` is 0), each one more running
+            term of the same chunks' online log-sum-exp (no extra pass over the vocabulary).
 
     Differentiable in ``h`` and ``head_w`` (gradients in their dtypes, formed in fp32 and scaled by
     the incoming cotangent before the cast, see :func:`_chunked_logprobs`). Returns ``lp`` or, with
-    ``with_entropy``, ``(lp, entropy)``.
+    ``extras``, ``(lp, {name: [b, t]})``.
     """
     b, t, d = h.shape
     valid = jnp.ones((b, t), jnp.float32) if mask is None else mask.astype(jnp.float32)
     if chunk_tokens <= 0:
-        lp, ent = full_logprobs(h, head_w, tokens, vocab_size, shard, softcap, temperature, with_entropy=True)
-        return (lp * valid, ent * valid) if with_entropy else lp * valid
+        lp, more = full_logprobs(h, head_w, tokens, vocab_size, shard, softcap, temperature, extras=EXTRAS)
+        return (lp * valid, {k: more[k] * valid for k in extras}) if extras else lp * valid
     rows = b // batch_shards(shard, b)  # a device's rows: the chunks are sized per device
     c = chunk_positions(rows, t, chunk_tokens)
     n = math.ceil(t / c)
@@ -149,34 +155,39 @@ def token_logprobs(h: jax.Array, head_w: jax.Array, tokens: jax.Array, mask: jax
         return jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
 
     w3, layout = _vocab_view(head_w, shard, chunk_vocab)
-    lp, ent = _chunked_logprobs(shard, vocab_size, *layout, softcap, temperature, with_entropy)(
+    lp, more = _chunked_logprobs(shard, vocab_size, *layout, softcap, temperature, tuple(extras))(
         to_chunks(h), w3, to_chunks(tokens))
 
     def back(a):  # [n, b, c] -> [b, t]
         return jnp.moveaxis(a, 0, 1).reshape(b, n * c)[:, :t] * valid
 
-    return (back(lp), back(jax.lax.stop_gradient(ent))) if with_entropy else back(lp)
+    return (back(lp), {k: back(jax.lax.stop_gradient(more[k])) for k in extras}) if extras else back(lp)
 
 
 def full_logprobs(h: jax.Array, w: jax.Array, tokens: jax.Array, vocab_size: int,
                   shard: Sharder = no_shard, softcap: float = 0.0, temperature: float = 1.0,
-                  with_entropy: bool = False):
+                  extras: tuple[str, ...] = ()):
     """The reference: fp32 logits ``[b, t, v]`` materialised (soft-capped by ``softcap``, 0: not; then
-    divided by ``temperature``), ``logits[token] - logsumexp`` (fp32 ``[b, t]``), and with
-    ``with_entropy`` each position's entropy (fp32 ``[b, t]``, no gradient); vocab-parallel by the
-    partitioner's all-reduces over tp."""
+    divided by ``temperature``), ``logits[token] - logsumexp`` (fp32 ``[b, t]``), and with ``extras``
+    ``{name: [b, t]}`` of :data:`EXTRAS` (no gradient); vocab-parallel by the partitioner's all-reduces
+    over tp."""
     lg = shard(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), ("batch", "seq", "vocab"))
     lg = soft_cap(lg, softcap) / temperature
     col = jax.lax.broadcasted_iota(jnp.int32, lg.shape, 2)
+    real = col < vocab_size
     if lg.shape[-1] != vocab_size:
-        lg = jnp.where(col < vocab_size, lg, PAD_LOGIT)
+        lg = jnp.where(real, lg, PAD_LOGIT)
     picked = jnp.sum(jnp.where(col == tokens[..., None], lg, 0.0), axis=-1)
     lse = jax.nn.logsumexp(lg, axis=-1)
-    if not with_entropy:
+    if not extras:
         return picked - lse
-    p = jax.nn.softmax(jax.lax.stop_gradient(lg), axis=-1)
-    ent = jax.lax.stop_gradient(lse) - jnp.sum(p * jnp.where(col < vocab_size, jax.lax.stop_gradient(lg), 0.0), -1)
-    return picked - lse, ent
+    sg, sp = jax.lax.stop_gradient(lg), jax.lax.stop_gradient(picked)
+    p = jax.nn.softmax(sg, axis=-1)
+    more = {"entropy": jax.lax.stop_gradient(lse) - jnp.sum(p * jnp.where(real, sg, 0.0), -1),
+            "mean_logits": jnp.sum(jnp.where(real, sg, 0.0), -1) / vocab_size,
+            "is_top1": ((sp >= jnp.max(sg, -1)) &
+                        (sp > jnp.max(jnp.where(col < tokens[..., None], sg, -jnp.inf), -1))).astype(jnp.float32)}
+    return picked - lse, {k: more[k] for k in extras}
 
 
 def _vocab_view(w: jax.Array, shard: Sharder, chunk_vocab: int) -> tuple[jax.Array, tuple[int, int, int, int]]:
@@ -205,11 +216,11 @@ def _head_axes(n: int) -> tuple:
 
 
 def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: int, vc: int, softcap: float = 0.0,
-                      temperature: float = 1.0, entropy: bool = False):
+                      temperature: float = 1.0, extras: tuple[str, ...] = ()):
     """The chunked log-probs as a ``custom_vjp`` over ``(h_chunks [m, b, c, d], w3 [d, n, nv·vc],
-    tokens [m, b, c])`` -> ``(log-probs, entropies)``, fp32 ``[m, b, c]`` each (``m`` token chunks of
-    ``c`` positions; the vocab view of :func:`_vocab_view`); the entropies take no cotangent (zeros
-    unless ``entropy``: the running sum is only formed when asked for).
+    tokens [m, b, c])`` -> ``(log-probs, {extra: ...})``, fp32 ``[m, b, c]`` each (``m`` token chunks of
+    ``c`` positions; the vocab view of :func:`_vocab_view`); the ``extras`` (:data:`EXTRAS`) take no
+    cotangent, and their running terms are only formed when asked for.
 
     Forward: per token chunk, an online log-sum-exp over the ``nv`` vocab chunks; residuals are
     the inputs and the fp32 log-sum-exp ``[m, b, c]``. Backward: per token chunk and vocab chunk,
@@ -222,7 +233,9 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
     logits are ``c · tanh(u / c)`` of the raw ``u = h @ w`` (:func:`soft_cap`), and ``dlogits`` is
     multiplied by the cap's slope ``1 − (logit / c)²`` before the contraction. With a ``temperature``
     ``τ`` the (capped) logits are divided by ``τ``, and ``dlogits`` by ``τ`` as well. The entropy is
-    ``lse - Σ p·logit``, the sum a third running term of the online log-sum-exp.
+    ``lse - Σ p·logit`` (a running ``Σ exp·logit``), the mean logit a running sum over the real columns,
+    and ``is_top1`` compares the target's logit with the running max and with the max of the columns
+    before it (TRL's kernel's test).
     """
 
     def chunk_logits(hc, w3, j):  # [b, c, d], the view, chunk index -> fp32 [b, c, n, vc], col ids, w chunk
@@ -239,26 +252,33 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
         keep = (loc < local) & (col < vocab_size)
         return jnp.where(keep, lg, PAD_LOGIT), col, wj
 
-    def forward_chunk(hc, w3, yc):  # one token chunk: (log-prob, lse, entropy), fp32 [b, c] each
+    def forward_chunk(hc, w3, yc):  # one token chunk: (log-prob, lse, {extra}), fp32 [b, c] each
         def body(carry, j):
-            m, s, picked, sl = carry
+            m, s, picked, sl, zs, before = carry
             lg, col, _ = chunk_logits(hc, w3, j)
             m_new = jnp.maximum(m, jnp.max(lg, axis=(2, 3)))
             e = jnp.exp(lg - m_new[..., None, None])
             rescale = jnp.exp(m - m_new)
             s = s * rescale + jnp.sum(e, axis=(2, 3))
-            if entropy:  # Σ exp·logit, rescaled like s
-                sl = sl * rescale + jnp.sum(e * jnp.where(lg > PAD_LOGIT, lg, 0.0), axis=(2, 3))
+            real = jnp.where(lg > PAD_LOGIT, lg, 0.0)
+            if "entropy" in extras:  # Σ exp·logit, rescaled like s
+                sl = sl * rescale + jnp.sum(e * real, axis=(2, 3))
+            if "mean_logits" in extras:
+                zs = zs + jnp.sum(real, axis=(2, 3))
+            if "is_top1" in extras:  # the largest logit of the columns before the target's
+                before = jnp.maximum(before, jnp.max(jnp.where(col < yc[..., None, None], lg, -jnp.inf), axis=(2, 3)))
             picked = picked + jnp.sum(jnp.where(col == yc[..., None, None], lg, 0.0), axis=(2, 3))
-            return (m_new, s, picked, sl), None
+            return (m_new, s, picked, sl, zs, before), None
         z = zeros_varying_like(yc.shape, jnp.float32, hc, w3, yc)
-        (m, s, picked, sl), _ = jax.lax.scan(body, (z - jnp.inf, z, z, z), jnp.arange(nv))
+        (m, s, picked, sl, zs, before), _ = jax.lax.scan(body, (z - jnp.inf, z, z, z, z, z - jnp.inf), jnp.arange(nv))
         lse = m + jnp.log(s)
-        return picked - lse, lse, lse - sl / s
+        more = {"entropy": lse - sl / s, "mean_logits": zs / vocab_size,
+                "is_top1": ((picked >= m) & (picked > before)).astype(jnp.float32)}
+        return picked - lse, lse, {k: more[k] for k in extras}
 
     def fwd(hs, w3, ys):
-        lp, lse, ent = jax.lax.map(lambda xs: forward_chunk(xs[0], w3, xs[1]), (hs, ys))
-        return (lp, ent), (hs, w3, ys, lse)
+        lp, lse, more = jax.lax.map(lambda xs: forward_chunk(xs[0], w3, xs[1]), (hs, ys))
+        return (lp, more), (hs, w3, ys, lse)
 
     @jax.custom_vjp
     def chunked(hs, w3, ys):
@@ -266,7 +286,7 @@ def _chunked_logprobs(shard: Sharder, vocab_size: int, n: int, local: int, nv: i
 
     def bwd(res, g):
         hs, w3, ys, lse = res
-        g = g[0]  # the entropies' cotangent is dropped: they carry no gradient
+        g = g[0]  # the extras' cotangents are dropped: they carry no gradient
         big = jnp.max(jnp.abs(g))
         big = jnp.where(big > 0, big, 1.0).astype(jnp.float32)
         dh, dw = _backward_scan(chunk_logits, shard, (hs, w3, ys, lse, g / big), big, n, nv, vc, softcap,
