@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcolossal.config.derived import dpo_loss_types, dpo_loss_weights, posttrain_beta, precomputes_ref_logps
+from jaxcolossal.models.layers.logprobs import EXTRAS
 from jaxcolossal.posttrain.loss_terms import policy_token_logps, sequence_logps
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -31,6 +32,49 @@ DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 """TRL's ``DPOTrainer`` metric names, each a mean over the step's pairs (trl 1.16 ``_compute_loss``)."""
 
 log_sigmoid, sigmoid = jax.nn.log_sigmoid, jax.nn.sigmoid
+
+
+TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+"""TRL 1.16 ``DPOTrainer._compute_loss``'s token metrics (every loss type logs them): the mean entropy
+over the response tokens, the mean logit over the chosen and over the rejected response tokens, and the
+share of the chosen response tokens that are the model's top-1; each a microbatch's value."""
+
+
+class MicrobatchTokens(NamedTuple):
+    """The response tokens of the microbatch a call's rows belong to (fp32 scalars): all of them and the
+    chosen rows' (the step's ``microbatch_tokens``/``microbatch_chosen_tokens`` fields), and this call's
+    share of them. A call with no fields (the held-out evaluation, a direct call) is its own microbatch."""
+
+    local: jax.Array
+    total: jax.Array
+    chosen: jax.Array
+    given: bool  # the step's fields were given (static): the call may be one data shard of its microbatch
+
+    @classmethod
+    def of(cls, mask, total=None, chosen=None) -> "MicrobatchTokens":
+        local = jnp.sum(mask)
+        given = total is not None
+        total = total[0, 0] if given else local
+        chosen = chosen[0, 0] if chosen is not None else jnp.sum(mask[0::2])
+        return cls(local, jnp.maximum(total, 1.0), jnp.maximum(chosen, 1.0), given)
+
+    def sft_share(self, chosen_nll_sum, local_pairs: int, microbatch_pairs: int) -> jax.Array:
+        """``sft``'s per-pair term: the microbatch's mean NLL over its chosen tokens (TRL's), spread so that
+        the call's ``local_pairs`` carry this call's part of ``microbatch_pairs × mean`` (the whole
+        microbatch's sum over pairs; a call that is its own microbatch: the plain mean)."""
+        pairs = microbatch_pairs if self.given else local_pairs
+        return chosen_nll_sum / self.chosen * pairs / local_pairs
+
+    def metric_shares(self, stats: dict, mask) -> dict:
+        """This call's share of :data:`TOKEN_METRICS` (sums over its tokens over the microbatch's) and of
+        one microbatch (``microbatches``: its tokens over the microbatch's)."""
+        chosen, rejected = mask[0::2], mask[1::2]
+        rejected_total = jnp.maximum(self.total - self.chosen, 1.0)
+        return {"entropy": jnp.sum(stats["entropy"] * mask) / self.total,
+                "logits/chosen": jnp.sum(stats["mean_logits"][0::2] * chosen) / self.chosen,
+                "logits/rejected": jnp.sum(stats["mean_logits"][1::2] * rejected) / rejected_total,
+                "mean_token_accuracy": jnp.sum(stats["is_top1"][0::2] * chosen) / self.chosen,
+                "microbatches": self.local / self.total}
 
 
 class PairTerms(NamedTuple):
@@ -195,8 +239,11 @@ class Dpo:
     headline_metrics = ("rewards/accuracies", "rewards/margins")  # the held-out evaluation's log line
     reference_label = "DPO's"
 
+    step_fields: tuple = ("microbatch_tokens", "microbatch_chosen_tokens")  # filled by the step from the mask
+
     def __init__(self, family, cfg):
         self.family, self.cfg, self.post = family, cfg, cfg.posttrain
+        self.microbatch_pairs = cfg.training.batch_size // 2 // cfg.training.gradient_accumulation_steps
         self.loss_types, self.loss_weights = dpo_loss_types(cfg), dpo_loss_weights(cfg)
         if precomputes_ref_logps(cfg):  # the reference's log-probs come with the batch
             self.batch_fields = ("ref_logps",)
@@ -209,38 +256,44 @@ class Dpo:
                                                     vocab_parallel))
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
-                 positions=None, dropout_key=None, reference=None, ref_logps=None):
-        # the phases: policy log-probs (per token: sft's NLL), reference log-probs (no gradient; or the
-        # precomputed ones), the loss
+                 positions=None, dropout_key=None, reference=None, ref_logps=None, microbatch_tokens=None,
+                 microbatch_chosen_tokens=None):
+        # the phases: policy log-probs (per token, with TRL's token statistics), reference log-probs (no
+        # gradient; or the precomputed ones), the loss, the metrics
         mask = mask.astype(jnp.float32)
-        pol_tok = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
-                                     dropout_key=dropout_key)
+        pol_tok, token_stats = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard,
+                                                  vocab_parallel, dropout_key=dropout_key, extras=EXTRAS)
         pol = jnp.sum(pol_tok, axis=-1)
+        tokens_mb = MicrobatchTokens.of(mask, microbatch_tokens, microbatch_chosen_tokens)
         if ref_logps is not None:
             ref = ref_logps.reshape(-1).astype(jnp.float32)
         else:
             ref = self.reference_logps(reference, tokens, targets, mask, mcfg, shard, vocab_parallel)
         lens = jnp.sum(mask, axis=-1)
         sft_nll = None
-        if "sft" in self.loss_types:  # TRL: -chosen_per_token_logps[chosen_mask].mean()
-            sft_nll = -jnp.sum(pol_tok[0::2]) / jnp.maximum(jnp.sum(mask[0::2]), 1.0)
+        if "sft" in self.loss_types:  # TRL: -chosen_per_token_logps[chosen_mask].mean() over the microbatch
+            sft_nll = tokens_mb.sft_share(-jnp.sum(pol_tok[0::2]), mask.shape[0] // 2, self.microbatch_pairs)
         p = self.post
         terms = PairTerms(pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2], posttrain_beta(self.cfg),
                           p.label_smoothing, p.discopop_tau, sft_nll)
         loss, metrics = dpo_loss(terms, self.loss_types, self.loss_weights)
-        return jnp.sum(loss), {k: jnp.sum(v) for k, v in metrics.items()}
+        sums = {k: jnp.sum(v) for k, v in metrics.items()}
+        return jnp.sum(loss), sums | tokens_mb.metric_shares(token_stats, mask)
 
     def count(self, inputs, mask=None, fields=None):
         """The step's pairs (fp32 scalar): half its rows."""
         return jnp.asarray(inputs.shape[0] // 2, jnp.float32)
 
     def zero_stats(self) -> dict:
-        """TRL's six metrics' sums at zero (fp32 scalars), the microbatch accumulation's start."""
-        return {k: jnp.zeros((), jnp.float32) for k in DPO_METRICS}
+        """TRL's metrics' sums at zero (fp32 scalars), the microbatch accumulation's start."""
+        return {k: jnp.zeros((), jnp.float32) for k in DPO_METRICS + TOKEN_METRICS + ("microbatches",)}
 
     def metrics(self, stats: dict, count) -> dict:
-        """TRL's six metrics: the step's sums over pairs divided by its pairs."""
-        return {k: stats[k] / count for k in DPO_METRICS}
+        """TRL's metrics: the pair metrics, the step's sums over pairs divided by its pairs; the token
+        metrics, the mean over the step's microbatches of each one's value (as TRL logs them)."""
+        per_pair = {k: stats[k] / count for k in DPO_METRICS}
+        microbatches = jnp.maximum(stats["microbatches"], 1e-9)
+        return per_pair | {k: stats[k] / microbatches for k in TOKEN_METRICS}
 
     @staticmethod
     def held_out_parts(val: float) -> tuple[str, str]:

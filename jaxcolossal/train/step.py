@@ -289,8 +289,12 @@ class _GradFn:
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None} | {name: split(a) for name, a in (fields or {}).items()}
-        if "microbatch_tokens" in getattr(self.objective, "step_fields", ()):  # each microbatch's loss tokens
+        needed = getattr(self.objective, "step_fields", ())
+        if "microbatch_tokens" in needed:  # each microbatch's loss tokens
             aux["microbatch_tokens"] = microbatch_tokens(aux["mask"])
+        if "microbatch_chosen_tokens" in needed:  # preference rows: 2i chosen, 2i + 1 rejected
+            chosen = (jnp.arange(aux["mask"].shape[2]) % 2 == 0).astype(jnp.float32)[None, None, :, None]
+            aux["microbatch_chosen_tokens"] = microbatch_tokens(aux["mask"] * chosen)
         loss_sum, acc, stats = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step,
                                                reference)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its

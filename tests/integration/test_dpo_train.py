@@ -72,7 +72,8 @@ def test_dpo_zero_dp4_tp2_equals_one_device(zero):
     assert_params_match(jax.device_get(par.reference), jax.device_get(one.reference))
 
 
-LAYOUTS = {"one device": None, "ZeRO-2 dp4 x tp2": {"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}}
+LAYOUTS = {"one device": None, "ZeRO-2 dp4 x tp2": {"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2},
+           "ZeRO-1 dp8": {"data_parallel_size": 8, "zero_stage": 1}}
 
 
 @functools.cache
@@ -123,6 +124,19 @@ def test_each_dpo_loss_zero2_dp4_tp2_equals_one_device(loss_type):
     worst = max(jax.tree.leaves(rels, is_leaf=lambda x: isinstance(x, tuple)), key=lambda x: x[1])
     print(f"\n{loss_type}: loss {par_loss:.6g} vs {one_loss:.6g} (rel {loss_rel:.1e}); worst gradient leaf {worst}")
     assert loss_rel <= 1e-5 and worst[1] <= 1e-5
+
+
+def test_sft_term_spans_the_microbatch_over_per_shard_gradients():
+    """ZeRO-1 over dp 8 takes each data shard's gradient apart (no layer-wise reduction): sft's mean NLL is
+    still over all the microbatch's chosen tokens (the step's ``microbatch_chosen_tokens``), so the loss
+    and gradient equal one device's within 1e-5."""
+    post = {"loss_type": "sigmoid,sft"}
+    one_loss, one = dpo_loss_and_grads("one device", post)
+    par_loss, par = dpo_loss_and_grads("ZeRO-1 dp8", post)
+    assert abs(par_loss - one_loss) <= 1e-5 * abs(one_loss), (par_loss, one_loss)
+    for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(one)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
 
 
 def test_lora_dpo_reference_is_the_base():

@@ -1,6 +1,7 @@
 """DPO against TRL at TRL's own defaults: a tiny LLaMA (policy) and another (reference) saved by transformers,
 the same preference pairs; for every one of trl 1.16's 15 DPO loss types (and the label-smoothing ones at
-ε = 0.1, and MPO's weighted mix) our DPO objective's loss, TRL's six metrics and every policy gradient tensor
+ε = 0.1, and MPO's weighted mix) our DPO objective's loss, every metric TRL logs but its running token count,
+and every policy gradient tensor
 equal those of TRL's own ``DPOTrainer._compute_loss`` within 1e-4 relative in fp32.
 
 TRL runs on a stand-in trainer (no dataset, tokenizer or accelerator launch): its attributes come from a real
@@ -35,14 +36,14 @@ from jaxcolossal.config import ConfigError, config_from_dict  # noqa: E402
 from jaxcolossal.config.derived import DPO_LOSS_TYPES  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf  # noqa: E402
-from jaxcolossal.posttrain.dpo import DPO_METRICS, Dpo  # noqa: E402
+from jaxcolossal.posttrain.dpo import DPO_METRICS, TOKEN_METRICS, Dpo  # noqa: E402
 
 VOCAB, T, PAIRS = 128, 24, 4
 
-TRL_ONLY_METRICS = {"entropy", "num_tokens", "logits/chosen", "logits/rejected", "mean_token_accuracy"}
-"""What TRL 1.16 logs at its defaults beside :data:`DPO_METRICS`, for every loss type (not losses' own
-metrics): the policy's token entropy, mean logits, top-1 accuracy and the running token count, which our
-DPO objective does not compute (docs/posttraining.md)."""
+TRL_ONLY_METRICS = {"num_tokens"}
+"""What TRL 1.16 logs at its defaults that our DPO objective does not: the running count of the tokens
+trained on since the start (docs/posttraining.md); the rest (:data:`DPO_METRICS` and :data:`TOKEN_METRICS`)
+is compared."""
 
 CASES = {name: ({} if name == "sigmoid" else {"loss_type": [name]}) for name in DPO_LOSS_TYPES if name != "exo_pair"}
 CASES.update({f"{name}-eps0.1": {"loss_type": [name], "label_smoothing": 0.1}
@@ -147,7 +148,8 @@ def _ours(w, case):
                        reference=w.ref_params)
         return s / PAIRS, stats
     (loss, stats), g = jax.value_and_grad(f, has_aux=True)(w.params)
-    return float(loss), {k: float(v) / PAIRS for k, v in stats.items()}, get_family(w.cfg_m).params_to_hf(g, w.cfg_m)
+    metrics = {k: float(v) for k, v in obj.metrics(stats, jnp.float32(PAIRS)).items()}
+    return float(loss), metrics, get_family(w.cfg_m).params_to_hf(g, w.cfg_m)
 
 
 def _rel(a, b):
@@ -159,16 +161,17 @@ def test_dpo_equals_trl_at_its_defaults(world, name):
     case = CASES[name]
     t_loss, t_metrics, t_grads = _trl(world, case)
     o_loss, o_metrics, o_grads = _ours(world, case)
-    assert set(t_metrics) == set(DPO_METRICS) | TRL_ONLY_METRICS, sorted(t_metrics)
+    assert set(t_metrics) == set(o_metrics) | TRL_ONLY_METRICS, sorted(t_metrics)
+    assert set(o_metrics) == set(DPO_METRICS + TOKEN_METRICS)
     assert _rel(o_loss, t_loss) < 1e-4, (o_loss, t_loss)
-    for k in DPO_METRICS:  # a metric near 0 (accuracies) is held to 1e-6 absolute instead
+    for k in o_metrics:  # a metric near 0 (accuracies) is held to 1e-6 absolute instead
         assert _rel(o_metrics[k], t_metrics[k]) < 1e-4 or abs(o_metrics[k] - t_metrics[k]) < 1e-6, (k, o_metrics,
                                                                                                       t_metrics)
     g_worst = 0.0
     for hf_name, want in t_grads.items():
         got = np.asarray(o_grads[hf_name], np.float64)
         g_worst = max(g_worst, float(np.linalg.norm(got - want) / np.linalg.norm(want)))
-    m_worst = max(_rel(o_metrics[k], t_metrics[k]) for k in DPO_METRICS if abs(t_metrics[k]) > 1e-6)
+    m_worst = max(_rel(o_metrics[k], t_metrics[k]) for k in o_metrics if abs(t_metrics[k]) > 1e-6)
     print(f"\n{name}: loss {o_loss:.6g} vs TRL {t_loss:.6g} (rel {_rel(o_loss, t_loss):.1e}); worst metric rel "
           f"{m_worst:.1e}; worst per-tensor gradient rel {g_worst:.1e}")
     assert g_worst < 1e-4
