@@ -24,12 +24,16 @@ from typing import Callable, Iterable
 
 from jaxcolossal.errors import ConfigError
 
-__all__ = ["BUILTIN_REWARDS", "REWARD_KEYWORDS", "import_reward", "reward_signature_problem", "reward_specs",
+__all__ = ["BUILTIN_REWARDS", "MODEL_REWARD", "REWARD_KEYWORDS", "import_reward", "reward_signature_problem", "reward_specs",
            "shown_signature"]
 
 BUILTIN_REWARDS = ("exact_match", "format")
 """The reward functions ``posttrain.reward_funcs`` names without a module
 (:mod:`jaxcolossal.posttrain.rewards`)."""
+
+MODEL_REWARD = "model:"
+"""The prefix of a reward model in ``posttrain.reward_funcs``: ``model:PATH``, a one-label
+``*ForSequenceClassification`` folder (:mod:`jaxcolossal.posttrain.reward_model`)."""
 
 REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 """The keywords every reward function is called with (TRL 1.16's), besides the prompt rows' fields."""
@@ -54,6 +58,16 @@ def _import_module(module: str, spec: str):
     except Exception as e:  # the user's module raised while importing: say which and why, in one line
         raise ConfigError(f"posttrain.reward_funcs: cannot import {module!r} for {spec!r} (searched sys.path and "
                           f"the current folder {os.getcwd()}): {type(e).__name__}: {e}".splitlines()[0]) from None
+
+
+def _check_model_folder(path: str) -> None:
+    """A reward model's folder exists with a ``config.json``.
+
+    Raises:
+        ConfigError: it does not, in one line."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"posttrain.reward_funcs: {MODEL_REWARD}{path}: no config.json there (a Hugging Face "
+                          "*ForSequenceClassification folder, e.g. what --to-hf writes of a reward run)")
 
 
 def import_reward(spec: str) -> Callable:
@@ -152,7 +166,9 @@ def reward_specs(funcs: str, weights: str) -> list[tuple[str, float]]:
         raise ConfigError(f"posttrain.reward_weights={weights!r}: expected comma-separated numbers") from None
     seen: dict[int, str] = {}
     for n in names:
-        if n not in BUILTIN_REWARDS:
+        if n.startswith(MODEL_REWARD):  # a reward model folder: loaded by the rollout (posttrain/reward_model.py)
+            _check_model_folder(n[len(MODEL_REWARD):])
+        elif n not in BUILTIN_REWARDS:
             fn = import_reward(n)
             if id(fn) in seen:
                 raise ConfigError(f"posttrain.reward_funcs: {seen[id(fn)]} and {n} are the same function: list it "

@@ -1019,7 +1019,10 @@ class PosttrainConfig:
     in: ``exact_match`` (1 when the completion's final answer, the text after the last ``####`` or in
     the last ``\\boxed{}``, else its first line, equals the row's ``answer``; the prompt rows need an
     ``answer``), ``format`` (1 when the completion matches ``format_pattern``). A user's own:
-    ``module:function`` (looked for on ``sys.path``, then in the current folder), called with keywords
+    ``model:PATH``, a reward model: a one-label ``*ForSequenceClassification`` folder (what ``--to-hf`` writes
+    of a ``training.objective=reward`` run) scoring ``prompt + completion`` on the training mesh, as TRL
+    scores a reward model (its tokenizer, else the run's). ``module:function`` (looked for on ``sys.path``,
+    then in the current folder), called with keywords
     as TRL 1.16 calls one: ``fn(prompts=..., completions=..., completion_ids=[[int]], <every other field
     of the prompt rows>=[...], trainer_state=..., log_extra=..., log_metric=...) -> [float | None]``
     (chat prompts: message lists in, completions ``[{"role": "assistant", "content": str}]``); its

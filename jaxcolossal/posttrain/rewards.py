@@ -37,6 +37,7 @@ import numpy as np
 from jaxcolossal.config import ConfigError
 from jaxcolossal.config.reward_funcs import (
     BUILTIN_REWARDS,
+    MODEL_REWARD,
     import_reward,
     reward_signature_problem,
     reward_specs,
@@ -154,7 +155,8 @@ class RewardSet:
         Raises:
             ConfigError: one line naming the function and what it lacks."""
         for name, fn in zip(self.names, self.fns):
-            problem = "" if name in BUILTIN_REWARDS else reward_signature_problem(fn, list(fields))
+            builtin = name in BUILTIN_REWARDS or name.startswith(MODEL_REWARD)
+            problem = "" if builtin else reward_signature_problem(fn, list(fields))
             if problem:
                 raise ConfigError(f"posttrain.reward_funcs: {name}{shown_signature(fn)} {problem}")
 
@@ -190,14 +192,25 @@ class RewardSet:
         return np.where(np.all(np.isnan(per_func), axis=1), np.nan, total).astype(np.float32)
 
 
-def make_rewards(funcs: str, weights: str, format_pattern: str) -> RewardSet:
-    """The :class:`RewardSet` of ``posttrain.reward_funcs``/``reward_weights``.
+def make_rewards(funcs: str, weights: str, format_pattern: str, model_reward: Callable | None = None) -> RewardSet:
+    """The :class:`RewardSet` of ``posttrain.reward_funcs``/``reward_weights``; ``model_reward(path)`` builds
+    a ``model:PATH`` entry's function (the rollout's: :class:`jaxcolossal.posttrain.reward_model.ModelReward`
+    on its mesh).
 
     Raises:
-        ConfigError: as :func:`jaxcolossal.config.reward_funcs.reward_specs`.
+        ConfigError: as :func:`jaxcolossal.config.reward_funcs.reward_specs`; a ``model:`` entry without
+            ``model_reward``.
     """
     specs = reward_specs(funcs, weights)
     builtins: dict[str, Callable] = {"exact_match": exact_match, "format": format_reward(format_pattern)}
     assert set(builtins) == set(BUILTIN_REWARDS)
-    fns = [builtins[n] if n in builtins else import_reward(n) for n, _ in specs]
+
+    def build(name: str) -> Callable:
+        if name.startswith(MODEL_REWARD):
+            if model_reward is None:
+                raise ConfigError(f"posttrain.reward_funcs: {name} needs the rollout's mesh to score on")
+            return model_reward(name[len(MODEL_REWARD):])
+        return builtins[name] if name in builtins else import_reward(name)
+
+    fns = [build(n) for n, _ in specs]
     return RewardSet([n for n, _ in specs], fns, np.asarray([w for _, w in specs], np.float32))

@@ -49,6 +49,7 @@ from jaxcolossal.models.layers.logprobs import token_logprobs
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.microbatch_order import microbatch_order
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
+from jaxcolossal.posttrain.reward_model import ModelReward
 from jaxcolossal.posttrain.rewards import RewardSet, TrainerState, make_rewards
 from jaxcolossal.runtime.dist_logger import get_dist_logger
 
@@ -234,7 +235,8 @@ class Rollouts:
                                                  t.gradient_accumulation_steps)
         """The order of a step's rows on the mesh (:mod:`jaxcolossal.parallel.microbatch_order`)."""
         self.P, self.C = grpo_prompt_length(cfg), po.max_completion_length
-        self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern)
+        self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern,
+                                               lambda path: ModelReward(path, getattr(plan, "mesh", None), tokenizer))
         try:
             self.eos: tuple[int, ...] = run_eos_ids(tokenizer, cfg.model.init_from or None)
         except ValueError as e:
