@@ -346,9 +346,9 @@ ACCUMULATION += [{"loss_type": lt, "steps_per_generation": 2, "num_generations":
 token-normalised losses divide by the generation's tokens over its steps, as TRL's ``num_items_in_batch``."""
 CASES = GRID + OPTIONS + ACCUMULATION + [{}]  # {}: every setting at its default
 FAST = [{}] + [c for c in GRID if c.get("beta") and c.get("num_iterations") and c["loss_type"] in
-               ("cispo", "sapo", "luspo", "vespo")] + [OPTIONS[i] for i in (1, 3, 5, 7)] + [ACCUMULATION[1]]
-"""The cases README's suite runs (every loss type new to this file, each option, bnpo's accumulation);
-the rest of the grid is marked slow (``python -m pytest -m slow tests/integration/test_grpo_trl_parity.py``)."""
+               ("cispo", "vespo")] + [OPTIONS[i] for i in (1, 5, 7)]
+"""The cases README's suite runs (two of the new loss types, GSPO, the entropy mask, the temperature, the
+defaults); the rest is marked slow (``python -m pytest -m slow tests/integration/test_grpo_trl_parity.py``)."""
 
 
 def _label(case):
