@@ -14,26 +14,16 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import tiny_llama  # noqa: E402
 from test_grpo_train import grpo_config, run_grpo  # noqa: E402
+from test_reward_trl_parity import tiny_reward_model  # noqa: E402
 
 from jaxcolossal.config import ConfigError  # noqa: E402
 from jaxcolossal.data import get_tokenizer  # noqa: E402
 from jaxcolossal.parallel.mesh import make_mesh  # noqa: E402
 from jaxcolossal.posttrain.reward_model import ModelReward  # noqa: E402
 
-PAD = 0
-
-
 def _save_reward_model(path, seed=0):
-    """A tiny byte-vocabulary reward model (``pad_token_id`` 0), weights spread from HF's near-flat init."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="eager",
-                                   num_labels=1, pad_token_id=PAD)
-    model = transformers.LlamaForSequenceClassification(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.05 if "norm" in name else 0.2))
+    """A tiny byte-vocabulary reward model (``pad_token_id`` 0), saved; returned in eval mode."""
+    model = tiny_reward_model(seed, vocab=256, positions=256)
     model.save_pretrained(str(path))
     return model.eval()
 

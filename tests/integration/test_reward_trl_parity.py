@@ -36,12 +36,12 @@ CASES = {"defaults": ({}, False), "margin": ({}, True), "center": ({"center_rewa
 whether the pairs carry a ``margin``."""
 
 
-def tiny_reward_model(seed: int) -> "transformers.LlamaForSequenceClassification":
+def tiny_reward_model(seed: int, vocab: int = VOCAB, positions: int = 64) -> "transformers.LlamaForSequenceClassification":
     """tests/integration/hf_tiny.py's tiny LLaMA as a ``LlamaForSequenceClassification`` (``num_labels=1``,
     ``pad_token_id`` 0), its weights spread from HF's near-flat init so that the rewards differ."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                                    rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="eager",
                                    num_labels=1, pad_token_id=PAD)
     model = transformers.LlamaForSequenceClassification(cfg).float()
