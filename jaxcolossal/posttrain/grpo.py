@@ -1,12 +1,15 @@
 """``training.objective=grpo``: Group Relative Policy Optimization (Shao et al., 2024) and its variants
 (DAPO, Dr. GRPO, BNPO, CISPO, SAPO, LUSPO, VESPO; GSPO's sequence-level ratio), as TRL's
-``GRPOTrainer._compute_loss`` computes them (trl 1.16; the per-token math in
-:mod:`jaxcolossal.posttrain.grpo_losses`); registered in :data:`jaxcolossal.train.objective.OBJECTIVES`.
+``GRPOTrainer._compute_loss`` computes them, and with ``posttrain.advantage=rloo`` TRL's
+``RLOOTrainer._compute_loss`` (trl 1.16; the per-token math in :mod:`jaxcolossal.posttrain.grpo_losses`);
+registered in :data:`jaxcolossal.train.objective.OBJECTIVES`.
 
 Rows are prompts with completions sampled from the policy (:mod:`jaxcolossal.posttrain.rollout`,
 this objective's on-policy loader), whose loss masks cover the completion tokens; the batch also
-carries each row's group-normalised advantage and the per-token log-probs of the policy that
-sampled it (``num_iterations > 1``) and of the reference (``beta > 0``).
+carries each row's advantage (group-normalised, or RLOO's leave-one-out), the per-token log-probs of
+the policy that sampled it (off-policy, or RLOO's KL in the reward) and of the reference (``beta > 0``),
+and the generation's completion tokens per optimizer step (``tokens_per_step``, TRL's
+``num_items_in_batch`` over the generation's steps).
 """
 
 from __future__ import annotations
