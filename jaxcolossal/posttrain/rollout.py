@@ -20,8 +20,11 @@ A row is ``[left-padded prompt (P tokens) | completion (C tokens)]``, ``P = seq_
 batch is ``inputs``/``targets`` (the row less its last/first token, int32 ``[B, seq_len]``),
 ``loss_mask`` (1 on the completion tokens up to and including the end-of-text one), ``segment_ids``
 (0 on the pads, 1 elsewhere) and ``positions`` (counted from the prompt's first real token, as the
-sampler counts them), and fp32 ``advantages``, ``old_logps``, ``ref_logps``, all ``[B, seq_len]``,
-sharded like every training batch (the batch over the data axes).
+sampler counts them), and fp32 ``advantages``, ``old_logps``, ``ref_logps`` and ``tokens_per_step`` (the
+generation's completion tokens over its optimizer steps, repeated), all ``[B, seq_len]``, sharded like
+every training batch (the batch over the data axes), each step's rows in the order of
+:func:`jaxcolossal.parallel.microbatch_order.microbatch_order`. With ``posttrain.dynamic_sampling`` a
+rollout samples rounds of prompts until its groups with a signal fill the generation (:meth:`Rollouts._sample`).
 """
 from __future__ import annotations
 
