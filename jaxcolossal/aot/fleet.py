@@ -40,6 +40,7 @@ from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.parallel.mesh import make_mesh, platform
 from jaxcolossal.runtime import xla_flags
 from jaxcolossal.runtime.platforms import fp8_refusal
+from jaxcolossal.train.objective import make_objective
 from jaxcolossal.train.optimizer import build_optimizer, lr_schedule
 from jaxcolossal.train.state import abstract_state, make_plan
 from jaxcolossal.train.step import make_train_step
@@ -151,11 +152,13 @@ def abstract_batch(cfg: Config, plan) -> dict:
     ``targets`` int32 ``[B, t]``; ``loss_mask`` (chat data, DPO's pairs, packing) and ``segment_ids`` /
     ``positions`` (``data.packing_mask``) as the loaders give them; GRPO's rollout batch
     (:mod:`jaxcolossal.posttrain.rollout`) adds the loss mask, segment ids and positions of its
-    left-padded rows and the fp32 ``advantages``, ``old_logps`` and ``ref_logps``."""
+    left-padded rows; and every objective's own fp32 batch fields (``batch_fields``: GRPO's advantages,
+    log-probs and ``tokens_per_step``, the reward model's ``margin``, ``[B, t]``; the ``row_fields`` among
+    them ``[B, 1]``: DPO's precomputed ``ref_logps``)."""
     shape, sh = (cfg.training.batch_size, cfg.training.seq_len), plan.batch_sharding
 
-    def arr(dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    def arr(dtype, width=None):
+        return jax.ShapeDtypeStruct(shape if width is None else shape[:1] + (width,), dtype, sharding=sh)
 
     batch = {"inputs": arr(np.int32), "targets": arr(np.int32)}
     grpo = cfg.training.objective == "grpo"
@@ -163,8 +166,9 @@ def abstract_batch(cfg: Config, plan) -> dict:
         batch["loss_mask"] = arr(np.float32)
     if cfg.data.packing_mask or grpo:
         batch.update(segment_ids=arr(np.int32), positions=arr(np.int32))
-    if grpo:
-        batch.update({k: arr(np.float32) for k in ("advantages", "old_logps", "ref_logps")})
+    objective = make_objective(plan.family, cfg)
+    rows = getattr(objective, "row_fields", ())
+    batch.update({k: arr(np.float32, 1 if k in rows else None) for k in objective.batch_fields})
     return batch
 
 

@@ -39,7 +39,7 @@ from jaxcolossal.parallel.mesh import DATA_AXES, entry_axes
 from jaxcolossal.parallel.sharding import RULES, is_shape, logical_to_spec, shard_bytes
 
 ROLLOUT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions", "advantages", "old_logps",
-                  "ref_logps")
+                  "ref_logps", "tokens_per_step")
 """The rollout batch's fields: each ``[B, seq_len]``, int32 or fp32 (4 bytes), split over the data axes."""
 
 

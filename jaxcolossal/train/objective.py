@@ -51,7 +51,8 @@ class Objective(Protocol):
     """``training.objective``'s value that picks it."""
     batch_fields: ClassVar[tuple[str, ...]]
     """The batch's extra arrays (``[B, ...]``) passed to the call by name, beside tokens and mask (an
-    instance may set its own: DPO's ``ref_logps`` with ``posttrain.precompute_ref_log_probs``)."""
+    instance may set its own: DPO's ``ref_logps`` with ``posttrain.precompute_ref_log_probs``); each
+    ``[B, t]`` unless named in an optional ``row_fields`` (``[B, 1]``), as the compile-only batch builds them."""
     data_format: ClassVar[str | None]
     """The ``data.format`` it reads, and only it does; None: any format no objective claims."""
     reads: ClassVar[str]
