@@ -33,7 +33,7 @@ def test_the_dry_run_of_grpo_arith_prints_the_reference_kv_cache_and_rollout_bat
     # 64 rows × 13 slots × 2 layers × 2 × 2 kv heads × 32 × 4 bytes = 832 KiB, over data 4 and tp 2
     assert "KV cache 104.00 KiB per device (64 rows × 13 slots × 2 layers × (k 2×32 + v 2×32) × 4 B, rows over " \
            "data 4, kv heads over tp 2)" in text
-    assert "rollout batch 6.00 KiB per device (8 fp32/int32 [64, 12] fields)" in text  # 8 × 64 × 12 × 4 / 4
+    assert "rollout batch 6.75 KiB per device (9 fp32/int32 [64, 12] fields)" in text  # 9 × 64 × 12 × 4 / 4
     assert "the plan's peak is the step's" in text
 
 
