@@ -63,6 +63,16 @@ def run_steps(cfg: Config, devices=None, steps: int = 3, seed: int = 0):
     return state, out, plan
 
 
+def worst_leaf_rel(got, want) -> tuple[str, float]:
+    """``(leaf path, relative error)`` of the leaf of ``got`` farthest from ``want`` (two trees of arrays):
+    ``‖got - want‖ / ‖want‖`` in float64."""
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    rels = jax.tree_util.tree_map_with_path(lambda path, a, b: (jax.tree_util.keystr(path), rel(a, b)), got, want)
+    return max(jax.tree.leaves(rels, is_leaf=lambda x: isinstance(x, tuple)), key=lambda x: x[1])
+
+
 def assert_params_match(got, want, lr: float = 1e-3):
     """Updated parameters of a parallel run against the single-device run (fp32).
 

@@ -7,7 +7,7 @@ from functools import partial
 import jax
 import numpy as np
 import pytest
-from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, resumed_and_uninterrupted, setup
+from tiny import TINY_MODEL, TINY_TRAINING, assert_params_match, resumed_and_uninterrupted, setup, worst_leaf_rel
 
 from jaxcolossal.config import config_from_dict
 from jaxcolossal.config.derived import DPO_LOSS_TYPES, LABEL_SMOOTHING_LOSSES
@@ -116,12 +116,7 @@ def test_each_dpo_loss_zero2_dp4_tp2_equals_one_device(loss_type):
     one_loss, one = dpo_loss_and_grads("one device", post)
     par_loss, par = dpo_loss_and_grads("ZeRO-2 dp4 x tp2", post)
     loss_rel = abs(par_loss - one_loss) / abs(one_loss)
-
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    rels = jax.tree_util.tree_map_with_path(lambda path, a, b: (jax.tree_util.keystr(path), rel(a, b)), par, one)
-    worst = max(jax.tree.leaves(rels, is_leaf=lambda x: isinstance(x, tuple)), key=lambda x: x[1])
+    worst = worst_leaf_rel(par, one)
     print(f"\n{loss_type}: loss {par_loss:.6g} vs {one_loss:.6g} (rel {loss_rel:.1e}); worst gradient leaf {worst}")
     assert loss_rel <= 1e-5 and worst[1] <= 1e-5
 

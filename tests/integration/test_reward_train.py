@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import TINY_MODEL, TINY_TRAINING, setup
+from tiny import TINY_MODEL, TINY_TRAINING, setup, worst_leaf_rel
 
 from jaxcolossal.config import ConfigError, config_from_dict, load_config
 from jaxcolossal.data import get_tokenizer
@@ -86,12 +86,7 @@ def test_reward_zero2_dp4_tp2_equals_one_device():
     par_loss, par, _ = loss_and_grads(ZERO2, post)
     assert "lm_head" not in state.params and state.params["score"].shape == (TINY_MODEL["hidden_size"], 1)
     loss_rel = abs(par_loss - one_loss) / abs(one_loss)
-
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    rels = jax.tree_util.tree_map_with_path(lambda path, a, b: (jax.tree_util.keystr(path), rel(a, b)), par, one)
-    worst = max(jax.tree.leaves(rels, is_leaf=lambda x: isinstance(x, tuple)), key=lambda x: x[1])
+    worst = worst_leaf_rel(par, one)
     print(f"\nreward: loss {par_loss:.6g} vs {one_loss:.6g} (rel {loss_rel:.1e}); worst gradient leaf {worst}")
     assert loss_rel <= 1e-5 and worst[1] <= 1e-5
 
