@@ -452,12 +452,34 @@ class PairLoader(ExampleLoader):
         super().__init__(rows, masks, batch_size, seed, mesh=mesh, batch_spec=batch_spec, process_index=process_index,
                          process_count=process_count, start_step=start_step)
         self.num_pairs = n
+        self.pair_tokens = pairs.row_lengths(np.arange(n)).reshape(n, 2).sum(1)  # int64 [N]: chosen + rejected
+        self._counted = (-1, 0)  # (step, tokens of steps 0..step): num_tokens's running sum
+
+    def _draws(self, step: int) -> np.ndarray:
+        """The pairs of step ``step``'s whole batch (every process's), int64 ``[batch_size / 2]``."""
+        step = _as_int("step", step, 0)
+        return np.random.default_rng([self.seed, step]).integers(0, self.num_pairs, self.batch_size // 2)
 
     def row_index(self, step: int) -> np.ndarray:
         """This process's rows of step ``step`` as int indices into the interleaved pair rows (``2i``, ``2i + 1``)."""
-        step = _as_int("step", step, 0)
-        pairs = np.random.default_rng([self.seed, step]).integers(0, self.num_pairs, self.batch_size // 2)
+        pairs = self._draws(step)
         return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)[self.rows]
+
+    def num_tokens(self, step: int) -> int:
+        """TRL's ``num_tokens``: the tokens (prompt + response + eos, padding left out) of every row of the
+        whole batches of steps ``0..step``, all processes' (a pure function of the data, the seed and the
+        step, so a resumed run counts on where it stopped). Kept as a running sum: the next step costs one
+        batch's draw; any other step counts from step 0."""
+        step = _as_int("step", step, 0)
+        done, total = self._counted if self._counted[0] <= step else (-1, 0)
+        for s in range(done + 1, step + 1):
+            total += int(self.pair_tokens[self._draws(s)].sum())
+        self._counted = (step, total)
+        return total
+
+    def step_metrics(self, step: int) -> dict:
+        """The host metrics logged with optimizer step ``step`` (0-based; the loop adds them): ``num_tokens``."""
+        return {"num_tokens": float(self.num_tokens(step))}
 
     def local_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of step ``step``: ``inputs``/``targets`` int32 and ``loss_mask`` float32."""

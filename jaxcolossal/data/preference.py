@@ -45,7 +45,9 @@ class PreferenceData:
     ``chosen``/``rejected``: int32 ``[N, seq_len + 1]`` rows; ``chosen_masks``/``rejected_masks``:
     float32 ``[N, seq_len]`` loss masks aligned with the targets ``rows[:, 1:]`` (1 = a response
     token); ``truncated``: responses cut to fit; ``files``: files read; ``skipped``: the
-    ``file:line`` of pairs dropped by ``data.skip_long_examples``."""
+    ``file:line`` of pairs dropped by ``data.skip_long_examples``; ``chosen_lengths``/``rejected_lengths``:
+    int32 ``[N]``, each row's tokens before its padding (prompt + response + eos, at most ``seq_len + 1``:
+    TRL's ``attention_mask`` sum), or None: read off the masks (:meth:`row_lengths`)."""
 
     chosen: np.ndarray
     rejected: np.ndarray
@@ -54,6 +56,8 @@ class PreferenceData:
     truncated: int = 0
     files: int = 0
     skipped: list = field(default_factory=list)
+    chosen_lengths: np.ndarray | None = None
+    rejected_lengths: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.chosen)
@@ -64,8 +68,10 @@ class PreferenceData:
         n, cut = len(self), held_out_cut(len(self), val_fraction)
 
         def part(s):
+            lengths = {k: None if v is None else v[s] for k, v in (("chosen_lengths", self.chosen_lengths),
+                                                                    ("rejected_lengths", self.rejected_lengths))}
             return PreferenceData(self.chosen[s], self.rejected[s], self.chosen_masks[s], self.rejected_masks[s],
-                                  self.truncated, self.files)
+                                  self.truncated, self.files, **lengths)
         return part(slice(0, cut)), part(slice(cut, n))
 
     def rows(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,6 +79,18 @@ class PreferenceData:
         (int ``[P]``), interleaved by :func:`pair_rows`."""
         return (pair_rows(self.chosen[pairs], self.rejected[pairs]),
                 pair_rows(self.chosen_masks[pairs], self.rejected_masks[pairs]))
+
+    def row_lengths(self, pairs: np.ndarray) -> np.ndarray:
+        """int64 ``[2P]``: the tokens of each row of :meth:`rows` before its padding (what TRL's
+        ``num_tokens`` counts). Without recorded lengths: one past the last response target, or the whole
+        row when no target is trained (the response ends the row as :mod:`.preference` renders it)."""
+        def read(lengths, masks):
+            if lengths is not None:
+                return np.asarray(lengths, np.int64)[pairs]
+            m = np.asarray(masks)[pairs] > 0
+            last = np.where(m.any(1), m.shape[1] - 1 - np.argmax(m[:, ::-1], 1), m.shape[1] - 1)
+            return last.astype(np.int64) + 2
+        return pair_rows(read(self.chosen_lengths, self.chosen_masks), read(self.rejected_lengths, self.rejected_masks))
 
 
 def pair_rows(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
@@ -153,8 +171,8 @@ class _Renderer:
             return _response_segments(prompt, response, self.template, self.eos_text)
         return [(prompt, False), (response, True)]
 
-    def row(self, segments, form: str) -> tuple[np.ndarray, np.ndarray, bool]:
-        """``(tokens int32 [seq_len + 1], mask float32 [seq_len], cut)``."""
+    def row(self, segments, form: str) -> tuple[np.ndarray, np.ndarray, bool, int]:
+        """``(tokens int32 [seq_len + 1], mask float32 [seq_len], cut, tokens before the padding)``."""
         ids = [self.tok.encode(text).astype(np.int64) for text, _ in segments]
         flags = [np.full(len(i), t, np.float32) for i, (_, t) in zip(ids, segments)]
         if form == "text" and self.eos is not None:  # TRL appends eos to the completion
@@ -168,7 +186,7 @@ class _Renderer:
         row[: len(tokens)] = tokens
         m = np.zeros(n, np.float32)
         m[: len(trained)] = trained
-        return row, m[1:], cut
+        return row, m[1:], cut, len(tokens)
 
 
 def _refuse_identical(out: dict, corpus: str, seq_len: int) -> None:
@@ -198,7 +216,8 @@ def load_preferences(data_cfg, tokenizer, seq_len: int) -> PreferenceData:
             pairs whose chosen and rejected responses are all the same (:func:`_refuse_identical`).
     """
     r = _Renderer(tokenizer, seq_len)
-    out = {"chosen": [], "rejected": [], "chosen_masks": [], "rejected_masks": []}
+    out = {"chosen": [], "rejected": [], "chosen_masks": [], "rejected_masks": [], "chosen_lengths": [],
+           "rejected_lengths": []}
     truncated, skipped = 0, []
     files = resolve_files(data_cfg.corpus)
     for path in files:
@@ -206,7 +225,7 @@ def load_preferences(data_cfg, tokenizer, seq_len: int) -> PreferenceData:
             form, prompt, chosen, rejected = parse_pair(record, where)
             rows = {name: r.row(r.segments(form, prompt, resp), form)
                     for name, resp in (("chosen", chosen), ("rejected", rejected))}
-            empty = [name for name, (_, m, _) in rows.items() if not m.any()]
+            empty = [name for name, (_, m, _, _) in rows.items() if not m.any()]
             if empty:
                 if getattr(data_cfg, "skip_long_examples", False):
                     skipped.append(where)
@@ -214,9 +233,10 @@ def load_preferences(data_cfg, tokenizer, seq_len: int) -> PreferenceData:
                 raise DataError(f"{where}: no {' or '.join(empty)} response token is left within "
                                 f"training.seq_len={seq_len}; raise seq_len, shorten the prompt, or set "
                                 "data.skip_long_examples=true to drop such pairs")
-            for name, (row, m, cut) in rows.items():
+            for name, (row, m, cut, length) in rows.items():
                 out[name].append(row)
                 out[name + "_masks"].append(m)
+                out[name + "_lengths"].append(np.int32(length))
                 truncated += cut
     if not out["chosen"]:
         raise DataError(f"data.corpus={data_cfg.corpus!r} holds no preference pairs"

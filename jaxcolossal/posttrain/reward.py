@@ -29,7 +29,8 @@ from jaxcolossal.data.reward_pairs import pad_token_id, reward_batches
 from jaxcolossal.models.score_head import SCORE, pooled_scores
 
 REWARD_METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
-"""TRL 1.16 ``RewardTrainer``'s metric names (``num_tokens`` aside), in its order."""
+"""TRL 1.16 ``RewardTrainer``'s metric names, in its order (its ``num_tokens`` is the loader's:
+:meth:`jaxcolossal.data.loader.PairLoader.step_metrics`)."""
 
 SHARD_REDUCTIONS = {"min_reward": jnp.min, "max_reward": jnp.max, "microbatches": jnp.max}
 """The statistics combined over the data shards otherwise than by a sum (the step's ``shard_reductions``)."""

@@ -51,6 +51,8 @@ def run_steps(run: Run, watchdog: StepWatchdog, stop: StopSignals) -> tuple[Any,
                 state, m = run.compiled(state, batch)
                 if on_policy:
                     m = {**m, **run.loader.metrics}
+                if hasattr(run.loader, "step_metrics"):  # host-side counts (DPO's, the reward model's num_tokens)
+                    m = {**m, **run.loader.step_metrics(step)}
                 traced.append((state, m))
             clock.paused_s += profiler.take_overhead_s()  # starting and writing a trace is not step time
             watchdog.kick(f"step {done}")

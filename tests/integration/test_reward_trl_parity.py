@@ -25,6 +25,8 @@ from trl import RewardConfig, RewardTrainer  # noqa: E402
 from trl.trainer.reward_trainer import DataCollatorForPreference  # noqa: E402
 
 from jaxcolossal.config import config_from_dict  # noqa: E402
+from jaxcolossal.data.loader import PairLoader  # noqa: E402
+from jaxcolossal.data.preference import PreferenceData  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import hf_tensors, load_hf  # noqa: E402
 from jaxcolossal.posttrain.reward import REWARD_METRICS, Reward  # noqa: E402
@@ -116,7 +118,19 @@ def _ours(w, case, examples):
 
     (loss, stats), g = jax.value_and_grad(f, has_aux=True)(w.params)
     metrics = {k: float(v) for k, v in obj.metrics(stats, jnp.float32(PAIRS)).items()}
-    return float(loss), metrics, hf_tensors(g, w.cfg_m)
+    return float(loss), metrics | _loader_metrics(rows, examples), hf_tensors(g, w.cfg_m)
+
+
+def _loader_metrics(rows, examples) -> dict:
+    """The training loader's metrics after step 0 (:meth:`PairLoader.step_metrics`; the reward loader's base)
+    when that step draws the test's pairs in order, each row's length recorded as :mod:`.preference` records it."""
+    lengths = {k: np.asarray([len(ex[f"{k}_ids"]) for ex in examples]) for k in ("chosen", "rejected")}
+    masks = np.zeros((PAIRS, T - 1), np.float32)
+    data = PreferenceData(rows[0::2], rows[1::2], masks, masks, chosen_lengths=lengths["chosen"],
+                          rejected_lengths=lengths["rejected"])
+    loader = PairLoader(data, batch_size=2 * PAIRS, seed=0)
+    loader._draws = lambda step: np.arange(PAIRS)
+    return loader.step_metrics(0)
 
 
 def _rel(a, b):
@@ -129,10 +143,10 @@ def test_reward_equals_trl_at_its_defaults(world, name):
     examples = _examples(with_margin)
     t_loss, t_metrics, t_grads = _trl(world, case, examples)
     o_loss, o_metrics, o_grads = _ours(world, case, examples)
-    assert set(t_metrics) == set(REWARD_METRICS) | {"num_tokens"}, sorted(t_metrics)
+    assert set(t_metrics) == set(REWARD_METRICS) | {"num_tokens"} == set(o_metrics), sorted(t_metrics)
     assert set(o_grads) == set(t_grads), sorted(set(o_grads) ^ set(t_grads))
     assert _rel(o_loss, t_loss) < 1e-4, (o_loss, t_loss)
-    for k in REWARD_METRICS:  # a metric near 0 is held to 1e-6 absolute instead
+    for k in t_metrics:  # a metric near 0 is held to 1e-6 absolute instead
         assert _rel(o_metrics[k], t_metrics[k]) < 1e-4 or abs(o_metrics[k] - t_metrics[k]) < 1e-6, (k, o_metrics,
                                                                                                       t_metrics)
     g_worst = max(float(np.linalg.norm(np.asarray(o_grads[n], np.float64) - want) / np.linalg.norm(want))

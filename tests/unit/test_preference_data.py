@@ -97,3 +97,24 @@ def test_pair_loader_keeps_pairs_together_and_is_a_function_of_the_step(tmp_path
     assert all((b[k] == loader.local_batch(5)[k]).all() for k in b)
     with pytest.raises(ValueError, match="even number of rows"):
         PairLoader(d, batch_size=5, seed=3)
+
+
+def test_num_tokens_counts_every_row_before_its_padding_and_resumes(tmp_path):
+    """TRL's ``num_tokens``: the running sum of the whole batches' unpadded tokens (prompt + response + eos),
+    the same from a loader asked at a later step first (a resume) as counted step by step."""
+    lines = [{"prompt": "Q" * (i % 3 + 1), "chosen": "c" * (i % 4 + 1), "rejected": "r" * (i % 5 + 1)}
+             for i in range(9)]
+    cfg, _ = _write(tmp_path, lines)
+    d = load_preferences(cfg, ByteTokenizer(), seq_len=7)  # "QQQ" + "rrrrr" is cut to 8 tokens
+    text = [(len(x["prompt"]) + len(x["chosen"]), len(x["prompt"]) + len(x["rejected"])) for x in lines]
+    assert d.chosen_lengths.tolist() == [min(c, 8) for c, _ in text]
+    assert d.rejected_lengths.tolist() == [min(r, 8) for _, r in text]
+    # read off the masks when no lengths were recorded: the response ends the row
+    bare = type(d)(d.chosen, d.rejected, d.chosen_masks, d.rejected_masks)
+    assert (bare.row_lengths(np.arange(9)) == d.row_lengths(np.arange(9))).all()
+    loader = PairLoader(d, batch_size=4, seed=1)
+    by_step = [sum(int(d.row_lengths(np.arange(9))[i]) for i in loader.row_index(s)) for s in range(6)]
+    counted = [loader.step_metrics(s)["num_tokens"] for s in range(6)]
+    assert counted == np.cumsum(by_step).tolist() and counted[0] > 0
+    assert PairLoader(d, batch_size=4, seed=1).num_tokens(4) == counted[4]  # resumed: counts from step 0
+    assert loader.num_tokens(2) == counted[2]  # an earlier step after a later one
