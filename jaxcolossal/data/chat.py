@@ -45,7 +45,8 @@ from .corpus import held_out_cut, iter_json_lines, resolve_files
 from .loader import ExampleLoader
 from .tokenizer import get_tokenizer
 
-__all__ = ["ChatData", "chat_batches", "chat_template_source", "generation_prompt", "load_chat", "render_chat",
+__all__ = ["ChatData", "chat_batches", "chat_renderer", "chat_template_source", "generation_prompt", "load_chat",
+           "render_chat",
            "render_segments", "special_token_strings"]
 
 ROLES = ("system", "user", "assistant")
@@ -214,11 +215,19 @@ def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool = F
     Raises:
         TokenizerError: the tokenizer has no chat template.
         DataError: the template refuses the conversation."""
+    return chat_renderer(tokenizer)(messages, add_generation_prompt)
+
+
+def chat_renderer(tokenizer):
+    """``render(messages, add_generation_prompt) -> str``: :func:`render_chat` with the template parsed once.
+
+    Raises:
+        TokenizerError: the tokenizer has no chat template."""
     template = _chat_template(tokenizer)
     if template is None:
         raise TokenizerError(f"{getattr(tokenizer, 'name', tokenizer)!r} has no chat template (chat_template.jinja "
                              "or tokenizer_config.json's chat_template)")
-    return template(messages, add_generation_prompt)
+    return template
 
 
 def render_segments(messages: list[dict], template=None, eos_text: str = "") -> list[tuple[str, bool]]:

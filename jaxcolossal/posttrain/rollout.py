@@ -238,8 +238,9 @@ class Rollouts:
                                                  t.gradient_accumulation_steps)
         """The order of a step's rows on the mesh (:mod:`jaxcolossal.parallel.microbatch_order`)."""
         self.P, self.C = grpo_prompt_length(cfg), po.max_completion_length
-        self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern,
-                                               lambda path: ModelReward(path, getattr(plan, "mesh", None), tokenizer))
+        def reward_model(path):  # posttrain.reward_funcs=model:PATH, sharded as the policy's params
+            return ModelReward(path, getattr(plan, "mesh", None), tokenizer, cfg.parallel.zero_stage)
+        self.rewards: RewardSet = make_rewards(po.reward_funcs, po.reward_weights, po.format_pattern, reward_model)
         try:
             self.eos: tuple[int, ...] = run_eos_ids(tokenizer, cfg.model.init_from or None)
         except ValueError as e:

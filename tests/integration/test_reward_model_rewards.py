@@ -4,6 +4,7 @@ completion`` on the training mesh as transformers scores the same ids (within 1e
 one is refused in one line, and a GRPO run that takes it as its reward raises it."""
 
 import dataclasses
+import shutil
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import tiny_llama  # noqa: E402
 from test_grpo_train import grpo_config, run_grpo  # noqa: E402
 from test_reward_trl_parity import tiny_reward_model  # noqa: E402
+from tokenizer_families import build  # noqa: E402
 
 from jaxcolossal.config import ConfigError  # noqa: E402
 from jaxcolossal.data import get_tokenizer  # noqa: E402
@@ -28,12 +30,22 @@ def _save_reward_model(path, seed=0):
     return model.eval()
 
 
-def test_a_reward_model_scores_as_transformers_on_the_training_mesh(tmp_path):
-    """ZeRO-2 dp 4 × tp 2's mesh (8 devices, the rows over the data axes): 6 prompt + completion texts of
-    mixed lengths, each score within 1e-5 of transformers' on the same right-padded byte ids."""
+LAYOUTS = {"zero2-dp4-tp2": ({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2}, "tp"),
+           "zero3-fsdp8": ({"data_parallel_size": 8, "zero_stage": 3}, "fsdp")}
+"""Each: the training layout, and the mesh axis its attention weights are split over there."""
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_reward_model_scores_as_transformers_on_the_training_mesh(tmp_path, layout):
+    """The training mesh (8 devices, the rows over the data axes, the weights sharded as the policy's): 6
+    prompt + completion texts of mixed lengths, each score within 1e-5 of transformers' on the same
+    right-padded byte ids."""
     hf = _save_reward_model(tmp_path / "rm")
-    mesh = make_mesh(grpo_config({"data_parallel_size": 4, "tensor_parallel_size": 2}).parallel)
-    fn = ModelReward(str(tmp_path / "rm"), mesh, get_tokenizer("byte"))
+    parallel, axis = LAYOUTS[layout]
+    cfg = grpo_config(parallel)
+    fn = ModelReward(str(tmp_path / "rm"), make_mesh(cfg.parallel), get_tokenizer("byte"), cfg.parallel.zero_stage)
+    split = [leaf.sharding.spec for leaf in jax.tree.leaves(fn.params)]
+    assert any(axis in str(spec) for spec in split), split  # not a replicated copy
     prompts = ["1+2=", "13+4=", "7+7=", "2+2=", "19+1=", "5+0="]
     completions = ["3", "17\n", "14 is it", "5", "20", ""]
     got = np.asarray(fn(prompts=prompts, completions=completions), np.float64)
@@ -67,3 +79,32 @@ def test_grpo_raises_a_reward_models_score(tmp_path):
     print(f"first 10 steps {first.mean():.3f} ± {first.std() / np.sqrt(10):.3f}, last 10 {last.mean():.3f} ± "
           f"{last.std() / np.sqrt(10):.3f}")
     assert last.mean() - first.mean() > 2 * np.hypot(first.std(), last.std()) / np.sqrt(10), rewards
+
+
+def test_a_chat_prompt_is_scored_as_trl_renders_it(tmp_path):
+    """Chat prompts (message lists) on ZeRO-2 dp 4 × tp 2: the conversation ``prompt + completion`` rendered by
+    the reward model's chat template (a Qwen2.5-shaped tokenizer folder) scores within 1e-5 of TRL 1.16's
+    ``_calculate_rewards`` path (``trl.data_utils.apply_chat_template({"messages": p + c})``, the tokenizer
+    right-padding without special tokens, transformers' model)."""
+    from trl.data_utils import apply_chat_template
+    info = build("qwen2_5", tmp_path / "tok")
+    assert info["template"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    hf = tiny_reward_model(0, vocab=len(tok), positions=256)
+    hf.config.pad_token_id = tok.pad_token_id  # the folder's pad, as a trained reward model's config holds it
+    hf.save_pretrained(str(tmp_path / "rm"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok" / name, tmp_path / "rm" / name)
+    prompts = [[{"role": "user", "content": q}] for q in ("What is 12 + 30?", "Hello there.", "Say hi", "7 * 6?")]
+    prompts[1] = [{"role": "system", "content": "You are a helpful assistant."}] + prompts[1]
+    completions = [[{"role": "assistant", "content": a}] for a in ("42", "Hello world! How are you?", "hi", "")]
+    cfg = grpo_config({"data_parallel_size": 4, "tensor_parallel_size": 2, "zero_stage": 2})
+    fn = ModelReward(str(tmp_path / "rm"), make_mesh(cfg.parallel), None, cfg.parallel.zero_stage)
+    got = np.asarray(fn(prompts=prompts, completions=completions), np.float64)
+    texts = [apply_chat_template({"messages": p + c}, tok)["text"] for p, c in zip(prompts, completions)]
+    assert [fn.text(p, c) for p, c in zip(prompts, completions)] == texts
+    enc = tok(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.no_grad():
+        want = hf.eval()(**enc).logits[:, 0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.ptp(got) > 0.01
