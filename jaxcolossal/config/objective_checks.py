@@ -14,7 +14,8 @@ import math
 import re
 
 from jaxcolossal.config.derived import (DPO_LOSS_TYPES, GRPO_LOSS_TYPES, LABEL_SMOOTHING_LOSSES, dpo_loss_types,
-                                        dpo_loss_weights, grpo_prompt_length, posttrain_beta, posttrain_loss_type)
+                                        dpo_loss_weights, grpo_prompt_length, pipeline_microbatches, posttrain_beta,
+                                        posttrain_loss_type)
 from jaxcolossal.config.reward_funcs import reward_specs
 from jaxcolossal.config.schema import DPO_ONLY_KEYS, GRPO_ONLY_KEYS, REWARD_ONLY_KEYS, Config, PosttrainConfig
 from jaxcolossal.errors import ConfigError
@@ -289,12 +290,37 @@ def _grpo_batch_hint(cfg: Config) -> str:
     return f"training.batch_size={value} (a multiple of num_generations={g} and of {why})"
 
 
+def _check_pipeline(cfg: Config) -> None:
+    """An objective over a pipeline (:mod:`jaxcolossal.train.pipeline_objective`): DPO on a dense model,
+    GPipe's schedule (its backward is autodiff of the forward ticks through the objective's head), the
+    objective's microbatches the pipeline's, no LoRA.
+
+    Raises:
+        ConfigError: one line naming the key and what to set."""
+    t, p, pp = cfg.training, cfg.parallel, cfg.parallel.pipeline_parallel_size
+    if pp in (1,) or pp == -1:
+        return
+    name = f"training.objective={t.objective} with parallel.pipeline_parallel_size={pp}"
+    if t.objective != "dpo":
+        raise ConfigError(f"{name}: only DPO runs over a pipeline yet; set parallel.pipeline_parallel_size=1")
+    if p.pipeline_schedule != "gpipe":
+        raise ConfigError(f"{name} runs GPipe's schedule (the objective's head is differentiated through the "
+                          f"forward ticks): set parallel.pipeline_schedule=gpipe, not {p.pipeline_schedule}")
+    m = pipeline_microbatches(cfg, pp)
+    if t.gradient_accumulation_steps != m:
+        raise ConfigError(f"{name}: the objective's microbatches are the pipeline's {m}; set "
+                          f"training.gradient_accumulation_steps={m}")
+    for what, on in (("a mixture of experts (model.num_experts > 0)", cfg.model.moe),
+                     ("LoRA (model.lora.rank > 0)", cfg.model.lora.enabled)):
+        if on:
+            raise ConfigError(f"{name} does not run with {what} yet; set parallel.pipeline_parallel_size=1")
+
+
 def _check_posttrain_features(cfg: Config) -> None:
     t, d, p, m = cfg.training, cfg.data, cfg.parallel, cfg.model
     name = t.objective.upper()
-    why = {"parallel.pipeline_parallel_size > 1": (p.pipeline_parallel_size not in (1,),
-                                                   "the pipeline's last stage computes the LM loss only"),
-           "parallel.sequence_parallel_size > 1": (p.sequence_parallel_size not in (1,),
+    _check_pipeline(cfg)
+    why = {           "parallel.sequence_parallel_size > 1": (p.sequence_parallel_size not in (1,),
                                                    "ring attention reorders the tokens the log-probs are summed over"),
            "data.packing_mask": (d.packing_mask, "a row holds one response"),
            "parallel.gradient_compression": (p.gradient_compression != "none", f"not tested with {name} yet"),

@@ -38,7 +38,9 @@ class Family:
       ``loss_and_stats(params, tokens, targets, cfg, shard, vocab_parallel, mask, ...) ->
       (summed loss, stats)`` (``stats``: a mixture of experts' router statistics, ``{}`` otherwise).
     * ``pipeline_stages(cfg, shard, vocab_parallel, positions) -> (embed, layer_for, head)``: the
-      forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`).
+      forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`);
+      ``final_norm(params, x [b, t, d], cfg) -> [b, t, d]``: the norm after the last layer (what a
+      pipeline's last stage hands an objective's own head).
 
     Hugging Face (``jaxcolossal.models.hf_io`` reads and writes the folders):
 
@@ -73,6 +75,7 @@ class Family:
     loss_sum: Callable
     loss_and_stats: Callable
     pipeline_stages: Callable
+    final_norm: Callable
     hf_architectures: dict
     config_from_hf: Callable
     config_to_hf: Callable
@@ -88,7 +91,7 @@ class Family:
 
 
 MODEL_FUNCTIONS = ("padded_vocab_size", "param_shapes_and_axes", "init_params", "hidden_states", "head_weight",
-                   "forward", "head_loss", "loss_sum", "loss_and_stats", "pipeline_stages")
+                   "forward", "head_loss", "loss_sum", "loss_and_stats", "pipeline_stages", "final_norm")
 """The :class:`Family` fields that a family's ``model`` module defines under the same names."""
 
 DECODE_FUNCTIONS = ("init_cache", "cache_axes", "forward_cached")

@@ -403,6 +403,27 @@ class _Ticks:
         loss, vjp = jax.vjp(loss_of, *cast((self.layers, self.others), jnp.float32))
         return (loss, *vjp(self.lay.vary(self.coef)))
 
+    def gpipe_outputs(self):
+        """GPipe's forward ticks, differentiable (their autodiff is GPipe's backward): the last virtual
+        stage's output of every microbatch, ``[m, mb, t, d]`` on the last stage, zeros elsewhere. The
+        weights enter as fp32 copies cast inside each tick, as in :meth:`gpipe_grads`, so the microbatches'
+        weight cotangents are summed in fp32."""
+        dtype = self.lay.plan.compute_dtype
+        weights32 = jax.tree.map(lambda a: a.astype(jnp.float32), (self.layers, self.others))
+
+        def tick(carry, row):
+            recv, out = carry
+            layers, others = jax.tree.map(lambda a: a.astype(dtype), weights32)
+            _, y = self.forward_slot(row, recv, layers, others)
+            last = (row[VALID] == 1) & (row[LAST] == 1)
+            cur = jax.lax.dynamic_index_in_dim(out, row[MB], 0, keepdims=False)
+            out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(last, y, cur), row[MB], 0)
+            return (jax.lax.ppermute(_after(y, out), PP_AXIS, self.ring_f), out), None
+
+        out = self.lay.vary(jnp.zeros((self.m,) + self.act.shape, self.act.dtype))
+        (_, out), _ = jax.lax.scan(tick, (self.act, out), self.f_rows)
+        return out
+
     def backward_slot(self, br, xb, recv_b, g_lay, g_oth, loss):
         """Recompute the chunk from its stashed input, pull back the cotangent (from the loss in the
         last virtual stage, else received), accumulate the gradients."""
@@ -482,6 +503,57 @@ def _body(lay: _Layout) -> Callable:
         g_others = jax.tree.map(lambda g, s: lay.reduce(_after(g, *done), s, True), g_others, lay.oth_grad_specs)
         return loss, g_layers, g_others
     return body
+
+
+# ----------------------------------------------------------------------------- the forward of an objective
+
+
+def make_pipeline_hidden(plan) -> Callable:
+    """``hidden(params, inputs, frozen=None) -> [B, t, d]``: the last decoder layer's output of every row
+    (before the final norm: ``family.final_norm``) over the pipeline's GPipe forward ticks, for an
+    objective's own head (:mod:`jaxcolossal.train.pipeline_objective`). Differentiable: its autodiff is
+    GPipe's backward (the weights' cotangents summed over the microbatches in fp32, reduced over the
+    data group and ``pp`` by the ``shard_map``'s transpose).
+
+    ``params``: the model's params (``plan.specs.params``; under LoRA the adapters, ``frozen`` the base),
+    or a reference copy laid out alike; ``inputs``: int32 ``[B, t]`` sharded over the data axes, each data
+    shard's rows split into the pipeline's ``m`` microbatches as the train step splits them. The output
+    is sharded over the data axes like ``inputs``, in the compute dtype. A dense model only (the config
+    refuses a mixture of experts and ring attention here)."""
+    lay, mesh = _layout(plan), plan.mesh
+    p, v = lay.sched.p, lay.sched.v
+    data = tuple(a for a in DATA_AXES if plan.mesh_shape[a] > 1)
+    batch = data if len(data) > 1 else data[0] if data else None
+
+    def manual(tree):
+        return jax.tree.map(lambda s: _manual(s, lay.manual_axes), tree, is_leaf=lambda x: isinstance(x, P))
+
+    def body(layers, others, frozen_layers, frozen_others, xs):
+        out = _Ticks(lay, layers, others, xs, xs, None, frozen_layers, frozen_others).gpipe_outputs()
+        out = lay.psum(out, (PP_AXIS, EP_AXIS))  # the last stage's values, on every stage
+        return out.reshape((xs.shape[0],) + out.shape[2:])
+
+    smap = jax.shard_map(
+        body, mesh=mesh, axis_names=set(lay.manual_axes),
+        in_specs=(manual(lay.lay_param_specs), manual(lay.oth_param_specs), manual(lay.frozen_lay_specs),
+                  manual(lay.frozen_oth_specs), P(batch, None)),
+        out_specs=P(batch, None, None))
+
+    def put(a, s):
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
+
+    def hidden(params, inputs, frozen=None):
+        layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), params["layers"], lay.lay_param_specs)
+        others = {k: a for k, a in params.items() if k != "layers"}
+        frozen = frozen or {"layers": {}}
+        f_layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), frozen["layers"], lay.frozen_lay_specs)
+        f_others = {k: a for k, a in frozen.items() if k != "layers"}
+        if lay.gather_outside:
+            others = {k: put(a, lay.oth_param_specs[k]) for k, a in others.items()}
+            f_others = {k: put(a, lay.frozen_oth_specs[k]) for k, a in f_others.items()}
+        return smap(layers, others, f_layers, f_others, inputs)
+
+    return hidden
 
 
 # ----------------------------------------------------------------------------- the grad function

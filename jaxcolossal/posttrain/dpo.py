@@ -249,27 +249,34 @@ class Dpo:
         if precomputes_ref_logps(cfg):  # the reference's log-probs come with the batch
             self.batch_fields = ("ref_logps",)
 
-    def reference_logps(self, reference, tokens, targets, mask, mcfg, shard, vocab_parallel):
+    def reference_logps(self, reference, tokens, targets, mask, mcfg, shard, vocab_parallel, hidden=None):
         """Each row's reference sequence log-prob, fp32 ``[b]`` without gradient (:func:`sequence_logps` of
-        the ``reference`` params over int32 ``tokens``/``targets`` ``[b, t]``, ``mask`` fp32 ``[b, t]``)."""
+        the ``reference`` params over int32 ``tokens``/``targets`` ``[b, t]``, ``mask`` fp32 ``[b, t]``;
+        ``hidden``: the reference's final-norm hidden states ``[b, t, d]`` when a pipeline computed them)."""
         ref_params = jax.lax.stop_gradient(reference)
-        return jax.lax.stop_gradient(sequence_logps(self.family, ref_params, tokens, targets, mask, mcfg, shard,
-                                                    vocab_parallel))
+        if hidden is None:
+            return jax.lax.stop_gradient(sequence_logps(self.family, ref_params, tokens, targets, mask, mcfg, shard,
+                                                        vocab_parallel))
+        lp = policy_token_logps(self.family, ref_params, tokens, targets, mask, mcfg, shard, vocab_parallel,
+                                hidden=jax.lax.stop_gradient(hidden))
+        return jax.lax.stop_gradient(jnp.sum(lp, axis=-1))
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
                  positions=None, dropout_key=None, reference=None, ref_logps=None, microbatch_tokens=None,
-                 microbatch_chosen_tokens=None):
+                 microbatch_chosen_tokens=None, hidden=None, ref_hidden=None):
         # the phases: policy log-probs (per token, with TRL's token statistics), reference log-probs (no
-        # gradient; or the precomputed ones), the loss, the metrics
+        # gradient; or the precomputed ones), the loss, the metrics. hidden/ref_hidden: a pipeline's
+        # final-norm hidden states of the policy and the reference (jaxcolossal.train.pipeline_objective)
         mask = mask.astype(jnp.float32)
         pol_tok, token_stats = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard,
-                                                  vocab_parallel, dropout_key=dropout_key, extras=EXTRAS)
+                                                  vocab_parallel, dropout_key=dropout_key, extras=EXTRAS,
+                                                  hidden=hidden)
         pol = jnp.sum(pol_tok, axis=-1)
         tokens_mb = MicrobatchTokens.of(mask, microbatch_tokens, microbatch_chosen_tokens)
         if ref_logps is not None:
             ref = ref_logps.reshape(-1).astype(jnp.float32)
         else:
-            ref = self.reference_logps(reference, tokens, targets, mask, mcfg, shard, vocab_parallel)
+            ref = self.reference_logps(reference, tokens, targets, mask, mcfg, shard, vocab_parallel, ref_hidden)
         lens = jnp.sum(mask, axis=-1)
         sft_nll = None
         if "sft" in self.loss_types:  # TRL: -chosen_per_token_logps[chosen_mask].mean() over the microbatch

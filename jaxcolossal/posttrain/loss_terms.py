@@ -18,7 +18,8 @@ from jaxcolossal.models.layers.logprobs import token_logprobs
 
 
 def policy_token_logps(family, params, tokens, targets, mask, mcfg, shard, vocab_parallel, segment_ids=None,
-                       positions=None, dropout_key=None, temperature: float = 1.0, extras: tuple[str, ...] = ()):
+                       positions=None, dropout_key=None, temperature: float = 1.0, extras: tuple[str, ...] = (),
+                       hidden=None):
     """Per-token log-probs of ``targets`` under ``params``, fp32 ``[b, t]``, 0 where ``mask`` is 0,
     through the chunked path (:func:`jaxcolossal.models.layers.logprobs.token_logprobs`).
     ``tokens``/``targets`` int32 ``[b, t]``; ``mask`` ``[b, t]`` (1 = a token trained on).
@@ -26,9 +27,12 @@ def policy_token_logps(family, params, tokens, targets, mask, mcfg, shard, vocab
     and count positions from its first real token, as the sampler does. ``temperature``: of the
     logits (TRL's GRPO log-probs are those of ``logits / temperature``); ``extras``: also those per-token
     statistics (:data:`jaxcolossal.models.layers.logprobs.EXTRAS`: entropy, mean logit, top-1), fp32
-    ``[b, t]`` without gradient, returned as ``(logps, {name: stat})``."""
+    ``[b, t]`` without gradient, returned as ``(logps, {name: stat})``. ``hidden``: the final-norm hidden
+    states ``[b, t, d]`` when a pipeline computed them (:mod:`jaxcolossal.train.pipeline_objective`); the
+    model's forward is then not run here."""
     extra = {} if dropout_key is None else {"dropout_key": dropout_key}
-    h = family.hidden_states(params, tokens, mcfg, shard, vocab_parallel, segment_ids, positions, **extra)
+    h = hidden if hidden is not None else family.hidden_states(params, tokens, mcfg, shard, vocab_parallel,
+                                                               segment_ids, positions, **extra)
     return token_logprobs(h, family.head_weight(params, mcfg), targets, mask, mcfg.vocab_size, shard,
                           mcfg.loss_chunk_tokens, mcfg.loss_chunk_vocab, mcfg.final_logit_softcapping,
                           temperature, extras)

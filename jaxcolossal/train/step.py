@@ -63,7 +63,9 @@ from jaxcolossal.posttrain.loss_terms import token_count
 from jaxcolossal.train.nvme import nvme_tier
 from jaxcolossal.train.objective import make_objective
 from jaxcolossal.train.offload import make_offload_update, streamed_in_scan, to_device
+from jaxcolossal.train.pipeline_objective import PipelinedObjectiveGrad
 from jaxcolossal.train.state import TrainPlan, TrainState, powersgd_views_of, state_shardings
+from jaxcolossal.train.step_fields import SHARD_AXIS, add_step_fields, shard_sum
 
 Metrics = dict
 
@@ -95,18 +97,6 @@ def gathers_lowp(plan: TrainPlan) -> bool:
     return weight_gather_dtype(plan.cfg, plan.data_size) is not None
 
 
-SHARD_AXIS = "data_shard"
-"""The name of the vmapped data-shard axis of the per-shard gradients (an objective's collective over
-the shards of one microbatch names it)."""
-
-
-def microbatch_tokens(mask: jax.Array) -> jax.Array:
-    """Each microbatch's masked-in tokens over all its data shards, repeated on its rows: fp32
-    ``[n, k, b, t]`` from the split loss mask ``[n, k, b, t]`` (data shard, microbatch, rows)."""
-    per_microbatch = jnp.sum(mask, axis=(0, 2, 3))
-    return jnp.broadcast_to(per_microbatch[None, :, None, None], mask.shape)
-
-
 def make_grad_fn(plan: TrainPlan) -> Callable:
     """``grad_fn(params, inputs, targets, scale, mask=None, segment_ids=None, positions=None) ->
     (loss_sum, fp32 grads)`` over one step.
@@ -122,9 +112,14 @@ def make_grad_fn(plan: TrainPlan) -> Callable:
     optimizer-state sharding, since the one reduction per step goes straight to each rank's slice).
     With ``pp > 1`` this is :func:`jaxcolossal.parallel.pipeline_executor.make_pipeline_grad_fn` (same contract).
     """
-    if plan.mesh_shape["pp"] > 1:
-        return make_pipeline_grad_fn(plan)
+    if plan.mesh_shape["pp"] > 1:  # the LM loss in the pipeline's last stage, or an objective's own head after it
+        return PipelinedObjectiveGrad(plan) if pipelines_objective(plan) else make_pipeline_grad_fn(plan)
     return _GradFn(plan)
+
+
+def pipelines_objective(plan: TrainPlan) -> bool:
+    """Whether the step runs a post-training objective over a pipeline (:mod:`jaxcolossal.train.pipeline_objective`)."""
+    return plan.mesh_shape["pp"] > 1 and plan.cfg.training.objective != "sft"
 
 
 class _GradFn:
@@ -175,14 +170,6 @@ class _GradFn:
             return s * coef, (s, stats)  # stats: a mixture of experts' router statistics, or DPO's sums
         return loss
 
-    def shard_sum(self, stats):
-        """The per-shard statistics ``[N, ...]`` combined over the data shards: summed, or by the
-        objective's own reduction (``shard_reductions``: GRPO's ``clip_ratio/low_min`` is a min)."""
-        special = getattr(self.objective, "shard_reductions", {})
-        if not special:
-            return jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
-        return {k: special.get(k, jnp.sum)(a, axis=0) for k, a in stats.items()}
-
     def dropout_keys(self, step, j):
         """LoRA's dropout: microbatch ``j``'s key of optimizer step ``step`` (from ``training.seed``),
         split per data shard for the per-shard gradients (``[N]``); ``None`` without dropout."""
@@ -206,7 +193,7 @@ class _GradFn:
             return loss, constrain(g, self.mesh, self.grad_specs), stats
         aux_j = {k: a[:, j] for k, a in aux.items()} | ({} if keys is None else {"dropout_key": keys})
         (_, (loss, stats)), g = self.per_shard(params, xs[:, j], ys[:, j], aux_j, coef, frozen, reference)
-        stats = self.shard_sum(stats)
+        stats = shard_sum(self.objective, stats)
         # offloaded layers' gradients come back from host memory; fp32 before any reduction
         g = jax.tree.map(lambda a: a.astype(jnp.float32), fetch_layer(g))
         return jnp.sum(loss), constrain(g, self.mesh, self.per_shard_specs), stats
@@ -289,12 +276,7 @@ class _GradFn:
         aux = {name: split(a) for name, a in (("mask", None if mask is None else mask.astype(jnp.float32)),
                                               ("segment_ids", segment_ids), ("positions", positions))
                if a is not None} | {name: split(a) for name, a in (fields or {}).items()}
-        needed = getattr(self.objective, "step_fields", ())
-        if "microbatch_tokens" in needed:  # each microbatch's loss tokens
-            aux["microbatch_tokens"] = microbatch_tokens(aux["mask"])
-        if "microbatch_chosen_tokens" in needed:  # preference rows: 2i chosen, 2i + 1 rejected
-            chosen = (jnp.arange(aux["mask"].shape[2]) % 2 == 0).astype(jnp.float32)[None, None, :, None]
-            aux["microbatch_chosen_tokens"] = microbatch_tokens(aux["mask"] * chosen)
+        aux = add_step_fields(self.objective, aux)  # each microbatch's loss tokens, where the objective asks
         loss_sum, acc, stats = self.accumulate(params, split(inputs), split(targets), aux, coef, frozen, step,
                                                reference)
         # ZeRO-1 reduces straight onto the optimizer-state sharding: each rank only needs its
@@ -396,7 +378,8 @@ class _TrainStep:
             extra["first_moment"] = adam_first_moment(state.opt_state)
         if self.plan.lora:  # the adapters are differentiated; the frozen base comes along (and the step: dropout)
             extra.update(frozen=state.frozen, step=state.step)
-        if self.with_stats and self.plan.mesh_shape["pp"] == 1:  # the router's or the objective's
+        pipelined = pipelines_objective(self.plan)
+        if self.with_stats and (self.plan.mesh_shape["pp"] == 1 or pipelined):  # the router's or the objective's
             extra["with_stats"] = True  # statistics come back too
         if state.reference is not None:  # DPO's frozen reference copy
             extra["reference"] = to_device(state.reference, self.shardings.reference)

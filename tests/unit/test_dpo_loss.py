@@ -66,7 +66,13 @@ def _cfg(**over):
     ({"posttrain__loss_weights": "inf"}, "each weight must be a finite number"),
     ({"posttrain__discopop_tau": 0.1}, "posttrain.discopop_tau=0.1 is read only by the discopop loss"),
     ({"posttrain__discopop_tau": 0.0, "posttrain__loss_type": "discopop"}, "posttrain.discopop_tau=0.0"),
-    ({"parallel__pipeline_parallel_size": 2}, "does not run with parallel.pipeline_parallel_size > 1"),
+    ({"parallel__pipeline_parallel_size": 2}, "runs GPipe's schedule (the objective's head is differentiated through "
+                                              "the forward ticks): set parallel.pipeline_schedule=gpipe, not 1f1b"),
+    ({"parallel__pipeline_parallel_size": 2, "parallel__pipeline_schedule": "gpipe"},
+     "the objective's microbatches are the pipeline's 4; set training.gradient_accumulation_steps=4"),
+    ({"parallel__pipeline_parallel_size": 2, "parallel__pipeline_schedule": "gpipe",
+      "training__gradient_accumulation_steps": 4, "model__lora": {"rank": 4}, "posttrain__reference": "lora_base"},
+     "does not run with LoRA"),
     ({"posttrain__num_generations": 4}, "posttrain.num_generations=4 is a GRPO key, which a DPO run "
                                         "(training.objective=dpo) never reads: remove it"),
     ({"posttrain__reward_funcs": "format"}, "posttrain.reward_funcs='format' is a GRPO key"),

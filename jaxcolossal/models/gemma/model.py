@@ -371,6 +371,12 @@ def forward_cached(params: dict, tokens: jax.Array, cache: dict, index: jax.Arra
     return logits_from_hidden(params, h, cfg, shard), cache
 
 
+def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The final norm of the last decoder layer's output ``x [b, t, d]`` (``params``: the non-layer leaves
+    suffice), what :func:`hidden_states` returns and the LM head reads."""
+    return _norm(x, params["final_norm"], cfg)
+
+
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
                     positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`):
@@ -387,5 +393,5 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
         return lambda h, p: decoder_layer(h, p, cfg, tables, shard, positions=positions)
 
     def head(o, x, y):
-        return head_loss(o, _norm(x, o["final_norm"], cfg), y, cfg, shard)
+        return head_loss(o, final_norm(o, x, cfg), y, cfg, shard)
     return embed_stage, layer_for, head

@@ -286,6 +286,12 @@ def loss_and_stats(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Mod
     return loss_sum(params, tokens, targets, cfg, shard, vocab_parallel, mask, **aux), {}
 
 
+def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The final norm of the last decoder layer's output ``x [b, t, d]`` (``params``: the non-layer leaves
+    suffice), what :func:`hidden_states` returns and the LM head reads."""
+    return layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
+
+
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
                     positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries, as :func:`jaxcolossal.models.llama.pipeline_stages`:
@@ -300,5 +306,5 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
         return lambda h, p: decoder_layer(h, p, cfg, shard, positions=positions)
 
     def head(o, x, y):
-        return head_loss(o, layer_norm(x, o["final_norm"], o["final_norm_bias"], cfg.layer_norm_eps), y, cfg, shard)
+        return head_loss(o, final_norm(o, x, cfg), y, cfg, shard)
     return embed, layer_for, head

@@ -431,6 +431,12 @@ loss_and_stats, loss_sum = moe.lm_loss_with_router(hidden_and_stats, head_loss)
 (:func:`jaxcolossal.models.layers.moe.lm_loss_with_router`)."""
 
 
+def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The final norm of the last decoder layer's output ``x [b, t, d]`` (``params``: the non-layer leaves
+    suffice), what :func:`hidden_states` returns and the LM head reads."""
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
                     positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`):
@@ -464,6 +470,6 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
 
     def head(o, x, y):
         h = x[0] if pooled else x
-        loss = head_loss(o, rms_norm(h, o["final_norm"], cfg.rms_norm_eps), y, cfg, shard)
+        loss = head_loss(o, final_norm(o, h, cfg), y, cfg, shard)
         return loss + moe.pooled_loss_gradient(x[1], cfg) if pooled else loss
     return embed, layer_for, head
