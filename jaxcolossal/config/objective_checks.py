@@ -291,7 +291,7 @@ def _grpo_batch_hint(cfg: Config) -> str:
 
 
 def _check_pipeline(cfg: Config) -> None:
-    """An objective over a pipeline (:mod:`jaxcolossal.train.pipeline_objective`): DPO on a dense model,
+    """An objective over a pipeline (:mod:`jaxcolossal.train.pipeline_objective`): DPO or GRPO on a dense model,
     GPipe's schedule (its backward is autodiff of the forward ticks through the objective's head), the
     objective's microbatches the pipeline's, no LoRA.
 
@@ -301,8 +301,8 @@ def _check_pipeline(cfg: Config) -> None:
     if pp in (1,) or pp == -1:
         return
     name = f"training.objective={t.objective} with parallel.pipeline_parallel_size={pp}"
-    if t.objective != "dpo":
-        raise ConfigError(f"{name}: only DPO runs over a pipeline yet; set parallel.pipeline_parallel_size=1")
+    if t.objective not in ("dpo", "grpo"):
+        raise ConfigError(f"{name}: only DPO and GRPO run over a pipeline yet; set parallel.pipeline_parallel_size=1")
     if p.pipeline_schedule != "gpipe":
         raise ConfigError(f"{name} runs GPipe's schedule (the objective's head is differentiated through the "
                           f"forward ticks): set parallel.pipeline_schedule=gpipe, not {p.pipeline_schedule}")

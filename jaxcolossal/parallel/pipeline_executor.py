@@ -310,7 +310,7 @@ class _Ticks:
     """One device's view inside the ``shard_map``: its stage's chunks, the other leaves, its data
     shard's microbatches, and the tick functions of the schedule (module doc)."""
 
-    def __init__(self, lay: _Layout, layers, others, xs, ys, coef, frozen_layers, frozen_others):
+    def __init__(self, lay: _Layout, layers, others, xs, ys, coef, frozen_layers, frozen_others, rows=None):
         plan, sched = lay.plan, lay.sched
         self.lay, self.m, self.v, self.coef = lay, sched.m, sched.v, coef
         self.lockstep = sched.bwd is not None
@@ -325,6 +325,10 @@ class _Ticks:
         self.embed, self.head_loss = (lambda o, tok: jax.tree.map(lay.vary, embed(o, tok))), head
         self.chunk = lambda lp, x: scan_layers(layer_for(x), x, lp, remat)
         self.chunk_at = lambda stage, c, x: scan_chunk(layer_for(x), x, stage, c, remat)
+        # per-row segment ids and positions (GRPO's left-padded rows): the stages are built per microbatch
+        self.rows = None if rows is None else tuple(r.reshape((sched.m, -1) + r.shape[1:]) for r in rows)
+        self.stages_for = lambda seg, pos: plan.family.pipeline_stages(plan.cfg.model, shard, shard.is_sharded("vocab"),
+                                                                      pos, seg)
         self.layers = jax.tree.map(lambda a, s: lay.vary(lay.gather(a, s)[0]), layers, lay.lay_param_specs)
         self.others = jax.tree.map(lambda a, s: lay.vary(lay.gather(a, s)), others, lay.oth_param_specs)
         # LoRA: the frozen base beside the trained adapters (never differentiated); else empty
@@ -362,20 +366,33 @@ class _Ticks:
         """The trained layers' and other leaves with the frozen base's beside them (LoRA)."""
         return {**self.frozen_layers, **layers}, {**self.frozen_others, **others}
 
+    def microbatch_stages(self, mb) -> tuple[Callable, Callable, Callable]:
+        """``(embed, chunk, chunk_at)`` for microbatch ``mb``: the step's own, or with per-row segment ids
+        and positions (``rows``) the stages built for that microbatch's rows (a GPipe forward only)."""
+        if self.rows is None:
+            return self.embed, self.chunk, self.chunk_at
+        seg, pos = (jax.lax.dynamic_index_in_dim(r, mb, 0, keepdims=False) for r in self.rows)
+        embed, layer_for, _ = self.stages_for(seg, pos)
+        remat = self.lay.plan.cfg.model.remat
+        return (lambda o, tok: jax.tree.map(self.lay.vary, embed(o, tok)),
+                lambda lp, x: scan_layers(layer_for(x), x, lp, remat),
+                lambda stage, c, x: scan_chunk(layer_for(x), x, stage, c, remat))
+
     def forward_slot(self, row, recv, layers, others):
         """Embedding (first virtual stage only) then the chunk, skipped in idle slots."""
         layers, others = self.whole(layers, others)
         valid = row[VALID] == 1
-        x = jax.lax.cond(valid & (row[FIRST] == 1), lambda: self.embed(others, self.xs[row[MB]]), lambda: recv)
+        embed, chunk, chunk_at = self.microbatch_stages(row[MB])
+        x = jax.lax.cond(valid & (row[FIRST] == 1), lambda: embed(others, self.xs[row[MB]]), lambda: recv)
         if not self.lockstep and self.v > 1:  # circular GPipe: a per-tick slice of the chunk's weights would be
             # a residual of every tick (see the module doc); slice each layer's inside its body
-            return x, _pick(valid, self.chunk_at(layers, row[CHUNK], x), x)
+            return x, _pick(valid, chunk_at(layers, row[CHUNK], x), x)
         lp = jax.tree.map(lambda a: _dyn(a, row[CHUNK], self.v), layers)
         if self.lay.seq_ring or not self.lockstep:  # seq_ring: every device runs the ring's ppermutes at every
             # tick; GPipe: a cond's residuals are not loop-invariant, so autodiff of the tick scan would
             # save the stage's weights once per tick (see the module doc)
-            return x, _pick(valid, self.chunk(lp, x), x)
-        return x, jax.lax.cond(valid, lambda: self.chunk(lp, x), lambda: x)
+            return x, _pick(valid, chunk(lp, x), x)
+        return x, jax.lax.cond(valid, lambda: chunk(lp, x), lambda: x)
 
     def gpipe_grads(self):
         """GPipe: the forward ticks, differentiated by autodiff of their scan. Returns ``(loss,
@@ -517,7 +534,9 @@ def make_pipeline_hidden(plan) -> Callable:
 
     ``params``: the model's params (``plan.specs.params``; under LoRA the adapters, ``frozen`` the base),
     or a reference copy laid out alike; ``inputs``: int32 ``[B, t]`` sharded over the data axes, each data
-    shard's rows split into the pipeline's ``m`` microbatches as the train step splits them. The output
+    shard's rows split into the pipeline's ``m`` microbatches as the train step splits them;
+    ``segment_ids``/``positions``: int ``[B, t]`` alike, or None (GRPO's left-padded rows: the pads are
+    kept out of attention, positions count from a row's first real token). The output
     is sharded over the data axes like ``inputs``, in the compute dtype. A dense model only (the config
     refuses a mixture of experts and ring attention here)."""
     lay, mesh = _layout(plan), plan.mesh
@@ -528,21 +547,21 @@ def make_pipeline_hidden(plan) -> Callable:
     def manual(tree):
         return jax.tree.map(lambda s: _manual(s, lay.manual_axes), tree, is_leaf=lambda x: isinstance(x, P))
 
-    def body(layers, others, frozen_layers, frozen_others, xs):
-        out = _Ticks(lay, layers, others, xs, xs, None, frozen_layers, frozen_others).gpipe_outputs()
-        out = lay.psum(out, (PP_AXIS, EP_AXIS))  # the last stage's values, on every stage
+    def body(layers, others, frozen_layers, frozen_others, xs, rows):
+        ticks = _Ticks(lay, layers, others, xs, xs, None, frozen_layers, frozen_others, rows or None)
+        out = lay.psum(ticks.gpipe_outputs(), (PP_AXIS, EP_AXIS))  # the last stage's values, on every stage
         return out.reshape((xs.shape[0],) + out.shape[2:])
 
     smap = jax.shard_map(
         body, mesh=mesh, axis_names=set(lay.manual_axes),
         in_specs=(manual(lay.lay_param_specs), manual(lay.oth_param_specs), manual(lay.frozen_lay_specs),
-                  manual(lay.frozen_oth_specs), P(batch, None)),
+                  manual(lay.frozen_oth_specs), P(batch, None), P(batch, None)),
         out_specs=P(batch, None, None))
 
     def put(a, s):
         return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
 
-    def hidden(params, inputs, frozen=None):
+    def hidden(params, inputs, frozen=None, segment_ids=None, positions=None):
         layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), params["layers"], lay.lay_param_specs)
         others = {k: a for k, a in params.items() if k != "layers"}
         frozen = frozen or {"layers": {}}
@@ -551,7 +570,8 @@ def make_pipeline_hidden(plan) -> Callable:
         if lay.gather_outside:
             others = {k: put(a, lay.oth_param_specs[k]) for k, a in others.items()}
             f_others = {k: put(a, lay.frozen_oth_specs[k]) for k, a in f_others.items()}
-        return smap(layers, others, f_layers, f_others, inputs)
+        rows = () if segment_ids is None else (segment_ids, positions)
+        return smap(layers, others, f_layers, f_others, inputs, rows)
 
     return hidden
 

@@ -240,6 +240,7 @@ class Dpo:
     reference_label = "DPO's"
 
     step_fields: tuple = ("microbatch_tokens", "microbatch_chosen_tokens")  # filled by the step from the mask
+    reference_in_step = True  # the frozen reference's log-probs are computed in the step (ref_hidden over a pipeline)
     row_fields: tuple = ("ref_logps",)  # batch fields of one value per row, [B, 1]
 
     def __init__(self, family, cfg):

@@ -136,13 +136,15 @@ class Grpo:
 
     def __call__(self, params, tokens, targets, mcfg, shard, vocab_parallel, mask=None, segment_ids=None,
                  positions=None, dropout_key=None, reference=None, advantages=None, old_logps=None, ref_logps=None,
-                 tokens_per_step=None, microbatch_tokens=None, shard_axis=None):
+                 tokens_per_step=None, microbatch_tokens=None, shard_axis=None, hidden=None):
         # the phases: log-probs and entropies at the temperature, the entropy mask, the per-token loss,
-        # its normalised sum, the metrics
+        # its normalised sum, the metrics. hidden: a pipeline's final-norm hidden states of the policy
+        # (jaxcolossal.train.pipeline_objective)
         mask = mask.astype(jnp.float32)
         p = self.post
         logps, more = policy_token_logps(self.family, params, tokens, targets, mask, mcfg, shard, vocab_parallel,
-                                         segment_ids, positions, dropout_key, p.temperature, extras=("entropy",))
+                                         segment_ids, positions, dropout_key, p.temperature, extras=("entropy",),
+                                         hidden=hidden)
         ent = more["entropy"]
         mb_tokens = jnp.maximum(jnp.sum(mask) if microbatch_tokens is None else microbatch_tokens[0, 0], 1.0)
         entropy_mask = None

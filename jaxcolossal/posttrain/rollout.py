@@ -51,6 +51,7 @@ from jaxcolossal.parallel.decode_layout import decode_mesh, make_reshard
 from jaxcolossal.models.layers.logprobs import token_logprobs
 from jaxcolossal.parallel.layer_scan import fetch_layer
 from jaxcolossal.parallel.microbatch_order import microbatch_order
+from jaxcolossal.parallel.pipeline_executor import make_pipeline_hidden
 from jaxcolossal.parallel.sharding import RULES, logical_to_spec
 from jaxcolossal.posttrain.reward_model import ModelReward
 from jaxcolossal.posttrain.rewards import RewardSet, TrainerState, make_rewards
@@ -148,12 +149,17 @@ def rollout_token_logps(plan, params, inputs, targets, mask, segment_ids, positi
     fp32 logits: :func:`jaxcolossal.models.layers.logprobs.token_logprobs`). ``plan``: the run's
     :class:`~jaxcolossal.train.state.TrainPlan` (its family, sharder and model config); ``params``
     laid out as training holds them (offloaded leaves are fetched in); ``inputs``/``targets``/
-    ``segment_ids``/``positions`` int32 and ``mask`` fp32, ``[B, t]`` with the batch sharding.
+    ``segment_ids``/``positions`` int32 and ``mask`` fp32, ``[B, t]`` with the batch sharding. Over a pipeline
+    the layers run on its GPipe forward ticks (:func:`jaxcolossal.parallel.pipeline_executor.make_pipeline_hidden`).
     :class:`Rollouts` jits it with ``plan`` bound; so does the GPU compile test. The log-probs are those
     of ``logits / posttrain.temperature``, as TRL computes its old and reference log-probs (trl 1.16)."""
     cfg, family, shard = plan.cfg.model, plan.family, plan.sharder
     params = fetch_layer(params)
-    h = family.hidden_states(params, inputs, cfg, shard, shard.is_sharded("vocab"), segment_ids, positions)
+    if plan.mesh_shape["pp"] > 1:  # over a pipeline: its forward ticks, then the family's final norm
+        x = make_pipeline_hidden(plan)(params, inputs, None, segment_ids, positions)
+        h = family.final_norm(params, x, cfg)
+    else:
+        h = family.hidden_states(params, inputs, cfg, shard, shard.is_sharded("vocab"), segment_ids, positions)
     return token_logprobs(h, family.head_weight(params, cfg), targets, mask, cfg.vocab_size, shard,
                           cfg.loss_chunk_tokens, cfg.loss_chunk_vocab, cfg.final_logit_softcapping,
                           plan.cfg.posttrain.temperature)

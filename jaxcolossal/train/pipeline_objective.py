@@ -57,9 +57,10 @@ class PipelinedObjectiveGrad:
         return self.objective(params, x, y, self.cfg.model, self.inner, self.vocab_parallel, reference=reference,
                               **aux, **extra)
 
-    def final_hidden(self, params, inputs) -> jax.Array:
+    def final_hidden(self, params, inputs, segment_ids=None, positions=None) -> jax.Array:
         """The final-norm hidden states ``[B, t, d]`` of ``params`` (the policy or a reference copy)."""
-        return self.family.final_norm(params, self.hidden(params, inputs), self.cfg.model)
+        return self.family.final_norm(params, self.hidden(params, inputs, None, segment_ids, positions),
+                                      self.cfg.model)
 
     def split(self, a: jax.Array) -> jax.Array:
         """``[B, ...] -> [n, k, B/(n·k), ...]``: data shard, microbatch, rows (the plain step's split)."""
@@ -67,12 +68,13 @@ class PipelinedObjectiveGrad:
         return jax.lax.with_sharding_constraint(a.reshape((self.n, self.k, B // (self.n * self.k)) + a.shape[1:]),
                                                 NamedSharding(self.mesh, P(DATA_AXES)))
 
-    def total(self, inputs, targets, aux: dict, coef, reference) -> Callable:
-        """``params -> (loss × coef, (summed loss, statistics))`` over the step's microbatches."""
+    def total(self, inputs, targets, aux: dict, coef, reference, rows: dict) -> Callable:
+        """``params -> (loss × coef, (summed loss, statistics))`` over the step's microbatches; ``rows``: the
+        batch's ``segment_ids``/``positions`` (``[B, t]``), or empty."""
         xs, ys = self.split(inputs), self.split(targets)
 
         def f(params):
-            aux_all = aux | {"hidden": self.split(self.final_hidden(params, inputs))}
+            aux_all = aux | {"hidden": self.split(self.final_hidden(params, inputs, **rows))}
             loss, stats = jnp.zeros((), jnp.float32), self.objective.zero_stats()
             for j in range(self.k):
                 s, st = self.per_shard(params, xs[:, j], ys[:, j], {k: a[:, j] for k, a in aux_all.items()},
@@ -85,11 +87,13 @@ class PipelinedObjectiveGrad:
     def __call__(self, params, inputs, targets, scale, mask=None, segment_ids=None, positions=None, frozen=None,
                  step=None, with_stats=False, reference=None, fields=None):
         coef = scale / self.objective.count(inputs, mask, fields)
-        aux = {"mask": self.split(mask.astype(jnp.float32))} | {k: self.split(a) for k, a in (fields or {}).items()}
-        aux = add_step_fields(self.objective, aux)
-        if reference is not None:  # DPO's frozen reference: its own pass through the pipeline, no gradient
-            aux["ref_hidden"] = self.split(jax.lax.stop_gradient(self.final_hidden(reference, inputs)))
-        (_, (loss_sum, stats)), grads = jax.value_and_grad(self.total(inputs, targets, aux, coef, reference),
+        rows = {} if segment_ids is None else {"segment_ids": segment_ids, "positions": positions}
+        aux = {"mask": self.split(mask.astype(jnp.float32))} | {k: self.split(a) for k, a in rows.items()}
+        aux = add_step_fields(self.objective, aux | {k: self.split(a) for k, a in (fields or {}).items()})
+        if reference is not None and getattr(self.objective, "reference_in_step", False):  # DPO's frozen
+            # reference: its own pass through the pipeline, no gradient (GRPO's log-probs are the rollout's)
+            aux["ref_hidden"] = self.split(jax.lax.stop_gradient(self.final_hidden(reference, inputs, **rows)))
+        (_, (loss_sum, stats)), grads = jax.value_and_grad(self.total(inputs, targets, aux, coef, reference, rows),
                                                            has_aux=True)(params)
         grads = constrain(jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads), self.mesh, self.grad_specs)
         if with_stats:

@@ -64,7 +64,7 @@ def test_one_dpo_step_over_a_pipeline_equals_one_device():
 
 
 def test_what_a_pipeline_does_not_run_with_is_refused():
-    with pytest.raises(ConfigError, match="only DPO runs over a pipeline yet"):
+    with pytest.raises(ConfigError, match="only DPO and GRPO run over a pipeline yet"):
         config_from_dict({"model": TINY_MODEL, "training": {**TINY_TRAINING, "objective": "reward"},
                           "data": {"format": "preference", "corpus": "x.jsonl"},
                           "parallel": {"pipeline_parallel_size": 2, "data_parallel_size": 4}})

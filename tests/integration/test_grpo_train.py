@@ -100,8 +100,8 @@ def test_grpo_resume_between_the_steps_of_a_rollout_is_bit_exact(tmp_path):
     (["posttrain.reward_funcs=no_such_module:fn", "posttrain.reward_weights="], "posttrain.reward_funcs: cannot import 'no_such_module'"),
     (["posttrain.reward_funcs=os.path:no_such_fn", "posttrain.reward_weights="], "module 'os.path' has no function 'no_such_fn'"),
     (["posttrain.reward_funcs=exact_match,format", "posttrain.reward_weights=1"], "has 1 weights for 2 reward_funcs"),
-    (["parallel.pipeline_parallel_size=2"], "training.objective=grpo with parallel.pipeline_parallel_size=2: only DPO "
-                                            "runs over a pipeline yet"),
+    (["parallel.pipeline_parallel_size=2"], "training.objective=grpo with parallel.pipeline_parallel_size=2 runs "
+                                            "GPipe's schedule"),
     (["posttrain.loss_type=sigmoid"], "posttrain.loss_type=sigmoid is not a GRPO loss"),
     (["posttrain.max_completion_length=13"], "leaves no room for a prompt in training.seq_len=12"),
     (["data.format=text"], "training.objective=grpo with data.format=text"),

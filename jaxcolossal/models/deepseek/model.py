@@ -362,7 +362,8 @@ def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
-                    positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
+                    positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`),
     as the LLaMA family's: ``embed(others, tokens) -> x``, ``layer_for(x) -> layer(x, layer_params)``,
     ``head(others, x, targets) -> summed fp32 loss``; a mixture of experts passes ``(x, stream)`` with the
@@ -378,7 +379,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
     def moe_layer(cos, sin):
         def layer(c, p):
             h, stats = moe_decoder_layer((c[0] if pooled else c, moe.zero_stats(cfg)), p, cfg, cos, sin, shard,
-                                         positions=positions)
+                                         segment_ids=segment_ids, positions=positions)
             return (h, moe.add_to_stream(c[1], stats)) if pooled else h
         return layer
 
@@ -386,7 +387,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
         cos, sin = _rope((x[0] if pooled else x).shape[1], cfg, positions)
         if cfg.moe:
             return moe_layer(cos, sin)
-        return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, positions=positions)
+        return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, segment_ids=segment_ids, positions=positions)
 
     def head(o, x, y):
         h = x[0] if pooled else x

@@ -378,7 +378,8 @@ def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
-                    positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
+                    positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`):
     ``embed(others, tokens [mb, t]) -> x [mb, t, d]`` (scaled); ``layer_for(x) -> layer(x, layer_params)``;
     ``head(others, x, targets) -> summed fp32 loss`` (final norm, soft-capped LM head, cross-entropy).
@@ -390,7 +391,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
 
     def layer_for(x):
         tables = rope_pair(x.shape[1], cfg, positions)
-        return lambda h, p: decoder_layer(h, p, cfg, tables, shard, positions=positions)
+        return lambda h, p: decoder_layer(h, p, cfg, tables, shard, segment_ids=segment_ids, positions=positions)
 
     def head(o, x, y):
         return head_loss(o, final_norm(o, x, cfg), y, cfg, shard)

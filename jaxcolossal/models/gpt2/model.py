@@ -293,7 +293,8 @@ def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
-                    positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
+                    positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries, as :func:`jaxcolossal.models.llama.pipeline_stages`:
     ``embed`` (token and position embeddings), ``layer_for(x)``, ``head`` (final LayerNorm, LM head, loss)."""
 
@@ -303,7 +304,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
         return shard(x + wpe.astype(x.dtype), ("batch", "seq", "embed"))
 
     def layer_for(x):
-        return lambda h, p: decoder_layer(h, p, cfg, shard, positions=positions)
+        return lambda h, p: decoder_layer(h, p, cfg, shard, segment_ids=segment_ids, positions=positions)
 
     def head(o, x, y):
         return head_loss(o, final_norm(o, x, cfg), y, cfg, shard)

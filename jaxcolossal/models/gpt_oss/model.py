@@ -262,7 +262,8 @@ def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
-                    positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
+                    positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`),
     as the LLaMA family's mixture of experts: ``embed(others, tokens [mb, t]) -> x``, ``layer_for(x) ->
     layer(x, layer_params)``, ``head(others, x, targets) -> summed fp32 loss``. ``x``: the activations
@@ -281,7 +282,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
 
         def layer(c, p):  # the per-layer router losses join through their gradient (moe.with_loss_gradient)
             h, stats = decoder_layer((c[0] if pooled else c, moe.zero_stats(cfg)), p, cfg, cos, sin, shard,
-                                     positions=positions)
+                                     segment_ids=segment_ids, positions=positions)
             return (h, moe.add_to_stream(c[1], stats)) if pooled else h
         return layer
 

@@ -438,7 +438,8 @@ def final_norm(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel: bool = False,
-                    positions: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
+                    positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None) -> tuple[Callable, Callable, Callable]:
     """The forward cut at a pipeline's stage boundaries (:mod:`jaxcolossal.parallel.pipeline_executor`):
     ``embed(others, tokens [mb, t]) -> x``; ``layer_for(x) -> layer(x, layer_params)`` (one decoder
     layer, RoPE tables for ``x``'s length); ``head(others, x, targets) -> summed fp32 loss`` (final
@@ -458,7 +459,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
     def moe_layer(cos, sin):  # the per-layer router losses join through their gradient (moe.with_loss_gradient)
         def layer(c, p):
             h, stats = moe_decoder_layer((c[0] if pooled else c, moe.zero_stats(cfg)), p, cfg, cos, sin, shard,
-                                         positions=positions)
+                                         segment_ids=segment_ids, positions=positions)
             return (h, moe.add_to_stream(c[1], stats)) if pooled else h
         return layer
 
@@ -466,7 +467,7 @@ def pipeline_stages(cfg: ModelConfig, shard: Sharder = no_shard, vocab_parallel:
         cos, sin = rope_tables((x[0] if pooled else x).shape[1], cfg, positions)
         if cfg.moe:
             return moe_layer(cos, sin)
-        return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, positions=positions)
+        return lambda h, p: decoder_layer(h, p, cfg, cos, sin, shard, segment_ids=segment_ids, positions=positions)
 
     def head(o, x, y):
         h = x[0] if pooled else x
