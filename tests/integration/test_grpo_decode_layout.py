@@ -80,6 +80,21 @@ def test_the_reshard_keeps_the_values_and_leaves_only_tp():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_reshard_of_a_pipeline_keeps_the_values():
+    """A pipeline's layers (over pp 2 × dp 2 × tp 2) resharded a layer at a time into decode tp 2 × dp 4:
+    every leaf equal, none left over pp."""
+    from test_grpo_pipeline import grpo_pp_config
+    cfg = grpo_pp_config({"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 2})
+    plan, _, state, _ = setup(cfg)
+    dmesh = decode_mesh(plan.mesh, 2)
+    reshard, specs = make_reshard(state.params, dmesh)
+    out = reshard(state.params)
+    assert any("pp" in str(x.sharding.spec) for x in jax.tree.leaves(state.params["layers"]))
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state.params)):
+        assert a.sharding.mesh is dmesh and "pp" not in str(a.sharding.spec)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_the_decode_loop_gathers_no_weights():
     """The sampler compiled on the decode layout (ZeRO-3 over 8 resharded to tp 2 × dp 4): the decode loop
     (the program's while loop without a known trip count) holds no all-gather; on the training layout it
