@@ -27,7 +27,7 @@ SHAPES = {  # config -> {kind: (target, devices)}: the fewest whole hosts that f
     "qwen3_32b": {"pretrain": H200X8, "grpo": H200X8}, "mistral_nemo_12b": {"pretrain": H100X8, "grpo": H100X8},
     "phi4_mini": {"pretrain": H100X8, "grpo": H100X8},
     "gemma3_12b": {"pretrain": H100X8, "grpo": H100X8}, "gemma3_27b": {"pretrain": H100X8, "grpo": H200X8},
-    "gpt_oss_20b": {"pretrain": H100X8, "grpo": H200X8},
+    "gpt_oss_20b": {"pretrain": H100X8, "grpo": H200X8}, "mixtral_8x7b": {"pretrain": H200X8, "grpo": H200X8},
     "gpt_oss_120b": {"pretrain": ("h200", 32), "grpo": ("h200", 32)},
     "deepseek_v3": {"pretrain": ("h100", 256), "grpo": ("h200", 256)},
 }
