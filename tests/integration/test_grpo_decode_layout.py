@@ -6,6 +6,7 @@ is refused in one line before anything compiles."""
 import jax
 import numpy as np
 import pytest
+from test_grpo_pipeline import grpo_pp_config
 from test_grpo_train import GRPO_JOB, ROOT, grpo_config, run_grpo
 from tiny import TINY_MODEL, setup
 
@@ -83,7 +84,6 @@ def test_the_reshard_keeps_the_values_and_leaves_only_tp():
 def test_the_reshard_of_a_pipeline_keeps_the_values():
     """A pipeline's layers (over pp 2 × dp 2 × tp 2) resharded a layer at a time into decode tp 2 × dp 4:
     every leaf equal, none left over pp."""
-    from test_grpo_pipeline import grpo_pp_config
     cfg = grpo_pp_config({"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 2})
     plan, _, state, _ = setup(cfg)
     dmesh = decode_mesh(plan.mesh, 2)

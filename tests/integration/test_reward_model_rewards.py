@@ -12,11 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
 
 from hf_tiny import tiny_llama  # noqa: E402
 from test_grpo_train import grpo_config, run_grpo  # noqa: E402
 from test_reward_trl_parity import tiny_reward_model  # noqa: E402
 from tokenizer_families import build  # noqa: E402
+from trl.data_utils import apply_chat_template  # noqa: E402
 
 from jaxcolossal.config import ConfigError  # noqa: E402
 from jaxcolossal.data import get_tokenizer  # noqa: E402
@@ -86,7 +88,6 @@ def test_a_chat_prompt_is_scored_as_trl_renders_it(tmp_path):
     the reward model's chat template (a Qwen2.5-shaped tokenizer folder) scores within 1e-5 of TRL 1.16's
     ``_calculate_rewards`` path (``trl.data_utils.apply_chat_template({"messages": p + c})``, the tokenizer
     right-padding without special tokens, transformers' model)."""
-    from trl.data_utils import apply_chat_template
     info = build("qwen2_5", tmp_path / "tok")
     assert info["template"]
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
