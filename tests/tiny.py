@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxcolossal.config import Config, config_from_dict, load_config
+from jaxcolossal.data.loader import PairLoader
 from jaxcolossal.models.hf_io import init_params_from
 from jaxcolossal.parallel.mesh import make_mesh
 from jaxcolossal.train.loop import train
@@ -118,3 +119,12 @@ def resumed_and_uninterrupted(tmp_path, overrides: list[str]):
     losses = [{r["step"]: r["loss"] for r in map(json.loads, open(tmp_path / d / "run" / "metrics.jsonl")) if "loss" in r}
               for d in ("a", "b")]
     return full, resumed, losses
+
+
+def in_order_loader_metrics(data, pairs: int) -> dict:
+    """:meth:`jaxcolossal.data.loader.PairLoader.step_metrics` of step 0 over preference ``data`` when that step
+    draws pairs ``0 .. pairs - 1`` in order (the draw is the only thing replaced): what the training loop
+    logs beside the objective's metrics for a parity test's fixed batch."""
+    loader = PairLoader(data, batch_size=2 * pairs, seed=0)
+    loader._draws = lambda step: np.arange(pairs)
+    return loader.step_metrics(0)

@@ -28,13 +28,13 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
 from hf_tiny import tiny_llama  # noqa: E402
+from tiny import in_order_loader_metrics  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 from trl.trainer import dpo_trainer as trl_dpo_module  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from jaxcolossal.config import ConfigError, config_from_dict  # noqa: E402
 from jaxcolossal.config.derived import DPO_LOSS_TYPES  # noqa: E402
-from jaxcolossal.data.loader import PairLoader  # noqa: E402
 from jaxcolossal.data.preference import PreferenceData  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import load_hf  # noqa: E402
@@ -157,9 +157,7 @@ def _loader_metrics(ids, comp) -> dict:
     """The training loader's metrics after step 0 (:meth:`PairLoader.step_metrics`) when that step draws the
     test's pairs in order (the draw is the only thing replaced)."""
     data = PreferenceData(ids[:PAIRS], ids[PAIRS:], comp[:PAIRS, 1:], comp[PAIRS:, 1:])  # lengths from the masks
-    loader = PairLoader(data, batch_size=2 * PAIRS, seed=0)
-    loader._draws = lambda step: np.arange(PAIRS)
-    return loader.step_metrics(0)
+    return in_order_loader_metrics(data, PAIRS)
 
 
 def _rel(a, b):

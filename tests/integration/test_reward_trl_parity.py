@@ -21,11 +21,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
+from tiny import in_order_loader_metrics  # noqa: E402
 from trl import RewardConfig, RewardTrainer  # noqa: E402
 from trl.trainer.reward_trainer import DataCollatorForPreference  # noqa: E402
 
 from jaxcolossal.config import config_from_dict  # noqa: E402
-from jaxcolossal.data.loader import PairLoader  # noqa: E402
 from jaxcolossal.data.preference import PreferenceData  # noqa: E402
 from jaxcolossal.models import get_family  # noqa: E402
 from jaxcolossal.models.hf_io import hf_tensors, load_hf  # noqa: E402
@@ -128,9 +128,7 @@ def _loader_metrics(rows, examples) -> dict:
     masks = np.zeros((PAIRS, T - 1), np.float32)
     data = PreferenceData(rows[0::2], rows[1::2], masks, masks, chosen_lengths=lengths["chosen"],
                           rejected_lengths=lengths["rejected"])
-    loader = PairLoader(data, batch_size=2 * PAIRS, seed=0)
-    loader._draws = lambda step: np.arange(PAIRS)
-    return loader.step_metrics(0)
+    return in_order_loader_metrics(data, PAIRS)
 
 
 def _rel(a, b):
