@@ -67,7 +67,10 @@ class Objective(Protocol):
     # Optional, read with getattr where used: ``headline_metrics`` (an ``objective`` evaluation's two
     # metrics in its log line), ``batches`` (the objective's own reading of its data format, in place of
     # :data:`jaxcolossal.data.formats.FORMATS`'), ``shard_reductions`` (statistics combined over the data
-    # shards by other than a sum), ``wants_shard_axis``, ``step_fields``.
+    # shards by other than a sum), ``wants_shard_axis``, ``step_fields``, ``reference_in_step`` (the frozen
+    # reference runs in the step: over a pipeline the step passes its hidden states as ``ref_hidden``).
+    # Over a pipeline (jaxcolossal.train.pipeline_objective) the call also gets ``hidden``: the policy's
+    # final-norm hidden states [b, t, d], which the objective's head reads in place of the model's forward.
 
     def __init__(self, family: Any, cfg: Config) -> None: ...
 
