@@ -45,10 +45,8 @@ def held_out(run: Run, state: Any) -> float:
     GRPO minus the mean reward of greedy completions of the held-out prompts (``val_reward``)."""
     evaluation = objective_class(run.cfg).evaluation
     if evaluation == "rollouts":
-        metrics = run.loader.evaluate(state)
+        metrics = run.loader.evaluate(state)  # its line is the caller's (eval_line: "held-out reward (greedy) X")
         run.write({"step": int(state.step), **metrics})
-        get_dist_logger().info(f"step {int(state.step)}: held-out reward (greedy) {metrics['val_reward']:.4f}",
-                               ranks=[0])
         return -metrics["val_reward"]
     if evaluation != "objective":
         return float(np.mean([float(run.eval_step(state.model_params, *batch)) for batch in run.evals]))
