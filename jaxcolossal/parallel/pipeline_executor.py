@@ -522,6 +522,27 @@ def _body(lay: _Layout) -> Callable:
     return body
 
 
+def _staged_inputs(lay: _Layout, mesh, params: dict, frozen: dict | None) -> tuple:
+    """``(layers, others, frozen layers, frozen others)`` as the executor's ``shard_map`` takes them: the
+    stacked layers ``[L, ...]`` viewed as ``[p, v, Lc, ...]`` on the staged specs, the other leaves as they
+    are (gathered over ``fsdp`` first when ZeRO-3 meets tp: ``gather_outside``); ``frozen``: LoRA's base, or
+    None."""
+    p, v = lay.sched.p, lay.sched.v
+
+    def put(a, s):
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
+
+    frozen = frozen or {"layers": {}}
+    layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), params["layers"], lay.lay_param_specs)
+    f_layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), frozen["layers"], lay.frozen_lay_specs)
+    others = {k: a for k, a in params.items() if k != "layers"}
+    f_others = {k: a for k, a in frozen.items() if k != "layers"}
+    if lay.gather_outside:
+        others = {k: put(a, lay.oth_param_specs[k]) for k, a in others.items()}
+        f_others = {k: put(a, lay.frozen_oth_specs[k]) for k, a in f_others.items()}
+    return layers, others, f_layers, f_others
+
+
 # ----------------------------------------------------------------------------- the forward of an objective
 
 
@@ -540,7 +561,6 @@ def make_pipeline_hidden(plan) -> Callable:
     is sharded over the data axes like ``inputs``, in the compute dtype. A dense model only (the config
     refuses a mixture of experts and ring attention here)."""
     lay, mesh = _layout(plan), plan.mesh
-    p, v = lay.sched.p, lay.sched.v
     data = tuple(a for a in DATA_AXES if plan.mesh_shape[a] > 1)
     batch = data if len(data) > 1 else data[0] if data else None
 
@@ -558,20 +578,9 @@ def make_pipeline_hidden(plan) -> Callable:
                   manual(lay.frozen_oth_specs), P(batch, None), P(batch, None)),
         out_specs=P(batch, None, None))
 
-    def put(a, s):
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
-
     def hidden(params, inputs, frozen=None, segment_ids=None, positions=None):
-        layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), params["layers"], lay.lay_param_specs)
-        others = {k: a for k, a in params.items() if k != "layers"}
-        frozen = frozen or {"layers": {}}
-        f_layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), frozen["layers"], lay.frozen_lay_specs)
-        f_others = {k: a for k, a in frozen.items() if k != "layers"}
-        if lay.gather_outside:
-            others = {k: put(a, lay.oth_param_specs[k]) for k, a in others.items()}
-            f_others = {k: put(a, lay.frozen_oth_specs[k]) for k, a in f_others.items()}
         rows = () if segment_ids is None else (segment_ids, positions)
-        return smap(layers, others, f_layers, f_others, inputs, rows)
+        return smap(*_staged_inputs(lay, mesh, params, frozen), inputs, rows)
 
     return hidden
 
@@ -594,7 +603,6 @@ def make_pipeline_grad_fn(plan) -> Callable:
         NotImplementedError: a loss mask or packed segments (the config refuses them first).
     """
     lay, mesh = _layout(plan), plan.mesh
-    p, v = lay.sched.p, lay.sched.v
 
     def manual(tree):
         return jax.tree.map(lambda s: _manual(s, lay.manual_axes), tree, is_leaf=lambda x: isinstance(x, P))
@@ -619,15 +627,8 @@ def make_pipeline_grad_fn(plan) -> Callable:
         coef = (scale / (B * t)).astype(jnp.float32)
         if lay.seq_ring:  # zig-zag order, so that the causal ring keeps every device busy (parallel.sequence)
             inputs, targets, *_ = zigzag_batch(inputs, targets, sp=lay.sp)
-        layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), params["layers"], lay.lay_param_specs)
-        others = {k: a for k, a in params.items() if k != "layers"}
-        frozen = frozen or {"layers": {}}  # LoRA's base (step: its dropout, refused with a pipeline)
-        f_layers = jax.tree.map(lambda a, s: put(_to_chunks(a, p, v), s), frozen["layers"], lay.frozen_lay_specs)
-        f_others = {k: a for k, a in frozen.items() if k != "layers"}
-        if lay.gather_outside:
-            others = {k: put(a, lay.oth_param_specs[k]) for k, a in others.items()}
-            f_others = {k: put(a, lay.frozen_oth_specs[k]) for k, a in f_others.items()}
-        loss_sum, g_layers, g_others = smap(layers, others, f_layers, f_others, inputs, targets, coef)
+        # LoRA's base beside the adapters (step: its dropout, refused with a pipeline)
+        loss_sum, g_layers, g_others = smap(*_staged_inputs(lay, mesh, params, frozen), inputs, targets, coef)
         g_layers = jax.tree.map(lambda g, s: put(_from_chunks(g), s), g_layers, lay.out_grad_specs["layers"])
         grads = jax.tree.map(lambda g: g / scale, {**g_others, "layers": g_layers})
         return loss_sum, grads
